@@ -1,0 +1,101 @@
+"""Compile artifacts: a directory holding a YAML manifest (the plan) and the graph IR dump.
+
+`compile` is a plan, not a copy of the weights: the manifest records the model's path and sha256 so that `run`
+can refuse a model file that changed since, the architecture, the target and device, a graph summary, the
+kernels with their schedule choices (none on the reference target) and the memory plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from polystrata import __version__
+from polystrata.engine import TARGETS, tensor_table
+from polystrata.errors import PolystrataError, UnsupportedError
+from polystrata.gguf import GGUFFile
+from polystrata.models import build_graph
+
+MANIFEST = "manifest.yaml"
+GRAPH_DUMP = "graph.ir"
+FORMAT_VERSION = 1
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 8 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def is_artifact(arg: str | os.PathLike) -> bool:
+    """Whether `arg` names a compile artifact directory."""
+    return (Path(arg) / MANIFEST).is_file()
+
+
+def write_artifact(model_path: Path, target: str, out: str | os.PathLike) -> Path:
+    """Plan `model_path` for `target` and write the artifact directory `out` atomically."""
+    if target not in TARGETS:
+        raise UnsupportedError(f"target '{target}' is not available (available: {', '.join(TARGETS)})")
+    out = Path(out)
+    if out.exists() and not is_artifact(out):
+        raise PolystrataError(f"{out} exists and is not a PolyStrata artifact; choose another -o")
+    with GGUFFile(model_path) as f:
+        tensors = tensor_table(f)
+        graph = build_graph(f.metadata, tensors, all_logits=False)
+        weight_bytes = sum(f.tensors[n].nbytes for n in graph.weights)
+        meta = dict(graph.meta)
+    n_ctx = min(int(meta["n_ctx_train"]), 4096)
+    kv_bytes = 4 * 2 * n_ctx * meta["n_layer"] * meta["n_head_kv"] * meta["head_dim"]
+    manifest: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "polystrata": __version__,
+        "model": {"path": str(model_path.resolve()), "sha256": file_sha256(model_path)},
+        "arch": graph.arch,
+        "target": {"name": target, "device": "host CPU (numpy float32)"},
+        "graph": {**graph.summary(), "hparams": meta},
+        "kernels": [],
+        "memory": {"weights_bytes": int(weight_bytes), "kv_type": "f32", "n_ctx": n_ctx, "kv_bytes": int(kv_bytes)},
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / MANIFEST).write_text(yaml.safe_dump(manifest, sort_keys=False))
+        (tmp / GRAPH_DUMP).write_text(graph.dump() + "\n")
+        old = None
+        if out.exists():
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def load_artifact(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check a manifest: known format, and the model file still the one that was compiled."""
+    p = Path(path) / MANIFEST
+    try:
+        m = yaml.safe_load(p.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise PolystrataError(f"cannot read artifact {path}: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT_VERSION:
+        raise PolystrataError(f"{p}: not an artifact of this PolyStrata version; compile the model again")
+    model = Path(m["model"]["path"])
+    if not model.is_file():
+        raise PolystrataError(f"{path}: the model {model} is gone; compile again")
+    if file_sha256(model) != m["model"]["sha256"]:
+        raise PolystrataError(f"{path}: the model {model} changed since it was compiled; compile again")
+    return m

@@ -1,0 +1,340 @@
+"""Command-line interface. Subcommand names, options and outputs are a contract other tools rely on.
+
+Errors print one line `error: ...` on stderr and exit 1 (2 for usage errors); `--debug` shows tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from polystrata.errors import PolystrataError
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with `error: ...` on one line and exit code 2, like the rest of the CLI."""
+
+    def error(self, message: str):  # noqa: D102 - argparse hook
+        self.print_usage(sys.stderr)
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    help_ = "GGUF file path or zoo name (smollm2-135m, gemma3-270m)"
+    if optional:
+        p.add_argument("model", nargs="?", help=help_ + "; default: smollm2-135m")
+    else:
+        p.add_argument("model", help=help_)
+
+
+def _target_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="reference", help="where kernels run (available now: reference)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    ap = _Parser(prog="polystrata", description="Compile and run GGUF language models on any accelerator.")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("pull", help="download a zoo model into the cache and print its path")
+    p.add_argument("name")
+
+    p = sub.add_parser("info", help="architecture, hyper-parameters, tensor types and sizes")
+    _model_arg(p)
+    p.add_argument("--tensors", action="store_true", help="list every tensor")
+
+    p = sub.add_parser("tokenize", help="print token ids as a JSON array")
+    _model_arg(p)
+    p.add_argument("--text", required=True)
+    p.add_argument("--no-add-special", action="store_true", help="do not add BOS/EOS")
+    p.add_argument("--parse-special", action="store_true", help="parse special-token text such as <|im_start|>")
+
+    p = sub.add_parser("score", help="one forward pass; write top-k logits per position to an .npz")
+    _model_arg(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text")
+    src.add_argument("--file", help="text file to score")
+    src.add_argument("--ids-file", help="JSON array of token ids, scored exactly")
+    p.add_argument("--top-k", type=int, default=40)
+    _target_arg(p)
+    p.add_argument("-o", "--output", required=True)
+
+    p = sub.add_parser("run", help="generate text; only the generated text goes to stdout")
+    _model_arg(p, optional=True)
+    p.add_argument("-p", "--prompt", default="Tell me a short story about a robot.")
+    p.add_argument("-n", "--n-predict", type=int, default=128)
+    p.add_argument("--temp", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    p.add_argument("--ctx", type=int, default=None, help="context length (default: min(trained, 4096))")
+    _target_arg(p)
+
+    p = sub.add_parser("compile", help="plan the model for a target and write an artifact")
+    _model_arg(p)
+    _target_arg(p)
+    p.add_argument("-o", "--output", required=True)
+
+    p = sub.add_parser("synth", help="write a random-weight model at a real shape")
+    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3"])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--type", default="Q8_0", help="weight format, e.g. Q4_K, Q8_0, F16, or the mix Q4_K_M")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    p.add_argument("-o", "--output", required=True)
+    return ap
+
+
+# --- commands ------------------------------------------------------------------------------------------------
+
+
+def _resolve(arg: str | None) -> Path:
+    from polystrata import zoo
+
+    return zoo.resolve_model(arg or zoo.DEFAULT_MODEL)
+
+
+def cmd_pull(a) -> int:
+    from polystrata import zoo
+
+    print(zoo.pull(a.name))
+    return 0
+
+
+def cmd_info(a) -> int:
+    from polystrata.engine import tensor_table
+    from polystrata.gguf import GGUFFile
+    from polystrata.models import model_hparams
+
+    path = _resolve(a.model)
+    with GGUFFile(path) as f:
+        md = f.metadata
+        print(f"file: {path} ({path.stat().st_size / 2**20:.1f} MiB, GGUF v{f.version})")
+        print(f"name: {md.get('general.name', '?')}")
+        hp = model_hparams(md, tensor_table(f))
+        print(f"architecture: {hp.arch}")
+        for k, v in vars(hp).items():
+            if k not in ("arch", "extra") and v not in (0, 0.0):
+                print(f"  {k}: {v}")
+        print(f"tokenizer: {md.get('tokenizer.ggml.model', '?')} (pre: {md.get('tokenizer.ggml.pre', '-')})")
+        by_type: dict[str, list[int]] = {}
+        for t in f.tensors.values():
+            n, b = by_type.setdefault(t.fmt.name, [0, 0])
+            by_type[t.fmt.name] = [n + 1, b + t.nbytes]
+        total = sum(b for _, b in by_type.values())
+        n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+        print(f"tensors: {len(f.tensors)}, {n_params / 1e6:.1f} M parameters, {total / 2**20:.1f} MiB")
+        for name, (n, b) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
+            print(f"  {name:8s} {n:5d} tensors {b / 2**20:10.1f} MiB")
+        if a.tensors:
+            for t in f.tensors.values():
+                print(f"  {t.name:40s} {t.fmt.name:7s} {str(t.shape):22s} {t.nbytes:>12d} B")
+    return 0
+
+
+def _load_tokenizer(path: Path):
+    from polystrata.gguf import GGUFFile
+    from polystrata.tokenizer import Tokenizer
+
+    with GGUFFile(path) as f:
+        return Tokenizer.from_metadata(f.metadata)
+
+
+def cmd_tokenize(a) -> int:
+    tok = _load_tokenizer(_resolve(a.model))
+    ids = tok.encode(a.text, add_special=not a.no_add_special, parse_special=a.parse_special)
+    print(json.dumps(ids))
+    return 0
+
+
+def _read_ids_file(path: str) -> list[int]:
+    try:
+        ids = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise PolystrataError(f"cannot read token ids from {path}: {e}") from None
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise PolystrataError(f"{path}: expected a non-empty JSON array of integer token ids")
+    return ids
+
+
+def top_k_scores(logits: np.ndarray, k: int) -> dict[str, np.ndarray]:
+    """The fixtures' schema: top-k ids and logits per position (largest first) and the log-sum-exp."""
+    l64 = logits.astype(np.float64)
+    k = min(k, logits.shape[1])
+    top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    order = np.argsort(-np.take_along_axis(logits, top, 1), axis=1, kind="stable")
+    top = np.take_along_axis(top, order, 1)
+    m = l64.max(axis=1, keepdims=True)
+    lse = (np.log(np.exp(l64 - m).sum(axis=1)) + m[:, 0]).astype(np.float32)
+    return {
+        "top_ids": top.astype(np.int32),
+        "top_logits": np.take_along_axis(logits, top, 1).astype(np.float32),
+        "logsumexp": lse,
+    }
+
+
+def _save_npz(path: str, **arrays: np.ndarray) -> None:
+    """Write an .npz atomically: a failed run leaves no half-written file."""
+    import os
+    import tempfile
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.savez_compressed(fh, **arrays)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def cmd_score(a) -> int:
+    from polystrata.engine import Engine
+
+    if a.top_k < 1:
+        raise PolystrataError("--top-k must be at least 1")
+    path = _resolve(a.model)
+    if a.ids_file:
+        ids = _read_ids_file(a.ids_file)
+    else:
+        try:
+            text = a.text if a.text is not None else Path(a.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise PolystrataError(f"cannot read {a.file}: {e}") from None
+        ids = None
+    eng = Engine(path, target=a.target, n_ctx=None)
+    if ids is None:
+        ids = eng.tokenizer.encode(text)
+    if len(ids) > eng.n_ctx:
+        eng = Engine(path, target=a.target, n_ctx=len(ids))
+    t0 = time.perf_counter()
+    logits = eng.score(ids)
+    dt = time.perf_counter() - t0
+    _save_npz(a.output, ids=np.asarray(ids, np.int32), **top_k_scores(logits, a.top_k))
+    print(f"scored {len(ids)} tokens in {dt:.2f} s -> {a.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_run(a) -> int:
+    from polystrata.artifact import is_artifact, load_artifact
+    from polystrata.chat import render_chat
+    from polystrata.engine import Engine, GenerationStats
+    from polystrata.sampling import Sampler, SamplerConfig
+
+    target = a.target
+    if a.model and is_artifact(a.model):
+        manifest = load_artifact(a.model)
+        path, target = Path(manifest["model"]["path"]), manifest["target"]["name"]
+    else:
+        path = _resolve(a.model)
+    if a.n_predict < 0:
+        raise PolystrataError("-n must be >= 0")
+    eng = Engine(path, target=target, n_ctx=a.ctx)
+    tok = eng.tokenizer
+    template = eng.metadata.get("tokenizer.chat_template")
+    if template and not a.raw:
+        text = render_chat(
+            template,
+            [{"role": "user", "content": a.prompt}],
+            add_generation_prompt=True,
+            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
+            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+        )
+        # The template already holds BOS where the model wants it; special-token text is meant literally.
+        ids = tok.encode(text, add_special=False, parse_special=True)
+        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+            ids = [tok.bos_id] + ids
+    else:
+        ids = tok.encode(a.prompt)
+    sampler = Sampler(
+        SamplerConfig(
+            temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+            repeat_penalty=a.repeat_penalty, seed=a.seed,
+        )
+    )
+    stats = GenerationStats()
+    stream = tok.stream()
+    out = sys.stdout
+    for t in eng.generate(ids, a.n_predict, sampler, stats):
+        piece = stream.feed(t)
+        if piece:
+            out.write(piece)
+            out.flush()
+    out.write(stream.flush())
+    out.write("\n")
+    out.flush()
+    print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_compile(a) -> int:
+    from polystrata.artifact import write_artifact
+
+    out = write_artifact(_resolve(a.model), a.target, a.output)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_synth(a) -> int:
+    from polystrata.synth import synth_model
+
+    out = synth_model(a.arch, a.output, preset=a.preset, qtype=a.type, seed=a.seed, n_layer=a.layers)
+    print(out)
+    return 0
+
+
+COMMANDS = {
+    "pull": cmd_pull,
+    "info": cmd_info,
+    "tokenize": cmd_tokenize,
+    "score": cmd_score,
+    "run": cmd_run,
+    "compile": cmd_compile,
+    "synth": cmd_synth,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `polystrata` command."""
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.cmd](args)
+    except PolystrataError as e:
+        if args.debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        return EXIT_ERROR
+    except MemoryError:
+        if args.debug:
+            raise
+        print("error: out of memory", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as e:
+        if args.debug:
+            raise
+        print(f"error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The engine: a loaded model on a target, with prefill in chunks, decode one token at a time, and scoring."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from polystrata.errors import PolystrataError, UnsupportedError
+from polystrata.gguf import GGUFFile
+from polystrata.ir.graph import Graph
+from polystrata.models import HParams, build_graph, model_hparams
+from polystrata.sampling import Sampler
+from polystrata.tokenizer import Tokenizer
+
+TARGETS = ("reference",)
+DEFAULT_CTX = 4096
+PREFILL_CHUNK = 256
+
+
+def tensor_table(f: GGUFFile) -> dict[str, tuple[tuple[int, ...], str]]:
+    """GGUF tensor name -> (numpy-order shape, format name): what the model builders read."""
+    return {name: (tuple(t.shape), t.fmt.name) for name, t in f.tensors.items()}
+
+
+@dataclass
+class GenerationStats:
+    """Token counts and wall times of one generation, for the speed line on stderr."""
+
+    n_prompt: int = 0
+    n_generated: int = 0
+    prompt_s: float = 0.0
+    decode_s: float = 0.0
+
+    def summary(self) -> str:
+        pp = self.n_prompt / self.prompt_s if self.prompt_s > 0 else 0.0
+        # The first generated token comes out of the prefill; decode speed counts the rest.
+        n_dec = max(self.n_generated - 1, 0)
+        tg = n_dec / self.decode_s if self.decode_s > 0 else 0.0
+        return (
+            f"prompt: {self.n_prompt} tokens, {pp:.1f} tok/s | "
+            f"decode: {self.n_generated} tokens, {tg:.1f} tok/s"
+        )
+
+
+class Engine:
+    """A model loaded for one target. `forward` keeps a KV cache; `reset` starts a new sequence."""
+
+    def __init__(self, model_path: str | Path, target: str = "reference", n_ctx: int | None = None):
+        if target not in TARGETS:
+            raise UnsupportedError(f"target '{target}' is not available (available: {', '.join(TARGETS)})")
+        self.path = Path(model_path)
+        self.file = GGUFFile(self.path)
+        self.metadata = self.file.metadata
+        tensors = tensor_table(self.file)
+        self.hparams: HParams = model_hparams(self.metadata, tensors)
+        self.tokenizer = Tokenizer.from_metadata(self.metadata)
+        self.graph_all: Graph = build_graph(self.metadata, tensors, all_logits=True)
+        self.graph_last: Graph = build_graph(self.metadata, tensors, all_logits=False)
+        self.n_ctx = n_ctx or min(self.hparams.n_ctx_train, DEFAULT_CTX)
+        self.target = target
+        self.executor = self._make_executor()
+
+    def _make_executor(self):
+        from polystrata.runtimes.reference import ReferenceExecutor
+
+        weights = {name: self.file.dequantize(name) for name in self.graph_all.weights}
+        return ReferenceExecutor(weights, self.n_ctx)
+
+    @property
+    def n_past(self) -> int:
+        return self.executor.n_past
+
+    def reset(self) -> None:
+        """Start a new sequence (the KV cache is reused, its contents ignored)."""
+        self.executor.reset()
+
+    def forward(self, ids: list[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """Feed tokens after those already in the cache; logits of every token, or of the last one only."""
+        ids = np.asarray(ids, dtype=np.int32)
+        if ids.size == 0:
+            raise PolystrataError("nothing to evaluate: the prompt has no tokens")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.hparams.n_vocab:
+            raise PolystrataError(f"token id out of range (vocabulary has {self.hparams.n_vocab} tokens)")
+        if self.n_past + len(ids) > self.n_ctx:
+            raise PolystrataError(
+                f"context length exceeded: {self.n_past + len(ids)} tokens > {self.n_ctx}; use a larger --ctx"
+            )
+        outs = []
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[start : start + PREFILL_CHUNK]
+            last_chunk = start + PREFILL_CHUNK >= len(ids)
+            if all_logits:
+                outs.append(self.executor.forward(self.graph_all, chunk))
+            else:
+                out = self.executor.forward(self.graph_last, chunk)
+                if last_chunk:
+                    outs.append(out)
+        return np.concatenate(outs, axis=0)
+
+    def score(self, ids: list[int]) -> np.ndarray:
+        """Logits [n, vocab] of one forward pass over `ids` from an empty context."""
+        self.reset()
+        return self.forward(ids, all_logits=True)
+
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampler: Sampler,
+        stats: GenerationStats | None = None,
+        stop: Callable[[int], bool] | None = None,
+    ) -> Iterator[int]:
+        """Yield up to `max_tokens` sampled tokens after the prompt, stopping at end-of-generation tokens."""
+        stats = stats if stats is not None else GenerationStats()
+        stop = stop or self.tokenizer.is_eog
+        self.reset()
+        history = list(prompt_ids)
+        t0 = time.perf_counter()
+        logits = self.forward(prompt_ids)[-1]
+        stats.n_prompt = len(prompt_ids)
+        stats.prompt_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(max_tokens):
+            tok = sampler.sample(logits, history)
+            if stop(tok):
+                break
+            stats.n_generated += 1
+            history.append(tok)
+            yield tok
+            if i + 1 == max_tokens or self.n_past >= self.n_ctx:
+                break
+            logits = self.forward([tok])[-1]
+            stats.decode_s = time.perf_counter() - t0

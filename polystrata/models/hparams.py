@@ -1,0 +1,99 @@
+"""Hyper-parameters of a model, read from GGUF metadata under the architecture's key prefix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from polystrata.errors import GGUFError
+
+
+@dataclass
+class HParams:
+    """What a model builder needs to know, with llama.cpp's defaults where the metadata is silent."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    head_dim_v: int
+    n_ff: int
+    n_vocab: int
+    n_ctx_train: int
+    rms_eps: float
+    rope_base: float
+    rope_dims: int
+    rope_freq_scale: float = 1.0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_expert: int = 0
+    n_ff_shared: int = 0
+    expert_weights_norm: bool = False
+    sliding_window: int = 0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class MetadataView:
+    """Typed access to `<arch>.<key>` metadata with clear errors for missing or ill-typed values."""
+
+    def __init__(self, metadata: dict[str, Any], arch: str):
+        self.md = metadata
+        self.arch = arch
+
+    def get(self, key: str, default: Any = None, *, kind: type = int, required: bool = False) -> Any:
+        full = f"{self.arch}.{key}"
+        if full not in self.md:
+            if required:
+                raise GGUFError(f"metadata key '{full}' is missing; the file is not a complete {self.arch} model")
+            return default
+        v = self.md[full]
+        if hasattr(v, "__len__") and not isinstance(v, str):
+            # Per-layer arrays (e.g. head counts): PolyStrata supports uniform layers only.
+            vals = {int(x) for x in v} if kind is int else {float(x) for x in v}
+            if len(vals) != 1:
+                raise GGUFError(f"metadata '{full}' varies per layer, which is not supported")
+            v = vals.pop()
+        try:
+            return kind(v)
+        except (TypeError, ValueError) as e:
+            raise GGUFError(f"metadata '{full}' has value {v!r}, expected {kind.__name__}") from e
+
+
+def read_hparams(metadata: dict[str, Any], arch: str, n_vocab: int) -> HParams:
+    """Read the common hyper-parameters; builders add their own from `MetadataView`."""
+    m = MetadataView(metadata, arch)
+    n_embd = m.get("embedding_length", required=True)
+    n_head = m.get("attention.head_count", required=True)
+    n_head_kv = m.get("attention.head_count_kv", n_head)
+    head_dim = m.get("attention.key_length", n_embd // n_head if n_head else 0)
+    if n_head <= 0 or n_head_kv <= 0 or head_dim <= 0 or n_head % n_head_kv:
+        raise GGUFError(f"{arch}: inconsistent head counts ({n_head} heads, {n_head_kv} kv heads)")
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
+    factor = m.get("rope.scaling.factor", 1.0, kind=float)
+    return HParams(
+        arch=arch,
+        n_layer=m.get("block_count", required=True),
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        head_dim_v=m.get("attention.value_length", head_dim),
+        n_ff=m.get("feed_forward_length", 0),
+        n_vocab=n_vocab,
+        n_ctx_train=m.get("context_length", 4096),
+        rms_eps=m.get("attention.layer_norm_rms_epsilon", 1e-6, kind=float),
+        rope_base=m.get("rope.freq_base", 10000.0, kind=float),
+        rope_dims=m.get("rope.dimension_count", head_dim),
+        rope_freq_scale=1.0 / factor if scaling == "linear" and factor > 0 else 1.0,
+        n_expert=m.get("expert_count", 0),
+        n_expert_used=m.get("expert_used_count", 0),
+        n_ff_expert=m.get("expert_feed_forward_length", 0),
+        n_ff_shared=m.get("expert_shared_feed_forward_length", 0),
+        sliding_window=m.get("attention.sliding_window", 0),
+        attn_softcap=m.get("attn_logit_softcapping", 0.0, kind=float),
+        final_softcap=m.get("final_logit_softcapping", 0.0, kind=float),
+    )
