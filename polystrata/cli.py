@@ -232,7 +232,6 @@ def cmd_score(a) -> int:
 
 def cmd_run(a) -> int:
     from polystrata.artifact import is_artifact, load_artifact
-    from polystrata.chat import render_chat
     from polystrata.engine import Engine, GenerationStats
     from polystrata.sampling import Sampler, SamplerConfig
 
@@ -248,12 +247,14 @@ def cmd_run(a) -> int:
     tok = eng.tokenizer
     template = eng.metadata.get("tokenizer.chat_template")
     if template and not a.raw:
+        from polystrata.chat import render_chat
+
         text = render_chat(
             template,
             [{"role": "user", "content": a.prompt}],
             add_generation_prompt=True,
-            bos_token=tok.token_text(tok.bos_id) if tok.bos_id is not None else "",
-            eos_token=tok.token_text(tok.eos_id) if tok.eos_id is not None else "",
+            bos_token=tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "",
+            eos_token=tok.id_to_token(tok.eos_id) if tok.eos_id is not None else "",
         )
         # The template already holds BOS where the model wants it; special-token text is meant literally.
         ids = tok.encode(text, add_special=False, parse_special=True)
