@@ -14,6 +14,7 @@ from polystrata import synth
 from polystrata.errors import UnsupportedError
 from polystrata.gguf import GGUFFile
 from polystrata.models import build_graph
+from polystrata.parity import Parity
 from polystrata.synth import ARCHES, MIXES, PRESETS, QTYPES, synth_model, synth_vocab, tensor_plan
 
 pytest.importorskip("polystrata.ir.quant", reason="polystrata.ir.quant is not available")
@@ -259,18 +260,6 @@ def test_llama_cpp_tokenizer_round_trip(tiny):
     assert llm.tokenize(b"<|im_start|>", add_bos=False, special=True) == [1022]
 
 
-def _kl_top40(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
-    """KL(p || q) per row over p's top-40 tokens (both renormalised there)."""
-    top = np.argsort(-p_logits, -1)[:, :40]
-    lp = np.take_along_axis(p_logits, top, -1).astype(np.float64)
-    lq = np.take_along_axis(q_logits, top, -1).astype(np.float64)
-    lp -= lp.max(-1, keepdims=True)
-    lq -= lq.max(-1, keepdims=True)
-    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
-    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
-    return (np.exp(lp) * (lp - lq)).sum(-1)
-
-
 @pytest.mark.llama_cpp
 @pytest.mark.parametrize("qtype,max_kl,min_top1", [("F32", 1e-4, 1.0), ("Q8_0", 0.01, 0.85)])
 @pytest.mark.parametrize("arch", ARCHES)
@@ -288,6 +277,7 @@ def test_llama_cpp_matches_reference(tiny, arch, qtype, max_kl, min_top1):
     llm = _llama(path, logits_all=True, type_k=0, type_v=0)
     llm.eval(IDS)
     lc = np.asarray(llm.scores[: len(IDS)])
-    kl = _kl_top40(ref, lc)
-    assert kl.mean() < max_kl, (arch, kl.mean(), kl.max())
-    assert (ref.argmax(-1) == lc.argmax(-1)).mean() >= min_top1, arch
+    top = np.argsort(-lc, axis=-1)[:, :40]
+    par = Parity()
+    par.add(top, np.take_along_axis(lc, top, -1), ref)
+    assert par.kl < max_kl and par.top1 >= min_top1, (arch, str(par))
