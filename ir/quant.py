@@ -50,6 +50,7 @@ from polystrata.errors import GGUFError, UnsupportedError
 
 INT_OPS = ("//", "%", ">>", "<<", "&", "|")
 ARITH_OPS = ("+", "-", "*")
+FLOAT_OPS = ("/",)  # used by kernel IR only; formats never divide
 CMP_OPS = ("<", "<=", "==", "!=")
 
 
@@ -83,6 +84,12 @@ class Expr:
 
     def __rmul__(self, o):
         return Bin("*", _e(o), self)
+
+    def __truediv__(self, o):
+        return Bin("/", self, _e(o))
+
+    def __rtruediv__(self, o):
+        return Bin("/", _e(o), self)
 
     def __floordiv__(self, o):
         return Bin("//", self, _e(o))
@@ -167,7 +174,7 @@ class Bin(Expr):
     b: Expr
 
     def __post_init__(self):
-        if self.op not in ARITH_OPS + INT_OPS + CMP_OPS:
+        if self.op not in ARITH_OPS + FLOAT_OPS + INT_OPS + CMP_OPS:
             raise ValueError(f"unknown operator {self.op!r}")
 
 

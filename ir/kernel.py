@@ -1,0 +1,455 @@
+"""Kernel IR: one target-neutral description of a compute kernel, rendered by every codegen target.
+
+Execution model (what a recipe writer may assume, and what every target must honour):
+
+* A kernel runs its `body` once per point of its `grid` (1 to 3 dims; grid variables `g0`, `g1`, `g2`). Grid
+  points are independent and may run in any order or in parallel. On a GPU each grid point is one work-group
+  of `lanes` work-items; on the CPU each grid point is one iteration of a parallel loop.
+* The body has **sequential semantics**: read it as if one thread ran it. Targets with lanes make that true:
+  - `LaneFor` loops are distributed over the lanes of the group (iterations must be independent);
+  - `Reduce` is split over the lanes, then combined (subgroup shuffles where the target has them, local memory
+    otherwise); its result is a *uniform* value that every lane sees;
+  - every other statement is *uniform*: all lanes compute it redundantly, so it may only depend on grid
+    variables, scalars, loads, uniform lets and `Reduce` results; a uniform `Store` is performed by lane 0;
+  - a target inserts a barrier after every `LaneFor` and every uniform store into a `LocalArray`, so data
+    written there is visible to whatever follows.
+* `LaneFor` and `Reduce` appear only at group level (not inside each other, nor inside `For`/`If` bodies whose
+  condition is not uniform). Inside them: `Let`, `Decl`, `Assign`, `Store`, `For`, `If`.
+
+Expressions reuse the quantization expression nodes (`Const`, `Var`, `Bin`, `Select`, `ToF32`) from
+`ir/quant.py` and add buffer loads, casts and calls. Calls are math functions and **intrinsics**; each intrinsic
+has a portable definition (`INTRINSICS`) that a target without a native instruction renders instead.
+
+Schedule knobs (`Kernel.knobs`) are the named choices a recipe made (lanes, rows per group, unroll, tile
+sizes, ...): the autotuner searches them, and compile manifests record them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from polystrata.ir.quant import Bin, Const, Expr, Select, ToF32, Var, _e
+
+# Element types of buffers and values. Arithmetic happens in i32 / u32 / f32; narrower types are storage.
+DTYPES = ("f32", "f16", "i32", "u32", "i16", "u16", "i8", "u8")
+DTYPE_BYTES = {"f32": 4, "f16": 2, "i32": 4, "u32": 4, "i16": 2, "u16": 2, "i8": 1, "u8": 1}
+
+# name -> (arity, result type or None for "same as the first argument", portable definition for targets
+# lacking a native form; None where every target has it natively).
+MATH = {
+    "exp": (1, "f32", None),
+    "tanh": (1, "f32", None),
+    "sqrt": (1, "f32", None),
+    "rsqrt": (1, "f32", "1.0f / sqrt(x)"),
+    "cos": (1, "f32", None),
+    "sin": (1, "f32", None),
+    "log": (1, "f32", None),
+    "pow": (2, "f32", None),
+    "abs": (1, None, None),
+    "max": (2, None, None),
+    "min": (2, None, None),
+}
+INTRINSICS = {
+    # f16 bits (u16 in an i32/u32) -> f32: sign, exponent and mantissa rebuilt bit by bit; exact.
+    "f16_bits_to_f32": (1, "f32", "bit manipulation (see codegen)"),
+    # f32 -> f16 bits, round to nearest even (KV cache stores).
+    "f32_to_f16_bits": (1, "u32", "bit manipulation (see codegen)"),
+    # Sum of the four products of the signed bytes of two packed i32 words, plus acc (CUDA __dp4a).
+    "dot4_i8": (3, "i32", "four byte extracts, multiplies and adds"),
+    # Little-endian u32 from 4 bytes at a byte offset of a u8 buffer (a wide load where aligned).
+    "load_u32": (2, "u32", "four byte loads, shifted and or-ed"),
+}
+REDUCE_OPS = ("+", "max")
+
+
+@dataclass(frozen=True)
+class Buf:
+    """A buffer parameter: pointer to `dtype` elements. `out` marks buffers the kernel writes."""
+
+    name: str
+    dtype: str
+    out: bool = False
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A scalar parameter (i32 or f32), passed by value at launch."""
+
+    name: str
+    dtype: str = "i32"
+
+
+Param = Buf | Scalar
+
+
+@dataclass(frozen=True)
+class Load(Expr):
+    """Element `index` of buffer or local array `buf` (read as its dtype, widened to i32/u32/f32)."""
+
+    buf: str
+    index: Expr
+
+    def __init__(self, buf: str, index: Expr | int):
+        object.__setattr__(self, "buf", buf)
+        object.__setattr__(self, "index", _e(index))
+
+
+@dataclass(frozen=True)
+class Cast(Expr):
+    """Conversion to `dtype` (i32, u32 or f32); float -> int truncates toward zero."""
+
+    dtype: str
+    a: Expr
+
+    def __init__(self, dtype: str, a: Expr | int | float):
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "a", _e(a))
+
+
+@dataclass(frozen=True)
+class Call(Expr):
+    """A math function or intrinsic from `MATH` / `INTRINSICS`."""
+
+    fn: str
+    args: tuple[Expr, ...]
+
+    def __init__(self, fn: str, *args: Expr | int | float):
+        if fn not in MATH and fn not in INTRINSICS:
+            raise ValueError(f"unknown function {fn!r}")
+        arity = (MATH.get(fn) or INTRINSICS[fn])[0]
+        if len(args) != arity:
+            raise ValueError(f"{fn} takes {arity} arguments, got {len(args)}")
+        object.__setattr__(self, "fn", fn)
+        object.__setattr__(self, "args", tuple(_e(a) for a in args))
+
+
+# --- statements ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Let:
+    """Bind `name` to `expr` (immutable) for the rest of the enclosing block."""
+
+    name: str
+    expr: Expr
+
+
+@dataclass(frozen=True)
+class Decl:
+    """Declare mutable variable `name` of `dtype` with an initial value."""
+
+    name: str
+    dtype: str
+    init: Expr
+
+
+@dataclass(frozen=True)
+class Assign:
+    """`name = expr` for a variable introduced by `Decl`."""
+
+    name: str
+    expr: Expr
+
+
+@dataclass(frozen=True)
+class Store:
+    """`buf[index] = value` (converted to the buffer's dtype; f16 buffers take the value's f16 bits as u32)."""
+
+    buf: str
+    index: Expr
+    value: Expr
+
+
+@dataclass(frozen=True)
+class For:
+    """Serial loop `for var in range(start, stop, step)`; `unroll` is a hint."""
+
+    var: str
+    start: Expr
+    stop: Expr
+    body: tuple
+    step: int = 1
+    unroll: int = 1
+
+
+@dataclass(frozen=True)
+class LaneFor:
+    """`for var in range(stop)` with iterations spread over the group's lanes (independent iterations)."""
+
+    var: str
+    stop: Expr
+    body: tuple
+
+
+@dataclass(frozen=True)
+class Reduce:
+    """`name = op over var in range(stop) of value`, after `body` (statements computing `value` per var)."""
+
+    name: str
+    op: str
+    var: str
+    stop: Expr
+    body: tuple
+    value: Expr
+
+
+@dataclass(frozen=True)
+class If:
+    """`if cond: then else: orelse`."""
+
+    cond: Expr
+    then: tuple
+    orelse: tuple = ()
+
+
+Stmt = Let | Decl | Assign | Store | For | LaneFor | Reduce | If
+
+
+@dataclass(frozen=True)
+class LocalArray:
+    """Scratch memory shared by the lanes of one group (OpenCL __local, CUDA __shared__)."""
+
+    name: str
+    dtype: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One kernel: parameters, grid, group size, local arrays, body, and the schedule knobs chosen."""
+
+    name: str
+    params: tuple[Param, ...]
+    grid: tuple[Expr, ...]
+    body: tuple
+    lanes: int = 1
+    local: tuple[LocalArray, ...] = ()
+    knobs: tuple[tuple[str, Any], ...] = ()
+    doc: str = ""
+
+    def __post_init__(self):
+        verify(self)
+
+    @property
+    def knob_dict(self) -> dict[str, Any]:
+        return dict(self.knobs)
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def dtype_of(self, buf: str) -> str:
+        """Element type of a buffer parameter or local array."""
+        for p in self.params:
+            if p.name == buf and isinstance(p, Buf):
+                return p.dtype
+        for a in self.local:
+            if a.name == buf:
+                return a.dtype
+        raise KeyError(buf)
+
+    def fingerprint(self) -> str:
+        """A stable hash of the whole description (for caches keyed by kernel)."""
+        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+
+
+GRID_VARS = ("g0", "g1", "g2")
+
+
+class KernelError(ValueError):
+    """A malformed kernel: a bug in a recipe."""
+
+
+def walk(body: tuple) -> Iterator[Stmt]:
+    """Every statement of `body`, nested ones included, in order."""
+    for s in body:
+        yield s
+        for sub in _children(s):
+            yield from walk(sub)
+
+
+def _children(s) -> tuple:
+    if isinstance(s, For | LaneFor | Reduce):
+        return (s.body,)
+    if isinstance(s, If):
+        return (s.then, s.orelse)
+    return ()
+
+
+def verify(k: Kernel) -> None:
+    """Check structure: known buffers and dtypes, grid rank, lanes, and where LaneFor/Reduce may appear."""
+    if not 1 <= len(k.grid) <= 3:
+        raise KernelError(f"{k.name}: grid must have 1 to 3 dims")
+    if k.lanes < 1:
+        raise KernelError(f"{k.name}: lanes must be >= 1")
+    names = [p.name for p in k.params] + [a.name for a in k.local]
+    if len(set(names)) != len(names):
+        raise KernelError(f"{k.name}: duplicate parameter or local array names")
+    for p in k.params:
+        if isinstance(p, Buf) and p.dtype not in DTYPES:
+            raise KernelError(f"{k.name}: buffer {p.name} has unknown dtype {p.dtype}")
+    bufs = {p.name for p in k.params if isinstance(p, Buf)} | {a.name for a in k.local}
+    outs = {p.name for p in k.params if isinstance(p, Buf) and p.out} | {a.name for a in k.local}
+
+    def check_group(body: tuple, top: bool) -> None:
+        for s in body:
+            if isinstance(s, LaneFor | Reduce):
+                if not top:
+                    raise KernelError(f"{k.name}: {type(s).__name__} over {s.var} must be at group level")
+                if isinstance(s, Reduce) and s.op not in REDUCE_OPS:
+                    raise KernelError(f"{k.name}: unknown reduction {s.op}")
+                check_group(s.body, False)
+            elif isinstance(s, For):
+                check_group(s.body, top)
+            elif isinstance(s, If):
+                check_group(s.then, top)
+                check_group(s.orelse, top)
+            if isinstance(s, Store):
+                if s.buf not in outs:
+                    raise KernelError(f"{k.name}: store to {s.buf}, which is not an output buffer or local array")
+            for e in _exprs(s):
+                for ld in _loads(e):
+                    if ld.buf not in bufs:
+                        raise KernelError(f"{k.name}: load from unknown buffer {ld.buf}")
+
+    check_group(k.body, True)
+
+
+def _exprs(s) -> tuple[Expr, ...]:
+    if isinstance(s, Let | Assign):
+        return (s.expr,)
+    if isinstance(s, Decl):
+        return (s.init,)
+    if isinstance(s, Store):
+        return (s.index, s.value)
+    if isinstance(s, For):
+        return (s.start, s.stop)
+    if isinstance(s, LaneFor):
+        return (s.stop,)
+    if isinstance(s, Reduce):
+        return (s.stop, s.value)
+    if isinstance(s, If):
+        return (s.cond,)
+    return ()
+
+
+def _loads(e: Expr) -> Iterator[Load]:
+    if isinstance(e, Load):
+        yield e
+    for v in vars(e).values() if hasattr(e, "__dict__") else _fields(e):
+        if isinstance(v, Expr):
+            yield from _loads(v)
+        elif isinstance(v, tuple):
+            for x in v:
+                if isinstance(x, Expr):
+                    yield from _loads(x)
+
+
+def _fields(e: Expr):
+    return [getattr(e, f) for f in getattr(e, "__dataclass_fields__", {})]
+
+
+def dump(k: Kernel) -> str:
+    """Readable text form of a kernel (for artifacts and debugging)."""
+    lines = [f"kernel {k.name}({', '.join(_pstr(p) for p in k.params)})"]
+    lines.append(f"  grid ({', '.join(expr_str(g) for g in k.grid)}) lanes {k.lanes}")
+    if k.knobs:
+        lines.append("  knobs " + ", ".join(f"{n}={v}" for n, v in k.knobs))
+    for a in k.local:
+        lines.append(f"  local {a.dtype} {a.name}[{a.size}]")
+    _dump_body(k.body, lines, 1)
+    return "\n".join(lines)
+
+
+def _pstr(p: Param) -> str:
+    if isinstance(p, Buf):
+        return f"{'out ' if p.out else ''}{p.dtype}* {p.name}"
+    return f"{p.dtype} {p.name}"
+
+
+def _dump_body(body: tuple, lines: list[str], depth: int) -> None:
+    pad = "  " * depth
+    for s in body:
+        if isinstance(s, Let):
+            lines.append(f"{pad}let {s.name} = {expr_str(s.expr)}")
+        elif isinstance(s, Decl):
+            lines.append(f"{pad}var {s.dtype} {s.name} = {expr_str(s.init)}")
+        elif isinstance(s, Assign):
+            lines.append(f"{pad}{s.name} = {expr_str(s.expr)}")
+        elif isinstance(s, Store):
+            lines.append(f"{pad}{s.buf}[{expr_str(s.index)}] = {expr_str(s.value)}")
+        elif isinstance(s, For):
+            lines.append(f"{pad}for {s.var} in {expr_str(s.start)}..{expr_str(s.stop)} step {s.step}:")
+            _dump_body(s.body, lines, depth + 1)
+        elif isinstance(s, LaneFor):
+            lines.append(f"{pad}lanes for {s.var} in 0..{expr_str(s.stop)}:")
+            _dump_body(s.body, lines, depth + 1)
+        elif isinstance(s, Reduce):
+            lines.append(f"{pad}{s.name} = reduce {s.op} over {s.var} in 0..{expr_str(s.stop)}:")
+            _dump_body(s.body, lines, depth + 1)
+            lines.append(f"{pad}  yield {expr_str(s.value)}")
+        elif isinstance(s, If):
+            lines.append(f"{pad}if {expr_str(s.cond)}:")
+            _dump_body(s.then, lines, depth + 1)
+            if s.orelse:
+                lines.append(f"{pad}else:")
+                _dump_body(s.orelse, lines, depth + 1)
+
+
+def expr_str(e: Expr) -> str:
+    """Infix text of an expression."""
+    if isinstance(e, Const):
+        return repr(e.value)
+    if isinstance(e, Var):
+        return e.name
+    if isinstance(e, Bin):
+        return f"({expr_str(e.a)} {e.op} {expr_str(e.b)})"
+    if isinstance(e, Select):
+        return f"({expr_str(e.cond)} ? {expr_str(e.a)} : {expr_str(e.b)})"
+    if isinstance(e, ToF32):
+        return f"f32({expr_str(e.a)})"
+    if isinstance(e, Cast):
+        return f"{e.dtype}({expr_str(e.a)})"
+    if isinstance(e, Load):
+        return f"{e.buf}[{expr_str(e.index)}]"
+    if isinstance(e, Call):
+        return f"{e.fn}({', '.join(expr_str(a) for a in e.args)})"
+    return repr(e)
+
+
+__all__ = [
+    "Assign", "Bin", "Buf", "Call", "Cast", "Const", "Decl", "For", "GRID_VARS", "If", "Kernel", "KernelError",
+    "LaneFor", "Let", "Load", "LocalArray", "Reduce", "Scalar", "Select", "Store", "ToF32", "Var", "dump",
+    "expr_str", "verify", "walk",
+]
+
+
+# --- launches: kernels bound to the buffers of a plan ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A kernel with its arguments bound, as the compiler's plan holds it.
+
+    `buffers` maps each `Buf` parameter to a plan buffer name (see `polystrata/compiler/plan.py`); `scalars`
+    maps each `Scalar` parameter to a constant or to a step symbol resolved at run time: "T" (tokens in this
+    step), "n_past" (tokens already in the KV cache), "n_kv" (n_past + T).
+    """
+
+    kernel: Kernel
+    buffers: tuple[tuple[str, str], ...]
+    scalars: tuple[tuple[str, int | float | str], ...] = ()
+
+    def __post_init__(self):
+        bound = {n for n, _ in self.buffers} | {n for n, _ in self.scalars}
+        want = {p.name for p in self.kernel.params}
+        if bound != want:
+            raise KernelError(f"{self.kernel.name}: launch binds {sorted(bound)}, kernel takes {sorted(want)}")
+
+
+STEP_SYMBOLS = ("T", "n_past", "n_kv")
