@@ -87,7 +87,7 @@ Param = Buf | Scalar
 
 @dataclass(frozen=True)
 class Load(Expr):
-    """Element `index` of buffer or local array `buf` (read as its dtype, widened to i32/u32/f32)."""
+    """Element `index` of buffer or local array `buf`, widened: integers to i32 (u32 stays u32), f16 to f32."""
 
     buf: str
     index: Expr
@@ -156,7 +156,7 @@ class Assign:
 
 @dataclass(frozen=True)
 class Store:
-    """`buf[index] = value` (converted to the buffer's dtype; f16 buffers take the value's f16 bits as u32)."""
+    """`buf[index] = value`, converted to the buffer's dtype (f32 -> f16 rounds to nearest even)."""
 
     buf: str
     index: Expr

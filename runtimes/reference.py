@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import numpy as np
+
 from polystrata.ir.graph import Graph, Node, Value
 
 OpImpl = Callable[["ReferenceExecutor", Node, list], np.ndarray]

@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 from plain_numpy import plain_moe_forward
-from polystrata.ir.graph import Graph, GraphError
-from polystrata.runtimes.reference import check_complete
 
 from polystrata.engine import Engine, tensor_table
 from polystrata.errors import GGUFError, UnsupportedError
 from polystrata.gguf import GGUFFile
+from polystrata.ir.graph import Graph, GraphError
 from polystrata.models import build_graph
 from polystrata.parity import Parity
+from polystrata.runtimes.reference import check_complete
 from polystrata.synth import synth_model
 
 # --- graph IR ------------------------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ import gguf
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GT
-from polystrata.ir import quant as Q
 
 from polystrata.errors import GGUFError, UnsupportedError
+from polystrata.ir import quant as Q
 
 DECODABLE = [f for f in Q.FORMATS.values() if f.value is not None]
 ALL = [*Q.FORMATS.values(), Q.Q8_G64]

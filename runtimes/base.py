@@ -1,0 +1,122 @@
+"""What every target runtime provides: device buffers, kernel compilation through a binary cache, launches.
+
+A target is one renderer (`codegen/<target>.py`: kernel IR -> source) and one runtime (`runtimes/<target>.py`:
+a `Runtime` subclass). The executor (`polystrata/compiler/executor.py`) drives any runtime through this
+interface only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polystrata.ir.kernel import Buf, Kernel, Scalar, expr_str
+from polystrata.ir.quant import Bin, Const, Expr, Var
+
+
+def cache_dir(target: str) -> Path:
+    """Where compiled kernels of `target` are kept: `$POLYSTRATA_HOME/kernels/<target>`."""
+    home = Path(os.environ.get("POLYSTRATA_HOME", Path.home() / ".cache" / "polystrata"))
+    d = home / "kernels" / target
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def cache_key(source: str, target: str, device: str, compiler: str) -> str:
+    """Binary-cache key: a hash of the source, target, device and compiler version."""
+    return hashlib.sha256("\0".join((source, target, device, compiler)).encode()).hexdigest()[:24]
+
+
+def eval_int(e: Expr, env: dict[str, int]) -> int:
+    """Evaluate an integer expression of scalars (grid sizes) on the host."""
+    if isinstance(e, Const):
+        return int(e.value)
+    if isinstance(e, Var):
+        return int(env[e.name])
+    if isinstance(e, Bin):
+        a, b = eval_int(e.a, env), eval_int(e.b, env)
+        ops = {"+": a + b, "-": a - b, "*": a * b}
+        if e.op in ops:
+            return ops[e.op]
+        if e.op == "//":
+            return a // b
+        if e.op == "%":
+            return a % b
+    raise ValueError(f"grid size {expr_str(e)} is not a host integer expression")
+
+
+class CompiledKernel:
+    """A kernel ready to launch on one runtime; `stats` counts cache hits for `compile`'s report."""
+
+    def __init__(self, kernel: Kernel, handle: Any, source: str, cached: bool):
+        self.kernel = kernel
+        self.handle = handle
+        self.source = source
+        self.cached = cached
+
+
+class Runtime(ABC):
+    """A device: buffers, compilation (with a binary cache) and launches."""
+
+    name: str = ""
+    device: str = ""
+    # Lanes per group that recipes should use on this device (1 on the CPU), and the subgroup (warp) width.
+    lanes: int = 1
+    subgroup: int = 1
+
+    def __init__(self) -> None:
+        self.cache_hits = 0
+        self.cache_misses = 0
+
+    @abstractmethod
+    def render(self, kernel: Kernel) -> str:
+        """Source of `kernel` for this target."""
+
+    @abstractmethod
+    def compile(self, kernel: Kernel) -> CompiledKernel:
+        """Compile (or fetch from the binary cache) one kernel."""
+
+    @abstractmethod
+    def alloc(self, shape: Sequence[int], dtype: str) -> Any:
+        """A device buffer of IR dtype `dtype`."""
+
+    @abstractmethod
+    def upload(self, array: np.ndarray) -> Any:
+        """A device buffer holding a copy of `array` (storage dtype as the IR expects)."""
+
+    @abstractmethod
+    def download(self, buf: Any, shape: Sequence[int], dtype: str) -> np.ndarray:
+        """Copy a device buffer back to the host."""
+
+    @abstractmethod
+    def write(self, buf: Any, array: np.ndarray) -> None:
+        """Overwrite a device buffer's leading bytes with `array` (inputs for one step)."""
+
+    @abstractmethod
+    def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
+        """Run `ck` on `grid` groups with `args` in the kernel's parameter order (buffers and scalars)."""
+
+    def sync(self) -> None:  # noqa: B027 - targets without queues have nothing to wait for
+        """Wait for queued work."""
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) bytes of device memory, where known."""
+        return None
+
+    def args_for(self, kernel: Kernel, buffers: dict[str, Any], scalars: dict[str, int | float]) -> list[Any]:
+        """Launch arguments in parameter order: buffer handles and scalars converted to their dtype."""
+        out: list[Any] = []
+        for p in kernel.params:
+            if isinstance(p, Buf):
+                out.append(buffers[p.name])
+            else:
+                assert isinstance(p, Scalar)
+                v = scalars[p.name]
+                out.append(np.float32(v) if p.dtype == "f32" else np.int32(v))
+        return out

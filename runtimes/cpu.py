@@ -1,0 +1,103 @@
+"""CPU runtime: kernels rendered to Numba source, compiled with `@njit(parallel=True)`; buffers are numpy arrays.
+
+Each kernel's source is written to the kernel cache under a name derived from the cache key (source, target,
+CPU, Numba version) and imported from there, so Numba's own on-disk cache of the machine code sits beside it:
+a second `compile` of the same model finds both and compiles nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import platform
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import numba
+import numpy as np
+
+from polystrata.codegen.cpu import NUMPY_DTYPES, render
+from polystrata.ir.kernel import Kernel
+from polystrata.runtimes.base import CompiledKernel, Runtime, cache_dir, cache_key
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class CPURuntime(Runtime):
+    """The host CPU through Numba."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.device = f"{_cpu_name()} ({os.cpu_count()} threads, numba {numba.__version__})"
+        self._compiled: dict[str, CompiledKernel] = {}
+
+    def render(self, kernel: Kernel) -> str:
+        return render(kernel)
+
+    def compile(self, kernel: Kernel) -> CompiledKernel:
+        source = render(kernel)
+        key = cache_key(source, self.name, self.device, f"numba {numba.__version__}")
+        if key in self._compiled:
+            return self._compiled[key]
+        path = cache_dir(self.name) / f"k_{key}.py"
+        # Numba keeps its machine code in __pycache__ beside the source, indexed by *.nbi files.
+        cached = path.exists() and any(path.parent.glob(f"__pycache__/k_{key}.*.nbi"))
+        if not path.exists():
+            # Atomic: a concurrent compile never imports a half-written file.
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(source)
+            os.replace(tmp, path)
+        spec = importlib.util.spec_from_file_location(f"polystrata_kernel_{key}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        fn = getattr(module, kernel.name)
+        ck = CompiledKernel(kernel, fn, source, cached)
+        if cached:
+            self.cache_hits += 1
+        else:
+            self.cache_misses += 1
+        self._compiled[key] = ck
+        return ck
+
+    def alloc(self, shape: Sequence[int], dtype: str) -> np.ndarray:
+        return np.zeros(tuple(shape), dtype=NUMPY_DTYPES[dtype]).reshape(-1)
+
+    def upload(self, array: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(array).reshape(-1).copy()
+
+    def download(self, buf: np.ndarray, shape: Sequence[int], dtype: str) -> np.ndarray:
+        n = int(np.prod(shape))
+        out = buf[:n].reshape(tuple(shape))
+        if dtype == "f16":
+            return out.view(np.float16).astype(np.float32)
+        return out.copy()
+
+    def write(self, buf: np.ndarray, array: np.ndarray) -> None:
+        flat = np.ascontiguousarray(array).reshape(-1)
+        buf[: flat.size] = flat
+
+    def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
+        if min(grid) <= 0:
+            return
+        ck.handle(*args, *grid)
+
+    def memory_info(self) -> tuple[int, int] | None:
+        try:
+            pages, avail = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_AVPHYS_PAGES")
+            size = os.sysconf("SC_PAGE_SIZE")
+            return avail * size, pages * size
+        except (ValueError, OSError):
+            return None
