@@ -17,13 +17,15 @@ from typing import Any
 import yaml
 
 from polystrata import __version__
-from polystrata.engine import TARGETS, tensor_table
-from polystrata.errors import PolystrataError, UnsupportedError
+from polystrata.engine import DEFAULT_CTX, tensor_table
+from polystrata.errors import PolystrataError
 from polystrata.gguf import GGUFFile
 from polystrata.models import build_graph
+from polystrata.targets import make_runtime, resolve_target
 
 MANIFEST = "manifest.yaml"
 GRAPH_DUMP = "graph.ir"
+KERNELS_DUMP = "kernels.ir"
 FORMAT_VERSION = 1
 
 
@@ -41,35 +43,68 @@ def is_artifact(arg: str | os.PathLike) -> bool:
     return (Path(arg) / MANIFEST).is_file()
 
 
-def write_artifact(model_path: Path, target: str, out: str | os.PathLike) -> Path:
-    """Plan `model_path` for `target` and write the artifact directory `out` atomically."""
-    if target not in TARGETS:
-        raise UnsupportedError(f"target '{target}' is not available (available: {', '.join(TARGETS)})")
+def write_artifact(model_path: Path, target: str, out: str | os.PathLike, kv_type: str = "f16") -> tuple[Path, str]:
+    """Plan `model_path` for `target`, compile its kernels (through the binary cache), and write the artifact
+    directory `out` atomically. Returns the path and a one-line report of the kernel cache."""
+    target = resolve_target(target)
     out = Path(out)
     if out.exists() and not is_artifact(out):
         raise PolystrataError(f"{out} exists and is not a PolyStrata artifact; choose another -o")
     with GGUFFile(model_path) as f:
         tensors = tensor_table(f)
-        graph = build_graph(f.metadata, tensors, all_logits=False)
-        weight_bytes = sum(f.tensors[n].nbytes for n in graph.weights)
-        meta = dict(graph.meta)
-    n_ctx = min(int(meta["n_ctx_train"]), 4096)
+        decode = build_graph(f.metadata, tensors, all_logits=False)
+        score = build_graph(f.metadata, tensors, all_logits=True)
+        weight_bytes = sum(f.tensors[n].nbytes for n in decode.weights)
+        meta = dict(decode.meta)
+        n_ctx = min(int(meta["n_ctx_train"]), DEFAULT_CTX)
+        kernels: list[dict[str, Any]] = []
+        sources: dict[str, str] = {}
+        kernel_ir = ""
+        report = "reference target: no kernels"
+        device = "host CPU (numpy float32)"
+        if target != "reference":
+            from polystrata.compiler import compile_plans
+
+            rt = make_runtime(target)
+            device = rt.device
+            plans = compile_plans(f, [decode, score], rt, n_ctx, kv_type)
+            for name, plan in (("decode", plans[id(decode)]), ("prefill", plans[id(score)])):
+                for entry in plan.kernel_summary():
+                    kernels.append({"plan": name, **entry})
+                kernel_ir += f"# plan: {name}\n" + plan.dump_kernels()
+                for la in plan.launches:
+                    ck = rt.compile(la.kernel)
+                    sources[f"{la.kernel.name}-{la.kernel.fingerprint()}"] = ck.source
+            total = rt.cache_hits + rt.cache_misses
+            report = (
+                f"{total} kernels: {rt.cache_hits} from the binary cache, {rt.cache_misses} compiled"
+                + (" (cache hit)" if rt.cache_misses == 0 else "")
+            )
     kv_bytes = 4 * 2 * n_ctx * meta["n_layer"] * meta["n_head_kv"] * meta["head_dim"]
     manifest: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "polystrata": __version__,
         "model": {"path": str(model_path.resolve()), "sha256": file_sha256(model_path)},
-        "arch": graph.arch,
-        "target": {"name": target, "device": "host CPU (numpy float32)"},
-        "graph": {**graph.summary(), "hparams": meta},
-        "kernels": [],
-        "memory": {"weights_bytes": int(weight_bytes), "kv_type": "f32", "n_ctx": n_ctx, "kv_bytes": int(kv_bytes)},
+        "arch": decode.arch,
+        "target": {"name": target, "device": device},
+        "graph": {**decode.summary(), "hparams": meta},
+        "kernels": kernels,
+        "memory": {
+            "weights_bytes": int(weight_bytes), "kv_type": kv_type if target != "reference" else "f32",
+            "n_ctx": n_ctx, "kv_bytes_f32": int(kv_bytes),
+        },
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         (tmp / MANIFEST).write_text(yaml.safe_dump(manifest, sort_keys=False))
-        (tmp / GRAPH_DUMP).write_text(graph.dump() + "\n")
+        (tmp / GRAPH_DUMP).write_text(decode.dump() + "\n")
+        if kernel_ir:
+            (tmp / KERNELS_DUMP).write_text(kernel_ir)
+            src = tmp / "src"
+            src.mkdir()
+            for name, text in sources.items():
+                (src / f"{name}.{_EXT.get(target, 'txt')}").write_text(text)
         old = None
         if out.exists():
             old = out.with_name(f".{out.name}.old")
@@ -81,7 +116,10 @@ def write_artifact(model_path: Path, target: str, out: str | os.PathLike) -> Pat
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+    return out, report
+
+
+_EXT = {"cpu": "py", "opencl": "cl", "cuda": "cu", "hip": "hip"}
 
 
 def load_artifact(path: str | os.PathLike) -> dict[str, Any]:

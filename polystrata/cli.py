@@ -37,7 +37,11 @@ def _model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
 
 
 def _target_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="reference", help="where kernels run (available now: reference)")
+    p.add_argument(
+        "--target", default="auto",
+        help="where kernels run: auto (a GPU if present, else cpu), cpu, opencl, or reference (numpy oracle)",
+    )
+    p.add_argument("--kv-type", default="f16", help="KV cache format: f16, q8_0, q8_g64 (kernel targets)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -204,7 +208,7 @@ def _save_npz(path: str, **arrays: np.ndarray) -> None:
 
 
 def cmd_score(a) -> int:
-    from polystrata.engine import Engine
+    from polystrata.engine import DEFAULT_CTX, Engine
 
     if a.top_k < 1:
         raise PolystrataError("--top-k must be at least 1")
@@ -217,11 +221,11 @@ def cmd_score(a) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise PolystrataError(f"cannot read {a.file}: {e}") from None
         ids = None
-    eng = Engine(path, target=a.target, n_ctx=None)
+    tok = _load_tokenizer(path)
     if ids is None:
-        ids = eng.tokenizer.encode(text)
-    if len(ids) > eng.n_ctx:
-        eng = Engine(path, target=a.target, n_ctx=len(ids))
+        ids = tok.encode(text)
+    # One pass over the whole text: the context must hold all of it, however long.
+    eng = Engine(path, target=a.target, n_ctx=max(len(ids), DEFAULT_CTX), kv_type=a.kv_type)
     t0 = time.perf_counter()
     logits = eng.score(ids)
     dt = time.perf_counter() - t0
@@ -235,15 +239,16 @@ def cmd_run(a) -> int:
     from polystrata.engine import Engine, GenerationStats
     from polystrata.sampling import Sampler, SamplerConfig
 
-    target = a.target
+    target, kv_type = a.target, a.kv_type
     if a.model and is_artifact(a.model):
         manifest = load_artifact(a.model)
         path, target = Path(manifest["model"]["path"]), manifest["target"]["name"]
+        kv_type = manifest["memory"]["kv_type"] if target != "reference" else kv_type
     else:
         path = _resolve(a.model)
     if a.n_predict < 0:
         raise PolystrataError("-n must be >= 0")
-    eng = Engine(path, target=target, n_ctx=a.ctx)
+    eng = Engine(path, target=target, n_ctx=a.ctx, kv_type=kv_type)
     tok = eng.tokenizer
     template = eng.metadata.get("tokenizer.chat_template")
     if template and not a.raw:
@@ -286,8 +291,8 @@ def cmd_run(a) -> int:
 def cmd_compile(a) -> int:
     from polystrata.artifact import write_artifact
 
-    out = write_artifact(_resolve(a.model), a.target, a.output)
-    print(f"wrote {out}", file=sys.stderr)
+    out, report = write_artifact(_resolve(a.model), a.target, a.output, kv_type=a.kv_type)
+    print(f"wrote {out}: {report}", file=sys.stderr)
     return 0
 
 

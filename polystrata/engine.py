@@ -9,16 +9,16 @@ from pathlib import Path
 
 import numpy as np
 
-from polystrata.errors import PolystrataError, UnsupportedError
+from polystrata.compiler import PREFILL_CHUNK
+from polystrata.errors import PolystrataError
 from polystrata.gguf import GGUFFile
 from polystrata.ir.graph import Graph
 from polystrata.models import HParams, build_graph, model_hparams
 from polystrata.sampling import Sampler
+from polystrata.targets import make_runtime, resolve_target
 from polystrata.tokenizer import Tokenizer
 
-TARGETS = ("reference",)
 DEFAULT_CTX = 4096
-PREFILL_CHUNK = 256
 
 
 def tensor_table(f: GGUFFile) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -49,9 +49,10 @@ class GenerationStats:
 class Engine:
     """A model loaded for one target. `forward` keeps a KV cache; `reset` starts a new sequence."""
 
-    def __init__(self, model_path: str | Path, target: str = "reference", n_ctx: int | None = None):
-        if target not in TARGETS:
-            raise UnsupportedError(f"target '{target}' is not available (available: {', '.join(TARGETS)})")
+    def __init__(
+        self, model_path: str | Path, target: str = "auto", n_ctx: int | None = None, kv_type: str = "f16"
+    ):
+        target = resolve_target(target)
         self.path = Path(model_path)
         self.file = GGUFFile(self.path)
         self.metadata = self.file.metadata
@@ -62,13 +63,22 @@ class Engine:
         self.graph_last: Graph = build_graph(self.metadata, tensors, all_logits=False)
         self.n_ctx = n_ctx or min(self.hparams.n_ctx_train, DEFAULT_CTX)
         self.target = target
+        self.kv_type = kv_type
+        self.runtime = None if target == "reference" else make_runtime(target)
+        self.device = self.runtime.device if self.runtime else "host CPU (numpy float32)"
         self.executor = self._make_executor()
 
     def _make_executor(self):
-        from polystrata.runtimes.reference import ReferenceExecutor
+        if self.runtime is None:
+            from polystrata.runtimes.reference import ReferenceExecutor
 
-        weights = {name: self.file.dequantize(name) for name in self.graph_all.weights}
-        return ReferenceExecutor(weights, self.n_ctx)
+            weights = {name: self.file.dequantize(name) for name in self.graph_all.weights}
+            return ReferenceExecutor(weights, self.n_ctx)
+        from polystrata.compiler import compile_plans
+        from polystrata.compiler.executor import PlanExecutor
+
+        plans = compile_plans(self.file, [self.graph_all, self.graph_last], self.runtime, self.n_ctx, self.kv_type)
+        return PlanExecutor(self.runtime, self.file, plans, self.n_ctx)
 
     @property
     def n_past(self) -> int:

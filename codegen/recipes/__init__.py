@@ -66,3 +66,12 @@ def register(recipe: Recipe) -> Recipe:
     """Add a recipe to `RECIPES` (each recipe module registers its own at import)."""
     RECIPES.append(recipe)
     return recipe
+
+
+def load_all() -> None:
+    """Import every recipe module of this package (each registers its recipes once, at import)."""
+    import importlib
+    import pkgutil
+
+    for mod in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{mod.name}")

@@ -1,0 +1,346 @@
+"""`polystrata bench`: prefill and decode speed of a model on a target, in the spirit of llama-bench.
+
+Prefill (pp) times one forward over `p` random tokens from an empty context; decode (tg) times `n` single-token
+forwards from an empty context, feeding back the argmax. Each shape is run once untimed first so JIT compilation
+and first-touch allocation are not measured. Decode is also put against the memory-bandwidth roofline: every
+decoded token must stream the weights of the decode graph from memory once.
+
+The `--json` keys are read by other tools (scripts/bench_vs_llamacpp.py among them): keep them stable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from polystrata.errors import PolystrataError
+
+BANDWIDTH_ENV = "POLYSTRATA_BANDWIDTH"
+
+# Read bandwidth in bytes/s of devices we know, matched by substring of the device description (case-insensitive).
+KNOWN_BANDWIDTH: dict[str, float] = {
+    "H200": 4.29e12,  # measured read bandwidth, not the 4.8 TB/s datasheet figure
+}
+
+# Targets that compute on the host CPU, whose memory bandwidth we can measure from here.
+HOST_TARGETS = ("reference", "cpu")
+
+_MEASURE_BYTES = 256 * 2**20
+_MEASURE_REPS = 4
+
+
+# --- machine ---------------------------------------------------------------------------------------------------
+
+
+def cpu_name() -> str:
+    """The CPU model name from /proc/cpuinfo, falling back to what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                # x86 says "model name"; some ARM kernels say "Model" or only "Hardware".
+                if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_threads() -> int:
+    """CPUs this process may run on (respects taskset/cgroup affinity, unlike os.cpu_count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def engine_threads(engine, target: str) -> int:
+    """Threads the engine computes with: what it says, else Numba's count for `cpu`, else the usable CPUs."""
+    n = getattr(engine, "n_threads", None)
+    if isinstance(n, int) and n > 0:
+        return n
+    if target == "cpu":
+        try:
+            import numba
+
+            return int(numba.get_num_threads())
+        except ImportError:
+            pass
+    return cpu_threads()
+
+
+def measure_cpu_bandwidth(nbytes: int = _MEASURE_BYTES, reps: int = _MEASURE_REPS, threads: int | None = None) -> float:
+    """Host memory read bandwidth in bytes/s: best of `reps` threaded numpy sums over an `nbytes` array.
+
+    numpy reductions release the GIL, so one slice per thread reads memory in parallel, as a multi-threaded
+    decode would. The array is far larger than any cache, so this measures DRAM, not cache.
+    """
+    threads = threads or cpu_threads()
+    a = np.ones(max(nbytes // 8, threads), dtype=np.float64)  # np.ones touches every page: no faults in the timing
+    chunks = np.array_split(a, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            list(ex.map(np.sum, chunks))
+            best = min(best, time.perf_counter() - t0)
+    return a.nbytes / best
+
+
+def describe_device(engine, target: str) -> str:
+    """What runs the model: the engine's own description, with the CPU model name added for host targets."""
+    dev = getattr(engine, "device", None)
+    if target not in HOST_TARGETS:
+        return str(dev) if dev else target
+    name = cpu_name()
+    if not dev or str(dev) == name:
+        return name
+    # The reference engine says only "host CPU (...)"; the hardware is what makes numbers comparable.
+    return str(dev) if name in str(dev) else f"{name}, {dev}"
+
+
+def resolve_bandwidth(device: str, is_host_cpu: bool, threads: int) -> tuple[float | None, str | None]:
+    """(bytes/s, where it came from): the env override, else the known-device table, else measured for a CPU."""
+    env = os.environ.get(BANDWIDTH_ENV)
+    if env:
+        try:
+            bw = float(env)
+        except ValueError:
+            bw = 0.0
+        if not bw > 0:
+            raise PolystrataError(f"{BANDWIDTH_ENV} must be a positive number of bytes/s, got '{env}'")
+        return bw, f"env {BANDWIDTH_ENV}"
+    for key, bw in KNOWN_BANDWIDTH.items():
+        if key.lower() in device.lower():
+            return bw, f"table ({key})"
+    if is_host_cpu:
+        mib = _MEASURE_BYTES // 2**20
+        return measure_cpu_bandwidth(threads=threads), f"measured (numpy sum over {mib} MiB, {threads} threads)"
+    return None, None
+
+
+# --- model -----------------------------------------------------------------------------------------------------
+
+
+def decode_bytes_per_token(engine) -> int:
+    """Weight bytes one decoded token reads: the weights of the decode graph, each once.
+
+    `graph_last.weights` is keyed by tensor name, so a tied embedding/output matrix is counted once: it is read
+    in full for the output projection, and the embedding lookup of the same tensor comes out of that.
+    """
+    tensors = engine.file.tensors
+    return sum(tensors[name].nbytes for name in engine.graph_last.weights)
+
+
+def _model_label(engine) -> str:
+    """llama-bench-like model column: architecture, parameter count and dominant weight format."""
+    by_fmt: dict[str, int] = {}
+    for t in engine.file.tensors.values():
+        by_fmt[t.fmt.name] = by_fmt.get(t.fmt.name, 0) + t.nbytes
+    fmt = max(by_fmt, key=by_fmt.get) if by_fmt else "?"
+    return f"{engine.hparams.arch} {_params(engine) / 1e6:.0f}M {fmt}"
+
+
+def _params(engine) -> int:
+    return sum(int(np.prod(t.shape)) for t in engine.file.tensors.values())
+
+
+# --- timing ----------------------------------------------------------------------------------------------------
+
+
+def _stats(n: int, rates: list[float]) -> dict:
+    """The pp/tg JSON entry: token count, mean and sample standard deviation of tok/s, and every repetition."""
+    return {
+        "n": n,
+        "tok_s_mean": statistics.fmean(rates),
+        "tok_s_sd": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+        "tok_s": rates,
+    }
+
+
+def _prefill_once(engine, ids: np.ndarray) -> float:
+    engine.reset()
+    t0 = time.perf_counter()
+    logits = engine.forward(ids)
+    np.asarray(logits)  # a lazy/asynchronous target must have finished before the clock stops
+    return time.perf_counter() - t0
+
+
+def _decode_once(engine, first: int, n: int) -> float:
+    engine.reset()
+    tok = first
+    t0 = time.perf_counter()
+    for _ in range(n):
+        # Feeding back the argmax makes each step depend on the previous one's logits, as real decoding does.
+        tok = int(np.argmax(engine.forward([tok])[-1]))
+    return time.perf_counter() - t0
+
+
+def run_bench(
+    model: str | os.PathLike[str],
+    target: str = "auto",
+    n_prompt: int = 512,
+    n_gen: int = 128,
+    repetitions: int = 3,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> dict:
+    """Benchmark `model` on `target`; returns the `--json` object (see the module docstring for its meaning)."""
+    from polystrata import zoo
+    from polystrata.engine import Engine
+
+    if n_prompt < 0 or n_gen < 0:
+        raise PolystrataError("-p and -n must be >= 0")
+    if n_prompt == 0 and n_gen == 0:
+        raise PolystrataError("nothing to measure: -p and -n are both 0")
+    if repetitions < 1:
+        raise PolystrataError("-r must be at least 1")
+    say = progress or (lambda _msg: None)
+
+    path = zoo.resolve_model(model)
+    # Every test starts from an empty context, so the cache only needs to hold the longest one.
+    engine = Engine(path, target=target, n_ctx=max(n_prompt, n_gen))
+    target = getattr(engine, "target", target)  # `auto` resolved to what actually runs
+    threads = engine_threads(engine, target)
+    device = describe_device(engine, target)
+    is_host_cpu = target in HOST_TARGETS
+
+    rng = np.random.default_rng(seed)
+    n_vocab = engine.hparams.n_vocab
+    result: dict = {
+        "model": str(path),
+        "model_label": _model_label(engine),
+        "model_size_bytes": sum(t.nbytes for t in engine.file.tensors.values()),
+        "n_params": _params(engine),
+        "target": target,
+        "device": device,
+        "n_threads": threads,
+        "repetitions": repetitions,
+        "seed": seed,
+        "pp": None,
+        "tg": None,
+    }
+
+    if n_prompt:
+        ids = rng.integers(0, n_vocab, size=n_prompt, dtype=np.int32)
+        say(f"pp{n_prompt}: warm-up")
+        _prefill_once(engine, ids)
+        rates = []
+        for i in range(repetitions):
+            rates.append(n_prompt / _prefill_once(engine, ids))
+            say(f"pp{n_prompt}: {i + 1}/{repetitions} {rates[-1]:.2f} tok/s")
+        result["pp"] = _stats(n_prompt, rates)
+
+    if n_gen:
+        first = int(rng.integers(0, n_vocab))
+        say(f"tg{n_gen}: warm-up")
+        _decode_once(engine, first, min(n_gen, 4))  # the shape-1 graph at a few cache lengths
+        rates = []
+        for i in range(repetitions):
+            rates.append(n_gen / _decode_once(engine, first, n_gen))
+            say(f"tg{n_gen}: {i + 1}/{repetitions} {rates[-1]:.2f} tok/s")
+        result["tg"] = _stats(n_gen, rates)
+
+    bpt = decode_bytes_per_token(engine)
+    bw, source = resolve_bandwidth(device, is_host_cpu, threads)
+    roof = None
+    if bw and result["tg"]:
+        roof = 100.0 * bpt * result["tg"]["tok_s_mean"] / bw
+    result.update(bytes_per_token=bpt, bandwidth_bytes_s=bw, bandwidth_source=source, roofline_pct=roof)
+    return result
+
+
+# --- output ----------------------------------------------------------------------------------------------------
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def format_table(r: dict) -> str:
+    """llama-bench-style markdown table, then the roofline line."""
+    head = ["model", "size", "params", "target", "device", "threads", "test", "t/s"]
+    rows = []
+    for test in ("pp", "tg"):
+        e = r[test]
+        if e is None:
+            continue
+        rows.append(
+            [
+                r["model_label"],
+                _mib(r["model_size_bytes"]),
+                f"{r['n_params'] / 1e6:.1f} M",
+                r["target"],
+                r["device"],
+                str(r["n_threads"] or "-"),
+                f"{test}{e['n']}",
+                f"{e['tok_s_mean']:.2f} ± {e['tok_s_sd']:.2f}",
+            ]
+        )
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    right = {1, 2, 5, 7}  # numbers right-aligned, as llama-bench does
+
+    def line(cells: list[str]) -> str:
+        return (
+            "| "
+            + " | ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            + " |"
+        )
+
+    sep = "| " + " | ".join("-" * (w - 1) + (":" if i in right else "-") for i, w in enumerate(widths)) + " |"
+    out = [line(head), sep, *(line(row) for row in rows), ""]
+    bw = r["bandwidth_bytes_s"]
+    mem = f"decode reads {_mib(r['bytes_per_token'])} of weights per token"
+    if bw:
+        mem += f"; memory bandwidth {bw / 1e9:.1f} GB/s, {r['bandwidth_source']}"
+        if r["roofline_pct"] is not None:
+            mem += f"; tg at {r['roofline_pct']:.1f}% of the bandwidth roofline"
+    else:
+        mem += f"; bandwidth of this device unknown (set {BANDWIDTH_ENV} in bytes/s for a roofline)"
+    out.append(mem)
+    return "\n".join(out)
+
+
+# --- CLI -------------------------------------------------------------------------------------------------------
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand and its options to `subparsers`; returns its parser."""
+    p = subparsers.add_parser("bench", help="prefill and decode speed (tok/s), like llama-bench")
+    p.add_argument("model", help="GGUF file path or zoo name (smollm2-135m, gemma3-270m)")
+    p.add_argument(
+        "--target",
+        default="auto",
+        help="where kernels run: auto (a GPU through OpenCL if present, else cpu), reference, cpu, opencl",
+    )
+    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill test tokens; 0 skips it")
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="decode test tokens; 0 skips it")
+    p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p
+
+
+def cmd_bench(a) -> int:
+    """Run `polystrata bench`: the table (or one JSON object) on stdout, progress on stderr."""
+    progress = None if a.json else (lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True))
+    r = run_bench(
+        a.model,
+        target=a.target,
+        n_prompt=a.n_prompt,
+        n_gen=a.n_gen,
+        repetitions=a.repetitions,
+        seed=a.seed,
+        progress=progress,
+    )
+    print(json.dumps(r) if a.json else format_table(r))
+    return 0

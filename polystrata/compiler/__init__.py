@@ -1,0 +1,30 @@
+"""The compiler: graph IR -> plan of kernel launches for a target (passes.py), and its executor (executor.py)."""
+
+from __future__ import annotations
+
+from polystrata.compiler.passes import build_plan
+from polystrata.compiler.plan import Plan
+from polystrata.errors import PolystrataError
+from polystrata.gguf import GGUFFile
+from polystrata.ir.graph import Graph
+from polystrata.ir.quant import KV_FORMATS
+from polystrata.runtimes.base import Runtime
+
+# Largest number of tokens one step processes; prefill runs in chunks of this many.
+PREFILL_CHUNK = 256
+
+
+def compile_plans(
+    file: GGUFFile, graphs: list[Graph], runtime: Runtime, n_ctx: int, kv_type: str = "f16"
+) -> dict[int, Plan]:
+    """Plans of `graphs` for `runtime`: id(graph) -> Plan."""
+    if kv_type not in KV_FORMATS:
+        raise PolystrataError(f"unknown KV cache type '{kv_type}' (known: {', '.join(KV_FORMATS)})")
+    formats = {name: t.fmt for name, t in file.tensors.items()}
+    kv = KV_FORMATS[kv_type]
+    return {
+        id(g): build_plan(g, formats, kv, n_ctx, PREFILL_CHUNK, runtime.lanes, runtime.subgroup) for g in graphs
+    }
+
+
+__all__ = ["PREFILL_CHUNK", "Plan", "build_plan", "compile_plans"]

@@ -1,0 +1,164 @@
+"""Graph passes: choose a recipe for each op (fusing chains a recipe covers), plan buffers, emit the plan.
+
+1. Matching: walk the nodes in order; at each node try the recipes whose pattern is longest first; a recipe
+   covering several consecutive nodes (norm + add, gate + up + activation) is a fusion. Reshapes cost nothing:
+   their output aliases their input's buffer.
+2. Buffer planning: every value gets a buffer sized for `t_max` tokens; a buffer whose last reader has run is
+   reused by a later value of the same dtype that fits (never by an output of the match that reads it).
+3. Lowering: each match's recipe turns its nodes into `Launch`es bound to plan buffer names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from polystrata.codegen.recipes import RECIPES, Recipe, RecipeContext, load_all
+from polystrata.compiler.plan import BufferSpec, Plan
+from polystrata.errors import UnsupportedError
+from polystrata.ir.graph import Graph, Node, Value
+from polystrata.ir.quant import QuantFormat, row_bytes
+
+
+@dataclass
+class Match:
+    """Consecutive nodes one recipe lowers together."""
+
+    recipe: Recipe
+    nodes: list[Node]
+
+
+def match_recipes(graph: Graph) -> list[Match | Node]:
+    """Recipe matches in order; reshape nodes stay as bare nodes (aliases, no kernel)."""
+    load_all()
+    by_len = sorted(RECIPES, key=lambda r: -len(r.pattern))
+    out: list[Match | Node] = []
+    nodes, i = graph.nodes, 0
+    while i < len(nodes):
+        if nodes[i].op == "reshape":
+            out.append(nodes[i])
+            i += 1
+            continue
+        for r in by_len:
+            chunk = nodes[i : i + len(r.pattern)]
+            if tuple(n.op for n in chunk) == r.pattern and (r.match is None or r.match(chunk)):
+                out.append(Match(r, list(chunk)))
+                i += len(chunk)
+                break
+        else:
+            raise UnsupportedError(f"no kernel recipe for op '{nodes[i].op}' (node %{nodes[i].output.name})")
+    return out
+
+
+def value_storage(v: Value, t_max: int) -> tuple[str, int]:
+    """(IR dtype, element count) of a value's buffer at `t_max` tokens."""
+    dims = [t_max if d == "T" else int(d) for d in v.type.shape]
+    if v.type.dtype == "route":
+        # Expert ids and weights per (token, slot): see the router recipe for the layout.
+        return "i32", 2 * math.prod(dims)
+    return "f32", math.prod(dims)
+
+
+def build_plan(
+    graph: Graph,
+    weight_formats: dict[str, QuantFormat],
+    kv_format: QuantFormat,
+    n_ctx: int,
+    t_max: int,
+    lanes: int,
+    subgroup: int,
+    knobs: dict | None = None,
+) -> Plan:
+    """Compile `graph` into a plan for a target with `lanes` work-items per group."""
+    items = match_recipes(graph)
+    # Aliases: a reshape's output lives in its input's buffer.
+    root: dict[int, Value] = {}
+
+    def rootof(v: Value) -> Value:
+        return root.get(id(v), v)
+
+    for it in items:
+        if isinstance(it, Node):
+            root[id(it.output)] = rootof(it.inputs[0])
+    # Last match index reading each root value; graph outputs live to the end.
+    last: dict[int, int] = {}
+    for idx, it in enumerate(items):
+        for n in [it] if isinstance(it, Node) else it.nodes:
+            for v in n.inputs:
+                if v.weight is None:
+                    last[id(rootof(v))] = idx
+    for v in graph.outputs:
+        last[id(rootof(v))] = len(items)
+
+    buffers: dict[str, BufferSpec] = {}
+    names: dict[int, str] = {}
+    free: list[str] = []
+    t_in = graph.inputs
+    for v, name in zip(t_in, ("tokens", "positions")):
+        names[id(v)] = name
+        buffers[name] = BufferSpec(name, "i32", t_max, "input")
+    for tensor, v in graph.weights.items():
+        fmt = weight_formats[tensor]
+        n = math.prod(int(d) for d in v.type.shape)
+        buffers[tensor] = (
+            BufferSpec(tensor, "f32", n, "weight")
+            if fmt.name == "F32"
+            else BufferSpec(tensor, "u8", n // fmt.block_size * fmt.block_bytes, "weight")
+        )
+    for n in graph.nodes:
+        if n.op == "attention":
+            _, hkv, d = n.inputs[1].type.shape
+            dv = n.inputs[2].type.shape[2]
+            layer = n.attrs["layer"]
+            for kind, width in (("k", d), ("v", dv)):
+                name = f"kv.{layer}.{kind}"
+                buffers[name] = BufferSpec(name, "u8", n_ctx * hkv * row_bytes(kv_format, width), "kv")
+
+    def assign(v: Value) -> None:
+        dtype, count = value_storage(v, t_max)
+        fits = [b for b in free if buffers[b].dtype == dtype and buffers[b].count >= count]
+        if fits:
+            best = min(fits, key=lambda b: buffers[b].count)
+            free.remove(best)
+            names[id(v)] = best
+        else:
+            name = f"act.{len([b for b in buffers.values() if b.kind == 'activation'])}"
+            buffers[name] = BufferSpec(name, dtype, count, "activation")
+            names[id(v)] = name
+
+    ctx = RecipeContext(
+        lanes=lanes, subgroup=subgroup, kv_format=kv_format, n_ctx=n_ctx, buffer_names=names,
+        weight_formats=weight_formats, knobs=knobs or {},
+    )
+    launches = []
+    recipes_used = []
+    for idx, it in enumerate(items):
+        if isinstance(it, Node):
+            names[id(it.output)] = names[id(rootof(it.inputs[0]))]
+            continue
+        for n in it.nodes:
+            assign(n.output)
+        launches.extend(it.recipe.lower(it.nodes, ctx))
+        recipes_used.append((it.recipe.name, tuple(n.output.name for n in it.nodes)))
+        # Release buffers whose last reader was this match (and outputs nobody reads).
+        for n in it.nodes:
+            for v in [*n.inputs, n.output]:
+                r = rootof(v)
+                if v.weight is None and id(r) in names and last.get(id(r), idx) <= idx:
+                    b = names[id(r)]
+                    if buffers[b].kind == "activation" and b not in free and not _live_elsewhere(b, names, last, idx):
+                        free.append(b)
+    out = graph.outputs[0]
+    return Plan(
+        launches=launches,
+        buffers=buffers,
+        output=names[id(rootof(out))],
+        output_shape=tuple(out.type.shape),
+        t_max=t_max,
+        recipes=recipes_used,
+    )
+
+
+def _live_elsewhere(buf: str, names: dict[int, str], last: dict[int, int], idx: int) -> bool:
+    """Whether another value sharing `buf` is still read after match `idx`."""
+    return any(b == buf and last.get(vid, -1) > idx for vid, b in names.items())

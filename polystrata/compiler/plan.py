@@ -1,0 +1,53 @@
+"""The compiled plan of one graph: buffers, launches, and what `compile` records about them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from polystrata.ir.kernel import Launch, dump
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A plan buffer: `count` elements of IR dtype `dtype` (sized for the largest step, `t_max` tokens)."""
+
+    name: str
+    dtype: str
+    count: int
+    kind: str  # "activation", "input", "weight", "kv"
+
+
+@dataclass
+class Plan:
+    """Launches in execution order over named buffers; `output` is the buffer holding the logits."""
+
+    launches: list[Launch]
+    buffers: dict[str, BufferSpec]
+    output: str
+    output_shape: tuple[Any, ...]  # ("T" or 1, vocab)
+    t_max: int
+    aliases: dict[str, str] = field(default_factory=dict)  # graph value buffer -> buffer it shares (reshapes)
+    recipes: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # (recipe, node names) per match
+
+    def kernel_summary(self) -> list[dict[str, Any]]:
+        """One entry per distinct kernel: name, grid, lanes, knobs and how many launches use it."""
+        seen: dict[str, dict[str, Any]] = {}
+        for la in self.launches:
+            k = la.kernel
+            key = k.fingerprint()
+            if key in seen:
+                seen[key]["launches"] += 1
+                continue
+            seen[key] = {"name": k.name, "lanes": k.lanes, "knobs": dict(k.knobs), "launches": 1, "id": key}
+        return list(seen.values())
+
+    def dump_kernels(self) -> str:
+        """The kernel IR of every distinct kernel, for the artifact."""
+        out, done = [], set()
+        for la in self.launches:
+            key = la.kernel.fingerprint()
+            if key not in done:
+                done.add(key)
+                out.append(dump(la.kernel))
+        return "\n\n".join(out) + "\n"
