@@ -72,8 +72,7 @@ class Engine:
         if self.runtime is None:
             from polystrata.runtimes.reference import ReferenceExecutor
 
-            weights = {name: self.file.dequantize(name) for name in self.graph_all.weights}
-            return ReferenceExecutor(weights, self.n_ctx)
+            return ReferenceExecutor.from_file(self.file, self.graph_all, self.n_ctx)
         from polystrata.compiler import compile_plans
         from polystrata.compiler.executor import PlanExecutor
 

@@ -44,6 +44,7 @@ import numpy as np
 
 from polystrata.errors import UnsupportedError
 from polystrata.gguf import write_gguf
+from polystrata.tokenizer import gpt2_byte_chars
 
 __all__ = [
     "ARCHES",
@@ -168,22 +169,6 @@ _GPT2_SPLIT = re.compile(r"'(?:[sdmt]|ll|ve|re)| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-
 
 
 @functools.cache
-def _byte_to_unicode() -> tuple[str, ...]:
-    """GPT-2's reversible byte -> printable character map (bytes that print as themselves keep their
-    character; the others map to 256 + n in order)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out = {}
-    extra = 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return tuple(out[b] for b in range(256))
-
-
-@functools.cache
 def synth_vocab(n_vocab: int) -> tuple[tuple[str, ...], tuple[int, ...], tuple[str, ...]]:
     """A deterministic GPT-2 style byte-level BPE vocabulary of exactly `n_vocab` tokens.
 
@@ -195,7 +180,7 @@ def synth_vocab(n_vocab: int) -> tuple[tuple[str, ...], tuple[int, ...], tuple[s
     n_merges = n_vocab - 256 - len(SPECIAL_TOKENS)
     if n_merges < 0:
         raise UnsupportedError(f"a vocabulary needs at least {256 + len(SPECIAL_TOKENS)} tokens, got {n_vocab}")
-    b2u = _byte_to_unicode()
+    b2u = gpt2_byte_chars()
     tokens: list[str] = list(b2u)
     known = set(tokens) | set(SPECIAL_TOKENS)
     merges: list[str] = []

@@ -87,7 +87,7 @@ _FIM_EOG_TEXTS = (
 )
 
 
-def _gpt2_byte_chars() -> list[str]:
+def gpt2_byte_chars() -> list[str]:
     """GPT-2's reversible byte -> printable unicode char table (bytes that print stay themselves)."""
     keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     table: list[str] = [""] * 256
@@ -101,7 +101,7 @@ def _gpt2_byte_chars() -> list[str]:
     return table
 
 
-_BYTE_CHARS = _gpt2_byte_chars()
+_BYTE_CHARS = gpt2_byte_chars()
 # bytes.decode("latin-1").translate(_BYTE_ENCODE) maps raw bytes to their GPT-2 chars in one C-level pass.
 _BYTE_ENCODE = {b: c for b, c in enumerate(_BYTE_CHARS)}
 _BYTE_DECODE = {c: b for b, c in enumerate(_BYTE_CHARS)}

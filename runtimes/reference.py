@@ -83,6 +83,12 @@ class ReferenceExecutor:
         self.kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.n_past = 0
 
+    @classmethod
+    def from_file(cls, file, graph: Graph, n_ctx: int) -> ReferenceExecutor:
+        """Dequantize the weights `graph` uses from a GGUFFile, in the shapes the graph declares."""
+        weights = {name: file.dequantize(name).reshape(v.type.shape) for name, v in graph.weights.items()}
+        return cls(weights, n_ctx)
+
     def reset(self) -> None:
         """Forget the conversation: the next forward starts at position 0."""
         self.n_past = 0

@@ -73,7 +73,7 @@ def test_missing_tensor_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_reference_parity_with_llama_cpp(model, request, fixtures_dir):
     path = request.getfixturevalue(f"{model}_path")
-    eng = Engine(path)
+    eng = Engine(path, target="reference")
     parity = Parity()
     for name in json.loads((fixtures_dir / "prompts.json").read_text()):
         ref = np.load(fixtures_dir / model / f"{name}.npz")
@@ -90,7 +90,7 @@ def test_chunked_prefill_and_decode_match_one_pass(smollm2_path):
     """Prompt in chunks, then token by token, gives the logits of a single pass over everything."""
     import polystrata.engine as engine_mod
 
-    eng = Engine(smollm2_path)
+    eng = Engine(smollm2_path, target="reference")
     ids = eng.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
     full = eng.score(ids)
     old = engine_mod.PREFILL_CHUNK
@@ -117,7 +117,7 @@ def test_moe_matches_plain_numpy(arch, qtype, tmp_path):
         want = plain_moe_forward(f, ids)
         if arch == "qwen2moe":
             assert "blk.0.ffn_gate_inp_shexp.weight" in f.tensors
-    eng = Engine(path)
+    eng = Engine(path, target="reference")
     got = eng.score(ids)
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
     # Decoding the last token after the others reproduces the last row.

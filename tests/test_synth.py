@@ -202,7 +202,7 @@ def test_reference_forward_finite_and_routing_varies(tiny):
     for arch in ARCHES:
         with GGUFFile(tiny(arch, "Q8_0")) as f:
             g = build_graph(f.metadata, _table(f))
-            ex = ReferenceExecutor({n: f.dequantize(n) for n in g.weights}, 64)
+            ex = ReferenceExecutor.from_file(f, g, 64)
             logits = ex.forward(g, np.array(IDS))
             assert logits.shape == (len(IDS), 1024) and np.isfinite(logits).all(), arch
             assert 0.5 < logits.std() < 10, arch
@@ -273,7 +273,7 @@ def test_llama_cpp_matches_reference(tiny, arch, qtype, max_kl, min_top1):
     path = tiny(arch, qtype)
     with GGUFFile(path) as f:
         g = build_graph(f.metadata, _table(f))
-        ref = ReferenceExecutor({n: f.dequantize(n) for n in g.weights}, 64).forward(g, np.array(IDS))
+        ref = ReferenceExecutor.from_file(f, g, 64).forward(g, np.array(IDS))
     llm = _llama(path, logits_all=True, type_k=0, type_v=0)
     llm.eval(IDS)
     lc = np.asarray(llm.scores[: len(IDS)])

@@ -28,14 +28,15 @@ class Builder:
         """Whether the file has tensor `name`."""
         return name in self.tensors
 
-    def w(self, name: str, shape: tuple[int, ...]) -> Value:
-        """The weight `name`, checked against the shape the architecture implies."""
+    def w(self, name: str, shape: tuple[int, ...], view: tuple[int, ...] | None = None) -> Value:
+        """The weight `name`, checked against the shape the architecture implies; `view` declares it in the
+        graph with another shape of the same size (a vector used as a one-row matrix)."""
         if name not in self.tensors:
             raise GGUFError(f"tensor '{name}' is missing; the file is not a complete {self.hp.arch} model")
         got, fmt = self.tensors[name]
         if tuple(got) != tuple(shape):
             raise GGUFError(f"tensor '{name}' has shape {tuple(got)}, expected {tuple(shape)} for {self.hp.arch}")
-        return self.g.weight(name, fmt, shape)
+        return self.g.weight(name, fmt, view or shape)
 
     def opt_w(self, name: str, shape: tuple[int, ...]) -> Value | None:
         """The weight `name` if the file has it (biases, norms some variants lack)."""
