@@ -78,13 +78,14 @@ def engine_threads(engine, target: str) -> int:
     return cpu_threads()
 
 
-def measure_cpu_bandwidth(nbytes: int = _MEASURE_BYTES, reps: int = _MEASURE_REPS, threads: int | None = None) -> float:
+def measure_cpu_bandwidth(nbytes: int | None = None, reps: int = _MEASURE_REPS, threads: int | None = None) -> float:
     """Host memory read bandwidth in bytes/s: best of `reps` threaded numpy sums over an `nbytes` array.
 
     numpy reductions release the GIL, so one slice per thread reads memory in parallel, as a multi-threaded
     decode would. The array is far larger than any cache, so this measures DRAM, not cache.
     """
     threads = threads or cpu_threads()
+    nbytes = nbytes or _MEASURE_BYTES
     a = np.ones(max(nbytes // 8, threads), dtype=np.float64)  # np.ones touches every page: no faults in the timing
     chunks = np.array_split(a, threads)
     best = float("inf")
@@ -132,13 +133,22 @@ def resolve_bandwidth(device: str, is_host_cpu: bool, threads: int) -> tuple[flo
 
 
 def decode_bytes_per_token(engine) -> int:
-    """Weight bytes one decoded token reads: the weights of the decode graph, each once.
-
-    `graph_last.weights` is keyed by tensor name, so a tied embedding/output matrix is counted once: it is read
-    in full for the output projection, and the embedding lookup of the same tensor comes out of that.
-    """
+    """Weight bytes one decoded token must read: every decode weight once, except that an embedding table that
+    is not also the output matrix contributes one row (a gather), and routed expert tensors contribute the
+    share of experts a token uses (k of n)."""
     tensors = engine.file.tensors
-    return sum(tensors[name].nbytes for name in engine.graph_last.weights)
+    hp = engine.hparams
+    tied = "output.weight" not in tensors
+    total = 0
+    for name in engine.graph_last.weights:
+        t = tensors[name]
+        if name == "token_embd.weight" and not tied:
+            total += t.nbytes // t.shape[0]
+        elif "_exps." in name and hp.n_expert:
+            total += t.nbytes * hp.n_expert_used // hp.n_expert
+        else:
+            total += t.nbytes
+    return total
 
 
 def _model_label(engine) -> str:

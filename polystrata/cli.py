@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     _target_arg(p)
     p.add_argument("-o", "--output", required=True)
 
+    from polystrata.bench import add_bench_parser
+
+    add_bench_parser(sub)
+
     p = sub.add_parser("synth", help="write a random-weight model at a real shape")
     p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3"])
     p.add_argument("--preset", default="tiny")
@@ -304,7 +308,14 @@ def cmd_synth(a) -> int:
     return 0
 
 
+def cmd_bench(a) -> int:
+    from polystrata.bench import cmd_bench as run
+
+    return run(a)
+
+
 COMMANDS = {
+    "bench": cmd_bench,
     "pull": cmd_pull,
     "info": cmd_info,
     "tokenize": cmd_tokenize,

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""PolyStrata vs llama.cpp, side by side in one run on one machine: prefill (pp) and decode (tg) tok/s.
+
+PolyStrata is measured by `polystrata.bench.run_bench` (what `polystrata bench --json` prints); llama.cpp through
+llama-cpp-python with the same thread count and n_batch 512, timed like llama-bench: pp is one eval of p tokens,
+tg is n single-token evals from an empty context. Both see the same seeded random token ids, get one untimed
+warm-up pass per shape, and are repeated r times (mean ± sd). Run by hand, not by CI:
+
+    python scripts/bench_vs_llamacpp.py [MODEL] [--target cpu] [-p 512] [-n 128] [-r 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from polystrata import bench, zoo
+from polystrata.errors import PolystrataError
+
+
+def _available_targets() -> tuple[str, ...]:
+    """Target names this checkout knows, wherever the list lives at the moment."""
+    try:
+        from polystrata.targets import TARGETS
+    except ImportError:
+        from polystrata.engine import TARGETS
+    return tuple(TARGETS)
+
+
+def _llamacpp_bench(path, n_prompt: int, n_gen: int, reps: int, threads: int, seed: int) -> dict:
+    """llama.cpp numbers through llama-cpp-python, in the same shape as PolyStrata's pp/tg entries."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as e:
+        raise PolystrataError(f"llama-cpp-python is not installed ({e}); pip install llama-cpp-python") from None
+
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=max(n_prompt, n_gen, 1) + 8,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        logits_all=False,
+        verbose=False,
+    )
+    n_vocab = llm.n_vocab()
+    # The same draws as run_bench with the same seed: pp ids first, then the first decode token.
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, n_vocab, size=n_prompt, dtype=np.int32).tolist() if n_prompt else []
+    first = int(rng.integers(0, n_vocab))
+
+    def prefill() -> float:
+        llm.reset()  # eval() drops the KV cells past n_tokens, so this empties the context
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        return time.perf_counter() - t0
+
+    def decode(n: int) -> float:
+        llm.reset()
+        tok = first
+        t0 = time.perf_counter()
+        for _ in range(n):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))  # same feedback as PolyStrata's decode loop
+        return time.perf_counter() - t0
+
+    out: dict = {"pp": None, "tg": None, "version": _llamacpp_version()}
+    if n_prompt:
+        prefill()
+        rates = [n_prompt / prefill() for _ in range(reps)]
+        out["pp"] = _entry(n_prompt, rates)
+    if n_gen:
+        decode(min(n_gen, 4))
+        rates = [n_gen / decode(n_gen) for _ in range(reps)]
+        out["tg"] = _entry(n_gen, rates)
+    if hasattr(llm, "close"):  # frees the model now rather than at interpreter exit
+        llm.close()
+    return out
+
+
+def _llamacpp_version() -> str:
+    try:
+        import llama_cpp
+
+        return getattr(llama_cpp, "__version__", "?")
+    except ImportError:
+        return "?"
+
+
+def _entry(n: int, rates: list[float]) -> dict:
+    return {
+        "n": n,
+        "tok_s_mean": statistics.fmean(rates),
+        "tok_s_sd": statistics.stdev(rates) if len(rates) > 1 else 0.0,
+        "tok_s": rates,
+    }
+
+
+def _fmt(e: dict | None) -> str:
+    return "-" if e is None else f"{e['tok_s_mean']:.2f} ± {e['tok_s_sd']:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both engines and print the comparison; returns the exit status."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", default=zoo.DEFAULT_MODEL, help="GGUF path or zoo name (default: %(default)s)")
+    ap.add_argument("--target", default="cpu", help="PolyStrata target (default: cpu; reference works everywhere)")
+    ap.add_argument("-p", "--n-prompt", type=int, default=512)
+    ap.add_argument("-n", "--n-gen", type=int, default=128)
+    ap.add_argument("-r", "--repetitions", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    a = ap.parse_args(argv)
+
+    known = _available_targets()
+    if a.target not in known:
+        print(
+            f"error: PolyStrata target '{a.target}' is not available in this checkout yet "
+            f"(available: {', '.join(known)}); try --target reference",
+            file=sys.stderr,
+        )
+        return 2
+    say = None if a.json else (lambda msg: print(f"polystrata {msg}", file=sys.stderr, flush=True))
+    try:
+        path = zoo.resolve_model(a.model)
+        try:
+            ps = bench.run_bench(path, a.target, a.n_prompt, a.n_gen, a.repetitions, a.seed, progress=say)
+        except PolystrataError as e:
+            # A target listed but not working yet (kernels still being written) fails at load or first run.
+            print(f"error: PolyStrata target '{a.target}' cannot run this model yet: {e}", file=sys.stderr)
+            return 1
+        if not a.json:
+            print(f"llama.cpp: {ps['n_threads']} threads, n_batch 512 ...", file=sys.stderr, flush=True)
+        lc = _llamacpp_bench(path, a.n_prompt, a.n_gen, a.repetitions, ps["n_threads"], a.seed)
+    except PolystrataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+    ratio = {t: (ps[t]["tok_s_mean"] / lc[t]["tok_s_mean"] if ps[t] and lc[t] else None) for t in ("pp", "tg")}
+    machine = {"cpu": bench.cpu_name(), "threads": ps["n_threads"]}
+    if a.json:
+        print(json.dumps({"model": str(path), "machine": machine, "polystrata": ps, "llamacpp": lc, "ratio": ratio}))
+        return 0
+
+    print(f"model:   {path.name} ({ps['model_label']})")
+    print(f"machine: {machine['cpu']}, {machine['threads']} threads")
+    print(f"polystrata: target {ps['target']} on {ps['device']}; llama.cpp: llama-cpp-python {lc['version']}")
+    print()
+    rows = [("test", "polystrata t/s", "llama.cpp t/s", "ratio")]
+    for t in ("pp", "tg"):
+        if ps[t] is None:
+            continue
+        r = ratio[t]
+        rows.append((f"{t}{ps[t]['n']}", _fmt(ps[t]), _fmt(lc[t]), "-" if r is None else f"{r:.3f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for j, row in enumerate(rows):
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            print("  ".join("-" * w for w in widths))
+    print()
+    print("ratio = PolyStrata / llama.cpp (higher is better for PolyStrata)")
+    if ps["roofline_pct"] is not None:
+        print(f"polystrata tg at {ps['roofline_pct']:.1f}% of the roofline ({ps['bandwidth_source']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

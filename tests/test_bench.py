@@ -1,0 +1,125 @@
+"""`polystrata bench` on a tiny synthetic model and the reference target: JSON keys, values and the table."""
+
+import argparse
+import json
+
+import pytest
+
+from polystrata import bench
+from polystrata.bench import add_bench_parser, cmd_bench
+from polystrata.engine import tensor_table
+from polystrata.errors import PolystrataError
+from polystrata.gguf import GGUFFile
+from polystrata.models import build_graph
+from polystrata.synth import synth_model
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return synth_model("llama", tmp_path_factory.mktemp("bench") / "m.gguf", preset="tiny", qtype="Q8_0")
+
+
+@pytest.fixture(autouse=True)
+def _known_bandwidth(monkeypatch):
+    # A fixed bandwidth keeps the tests fast (no 256 MiB measurement) and the roofline checkable.
+    monkeypatch.setenv(bench.BANDWIDTH_ENV, "1e11")
+
+
+def _run(capsys, *argv: str) -> str:
+    ap = argparse.ArgumentParser()
+    add_bench_parser(ap.add_subparsers(dest="cmd"))
+    assert cmd_bench(ap.parse_args(["bench", *argv])) == 0
+    return capsys.readouterr().out
+
+
+def _decode_weight_bytes(path) -> int:
+    """Independently of the engine: every decode weight once, one row of an untied embedding table, and k of n
+    experts of each routed expert tensor."""
+    with GGUFFile(path) as f:
+        graph = build_graph(f.metadata, tensor_table(f), all_logits=False)
+        arch = f.metadata["general.architecture"]
+        k, n = f.metadata.get(f"{arch}.expert_used_count", 1), f.metadata.get(f"{arch}.expert_count", 1)
+        total = 0
+        for name in set(graph.weights):
+            t = f.tensors[name]
+            if name == "token_embd.weight" and "output.weight" in f.tensors:
+                total += t.nbytes // t.shape[0]
+            elif name.endswith("_exps.weight"):
+                total += t.nbytes * k // n
+            else:
+                total += t.nbytes
+        return total
+
+
+def test_moe_bytes_count_only_the_routed_experts(tmp_path, capsys):
+    path = synth_model("qwen3moe", tmp_path / "moe.gguf", preset="tiny", qtype="Q8_0")
+    r = json.loads(_run(capsys, str(path), "--target", "reference", "-p", "0", "-n", "2", "-r", "1", "--json"))
+    with GGUFFile(path) as f:
+        full = sum(f.tensors[n].nbytes for n in f.tensors)
+    assert r["bytes_per_token"] == _decode_weight_bytes(path) < full
+
+
+def test_json_keys_and_values(tiny_model, capsys):
+    out = _run(capsys, str(tiny_model), "--target", "reference", "-p", "16", "-n", "4", "-r", "2", "--json")
+    r = json.loads(out)  # exactly one JSON object on stdout
+    for key in (
+        "model", "target", "device", "pp", "tg", "bytes_per_token", "roofline_pct",
+        "bandwidth_bytes_s", "bandwidth_source", "repetitions", "n_threads",
+    ):  # fmt: skip
+        assert key in r, key
+    assert r["model"] == str(tiny_model)
+    assert r["target"] == "reference"
+    assert isinstance(r["device"], str) and r["device"]
+    assert r["repetitions"] == 2 and r["n_threads"] >= 1
+    for test, n in (("pp", 16), ("tg", 4)):
+        e = r[test]
+        assert e["n"] == n
+        assert e["tok_s_mean"] > 0 and e["tok_s_sd"] >= 0
+        assert len(e["tok_s"]) == 2 and all(x > 0 for x in e["tok_s"])
+    assert r["bytes_per_token"] == _decode_weight_bytes(tiny_model) > 0
+    assert r["bandwidth_bytes_s"] == 1e11 and bench.BANDWIDTH_ENV in r["bandwidth_source"]
+    expected = 100 * r["bytes_per_token"] * r["tg"]["tok_s_mean"] / 1e11
+    assert r["roofline_pct"] == pytest.approx(expected)
+
+
+def test_skip_prefill(tiny_model, capsys):
+    r = json.loads(_run(capsys, str(tiny_model), "--target", "reference", "-p", "0", "-n", "2", "-r", "1", "--json"))
+    assert r["pp"] is None
+    assert r["tg"]["n"] == 2 and r["tg"]["tok_s_sd"] == 0.0
+
+
+def test_skip_decode_has_no_roofline(tiny_model, capsys):
+    r = json.loads(_run(capsys, str(tiny_model), "--target", "reference", "-p", "4", "-n", "0", "-r", "1", "--json"))
+    assert r["tg"] is None and r["roofline_pct"] is None
+    assert r["pp"]["n"] == 4
+
+
+def test_human_table(tiny_model, capsys):
+    out = _run(capsys, str(tiny_model), "--target", "reference", "-p", "8", "-n", "3", "-r", "1")
+    assert "pp8" in out and "tg3" in out
+    assert "| model" in out and "t/s" in out and "reference" in out
+    assert "roofline" in out
+
+
+def test_measured_bandwidth_is_labelled(monkeypatch):
+    monkeypatch.delenv(bench.BANDWIDTH_ENV)
+    monkeypatch.setattr(bench, "_MEASURE_BYTES", 8 * 2**20)
+    bw, source = bench.resolve_bandwidth("Some CPU", is_host_cpu=True, threads=1)
+    assert bw > 0 and source.startswith("measured")
+    assert bench.resolve_bandwidth("NVIDIA H200", is_host_cpu=False, threads=1) == (4.29e12, "table (H200)")
+    assert bench.resolve_bandwidth("mystery GPU", is_host_cpu=False, threads=1) == (None, None)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["-p", "0", "-n", "0"], ["-r", "0"], ["-n", "-1"]],
+)
+def test_bad_options(tiny_model, capsys, argv):
+    with pytest.raises(PolystrataError):
+        _run(capsys, str(tiny_model), "--target", "reference", *argv)
+
+
+def test_bad_bandwidth_env(monkeypatch):
+    monkeypatch.setenv(bench.BANDWIDTH_ENV, "fast")
+    with pytest.raises(PolystrataError):
+        bench.resolve_bandwidth("x", is_host_cpu=False, threads=1)
