@@ -54,7 +54,23 @@ def f16_bits_to_f32(h):
 
 @njit(inline="always", cache=True)
 def f32_to_f16_bits(x):
-    return np.int64(np.float16(x).view(np.uint16))
+    # Round to nearest even, from the exact float64 value of x (Numba has no float16 type).
+    x = float(x)
+    if x != x:
+        return 0x7E00
+    s = 0x8000 if math.copysign(1.0, x) < 0 else 0
+    a = abs(x)
+    if a >= 65520.0:
+        return s | 0x7C00
+    if a < 6.103515625e-05:
+        return s | np.int64(np.rint(a * 16777216.0))
+    f, e = math.frexp(a)
+    m = np.int64(np.rint((f * 2.0 - 1.0) * 1024.0))
+    e = e - 1 + 15
+    if m == 1024:
+        m = 0
+        e += 1
+    return s | (e << 10) | m
 
 @njit(inline="always", cache=True)
 def dot4_i8(a, b, acc):

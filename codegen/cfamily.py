@@ -1,0 +1,615 @@
+"""One printer for C-family kernel languages (OpenCL C, CUDA C++, HIP): kernel IR -> source text.
+
+`CPrinter` renders every IR construct and the lane mapping of `ir/kernel.py`'s execution model:
+
+* `LaneFor v < n` -> `for (int v = lid; v < n; v += LANES)`, then a barrier;
+* `Reduce` -> a per-lane partial over the same strided loop, then a group combine: the target's subgroup
+  reduction when it has one and `lanes` equals the subgroup width, else a tree in local memory whose result
+  every lane reads back;
+* uniform statements run on every lane; a uniform `Store` is done by lane 0 and, into a local array (or a
+  global buffer the kernel reads back), followed by a barrier.
+
+A target subclasses `CPrinter` and overrides only what differs: type names, qualifiers, ids, the barrier, f16
+conversions, bit casts, subgroup reductions, the kernel signature, native replacements of intrinsics.
+Arithmetic is int / uint / float only (never double), mirroring the IR's i32 / u32 / f32.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+
+from polystrata.ir.kernel import (
+    INTRINSICS,
+    MATH,
+    Assign,
+    Bin,
+    Buf,
+    Call,
+    Cast,
+    Const,
+    Decl,
+    For,
+    If,
+    Kernel,
+    KernelError,
+    LaneFor,
+    Let,
+    Load,
+    Reduce,
+    Scalar,
+    Select,
+    Store,
+    ToF32,
+    Var,
+    walk,
+)
+from polystrata.ir.quant import TABLES, Table
+
+# Value types of expressions: "i" (int), "u" (unsigned int), "f" (float).
+_VALUE_TYPE = {"f32": "f", "f16": "f", "u32": "u"}
+_CMP = ("<", "<=", "==", "!=")
+
+# Portable C definitions of the intrinsics. `{fn}` is the function qualifier, `{f2u}` / `{u2f}` the target's
+# bit casts float <-> uint. All of them are exact (bit-for-bit equal to numpy).
+_PORTABLE = {
+    "f16_bits_to_f32": """\
+{fn} float ps_f16_bits_to_f32(uint x) {{
+    uint h = x & 0xFFFFu, s = (h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0u) return {u2f}({f2u}((float)m * 5.9604644775390625e-08f) | s);  /* zero, subnormal: m * 2^-24 */
+    if (e == 31u) return {u2f}(s | 0x7F800000u | (m << 13));  /* inf, nan (payload kept) */
+    return {u2f}(s | ((e + 112u) << 23) | (m << 13));
+}}
+""",
+    "f32_to_f16_bits": """\
+{fn} uint ps_f32_to_f16_bits(float f) {{
+    uint x = {f2u}(f), sign = (x >> 16) & 0x8000u, ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) {{  /* nan: keep the top payload bits, stay a nan */
+        uint r = 0x7C00u | ((ax & 0x7FFFFFu) >> 13);
+        return sign | (r == 0x7C00u ? 0x7C01u : r);
+    }}
+    if (ax >= 0x477FF000u) return sign | 0x7C00u;  /* >= 65520 rounds to inf */
+    if (ax < 0x38800000u) {{  /* below 2^-14: f16 subnormal or zero */
+        if (ax < 0x33000000u) return sign;
+        uint sh = 126u - (ax >> 23), m = (ax & 0x7FFFFFu) | 0x800000u;
+        uint r = m >> sh, rem = m & ((1u << sh) - 1u), hb = 1u << (sh - 1u);
+        return sign | (r + ((rem > hb || (rem == hb && (r & 1u))) ? 1u : 0u));
+    }}
+    uint r = (ax >> 13) - (112u << 10), rem = ax & 0x1FFFu;  /* rebias exponent, keep 10 mantissa bits */
+    return sign | (r + ((rem > 0x1000u || (rem == 0x1000u && (r & 1u))) ? 1u : 0u));
+}}
+""",
+    "dot4_i8": """\
+{fn} int ps_dot4_i8(uint a, uint b, int acc) {{
+    for (uint k = 0u; k < 4u; k++)  /* sign-extend byte k of each word by shifting it to the top */
+        acc += ((int)(a << (24u - 8u * k)) >> 24) * ((int)(b << (24u - 8u * k)) >> 24);
+    return acc;
+}}
+""",
+    # A macro, so it works on a buffer in any address space.
+    "load_u32": """\
+#define ps_load_u32(p, i) ((uint)(p)[(i)] | ((uint)(p)[(i) + 1] << 8) | ((uint)(p)[(i) + 2] << 16) \\
+    | ((uint)(p)[(i) + 3] << 24))
+""",
+}
+
+
+class CPrinter:
+    """Renders one `Kernel` as C-family source; subclasses supply the target's spellings."""
+
+    # IR dtype -> C type (storage types for buffers; int/uint/float for values).
+    ctypes = {"f32": "float", "f16": "unsigned short", "i32": "int", "u32": "unsigned int", "i16": "short",
+              "u16": "unsigned short", "i8": "signed char", "u8": "unsigned char"}
+    func_qualifier = "static inline"
+    const_array_qualifier = "static const"
+    # Float math: IR name -> C function (float versions).
+    float_math = {"exp": "expf", "tanh": "tanhf", "sqrt": "sqrtf", "cos": "cosf", "sin": "sinf", "log": "logf",
+                  "pow": "powf", "abs": "fabsf", "max": "fmaxf", "min": "fminf"}
+    # Intrinsics the target renders natively: name -> format string over the rendered arguments.
+    native_intrinsics: dict[str, str] = {}
+
+    def __init__(self, kernel: Kernel, subgroups: bool = False):
+        self.k = kernel
+        self.lanes = kernel.lanes
+        # The subgroup combine is only valid when one subgroup is the whole group.
+        self.subgroups = subgroups
+        self.lines: list[str] = []
+        self.scopes: list[dict[str, tuple[str, str]]] = [{}]
+        self.used_intrinsics: set[str] = set()
+        self.tables: set[str] = set()
+        self.counter = 0
+        self.last_barrier = False
+        self.local_names = {a.name for a in kernel.local}
+        self.loaded = self._loaded_buffers()
+        self.uniform_local_reads = self._uniform_local_reads()
+        self.needs_scratch = any(isinstance(s, Reduce) for s in walk(kernel.body)) and not self.subgroups \
+            and kernel.lanes > 1
+
+    # --- target hooks ---------------------------------------------------------------------------------
+
+    def ctype(self, t: str) -> str:
+        """C type of a value type "i" / "u" / "f"."""
+        return {"i": self.ctypes["i32"], "u": self.ctypes["u32"], "f": "float"}[t]
+
+    # Bit casts float <-> uint (function names).
+    f2u = "ps_float_as_uint"
+    u2f = "ps_uint_as_float"
+    # Pointer element type of f16 buffer parameters (None: the storage type `ctypes["f16"]`).
+    f16_buffer_type: str | None = None
+
+    def group_id(self, d: int) -> str:
+        """Id of this group in grid dimension `d`."""
+        raise NotImplementedError
+
+    def local_id(self) -> str:
+        """Id of this lane within its group (dimension 0)."""
+        raise NotImplementedError
+
+    def barrier(self, local: bool, global_: bool) -> str:
+        """Group barrier statement making local and/or global memory writes visible."""
+        raise NotImplementedError
+
+    def local_decl(self, ctype: str, name: str, size: int) -> str:
+        """Declaration of a group-shared array."""
+        raise NotImplementedError
+
+    def load_f16(self, buf: str, index: str) -> str:
+        """f16 element of a global buffer as float (default: the portable bit conversion)."""
+        self.used_intrinsics.add("f16_bits_to_f32")
+        return f"ps_f16_bits_to_f32({buf}[{index}])"
+
+    def store_f16(self, buf: str, index: str, value: str) -> str:
+        """Statement storing float `value` as f16 (round to nearest even) into a global buffer."""
+        self.used_intrinsics.add("f32_to_f16_bits")
+        return f"{buf}[{index}] = ({self.ctypes['f16']})ps_f32_to_f16_bits({value});"
+
+    def subgroup_reduce(self, op: str, x: str) -> str:
+        """Subgroup reduction of float `x` (op "+" or "max"), result in every lane."""
+        raise NotImplementedError
+
+    def prelude(self) -> str:
+        """Text before everything else (pragmas, includes)."""
+        return ""
+
+    def signature(self, params: list[str]) -> str:
+        """The kernel function's header, up to and excluding the opening brace."""
+        raise NotImplementedError
+
+    def param_decl(self, p: Buf | Scalar) -> str:
+        """One kernel parameter."""
+        if isinstance(p, Scalar):
+            return f"{'float' if p.dtype == 'f32' else self.ctypes['i32']} {p.name}"
+        const = "" if p.out else "const "
+        t = self.f16_buffer_type if p.dtype == "f16" and self.f16_buffer_type else self.ctypes[p.dtype]
+        return f"{const}{t}* {p.name}"
+
+    def float_max(self, a: str, b: str) -> str:
+        """max of two floats."""
+        return f"{self.float_math['max']}({a}, {b})"
+
+    # --- names and types ------------------------------------------------------------------------------
+
+    def lookup(self, name: str) -> tuple[str, str]:
+        for scope in reversed(self.scopes):
+            if name in scope:
+                return scope[name]
+        raise KernelError(f"{self.k.name}: unknown variable {name!r}")
+
+    def bind(self, name: str, t: str) -> str:
+        """Declare IR variable `name` of value type `t` in the current scope; returns its C name."""
+        taken = any(name in s for s in self.scopes)
+        cname = name
+        if taken or name.startswith("ps_") or name.startswith("_"):
+            # A re-bound name (legal in the IR, not in one C block) gets a fresh spelling.
+            self.counter += 1
+            cname = f"{name.lstrip('_')}_{self.counter}"
+        self.scopes[-1][name] = (cname, t)
+        return cname
+
+    def typeof(self, e) -> str:
+        """Value type of an expression."""
+        if isinstance(e, int | float) and not isinstance(e, bool):
+            e = Const(e)
+        if isinstance(e, Const):
+            if isinstance(e.value, float):
+                return "f"
+            return "i" if -(2**31) <= e.value < 2**31 else "u"
+        if isinstance(e, Var):
+            return self.lookup(e.name)[1]
+        if isinstance(e, Bin):
+            if e.op in _CMP:
+                return "i"
+            if e.op == "/":
+                return "f"
+            if e.op in (">>", "<<"):
+                return self.typeof(e.a)
+            return _join(self.typeof(e.a), self.typeof(e.b))
+        if isinstance(e, Select):
+            return _join(self.typeof(e.a), self.typeof(e.b))
+        if isinstance(e, ToF32):
+            return "f"
+        if isinstance(e, Cast):
+            return _VALUE_TYPE.get(e.dtype, "i")
+        if isinstance(e, Load):
+            return _VALUE_TYPE.get(self.k.dtype_of(e.buf), "i")
+        if isinstance(e, Table):
+            return "i"
+        if isinstance(e, Call):
+            res = (MATH.get(e.fn) or INTRINSICS[e.fn])[1]
+            if res is None:
+                ts = [self.typeof(a) for a in e.args]
+                return ts[0] if len(ts) == 1 else _join(*ts)
+            return _VALUE_TYPE.get(res, "i")
+        raise TypeError(f"cannot type {e!r}")
+
+    # --- expressions ----------------------------------------------------------------------------------
+
+    def float_lit(self, v: float) -> str:
+        if math.isnan(v):
+            return f"{self.u2f}(0x7FC00000u)"
+        if math.isinf(v):
+            return f"{self.u2f}({'0x7F800000u' if v > 0 else '0xFF800000u'})"
+        # Shortest decimal of the float32 value: parses back to exactly that float.
+        s = repr(float(np.float32(v)))
+        return f"{s}f" if ("." in s or "e" in s) else f"{s}.0f"
+
+    def as_type(self, e, t: str) -> str:
+        """`e` rendered and converted to value type `t` where it is not already."""
+        s = self.e(e)
+        return s if self.typeof(e) == t else f"(({self.ctype(t)})({s}))"
+
+    def e(self, x) -> str:
+        """Render an expression."""
+        if isinstance(x, int | float) and not isinstance(x, bool):
+            x = Const(x)
+        if isinstance(x, Const):
+            v = x.value
+            if isinstance(v, float):
+                return self.float_lit(v)
+            if -(2**31) <= v < 2**31:
+                return str(v) if v >= 0 else ("(-2147483647 - 1)" if v == -(2**31) else f"({v})")
+            if 0 <= v < 2**32:
+                return f"{v}u"
+            raise KernelError(f"{self.k.name}: integer constant {v} does not fit 32 bits")
+        if isinstance(x, Var):
+            return self.lookup(x.name)[0]
+        if isinstance(x, Bin):
+            if x.op == "/":
+                return f"({self.as_type(x.a, 'f')} / {self.as_type(x.b, 'f')})"
+            op = "/" if x.op == "//" else x.op  # the IR guarantees non-negative operands for // and %
+            return f"({self.e(x.a)} {op} {self.e(x.b)})"
+        if isinstance(x, Select):
+            t = self.typeof(x)
+            return f"({self.e(x.cond)} ? {self.as_type(x.a, t)} : {self.as_type(x.b, t)})"
+        if isinstance(x, ToF32):
+            return self.as_type(x.a, "f")
+        if isinstance(x, Cast):
+            return f"(({self.ctype(_VALUE_TYPE.get(x.dtype, 'i'))})({self.e(x.a)}))"
+        if isinstance(x, Load):
+            dt = self.k.dtype_of(x.buf)
+            buf, idx = self.lookup_buf(x.buf), self.e(x.index)
+            if dt == "f16":
+                if x.buf in self.local_names:
+                    self.used_intrinsics.add("f16_bits_to_f32")
+                    return f"ps_f16_bits_to_f32({buf}[{idx}])"
+                return self.load_f16(buf, idx)
+            if dt in ("f32", "i32", "u32"):
+                return f"{buf}[{idx}]"
+            return f"(({self.ctypes['i32']}){buf}[{idx}])"  # narrow integers widen to int
+        if isinstance(x, Table):
+            if x.name not in TABLES:
+                raise KernelError(f"{self.k.name}: unknown table {x.name}")
+            self.tables.add(x.name)
+            return f"ps_table_{x.name}[{self.e(x.index)}]"
+        if isinstance(x, Call):
+            return self.call(x)
+        raise TypeError(f"cannot render {x!r}")
+
+    def lookup_buf(self, name: str) -> str:
+        return name
+
+    def call(self, x: Call) -> str:
+        if x.fn in INTRINSICS:
+            if x.fn == "load_u32":
+                if not isinstance(x.args[0], Var) or self.k.dtype_of(x.args[0].name) != "u8":
+                    raise KernelError(f"{self.k.name}: load_u32 needs a u8 buffer as first argument")
+                args = [x.args[0].name, self.as_type(x.args[1], "i")]
+            else:
+                want = {"f16_bits_to_f32": "u", "f32_to_f16_bits": "f", "dot4_i8": "uui"}[x.fn]
+                args = [self.as_type(a, t) for a, t in zip(x.args, want)]
+            if x.fn in self.native_intrinsics:
+                return self.native_intrinsics[x.fn].format(*args)
+            self.used_intrinsics.add(x.fn)
+            return f"ps_{x.fn}({', '.join(args)})"
+        t = self.typeof(x)
+        if t == "f":
+            if x.fn == "rsqrt":
+                return self.rsqrt(self.as_type(x.args[0], "f"))
+            return f"{self.float_math[x.fn]}({', '.join(self.as_type(a, 'f') for a in x.args)})"
+        a = [self.as_type(arg, t) for arg in x.args]
+        return self.int_math(x.fn, a, t)
+
+    def rsqrt(self, x: str) -> str:
+        """1/sqrt(x) (the portable definition; targets may use a native rsqrt)."""
+        return f"(1.0f / {self.float_math['sqrt']}({x}))"
+
+    def int_math(self, fn: str, a: list[str], t: str) -> str:
+        """abs / max / min on int or uint values (portable ternaries; operands are side-effect free)."""
+        if fn == "abs":
+            return a[0] if t == "u" else f"({a[0]} < 0 ? -{a[0]} : {a[0]})"
+        cmp = ">" if fn == "max" else "<"
+        return f"({a[0]} {cmp} {a[1]} ? {a[0]} : {a[1]})"
+
+    # --- statements -----------------------------------------------------------------------------------
+
+    def emit(self, d: int, text: str) -> None:
+        self.lines.append("    " * d + text)
+
+    def emit_barrier(self, d: int, local: bool = True, global_: bool = False) -> None:
+        self.emit(d, self.barrier(local, global_))
+        self.last_barrier = True
+
+    def block(self, stmts, d: int, lane: bool) -> None:
+        self.scopes.append({})
+        for s in stmts:
+            self.stmt(s, d, lane)
+        self.scopes.pop()
+
+    def stmt(self, s, d: int, lane: bool) -> None:
+        """Render one statement; `lane` is True inside LaneFor / Reduce bodies (per-lane code)."""
+        if isinstance(s, Let):
+            t = self.typeof(s.expr)
+            value = self.e(s.expr)
+            self.emit(d, f"const {self.ctype(t)} {self.bind(s.name, t)} = {value};")
+        elif isinstance(s, Decl):
+            t = _VALUE_TYPE.get(s.dtype, "i")
+            value = self.as_type(s.init, t)
+            self.emit(d, f"{self.ctype(t)} {self.bind(s.name, t)} = {value};")
+        elif isinstance(s, Assign):
+            cname, t = self.lookup(s.name)
+            self.emit(d, f"{cname} = {self.as_type(s.expr, t)};")
+        elif isinstance(s, Store):
+            self.store(s, d, lane)
+            return
+        elif isinstance(s, For):
+            self.scopes.append({})
+            start, stop = self.e(s.start), self.e(s.stop)
+            v = self.bind(s.var, "i")
+            cmp = "<" if s.step > 0 else ">"
+            if s.unroll > 1:
+                self.emit(d, f"#pragma unroll {s.unroll}")
+            self.emit(d, f"for (int {v} = {start}; {v} {cmp} {stop}; {v} += {s.step}) {{")
+            self.last_barrier = False
+            self.block(s.body, d + 1, lane)
+            self.scopes.pop()
+            self.emit(d, "}")
+        elif isinstance(s, If):
+            self.emit(d, f"if ({self.e(s.cond)}) {{")
+            self.last_barrier = False
+            self.block(s.then, d + 1, lane)
+            if s.orelse:
+                self.emit(d, "} else {")
+                self.last_barrier = False
+                self.block(s.orelse, d + 1, lane)
+            self.emit(d, "}")
+        elif isinstance(s, LaneFor):
+            self.lane_for(s, d)
+            return
+        elif isinstance(s, Reduce):
+            self.reduce(s, d)
+            return
+        else:
+            raise TypeError(f"cannot render {s!r}")
+        self.last_barrier = False
+
+    def store(self, s: Store, d: int, lane: bool) -> None:
+        dt = self.k.dtype_of(s.buf)
+        local = s.buf in self.local_names
+        buf, idx = self.lookup_buf(s.buf), self.e(s.index)
+        if dt == "f16":
+            value = self.as_type(s.value, "f")
+            if local:
+                self.used_intrinsics.add("f32_to_f16_bits")
+                text = f"{buf}[{idx}] = ({self.ctypes['f16']})ps_f32_to_f16_bits({value});"
+            else:
+                text = self.store_f16(buf, idx, value)
+        else:
+            value = self.as_type(s.value, _VALUE_TYPE.get(dt, "i"))
+            text = f"{buf}[{idx}] = ({self.ctypes[dt]})({value});"
+        if lane:
+            self.emit(d, text)
+            return
+        # Uniform store: lane 0 writes; a barrier publishes it to the lanes that read it next.
+        if local and s.buf in self.uniform_local_reads and not self.last_barrier:
+            self.emit_barrier(d)  # other lanes may still be reading the old value
+        self.emit(d, f"if ({self.lid} == 0) {text}")
+        self.last_barrier = False
+        if local or s.buf in self.loaded:
+            self.emit_barrier(d, local, not local)
+
+    def lane_for(self, s: LaneFor, d: int) -> None:
+        self.pre_barrier(s, d)
+        self.scopes.append({})
+        stop = self.e(s.stop)
+        v = self.bind(s.var, "i")
+        self.emit(d, f"for (int {v} = {self.lid}; {v} < {stop}; {v} += {self.lanes}) {{")
+        self.block(s.body, d + 1, True)
+        self.emit(d, "}")
+        self.scopes.pop()
+        self.emit_barrier(d, True, self.writes_read_global(s))
+
+    def reduce(self, s: Reduce, d: int) -> None:
+        self.pre_barrier(s, d)
+        self.counter += 1
+        acc = f"ps_acc{self.counter}"
+        init = "0.0f" if s.op == "+" else self.float_lit(-math.inf)
+        self.emit(d, f"float {acc} = {init};")
+        self.scopes.append({})
+        stop = self.e(s.stop)
+        v = self.bind(s.var, "i")
+        self.emit(d, f"for (int {v} = {self.lid}; {v} < {stop}; {v} += {self.lanes}) {{")
+        self.scopes.append({})
+        for sub in s.body:
+            self.stmt(sub, d + 1, True)
+        val = self.as_type(s.value, "f")
+        self.scopes.pop()
+        self.emit(d + 1, f"{acc} = {self.combine(s.op, acc, val)};")
+        self.emit(d, "}")
+        self.scopes.pop()
+        name = self.bind(s.name, "f")
+        if self.lanes == 1:
+            self.emit(d, f"const float {name} = {acc};")
+            self.last_barrier = False
+        elif self.subgroups:
+            self.emit(d, f"const float {name} = {self.subgroup_reduce(s.op, acc)};")
+            self.last_barrier = False
+            if any(isinstance(st, Store) for st in walk(s.body)):
+                self.emit_barrier(d, True, self.writes_read_global(s))
+        else:
+            self.tree(s.op, acc, d)
+            self.emit(d, f"const float {name} = ps_red[0];")
+            # The scratch is reused by the next Reduce: everyone must have read it first.
+            self.emit_barrier(d, True, self.writes_read_global(s))
+
+    def tree(self, op: str, acc: str, d: int) -> None:
+        """Combine the lanes' partials in local memory (any lane count, not only powers of two)."""
+        p = 1 << (self.lanes.bit_length() - 1)
+        lid = self.lid
+        self.emit(d, f"ps_red[{lid}] = {acc};")
+        self.emit_barrier(d)
+        if p != self.lanes:  # fold the lanes above the largest power of two first
+            r = f"ps_red[{lid} + {p}]"
+            self.emit(d, f"if ({lid} < {self.lanes - p}) ps_red[{lid}] = {self.combine(op, f'ps_red[{lid}]', r)};")
+            self.emit_barrier(d)
+        self.emit(d, f"for (int ps_s = {p // 2}; ps_s > 0; ps_s >>= 1) {{")
+        r = f"ps_red[{lid} + ps_s]"
+        self.emit(d + 1, f"if ({lid} < ps_s) ps_red[{lid}] = {self.combine(op, f'ps_red[{lid}]', r)};")
+        self.emit_barrier(d + 1)
+        self.emit(d, "}")
+
+    def combine(self, op: str, a: str, b: str) -> str:
+        return f"{a} + {b}" if op == "+" else self.float_max(a, b)
+
+    def pre_barrier(self, s, d: int) -> None:
+        """Barrier before a lane loop that overwrites local data that uniform code may still be reading."""
+        written = {st.buf for st in walk(s.body) if isinstance(st, Store)}
+        if written & self.uniform_local_reads and not self.last_barrier:
+            self.emit_barrier(d)
+
+    def writes_read_global(self, s) -> bool:
+        """Whether lane loop `s` stores into a global buffer that the kernel also loads (needs a global fence)."""
+        return any(isinstance(st, Store) and st.buf not in self.local_names and st.buf in self.loaded
+                   for st in walk(s.body))
+
+    # --- analysis -------------------------------------------------------------------------------------
+
+    def _loaded_buffers(self) -> set[str]:
+        out: set[str] = set()
+        for s in walk(self.k.body):
+            for e in _stmt_exprs(s):
+                out |= {ld.buf for ld in _loads(e)}
+                out |= {c.args[0].name for c in _nodes(e) if isinstance(c, Call) and c.fn == "load_u32"
+                        and isinstance(c.args[0], Var)}
+        return out
+
+    def _uniform_local_reads(self) -> set[str]:
+        """Local arrays read by uniform (group-level) statements."""
+        out: set[str] = set()
+
+        def visit(body):
+            for s in body:
+                if isinstance(s, LaneFor | Reduce):
+                    for e in (s.stop,):
+                        out.update(ld.buf for ld in _loads(e) if ld.buf in self.local_names)
+                    continue
+                for e in _stmt_exprs(s):
+                    out.update(ld.buf for ld in _loads(e) if ld.buf in self.local_names)
+                if isinstance(s, For):
+                    visit(s.body)
+                elif isinstance(s, If):
+                    visit(s.then)
+                    visit(s.orelse)
+
+        visit(self.k.body)
+        return out
+
+    # --- whole kernel ---------------------------------------------------------------------------------
+
+    lid = "ps_lid"
+
+    def render(self) -> str:
+        """The complete source: prelude, tables, intrinsic definitions and the kernel."""
+        k = self.k
+        for p in k.params:
+            self.scopes[0][p.name] = (p.name, "f" if isinstance(p, Scalar) and p.dtype == "f32" else
+                                      ("i" if isinstance(p, Scalar) else "ptr"))
+        for a in k.local:
+            self.scopes[0][a.name] = (a.name, "ptr")
+        self.scopes.append({})
+        for dim in range(len(k.grid)):
+            self.scopes[-1][f"g{dim}"] = (f"g{dim}", "i")
+        self.emit(1, f"const int {self.lid} = {self.local_id()};")
+        for dim in range(len(k.grid)):
+            self.emit(1, f"const int g{dim} = {self.group_id(dim)};")
+        for a in k.local:
+            self.emit(1, self.local_decl(self.ctypes[a.dtype], a.name, a.size))
+        if self.needs_scratch:
+            self.emit(1, self.local_decl("float", "ps_red", self.lanes))
+        for s in k.body:
+            self.stmt(s, 1, False)
+        body = self.lines
+        head = [self.prelude()]
+        for n in sorted(self.tables):
+            vals = ", ".join(str(v) for v in TABLES[n])
+            head.append(f"{self.const_array_qualifier} int ps_table_{n}[{len(TABLES[n])}] = {{{vals}}};\n")
+        for n in sorted(self.used_intrinsics):
+            text = _PORTABLE[n].format(fn=self.func_qualifier, f2u=self.f2u, u2f=self.u2f)
+            head.append(re.sub(r"\buint\b", self.ctypes["u32"], text))
+        params = [self.param_decl(p) for p in k.params]
+        doc = f"/* {k.name}: lanes {k.lanes}, grid ({len(k.grid)} dims), knobs {dict(k.knobs)} */\n"
+        return "".join(head) + doc + self.signature(params) + " {\n" + "\n".join(body) + "\n}\n"
+
+
+def _join(a: str, b: str) -> str:
+    """C's usual arithmetic conversions on int / uint / float."""
+    if "f" in (a, b):
+        return "f"
+    if "u" in (a, b):
+        return "u"
+    return "i"
+
+
+def _nodes(e):
+    yield e
+    for f in getattr(e, "__dataclass_fields__", {}):
+        v = getattr(e, f)
+        if hasattr(v, "__dataclass_fields__") and not isinstance(v, str):
+            yield from _nodes(v)
+        elif isinstance(v, tuple):
+            for x in v:
+                if hasattr(x, "__dataclass_fields__"):
+                    yield from _nodes(x)
+
+
+def _loads(e):
+    return [n for n in _nodes(e) if isinstance(n, Load)]
+
+
+def _stmt_exprs(s) -> tuple:
+    if isinstance(s, Let | Assign):
+        return (s.expr,)
+    if isinstance(s, Decl):
+        return (s.init,)
+    if isinstance(s, Store):
+        return (s.index, s.value)
+    if isinstance(s, For):
+        return (s.start, s.stop)
+    if isinstance(s, LaneFor):
+        return (s.stop,)
+    if isinstance(s, Reduce):
+        return (s.stop, s.value)
+    if isinstance(s, If):
+        return (s.cond,)
+    return ()

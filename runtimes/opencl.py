@@ -1,0 +1,214 @@
+"""OpenCL runtime: kernels rendered to OpenCL C, built by the driver, cached as program binaries.
+
+Works with any ICD: GPU drivers, PoCL on the CPU (CI), Oclgrind (the checking simulator). Buffers are
+`pyopencl.Buffer`s holding the IR storage dtypes (f16 as 2 bytes, u8 as bytes, ...).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from polystrata.codegen.cpu import NUMPY_DTYPES
+from polystrata.codegen.opencl import render
+from polystrata.errors import PolystrataError
+from polystrata.ir.kernel import DTYPE_BYTES, Kernel
+from polystrata.runtimes.base import CompiledKernel, Runtime, cache_dir, cache_key
+
+try:
+    import pyopencl as cl
+except ImportError:  # pragma: no cover - optional dependency
+    cl = None
+
+_NO_DEVICE = "no OpenCL device found; install an ICD such as pocl-opencl-icd"
+
+
+def _devices() -> list:
+    if cl is None:
+        raise PolystrataError(_NO_DEVICE + " (and the pyopencl package)")
+    try:
+        platforms = cl.get_platforms()
+    except cl.Error:  # the ICD loader reports "no platform" as an error
+        platforms = []
+    out = []
+    for p in platforms:
+        try:
+            out.extend(p.get_devices())
+        except cl.Error:
+            continue
+    return out
+
+
+def pick_device(want: str | None = None):
+    """An OpenCL device: the first whose platform/device name contains `want` (or $POLYSTRATA_OPENCL_DEVICE),
+    else the first GPU, else the first device."""
+    devices = _devices()
+    if not devices:
+        raise PolystrataError(_NO_DEVICE)
+    want = want or os.environ.get("POLYSTRATA_OPENCL_DEVICE")
+    if want:
+        hits = [d for d in devices if want.lower() in f"{d.platform.name} {d.name}".lower()]
+        if not hits:
+            names = ", ".join(d.name for d in devices)
+            raise PolystrataError(f"no OpenCL device matches {want!r}; devices: {names}")
+        return hits[0]
+    gpus = [d for d in devices if d.type & cl.device_type.GPU]
+    return (gpus or devices)[0]
+
+
+def has_gpu() -> bool:
+    """Whether an OpenCL GPU is present (what `--target auto` prefers over the CPU)."""
+    try:
+        return any(d.type & cl.device_type.GPU for d in _devices())
+    except PolystrataError:
+        return False
+
+
+def _has_subgroups(dev) -> bool:
+    if "cl_khr_subgroups" in dev.extensions:
+        return True
+    major, minor = (int(v) for v in dev.version.split()[1].split(".")[:2])
+    if (major, minor) < (2, 1):  # asking a 1.2 device for a 2.1 property is an API error (Oclgrind flags it)
+        return False
+    try:  # OpenCL >= 2.1 core (optional again in 3.0: max_num_sub_groups is 0 then)
+        return dev.max_num_sub_groups > 0
+    except (cl.Error, AttributeError):
+        return False
+
+
+class OpenCLRuntime(Runtime):
+    """One OpenCL device with one in-order queue."""
+
+    name = "opencl"
+
+    def __init__(self, device: Any = None, subgroups: bool | None = None) -> None:
+        """`device`: a `pyopencl.Device` or a name substring (default: see `pick_device`). `subgroups=False`
+        forces the local-memory combine even where the device has subgroups."""
+        super().__init__()
+        dev = device if cl is not None and isinstance(device, cl.Device) else pick_device(device)
+        self.dev = dev
+        self.ctx = cl.Context([dev])
+        self.queue = cl.CommandQueue(self.ctx)
+        self.device = f"{dev.name.strip()} ({dev.platform.name.strip()}, driver {dev.driver_version})"
+        gpu = bool(dev.type & cl.device_type.GPU)
+        # PoCL's CPU driver runs a group's lanes as a vectorised loop in one thread: small groups are fastest.
+        self.lanes = min(64 if gpu else 16, dev.max_work_group_size)
+        self.has_subgroups = _has_subgroups(dev) if subgroups is None else subgroups and _has_subgroups(dev)
+        self.options = self._std_option()
+        self._compiled: dict[str, CompiledKernel] = {}
+        self.subgroup = self._probe_subgroup() if self.has_subgroups else 1
+
+    def _std_option(self) -> list[str]:
+        # sub_group_* built-ins are only declared for OpenCL C 2.0+.
+        if not self.has_subgroups:
+            return []
+        return ["-cl-std=CL3.0" if "3." in self.dev.version.split()[1] else "-cl-std=CL2.0"]
+
+    def _probe_subgroup(self) -> int:
+        """Subgroup width for a group of `lanes` work-items (compiles a one-line kernel)."""
+        src = "__kernel void probe(__global int* x) { x[get_global_id(0)] = 0; }"
+        try:
+            k = cl.Program(self.ctx, src).build(self.options).probe
+            info = cl.kernel_sub_group_info.MAX_SUB_GROUP_SIZE_FOR_NDRANGE
+            return int(k.get_sub_group_info(self.dev, info, (self.lanes,)))
+        except (cl.Error, AttributeError):
+            self.has_subgroups = False
+            return 1
+
+    def render(self, kernel: Kernel, subgroups: bool | None = None) -> str:
+        """OpenCL C for `kernel` (the subgroup combine where the device has one of width `kernel.lanes`)."""
+        if subgroups is None:
+            subgroups = self.has_subgroups and kernel.lanes == self.subgroup
+        return render(kernel, subgroups)
+
+    def compile(self, kernel: Kernel, subgroups: bool | None = None) -> CompiledKernel:
+        source = self.render(kernel, subgroups)
+        options = " ".join(self.options)
+        key = cache_key(source, self.name, f"{self.dev.name} {self.dev.driver_version}", f"opencl {options}")
+        if key in self._compiled:
+            return self._compiled[key]
+        path = cache_dir(self.name) / f"{kernel.name}_{key}.bin"
+        program, cached = None, False
+        if path.exists():
+            try:
+                program = cl.Program(self.ctx, [self.dev], [path.read_bytes()]).build(options)
+                cached = True
+            except cl.Error:  # a stale or corrupt binary: rebuild from source
+                program = None
+        if program is None:
+            try:
+                program = cl.Program(self.ctx, source).build(options)
+            except cl.Error as err:
+                log = _build_log(err)
+                raise PolystrataError(f"OpenCL build of kernel {kernel.name} failed on {self.device}:\n{log}") from None
+            _atomic_write(path, program.binaries[0])
+        handle = cl.Kernel(program, kernel.name)
+        ck = CompiledKernel(kernel, handle, source, cached)
+        if cached:
+            self.cache_hits += 1
+        else:
+            self.cache_misses += 1
+        self._compiled[key] = ck
+        return ck
+
+    def alloc(self, shape: Sequence[int], dtype: str) -> Any:
+        nbytes = int(np.prod(shape)) * DTYPE_BYTES[dtype]
+        buf = cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE, max(nbytes, 4))  # OpenCL has no empty buffers
+        cl.enqueue_fill_buffer(self.queue, buf, np.uint8(0), 0, max(nbytes, 4))  # zeros, like the CPU target
+        return buf
+
+    def upload(self, array: np.ndarray) -> Any:
+        host = np.ascontiguousarray(array).reshape(-1)
+        if host.nbytes == 0:
+            return self.alloc((1,), "u32")
+        return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
+
+    def download(self, buf: Any, shape: Sequence[int], dtype: str) -> np.ndarray:
+        out = np.empty(tuple(shape), dtype=NUMPY_DTYPES[dtype])
+        if out.size:
+            cl.enqueue_copy(self.queue, out, buf, is_blocking=True)
+        return out.view(np.float16).astype(np.float32) if dtype == "f16" else out
+
+    def write(self, buf: Any, array: np.ndarray) -> None:
+        host = np.ascontiguousarray(array).reshape(-1)
+        if host.nbytes:
+            cl.enqueue_copy(self.queue, buf, host, is_blocking=True)
+
+    def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
+        grid = [int(g) for g in grid]
+        if not grid or min(grid) <= 0:
+            return
+        lanes = ck.kernel.lanes
+        gsize = (grid[0] * lanes, *grid[1:])
+        ck.handle(self.queue, gsize, (lanes,) + (1,) * (len(grid) - 1), *args)
+
+    def sync(self) -> None:
+        self.queue.finish()
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total): OpenCL does not report free memory (AMD's extension aside), so free is the total."""
+        total = int(self.dev.global_mem_size)
+        try:
+            free = int(self.dev.global_free_memory_amd[0]) * 1024
+        except (cl.Error, AttributeError, TypeError, IndexError):
+            free = total
+        return free, total
+
+
+def _build_log(err: Exception) -> str:
+    """The first lines of a failed build's message (pyopencl puts the build log in it)."""
+    text = str(err)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return "\n".join(lines[:20]) + ("\n..." if len(lines) > 20 else "")
+
+
+def _atomic_write(path, data: bytes) -> None:
+    # Write-then-rename: a concurrent reader never sees half a binary.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
