@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import sys
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +19,7 @@ import numba
 import numpy as np
 
 from polystrata.codegen.cpu import NUMPY_DTYPES, render
-from polystrata.ir.kernel import Kernel
+from polystrata.ir.kernel import Buf, Kernel
 from polystrata.runtimes.base import CompiledKernel, Runtime, cache_dir, cache_key
 
 
@@ -31,6 +32,17 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _signature(kernel: Kernel) -> tuple:
+    """Numba argument types of a kernel: 1-D C arrays, int32/float32 scalars, then int64 grid sizes."""
+    types = []
+    for p in kernel.params:
+        if isinstance(p, Buf):
+            types.append(numba.types.Array(numba.from_dtype(np.dtype(NUMPY_DTYPES[p.dtype])), 1, "C"))
+        else:
+            types.append(numba.types.float32 if p.dtype == "f32" else numba.types.int32)
+    return tuple(types) + (numba.types.int64,) * len(kernel.grid)
 
 
 class CPURuntime(Runtime):
@@ -60,10 +72,15 @@ class CPURuntime(Runtime):
             with os.fdopen(fd, "w") as f:
                 f.write(source)
             os.replace(tmp, path)
-        spec = importlib.util.spec_from_file_location(f"polystrata_kernel_{key}", path)
+        name = f"polystrata_kernel_{key}"
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
+        # Numba's cache re-imports the module by name when it loads a parallel kernel in a new process.
+        sys.modules[name] = module
         spec.loader.exec_module(module)
         fn = getattr(module, kernel.name)
+        # Compile now (or load from Numba's cache), not at the first launch: `compile` means compiled.
+        fn.compile(_signature(kernel))
         ck = CompiledKernel(kernel, fn, source, cached)
         if cached:
             self.cache_hits += 1
