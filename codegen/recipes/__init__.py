@@ -36,12 +36,24 @@ class RecipeContext:
     buffer_names: dict[int, str]  # id(Value) -> plan buffer name
     weight_formats: dict[str, QuantFormat]  # GGUF tensor name -> its format
     knobs: dict[str, dict[str, Any]] = field(default_factory=dict)  # recipe name -> knob overrides (tuner)
+    scratch_buffers: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (dtype, count)
 
     def buf(self, v: Value) -> str:
         """Plan buffer name of a graph value or weight."""
         if v.weight is not None:
             return v.weight
         return self.buffer_names[id(v)]
+
+    def scratch(self, key: str, dtype: str, count: int) -> str:
+        """A plan buffer for a recipe's temporaries (e.g. activations quantized once for several matmuls),
+        shared by every recipe asking with the same `key` and dtype, sized for the largest request. Its contents
+        live only between the launches of one recipe."""
+        name = f"scratch.{key}"
+        old = self.scratch_buffers.get(name)
+        if old is not None and old[0] != dtype:
+            raise ValueError(f"scratch buffer {name} requested as {dtype} and {old[0]}")
+        self.scratch_buffers[name] = (dtype, max(count, old[1] if old else 0))
+        return name
 
     def knob(self, recipe: str, name: str, default: Any) -> Any:
         """A schedule knob: the tuner's override, else the recipe's default."""
@@ -62,6 +74,13 @@ class Recipe:
 RECIPES: list[Recipe] = []
 
 
+def token_binding(v: Value) -> str | int:
+    """What a kernel's token-count scalar binds to for value `v`: the step symbol "T", or the fixed row count of a
+    value whose first dimension is not the step's tokens (the last-row path of decode graphs)."""
+    d0 = v.type.shape[0]
+    return "T" if d0 == "T" else int(d0)
+
+
 def register(recipe: Recipe) -> Recipe:
     """Add a recipe to `RECIPES` (each recipe module registers its own at import)."""
     RECIPES.append(recipe)
@@ -75,3 +94,4 @@ def load_all() -> None:
 
     for mod in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{mod.name}")
+

@@ -148,6 +148,8 @@ def build_plan(
                     b = names[id(r)]
                     if buffers[b].kind == "activation" and b not in free and not _live_elsewhere(b, names, last, idx):
                         free.append(b)
+    for name, (dtype, count) in ctx.scratch_buffers.items():
+        buffers[name] = BufferSpec(name, dtype, count, "activation")
     out = graph.outputs[0]
     return Plan(
         launches=launches,

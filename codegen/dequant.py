@@ -1,0 +1,436 @@
+"""Quantization formats (`ir.quant.QuantFormat`) -> kernel IR, derived from the description alone.
+
+A format says how element `i` of a block decodes (`lets` + `value`). This module turns that into kernel IR that
+reads a weight buffer (raw `u8` bytes; `f32` elements for the F32 format) at a run-time block address:
+
+* `Load(field, idx)` becomes byte loads at `block_base + field.offset + idx * size`, assembled little-endian
+  (u16/u32 by shifts and ors, i8 by sign extension); f16 fields go through the `f16_bits_to_f32` intrinsic and
+  bf16 fields through exact arithmetic on their bits (no bit-cast intrinsic needed).
+* Lets are hoisted by their `group`: block lets once per block, each group's lets once per group, per-element
+  lets inside the element loop. The element loop is strip-mined: a group of `G` elements is walked in chunks
+  `i = c + i0` (`c` a codegen-time constant, `0 <= i0 < L`), and index arithmetic is folded symbolically so
+  that e.g. `qs[i % 16] >> 4 * (i // 16)` becomes `qs[base + i0] >> 4` for the chunk `c = 16`. `L` is picked
+  as the largest power of two that keeps every index affine in `i0` (falls back to unfolded expressions).
+* `Table` nodes stay as they are (targets render constant tables).
+
+`affine(fmt)` factors `value` as `S_g * level + M_g` (S_g, M_g group-level, level an integer per element, a code
+or a table lookup) when the tree has that shape, so dot products can accumulate `sum(level * x)` per group and
+scale once (the int8-activation matvec path); `None` when it does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from polystrata.ir import quant as Q
+from polystrata.ir.kernel import Call, Cast, For, Let, Load, Select
+from polystrata.ir.quant import Bin, Const, Expr, QuantFormat, Table, ToF32, Var
+
+_SIZES = {"u8": 1, "i8": 1, "u16": 2, "bf16": 2, "f16": 2, "u32": 4, "i32": 4, "f32": 4}
+
+
+def weight_dtype(fmt: QuantFormat) -> str:
+    """IR dtype of a weight buffer of this format (the plan stores F32 tensors as f32, all else as u8 bytes)."""
+    return "f32" if all(f.dtype == "f32" for f in fmt.fields) else "u8"
+
+
+def elements_per_row_bytes(fmt: QuantFormat, cols: int) -> int:
+    """Row stride of a [rows, cols] weight in buffer elements (bytes, or floats for F32)."""
+    return cols if weight_dtype(fmt) == "f32" else cols // fmt.block_size * fmt.block_bytes
+
+
+def block_stride(fmt: QuantFormat) -> int:
+    """Buffer elements per block."""
+    return fmt.block_size if weight_dtype(fmt) == "f32" else fmt.block_bytes
+
+
+# --- symbolic index values: ints, affine forms a*i0 + b (0 <= i0 < L), or opaque kernel expressions ---------
+
+
+@dataclass(frozen=True)
+class _Aff:
+    a: int
+    b: int
+
+
+class _Lowerer:
+    """Lowers format expressions for one element chunk `i = c + i0` (or a constant `i` for hoisted lets)."""
+
+    def __init__(self, fmt: QuantFormat, buf: str, base: Expr, env: dict[str, Expr], i_val, span: int,
+                 i0: str):
+        self.fmt, self.buf, self.base, self.env = fmt, buf, base, env
+        self.i_val = i_val  # int or _Aff
+        self.span = span  # L: the range of i0
+        self.i0 = i0
+        self.folded = True  # stays True while every index folds to int / affine
+
+    # Symbolic values: int | bool | _Aff | Expr
+    def sym(self, e: Expr):
+        if isinstance(e, Const) and isinstance(e.value, int):
+            return e.value
+        if isinstance(e, Var) and e.name == "i":
+            return self.i_val
+        if isinstance(e, Var) and e.name in self._index_lets:
+            return self.sym(self.fmt.let(e.name).expr)
+        if isinstance(e, Bin) and e.op in ("+", "-", "*", "//", "%", ">>", "<<", "&", "|", "<", "<=", "==", "!="):
+            a, b = self.sym(e.a), self.sym(e.b)
+            r = _fold(e.op, a, b, self.span)
+            if r is not None:
+                return r
+        if isinstance(e, Q.Select):
+            c = self.sym(e.cond)
+            if isinstance(c, bool):
+                return self.sym(e.a if c else e.b)
+        return self.lower(e)
+
+    @property
+    def _index_lets(self) -> set[str]:
+        # Integer lets whose value depends only on `i` (like K-quants' `j = i // 32`): fold them symbolically.
+        return _index_only_lets(self.fmt)
+
+    def expr(self, e: Expr) -> Expr:
+        """Kernel expression of a format expression."""
+        return self.to_expr(self.sym(e))
+
+    def to_expr(self, s) -> Expr:
+        if isinstance(s, bool):
+            return Bin("==", Const(0), Const(0 if s else 1))
+        if isinstance(s, int):
+            return Const(s)
+        if isinstance(s, _Aff):
+            v = Var(self.i0)
+            if s.a != 1:
+                v = v * s.a
+            return v + s.b if s.b else v
+        return s
+
+    def lower(self, e: Expr) -> Expr:
+        if isinstance(e, Const):
+            return e
+        if isinstance(e, Var):
+            if e.name == "i":
+                return self.to_expr(self.i_val)
+            if e.name in self._index_lets:
+                return self.expr(self.fmt.let(e.name).expr)
+            return self.env[e.name]
+        if isinstance(e, Q.Load):
+            f = self.fmt.field(e.field)
+            idx = self.sym(e.index)
+            if not isinstance(idx, int | _Aff):
+                self.folded = False
+            return self.load_field(f, idx)
+        if isinstance(e, Bin):
+            return Bin(e.op, self.expr(e.a), self.expr(e.b))
+        if isinstance(e, Q.Select):
+            return Select(self.expr(e.cond), self.expr(e.a), self.expr(e.b))
+        if isinstance(e, ToF32):
+            a = e.a
+            if isinstance(a, Q.Load) and self.fmt.field(a.field).dtype in ("f16", "bf16", "f32"):
+                return self.lower(a)  # float loads already decode to f32
+            return Cast("f32", self.expr(a))
+        if isinstance(e, Table):
+            return Table(e.name, self.expr(e.index))
+        raise TypeError(f"cannot lower {e!r}")
+
+    def load_field(self, f: Q.Field, idx) -> Expr:
+        size = _SIZES[f.dtype]
+        if weight_dtype(self.fmt) == "f32":  # F32 format: the buffer holds floats (base counts elements)
+            return Load(self.buf, self.base + self.to_expr(idx) if idx != 0 else self.base)
+        off = _add(_mul(idx, size), f.offset)
+        addr = self.base + self.to_expr(off) if off != 0 else self.base
+
+        def byte(k: int) -> Expr:
+            return Load(self.buf, addr + k if k else addr)
+
+        if f.dtype == "u8":
+            return byte(0)
+        if f.dtype == "i8":
+            return ((byte(0) + 128) & 255) - 128  # sign-extend without branches
+        if f.dtype == "f32":
+            raise NotImplementedError(f"{self.fmt.name}: f32 fields inside byte blocks need a bit-cast")
+        word = byte(0)
+        for k in range(1, size):
+            word = word | (byte(k) << (8 * k))
+        if f.dtype == "f16":
+            return Call("f16_bits_to_f32", word)
+        if f.dtype == "bf16":
+            return bf16_bits_to_f32(word)
+        return word  # u16 / u32 / i32: integer bits (shifts and masks see the same bits)
+
+
+def bf16_bits_to_f32(h: Expr) -> Expr:
+    """Exact f32 of bf16 bits `h` from integer arithmetic: (-1)^s * (128 + m) * 2^(e - 134) (subnormals too).
+
+    Infinities and NaNs (e == 255) are not special-cased: weights never hold them.
+    """
+    e = (h >> 7) & 255
+    m = h & 127
+    mag = Select(e.eq(0), Cast("f32", m) * float(2.0**-133),
+                 Cast("f32", m + 128) * Call("pow", 2.0, Cast("f32", e - 134)))
+    return Select(((h >> 15) & 1).eq(1), Const(0.0) - mag, mag)
+
+
+def _mul(x, k: int):
+    if isinstance(x, int):
+        return x * k
+    if isinstance(x, _Aff):
+        return _Aff(x.a * k, x.b * k)
+    return x * k if k != 1 else x
+
+
+def _add(x, k: int):
+    if isinstance(x, int):
+        return x + k
+    if isinstance(x, _Aff):
+        return _Aff(x.a, x.b + k)
+    return x + k if k else x
+
+
+def _fold(op: str, a, b, span: int):
+    """Constant / affine folding of `a op b`; None when the result is not int, bool or affine."""
+    ints = isinstance(a, int) and not isinstance(a, bool) and isinstance(b, int) and not isinstance(b, bool)
+    if ints:
+        return Q._PY_OPS[op](a, b)
+    if isinstance(a, _Aff) and isinstance(b, int) and not isinstance(b, bool):
+        lo, hi = a.b, a.b + a.a * (span - 1)  # a.a >= 0 in every format
+        if op == "+":
+            return _Aff(a.a, a.b + b)
+        if op == "-":
+            return _Aff(a.a, a.b - b)
+        if op == "*":
+            return _Aff(a.a * b, a.b * b)
+        if op in ("//", ">>") and lo >= 0:
+            m = b if op == "//" else 1 << b
+            if lo // m == hi // m:
+                return lo // m
+            if a.b % m == 0 and a.a % m == 0:
+                return _Aff(a.a // m, a.b // m)
+        if op in ("%", "&") and lo >= 0:
+            m = b if op == "%" else b + 1
+            if op == "&" and (m & (m - 1)):
+                return None
+            if lo // m == hi // m:
+                return _Aff(a.a, a.b - (lo // m) * m)
+        if op in ("<", "<=", "==", "!="):
+            vals = [Q._PY_OPS[op](lo, b), Q._PY_OPS[op](hi, b)]
+            if op in ("<", "<=") and vals[0] == vals[1]:
+                return vals[0]
+    if isinstance(a, int) and isinstance(b, _Aff) and op == "+":
+        return _Aff(b.a, b.b + a)
+    if isinstance(a, int) and isinstance(b, _Aff) and op == "*":
+        return _Aff(b.a * a, b.b * a)
+    return None
+
+
+_INDEX_CACHE: dict[str, set[str]] = {}
+
+
+def _index_only_lets(fmt: QuantFormat) -> set[str]:
+    if fmt.name in _INDEX_CACHE:
+        return _INDEX_CACHE[fmt.name]
+    out: set[str] = set()
+    for lt in fmt.lets:
+        if _depends_only_on_i(lt.expr, out):
+            out.add(lt.name)
+    _INDEX_CACHE[fmt.name] = out
+    return out
+
+
+def _depends_only_on_i(e: Expr, ok: set[str]) -> bool:
+    if isinstance(e, Const):
+        return isinstance(e.value, int)
+    if isinstance(e, Var):
+        return e.name == "i" or e.name in ok
+    if isinstance(e, Bin):
+        return _depends_only_on_i(e.a, ok) and _depends_only_on_i(e.b, ok)
+    if isinstance(e, Q.Select):
+        return all(_depends_only_on_i(x, ok) for x in (e.cond, e.a, e.b))
+    return False
+
+
+# --- hoisting plan -----------------------------------------------------------------------------------------
+
+
+def widen(fmt: QuantFormat, n: int = 32) -> QuantFormat:
+    """A one-element format (F32/F16/BF16) seen as blocks of `n` elements, so loops get a chunk to work on."""
+    if fmt.block_size != 1:
+        return fmt
+    (f,) = fmt.fields
+    return QuantFormat(f"{fmt.name}x{n}", None, n, n * f.nbytes, (Q.Field(f.name, 0, f.dtype, n),), (),
+                       _subst_i(fmt.value))
+
+
+def _subst_i(e: Expr) -> Expr:
+    # Field indices of one-element formats are `i` already (Load("v", i)); nothing to rewrite but keep a copy.
+    return e
+
+
+def groups(fmt: QuantFormat) -> tuple[int, ...]:
+    """Nested let group sizes, block first, ending at 1: e.g. (256, 32, 1)."""
+    return tuple(sorted({fmt.block_size, 1, *(lt.group for lt in fmt.lets)}, reverse=True))
+
+
+def chunk_len(fmt: QuantFormat, group: int) -> int:
+    """Largest power-of-two chunk L dividing `group` for which every per-element index folds to affine form."""
+    exprs = [lt.expr for lt in fmt.lets if lt.group == 1] + ([fmt.value] if fmt.value is not None else [])
+    cand = group
+    while cand > 1:
+        if group % cand == 0 and all(_chunk_folds(fmt, e, cand, c) for c in range(0, fmt.block_size, cand)
+                                     for e in exprs):
+            return cand
+        cand //= 2
+    return 1
+
+
+def _chunk_folds(fmt: QuantFormat, e: Expr, span: int, c: int) -> bool:
+    lw = _Lowerer(fmt, "_w", Const(0), _FakeEnv(), _Aff(1, c), span, "_i0")
+    lw.expr(e)
+    return lw.folded
+
+
+class _FakeEnv(dict):
+    def __missing__(self, k):
+        return Var(k)
+
+
+@dataclass(frozen=True)
+class Decoder:
+    """Kernel IR for decoding one block of `fmt` from buffer `buf` at element address `base`.
+
+    Names of emitted lets are prefixed with `prefix` so several decoders can share a kernel body.
+    """
+
+    fmt: QuantFormat
+    buf: str
+    base: Expr
+    prefix: str
+
+    def _env_name(self, let: str) -> str:
+        return f"{self.prefix}{let}"
+
+    def lets_for(self, group: int, start: int, env: dict[str, Expr], i_val=None, span: int = 1,
+                 i0: str = "_i0", names: set[str] | None = None) -> list:
+        """`Let` statements for the lets of exactly `group` (evaluated at element `start`); updates env."""
+        out = []
+        lw = _Lowerer(self.fmt, self.buf, self.base, env, start if i_val is None else i_val, span, i0)
+        idx_only = _index_only_lets(self.fmt)
+        for lt in self.fmt.lets:
+            if lt.group != group or lt.name in idx_only or (names is not None and lt.name not in names):
+                continue
+            name = self._env_name(lt.name) + ("" if group == 1 else f"_{start}")
+            out.append(Let(name, lw.expr(lt.expr)))
+            env[lt.name] = Var(name)
+        return out
+
+    def walk(self, emit_group: Callable, emit_chunk: Callable, lo: int = 0, hi: int | None = None) -> list:
+        """Statements visiting the block's elements [lo, hi) with hoisted lets.
+
+        `emit_group(start, size, env, stmts_inside)` wraps the statements of the finest group (it can add
+        per-group accumulators); `emit_chunk(c, L, i0, env, lowerer)` returns statements for one chunk's inner
+        loop body (i = c + i0).
+        """
+        hi = self.fmt.block_size if hi is None else hi
+        gs = groups(self.fmt)
+        finest = gs[-2] if len(gs) > 1 else 1
+        L = chunk_len(self.fmt, finest)
+        i0 = f"{self.prefix}i0"
+        env: dict[str, Expr] = {}
+        stmts = self.lets_for(gs[0], 0, env) if gs[0] != 1 else []
+
+        def rec(level: int, start: int, size: int) -> list:
+            # level indexes gs; the group of `size` elements at `start` has had its lets emitted.
+            if size == finest:
+                inner = []
+                for c in range(start, start + size, L):
+                    if c + L <= lo or c >= hi:
+                        continue
+                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, i0)
+                    body = self.lets_for(1, c, lw.env, _Aff(1, c), L, i0) if finest != 1 else []
+                    body += emit_chunk(c, L, i0, lw.env, lw)
+                    inner.append(For(i0, Const(0), Const(L), tuple(body)))
+                return emit_group(start, size, dict(env), inner)
+            out = []
+            sub = gs[level + 1]
+            for s in range(start, start + size, sub):
+                if s + sub <= lo or s >= hi:
+                    continue
+                out += self.lets_for(sub, s, env)
+                out += rec(level + 1, s, sub)
+            return out
+
+        return stmts + rec(0, 0, self.fmt.block_size)
+
+    def group_expr(self, e: Expr, start: int, env: dict[str, Expr]) -> Expr:
+        """A group-level format expression (scale, offset) as kernel IR, at group start `start`."""
+        return _Lowerer(self.fmt, self.buf, self.base, env, start, 1, "_unused").expr(e)
+
+    def value(self, lw: _Lowerer) -> Expr:
+        """The element value (f32) inside a chunk."""
+        return lw.expr(self.fmt.value)
+
+
+# --- affine factorization -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Affine:
+    """value = scale * ToF32(level) + offset, with scale/offset constant over groups of `group` elements."""
+
+    scale: Expr
+    level: Expr  # integer per-element expression (format expression language)
+    offset: Expr | None
+    group: int
+
+
+def _group_of(fmt: QuantFormat, e: Expr) -> int:
+    """Largest group over which `e` is constant (block size if it uses no per-element part)."""
+    g = fmt.block_size
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Var):
+            if x.name == "i":
+                return 1
+            g = min(g, fmt.let(x.name).group)
+        elif isinstance(x, Q.Load):
+            return 1 if not _const_index(x.index) else g
+        stack.extend(Q._children(x))
+    return g
+
+
+def _const_index(e: Expr) -> bool:
+    return all(not (isinstance(x, Var)) for x in _iter(e))
+
+
+def _iter(e: Expr):
+    yield e
+    for c in Q._children(e):
+        yield from _iter(c)
+
+
+def affine(fmt: QuantFormat) -> Affine | None:
+    """Factor `fmt.value` as S_g * level + M_g when its expression tree allows it (see module docstring)."""
+    v = fmt.value
+    if v is None or fmt.block_size == 1:
+        return None
+    offset = None
+    if isinstance(v, Bin) and v.op in ("+", "-"):
+        prod, off = v.a, v.b
+        offset = off if v.op == "+" else Bin("-", Const(0.0), off)
+        v = prod
+    if not (isinstance(v, Bin) and v.op == "*"):
+        return None
+    for s, lvl in ((v.a, v.b), (v.b, v.a)):
+        if isinstance(lvl, ToF32) and _group_of(fmt, s) > 1 and not _is_float_load(fmt, lvl.a):
+            g = _group_of(fmt, s)
+            if offset is not None:
+                g = min(g, _group_of(fmt, offset))
+                if g == 1:
+                    return None
+            return Affine(s, lvl.a, offset, g)
+    return None
+
+
+def _is_float_load(fmt: QuantFormat, e: Expr) -> bool:
+    return isinstance(e, Q.Load) and fmt.field(e.field).dtype in ("f16", "bf16", "f32")

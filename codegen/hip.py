@@ -1,0 +1,168 @@
+"""HIP C++ renderer: the C-family printer with HIP's spellings, for AMD GPUs (and CUDA behind `cuda_prelude`).
+
+Only what differs from `codegen/cfamily.py` lives here: `extern "C" __global__` kernels with
+`__launch_bounds__(lanes)`, `blockIdx` / `threadIdx`, `__syncthreads()`, `__shared__` arrays, f16 through
+`__half2float` / `__float2half_rn`, `__shfl_xor` butterflies over the wavefront (`wave`: 64 on gfx9 and older,
+32 on RDNA gfx10+), and `__builtin_amdgcn_sdot4` for `dot4_i8` where the architecture has `v_dot4_i32_i8`.
+
+`Reduce` combine, by group size: lanes <= wave (a power of two) -> one butterfly inside the wave; lanes a
+multiple of the wave -> a butterfly per wave, then lane 0 folds the per-wave results from shared memory in a
+fixed order; anything else -> the printer's shared-memory tree. The butterfly leaves the same bits in every
+lane (a + b == b + a), so the result stays uniform.
+"""
+
+from __future__ import annotations
+
+import re
+
+from polystrata.codegen.cfamily import CPrinter
+from polystrata.ir.kernel import Kernel
+
+# Architectures whose ISA has v_dot4_i32_i8 (LLVM's dot1-insts; checked with hiprtc for the ROCm 5.2 ones).
+SDOT4_ARCHS = frozenset({"gfx906", "gfx908", "gfx90a", "gfx1011", "gfx1012", "gfx1030", "gfx1031", "gfx1032",
+                         "gfx1033", "gfx1034", "gfx1035", "gfx1036"})
+
+# `a*b+c` must not become an FMA (quantized dot products match the CPU target bit for bit); the runtime also
+# passes -ffp-contract=off. The fp16 header is only needed for the native f16 conversions.
+_PRELUDE = """\
+/* polystrata HIP kernel: {arch}, wave {wave} */
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
+"""
+# hiprtc 5.2 pre-includes the fp16 header and has no file of that name; hipcc and newer hiprtc have one.
+_FP16 = "#if !defined(PS_CUDA) && defined(__has_include)\n#if __has_include(<hip/hip_fp16.h>)\n" \
+    "#include <hip/hip_fp16.h>\n#endif\n#endif\n"
+
+_CUDA_PRELUDE = """\
+/* HIP -> CUDA mapping for polystrata's HIP source (NVRTC or nvcc; pass --fmad=false for exact results). */
+#define PS_CUDA 1
+#include <cuda_fp16.h>
+/* __activemask(): a group smaller than a warp leaves lanes out, and a full mask would name absent threads. */
+#define __shfl_xor(v, m) __shfl_xor_sync(__activemask(), (v), (m))
+#define __shfl_down(v, o) __shfl_down_sync(__activemask(), (v), (o))
+#define __builtin_amdgcn_sdot4(a, b, c, clamp) __dp4a((int)(a), (int)(b), (c))
+#define warpSize 32
+"""
+
+
+def base_arch(arch: str) -> str:
+    """`gfx90a:xnack-` -> `gfx90a` (target features do not change the ISA family)."""
+    return arch.split(":", 1)[0].strip().lower()
+
+
+def wave_of(arch: str) -> int:
+    """Wavefront width of an architecture: 32 on RDNA (gfx10, gfx11, gfx12) and CUDA (`sm_*`), else 64."""
+    a = base_arch(arch)
+    if a.startswith("sm_"):
+        return 32
+    if not re.fullmatch(r"gfx\d+[0-9a-f]?", a):
+        raise ValueError(f"unknown GPU architecture {arch!r} (expected gfxNNN, e.g. gfx1030 or gfx90a)")
+    return 32 if len(a) >= 7 and int(a[3:5]) >= 10 else 64  # gfx10xx, gfx11xx, gfx12xx
+
+
+class HIPPrinter(CPrinter):
+    """`CPrinter` for HIP C++ (hiprtc / hipcc), also valid CUDA after `cuda_prelude()`."""
+
+    ctypes = {"f32": "float", "f16": "unsigned short", "i32": "int", "u32": "unsigned int", "i16": "short",
+              "u16": "unsigned short", "i8": "signed char", "u8": "unsigned char"}
+    func_qualifier = "static __device__ inline"
+    const_array_qualifier = "static __constant__ const"
+    f2u = "__float_as_uint"
+    u2f = "__uint_as_float"
+
+    def __init__(self, kernel: Kernel, arch: str, wave: int | None = None, native_f16: bool = True):
+        self.arch = arch
+        self.wave = wave or wave_of(arch)
+        lanes = kernel.lanes
+        # One butterfly covers the group when it fits in a wave; wider groups take the per-wave path (tree()).
+        fits = 1 < lanes <= self.wave and lanes & (lanes - 1) == 0
+        self.multi_wave = lanes > self.wave and lanes % self.wave == 0
+        super().__init__(kernel, subgroups=fits)
+        self.native_f16 = native_f16
+        self.f16_buffer_type = "__half" if native_f16 else None
+        self.wave_ops: set[str] = set()
+        a = base_arch(arch)
+        # sm_*: the CUDA prelude maps the builtin to __dp4a (sm_61+).
+        if a in SDOT4_ARCHS or a.startswith("sm_"):
+            self.native_intrinsics = {"dot4_i8": "__builtin_amdgcn_sdot4((int)({0}), (int)({1}), {2}, false)"}
+
+    def group_id(self, d: int) -> str:
+        return f"(int)blockIdx.{'xyz'[d]}"
+
+    def local_id(self) -> str:
+        return "(int)threadIdx.x"
+
+    def barrier(self, local: bool, global_: bool) -> str:
+        return "__syncthreads();"  # a block-wide fence for shared and global memory alike
+
+    def local_decl(self, ctype: str, name: str, size: int) -> str:
+        if name == "ps_red" and self.multi_wave:
+            size = self.lanes // self.wave  # one slot per wave
+        return f"__shared__ {ctype} {name}[{size}];"
+
+    def load_f16(self, buf: str, index: str) -> str:
+        if not self.native_f16:
+            return super().load_f16(buf, index)
+        return f"__half2float({buf}[{index}])"
+
+    def store_f16(self, buf: str, index: str, value: str) -> str:
+        if not self.native_f16:
+            return super().store_f16(buf, index, value)
+        return f"{buf}[{index}] = __float2half_rn({value});"
+
+    def subgroup_reduce(self, op: str, x: str) -> str:
+        """Butterfly over min(lanes, wave) lanes of a wave; every lane gets the same bits."""
+        self.wave_ops.add(op)
+        return f"ps_wave_{'add' if op == '+' else 'max'}({x})"
+
+    def tree(self, op: str, acc: str, d: int) -> None:
+        if not self.multi_wave:
+            super().tree(op, acc, d)
+            return
+        lid, w = self.lid, self.wave
+        nw = self.lanes // w
+        self.emit(d, f"{acc} = {self.subgroup_reduce(op, acc)};")
+        self.emit(d, f"if ({lid} % {w} == 0) ps_red[{lid} / {w}] = {acc};")
+        self.emit_barrier(d)
+        # A fixed fold order: the same bits on every run, whatever order the waves finished in.
+        self.emit(d, f"if ({lid} == 0) {{")
+        self.emit(d + 1, "float ps_t = ps_red[0];")
+        self.emit(d + 1, f"for (int ps_w = 1; ps_w < {nw}; ps_w++) ps_t = {self.combine(op, 'ps_t', 'ps_red[ps_w]')};")
+        self.emit(d + 1, "ps_red[0] = ps_t;")
+        self.emit(d, "}")
+        self.emit_barrier(d)
+
+    def prelude(self) -> str:
+        return _PRELUDE.format(arch=self.arch, wave=self.wave) + (_FP16 if self.native_f16 else "")
+
+    def signature(self, params: list[str]) -> str:
+        return f'extern "C" __global__ void __launch_bounds__({self.lanes})\n{self.k.name}({", ".join(params)})'
+
+    def render(self) -> str:
+        text = super().render()
+        width = min(self.lanes, self.wave)
+        helpers = []
+        for op in sorted(self.wave_ops):
+            name, step = ("add", "x = x + {s};") if op == "+" else ("max", "x = fmaxf(x, {s});")
+            helpers.append(
+                f"{self.func_qualifier} float ps_wave_{name}(float x) {{\n"
+                f"#pragma unroll\n    for (int o = {width // 2}; o > 0; o >>= 1) "
+                + step.format(s="__shfl_xor(x, o)") + "\n    return x;\n}\n")
+        # Helpers go just before the kernel's doc comment (after the prelude and the intrinsics).
+        i = text.index(f"/* {self.k.name}: lanes")
+        return text[:i] + "".join(helpers) + text[i:]
+
+
+def render(kernel: Kernel, arch: str, wave: int | None = None, native_f16: bool = True) -> str:
+    """HIP C++ source of `kernel` for AMD architecture `arch` (e.g. gfx1030, gfx90a; `sm_XX` for the CUDA path).
+
+    `wave` overrides the wavefront width implied by `arch` (e.g. 64 for an RDNA part run in wave64 mode);
+    `native_f16=False` uses the portable bit conversions for f16 instead of `__half` (bit-exact even for NaNs).
+    """
+    return HIPPrinter(kernel, arch, wave, native_f16).render()
+
+
+def cuda_prelude() -> str:
+    """Text to put before `render(kernel, arch)` so the same source compiles as CUDA (NVRTC / nvcc)."""
+    return _CUDA_PRELUDE

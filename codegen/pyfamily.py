@@ -1,0 +1,256 @@
+"""One printer for Python-source targets compiled by Numba (CPU `@njit`, CUDA `@cuda.jit`): kernel IR -> source.
+
+`PyPrinter` renders expressions with a float32 discipline (every float literal and conversion is `np.float32`,
+so Numba never widens arithmetic to float64; integers are int64, a superset of the IR's i32 / u32 for the
+values kernels produce), statements, tables (module-level int64 arrays, frozen into the compiled code) and the
+portable intrinsics (`HELPERS`: exact integer bit manipulation, valid in Numba on the CPU and on CUDA).
+
+A target subclasses it the way `codegen/cfamily.py` targets subclass `CPrinter`, overriding only what differs:
+the imports and helper decorator, the kernel header (how a grid point and its lane are found), where local
+arrays live, the range a lane walks in `LaneFor` / `Reduce`, the group combine of a `Reduce`, and uniform
+stores. `last_barrier` is tracked here (reset whenever ordinary code or a new block starts) for targets
+with barriers; the CPU never reads it.
+"""
+
+from __future__ import annotations
+
+from polystrata.ir.kernel import (
+    Assign,
+    Bin,
+    Buf,
+    Call,
+    Cast,
+    Const,
+    Decl,
+    For,
+    If,
+    Kernel,
+    LaneFor,
+    Let,
+    Load,
+    Reduce,
+    Select,
+    Store,
+    ToF32,
+    Var,
+)
+from polystrata.ir.quant import TABLES, Table
+
+# Storage dtype of each IR buffer dtype (numpy names); f16 is kept as its bits.
+NUMPY_DTYPES = {"f32": "float32", "f16": "uint16", "i32": "int32", "u32": "uint32", "i16": "int16",
+                "u16": "uint16", "i8": "int8", "u8": "uint8"}
+
+# The intrinsics' portable definitions; `{dec}` is the target's decorator for an inlined helper function.
+HELPERS = '''\
+@{dec}
+def f16_bits_to_f32(h):
+    h = np.int64(h) & 0xFFFF
+    e = (h >> 10) & 0x1F
+    m = h & 0x3FF
+    if e == 31:
+        v = np.float32(np.inf) if m == 0 else np.float32(np.nan)
+    elif e == 0:
+        v = np.float32(m) * np.float32(5.960464477539063e-08)
+    else:
+        v = np.float32(math.ldexp(np.float32(1024 + m), np.int32(e - 25)))
+    return -v if h >> 15 else v
+
+@{dec}
+def f32_to_f16_bits(x):
+    # Round to nearest even with integer arithmetic only (no float16 type, no rint on every target).
+    x = np.float32(x)
+    s = 0x8000 if math.copysign(np.float32(1.0), x) < 0 else 0
+    a = abs(x)
+    if a != a:
+        return 0x7E00
+    if a >= np.float32(65520.0):
+        return s | 0x7C00
+    if a == 0:
+        return s
+    f, e = math.frexp(a)
+    q = np.int64(f * np.float32(16777216.0))
+    sh = max(13, -np.int64(e))
+    if sh > 30:
+        return s
+    r = q >> sh
+    rem = q & ((np.int64(1) << sh) - 1)
+    half = np.int64(1) << (sh - 1)
+    if rem > half or (rem == half and (r & 1) == 1):
+        r += 1
+    return s | (r + ((max(np.int64(e), -13) + 13) << 10))
+
+@{dec}
+def dot4_i8(a, b, acc):
+    s = acc
+    for k in range(4):
+        x = (np.int64(a) >> (8 * k)) & 0xFF
+        y = (np.int64(b) >> (8 * k)) & 0xFF
+        s += (x - 256 if x > 127 else x) * (y - 256 if y > 127 else y)
+    return s
+
+@{dec}
+def load_u32(buf, i):
+    return (np.int64(buf[i]) | (np.int64(buf[i + 1]) << 8) | (np.int64(buf[i + 2]) << 16)
+            | (np.int64(buf[i + 3]) << 24))
+'''
+
+_MATH = {"exp": "math.exp", "tanh": "math.tanh", "sqrt": "math.sqrt", "cos": "math.cos", "sin": "math.sin",
+         "log": "math.log", "pow": "math.pow", "abs": "abs", "max": "max", "min": "min"}
+_FLOAT_RESULT = {"exp", "tanh", "sqrt", "cos", "sin", "log", "pow", "rsqrt"}
+
+
+def prelude(imports: str, decorator: str) -> str:
+    """Module header of a Numba target: its imports, then the intrinsic helpers under `decorator`."""
+    return imports + "\n" + HELPERS.format(dec=decorator)
+
+
+class PyPrinter:
+    """Renders one `Kernel` as a Python module for Numba; subclasses supply the target's execution mapping."""
+
+    imports = "import math\nimport numpy as np\n"
+    helper_decorator = ""
+
+    def __init__(self, k: Kernel):
+        self.k = k
+        self.lines: list[str] = []
+        self.f16 = {p.name for p in k.params if isinstance(p, Buf) and p.dtype == "f16"}
+        self.f16 |= {a.name for a in k.local if a.dtype == "f16"}
+        self.tables: set[str] = set()
+        self.last_barrier = False
+
+    # --- target hooks ---------------------------------------------------------------------------------
+
+    def header(self) -> int:
+        """Emit the decorator, `def` line and per-grid-point setup (g0.., local arrays); returns body depth."""
+        raise NotImplementedError
+
+    def lane_range(self, stop: str) -> str:
+        """The `range(...)` one lane walks of a LaneFor / Reduce over `range(stop)`."""
+        return f"range({stop})"
+
+    def lane_for(self, s: LaneFor, d: int) -> None:
+        """`LaneFor`: the loop over this lane's iterations (targets with lanes add barriers around it)."""
+        self.emit(d, f"for {s.var} in {self.lane_range(self.e(s.stop))}:")
+        self.body(s.body, d + 1, True)
+
+    def reduce(self, s: Reduce, d: int) -> None:
+        """`Reduce`: this lane's partial, then `combine` makes it the group's uniform value."""
+        acc = self.partial(s, d)
+        self.emit(d, f"{s.name} = {self.combine(s, acc, d)}")
+
+    def combine(self, s: Reduce, acc: str, d: int) -> str:
+        """Combine the lanes' partials `acc` (emitting statements at depth `d`); returns the uniform result."""
+        return acc
+
+    def store(self, s: Store, d: int, lane: bool) -> None:
+        """A `Store`; `lane` is False for uniform stores (a target with lanes lets one lane do it)."""
+        self.emit(d, self.store_text(s))
+
+    # --- expressions ----------------------------------------------------------------------------------
+
+    def e(self, x) -> str:
+        """Render an expression."""
+        if isinstance(x, Const):
+            return f"np.float32({x.value!r})" if isinstance(x.value, float) else repr(x.value)
+        if isinstance(x, Var):
+            return x.name
+        if isinstance(x, Bin):
+            op = x.op
+            if op == "/":
+                return f"np.float32({self.e(x.a)} / {self.e(x.b)})"
+            return f"({self.e(x.a)} {op} {self.e(x.b)})"
+        if isinstance(x, Select):
+            return f"({self.e(x.a)} if {self.e(x.cond)} else {self.e(x.b)})"
+        if isinstance(x, ToF32):
+            return f"np.float32({self.e(x.a)})"
+        if isinstance(x, Cast):
+            if x.dtype == "f32":
+                return f"np.float32({self.e(x.a)})"
+            return f"np.int64({self.e(x.a)})"
+        if isinstance(x, Load):
+            v = f"{x.buf}[{self.e(x.index)}]"
+            if x.buf in self.f16:
+                return f"f16_bits_to_f32({v})"
+            return v if self.k.dtype_of(x.buf) in ("f32", "f16") else f"np.int64({v})"
+        if isinstance(x, Table):
+            self.tables.add(x.name)
+            return f"_TABLE_{x.name}[{self.e(x.index)}]"
+        if isinstance(x, Call):
+            args = ", ".join(self.e(a) for a in x.args)
+            if x.fn == "rsqrt":
+                return f"np.float32(np.float32(1.0) / math.sqrt({args}))"
+            if x.fn in _MATH:
+                call = f"{_MATH[x.fn]}({args})"
+                return f"np.float32({call})" if x.fn in _FLOAT_RESULT else call
+            return f"{x.fn}({args})"
+        raise TypeError(f"cannot render {x!r}")
+
+    # --- statements -----------------------------------------------------------------------------------
+
+    def emit(self, depth: int, text: str) -> None:
+        self.lines.append("    " * depth + text)
+
+    def body(self, stmts, depth: int, lane: bool = False) -> None:
+        if not stmts:
+            self.emit(depth, "pass")
+        self.last_barrier = False  # a new block: whatever ran before it is not known here
+        for s in stmts:
+            self.stmt(s, depth, lane)
+
+    def store_text(self, s: Store) -> str:
+        v = self.e(s.value)
+        if s.buf in self.f16:
+            v = f"f32_to_f16_bits({v})"
+        return f"{s.buf}[{self.e(s.index)}] = {v}"
+
+    def partial(self, s: Reduce, d: int) -> str:
+        """Emit this lane's share of a Reduce into an accumulator; returns its name."""
+        init = "np.float32(0.0)" if s.op == "+" else "np.float32(-np.inf)"
+        acc = f"_acc_{s.name}"
+        self.emit(d, f"{acc} = {init}")
+        self.emit(d, f"for {s.var} in {self.lane_range(self.e(s.stop))}:")
+        for sub in s.body:
+            self.stmt(sub, d + 1, True)
+        if s.op == "+":
+            self.emit(d + 1, f"{acc} += {self.e(s.value)}")
+        else:
+            self.emit(d + 1, f"{acc} = max({acc}, {self.e(s.value)})")
+        return acc
+
+    def stmt(self, s, d: int, lane: bool = False) -> None:
+        """Render one statement; `lane` is True inside LaneFor / Reduce bodies (per-lane code)."""
+        if isinstance(s, LaneFor):
+            return self.lane_for(s, d)
+        if isinstance(s, Reduce):
+            return self.reduce(s, d)
+        if isinstance(s, Store):
+            return self.store(s, d, lane)
+        if isinstance(s, Let | Assign):
+            self.emit(d, f"{s.name} = {self.e(s.expr)}")
+        elif isinstance(s, Decl):
+            conv = "np.float32" if s.dtype == "f32" else "np.int64"
+            self.emit(d, f"{s.name} = {conv}({self.e(s.init)})")
+        elif isinstance(s, For):
+            step = f", {s.step}" if s.step != 1 else ""
+            self.emit(d, f"for {s.var} in range({self.e(s.start)}, {self.e(s.stop)}{step}):")
+            self.body(s.body, d + 1, lane)
+        elif isinstance(s, If):
+            self.emit(d, f"if {self.e(s.cond)}:")
+            self.body(s.then, d + 1, lane)
+            if s.orelse:
+                self.emit(d, "else:")
+                self.body(s.orelse, d + 1, lane)
+        else:
+            raise TypeError(f"cannot render {s!r}")
+        self.last_barrier = False
+
+    # --- whole module ---------------------------------------------------------------------------------
+
+    def render(self) -> str:
+        """The module: prelude, tables, then the kernel function `k.name`."""
+        depth = self.header()
+        self.body(self.k.body, depth)
+        # Module-level arrays are frozen into the compiled code as constants.
+        tables = "".join(f"_TABLE_{n} = np.array({list(TABLES[n])}, np.int64)\n" for n in sorted(self.tables))
+        head = prelude(self.imports, self.helper_decorator)
+        return head + "\n" + tables + "\n\n" + "\n".join(self.lines) + "\n"

@@ -1,0 +1,167 @@
+"""`attention`: write this step's K and V into the layer's KV cache, then causal (windowed, GQA) attention.
+
+Launch 1 (`kv_store`): grid (T, blocks per cache row) for K and for V; each group encodes one block of the KV
+format from its description: one-element formats (f16) store converted bits; symmetric formats whose code is
+a bare signed-byte field and whose step is an f16 field (q8_0, q8_g64) store d = max|x| / |anchor| as f16
+and codes round(x / d) clipped to the anchor.
+
+Launch 2 (`attn`): grid (T, n_head); two-pass softmax with the scores of the visible keys in local memory
+(size n_ctx): LaneFor over keys computes scores (K decoded block by block), Reduce max, LaneFor exp, Reduce
+sum, then a LaneFor over V blocks accumulates p_j * v_j into a local output row.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from polystrata.codegen.dequant import Decoder, block_stride, widen
+from polystrata.codegen.recipes import Recipe, RecipeContext, register
+from polystrata.codegen.recipes._matvec import Act, block_dot
+from polystrata.ir import quant as Q
+from polystrata.ir.graph import Node
+from polystrata.ir.kernel import (
+    Assign,
+    Buf,
+    Call,
+    Cast,
+    Decl,
+    For,
+    Kernel,
+    LaneFor,
+    Launch,
+    Let,
+    Load,
+    LocalArray,
+    Reduce,
+    Scalar,
+    Select,
+    Store,
+)
+from polystrata.ir.quant import Const, QuantFormat, Var
+
+
+def _kv_fmt(fmt: QuantFormat, d: int) -> QuantFormat:
+    return widen(fmt, math.gcd(d, 32)) if fmt.block_size == 1 else fmt
+
+
+def kv_store_kernel(name: str, fmt: QuantFormat, width: int, lanes: int) -> Kernel:
+    """cache[pos[t]] row (width values) = encode(src[t]) ; grid (T, width / block)."""
+    rb = width // fmt.block_size * fmt.block_bytes
+    b = Var("g1")
+    src0 = Var("g0") * width + b * fmt.block_size
+    dst = Load("positions", Var("g0")) * rb + b * fmt.block_bytes
+    body: list = [Let("dst", dst)]
+    if fmt.block_size == 1:
+        (f,) = fmt.fields
+        if f.dtype != "f16":
+            raise NotImplementedError(f"KV cache of {fmt.name}")
+        body += [Let("h", Call("f32_to_f16_bits", Load("src", src0))),
+                 Store("kv", Var("dst"), Var("h") & 255), Store("kv", Var("dst") + 1, (Var("h") >> 8) & 255)]
+        grid = (Var("T"), Const(width))
+    else:
+        s = fmt.scheme
+        code = fmt.let(s.code).expr
+        ok = (s is not None and s.min is None and s.step.code is None and isinstance(code, Q.Load)
+              and fmt.field(code.field).dtype == "i8" and s.table is None and s.group == fmt.block_size)
+        if not ok:
+            raise NotImplementedError(f"in-kernel encoding of {fmt.name}")
+        df, qf = fmt.field(s.step.field), fmt.field(code.field)
+        a = float(abs(s.anchor))
+        e = Var("e")
+        body += [
+            Decl("amax", "f32", Const(0.0)),
+            For("e", Const(0), Const(fmt.block_size), (
+                Assign("amax", Call("max", Var("amax"), Call("abs", Load("src", src0 + e)))),)),
+            Let("h", Call("f32_to_f16_bits", Var("amax") / a)),
+            Let("dd", Call("f16_bits_to_f32", Var("h"))),
+            Let("inv", Select(Var("dd") > 0.0, Const(1.0) / Var("dd"), Const(0.0))),
+            Store("kv", Var("dst") + df.offset, Var("h") & 255),
+            Store("kv", Var("dst") + df.offset + 1, (Var("h") >> 8) & 255),
+            For("e", Const(0), Const(fmt.block_size), (
+                Let("v", Load("src", src0 + e) * Var("inv")),
+                Let("q", Call("max", Const(-int(a)), Call("min", Const(int(a)), Cast(
+                    "i32", Var("v") + Select(Var("v") < 0.0, Const(-0.5), Const(0.5)))))),
+                Store("kv", Var("dst") + qf.offset + e, (Var("q") + 256) & 255),
+            )),
+        ]
+        grid = (Var("T"), Const(width // fmt.block_size))
+    params = (Buf("src", "f32"), Buf("positions", "i32"), Buf("kv", "u8", out=True), Scalar("T"))
+    return Kernel(name, params, grid, tuple(body), lanes=lanes)
+
+
+def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int, scale: float,
+                     window: int, softcap: float, lanes: int) -> Kernel:
+    """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq)."""
+    kf, vf = _kv_fmt(fmt, d), _kv_fmt(fmt, dv)
+    g = hq // hkv
+    krb = hkv * d // kf.block_size * block_stride(kf)
+    vrb = hkv * dv // vf.block_size * block_stride(vf)
+    t, h = Var("g0"), Var("g1")
+    kvh = h // g
+    pos = Var("pos")
+    lo = Call("max", Const(0), pos - (window - 1)) if window else Const(0)
+    n = Var("n")
+    qrow = t * hq + h
+    # Score of key j: dot of q row with K row j, head kvh, decoded block by block.
+    score_body = [Let("kj", Var("lo") + Var("jj")), Decl("sc", "f32", Const(0.0)),
+                  For("kb", Const(0), Const(d // kf.block_size), tuple(block_dot(
+                      fmt if fmt.block_size != 1 else kf, "kc", Var("kj") * krb + kvh * (d // kf.block_size) *
+                      block_stride(kf), Var("kb"), Act("q", d), qrow, "sc", "k_")))]
+    sc = Var("sc") * float(scale)
+    if softcap:
+        sc = Const(float(softcap)) * Call("tanh", sc / float(softcap))
+    score_body += [Store("s", Var("jj"), sc)]
+    vdec_bs = vf.block_size
+    nvb = dv // vdec_bs
+    vb = Var("vb")
+    dec = Decoder(vf, "vc", Var("vj") * vrb + (kvh * nvb + vb) * block_stride(vf), "v_")
+    vwalk = dec.walk(lambda s0, sz, env, inner: inner, lambda c, L, i0, env, lw: [
+        Store("o", vb * vdec_bs + c + Var(i0), Load("o", vb * vdec_bs + c + Var(i0)) + Var("p") * dec.value(lw))])
+    body = (
+        Let("pos", Load("positions", t)),
+        Let("lo", lo),
+        Let("n", pos + 1 - Var("lo")),
+        LaneFor("jj", n, tuple(score_body)),
+        Reduce("m", "max", "jj", n, (), Load("s", Var("jj"))),
+        LaneFor("jj", n, (Store("s", Var("jj"), Call("exp", Load("s", Var("jj")) - Var("m"))),)),
+        Reduce("z", "+", "jj", n, (), Load("s", Var("jj"))),
+        LaneFor("vb", Const(nvb), (
+            For("e", Const(0), Const(vdec_bs), (Store("o", vb * vdec_bs + Var("e"), Const(0.0)),)),
+            For("jj", Const(0), n, (Let("vj", Var("lo") + Var("jj")), Let("p", Load("s", Var("jj"))), *vwalk)),
+            For("e", Const(0), Const(vdec_bs), (
+                Store("out", qrow * dv + vb * vdec_bs + Var("e"), Load("o", vb * vdec_bs + Var("e")) / Var("z")),)),
+        )),
+    )
+    params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), Buf("out", "f32", out=True),
+              Scalar("T"))
+    local = (LocalArray("s", "f32", n_ctx), LocalArray("o", "f32", dv))
+    return Kernel(name, params, (Var("T"), Const(hq)), body, lanes=lanes, local=local,
+                  knobs=(("two_pass", 1),))
+
+
+def _lower_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    (node,) = nodes
+    q, k, v, pos = node.inputs
+    a = node.attrs
+    _, hq, d = q.type.shape
+    hkv, dv = int(k.type.shape[1]), int(v.type.shape[2])
+    hq, d = int(hq), int(d)
+    fmt = ctx.kv_format
+    layer = a["layer"]
+    kn, vn = f"kv.{layer}.k", f"kv.{layer}.v"
+    ks = kv_store_kernel(f"kv_store_{fmt.name.lower()}_{hkv * d}", fmt, hkv * d, ctx.lanes)
+    vs = kv_store_kernel(f"kv_store_{fmt.name.lower()}_{hkv * dv}", fmt, hkv * dv, ctx.lanes)
+    tag = f"{fmt.name.lower()}_{hq}_{hkv}_{d}_{dv}_{a['window']}_{abs(hash((a['scale'], a['softcap']))) % 10**8}"
+    at = attention_kernel(f"attn_{tag}", fmt, hq, hkv, d, dv, ctx.n_ctx, float(a["scale"]), int(a["window"]),
+                          float(a["softcap"] or 0.0), ctx.lanes)
+    p = ctx.buf(pos)
+    return [
+        Launch(ks, (("src", ctx.buf(k)), ("positions", p), ("kv", kn)), (("T", "T"),)),
+        Launch(vs, (("src", ctx.buf(v)), ("positions", p), ("kv", vn)), (("T", "T"),)),
+        Launch(at, (("q", ctx.buf(q)), ("kc", kn), ("vc", vn), ("positions", p), ("out", ctx.buf(node.output))),
+               (("T", "T"),)),
+    ]
+
+
+register(Recipe("attention", ("attention",), _lower_attention, None, (("two_pass", 1),)))

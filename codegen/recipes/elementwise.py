@@ -1,0 +1,216 @@
+"""Elementwise and row-wise recipes: add, mul, scale, swiglu/geglu (unfused), sigmoid_mul, last_row, rms_norm,
+fused add + rms_norm, rope.
+
+Elementwise kernels: grid (tokens, ceil(C / chunk)), a LaneFor over the chunk. Row kernels (norms): grid over
+rows, a Reduce over the row then a LaneFor writing it. Knob: chunk (elements per group).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
+from polystrata.codegen.recipes.linear import ACTIVATIONS
+from polystrata.ir.graph import Node, Value
+from polystrata.ir.kernel import Buf, Call, Cast, If, Kernel, LaneFor, Launch, Let, Load, Reduce, Scalar, Store
+from polystrata.ir.quant import Const, Expr, Var
+
+CHUNK = 256
+
+
+def _rows(v: Value) -> tuple[Expr, str | int, int]:
+    """(token-count expression, its launch binding, elements per token) of a [T or n, ...] value."""
+    per = math.prod(int(d) for d in v.type.shape[1:])
+    bind = token_binding(v)
+    return (Var("T") if bind == "T" else Const(bind)), bind, per
+
+
+def _per_token(v: Value) -> int:
+    return math.prod(int(d) for d in v.type.shape[1:]) if v.type.shape[0] == "T" else math.prod(
+        int(d) for d in v.type.shape)
+
+
+def elementwise_kernel(name: str, ins: Sequence[tuple[str, int]], per: int, fn: Callable[[list[Expr]], Expr],
+                       chunk: int, lanes: int) -> Kernel:
+    """out[t, c] = fn(in_j[t, c % size_j ...]); `ins` are (name, elements per token or -size for broadcast)."""
+    chunk = max(1, min(chunk, per))
+    c = Var("g1") * chunk + Var("l")
+    vals = []
+    for nm, size in ins:
+        if size < 0:  # broadcast over tokens: a [size] vector repeating along the row
+            vals.append(Load(nm, c % (-size)))
+        else:  # per token: size elements per token, repeating along the row when smaller than it
+            vals.append(Load(nm, Var("g0") * size + (c % size if size != per else c)))
+    body = (LaneFor("l", Const(chunk), (If(c < per, (Store("y", Var("g0") * per + c, fn(vals)),)),)),)
+    params = (*(Buf(nm, "f32") for nm, _ in ins), Buf("y", "f32", out=True), Scalar("T"))
+    return Kernel(name, params, (Var("T"), Const((per + chunk - 1) // chunk)), body, lanes=lanes,
+                  knobs=(("chunk", chunk),))
+
+
+def _sizes(node: Node) -> list[tuple[str, int]]:
+    out = []
+    for j, v in enumerate(node.inputs):
+        if v.type.shape and v.type.shape[0] == "T":
+            out.append((f"in{j}", _per_token(v)))
+        else:
+            out.append((f"in{j}", -math.prod(int(d) for d in v.type.shape)))
+    return out
+
+
+def _sigmoid(g: Expr) -> Expr:
+    return Const(1.0) / (Const(1.0) + Call("exp", Const(0.0) - g))
+
+
+_FNS: dict[str, Callable[[Node], Callable[[list[Expr]], Expr]]] = {
+    "add": lambda n: lambda v: v[0] + v[1],
+    "mul": lambda n: lambda v: v[0] * v[1],
+    "scale": lambda n: lambda v: v[0] * float(n.attrs["factor"]),
+    "swiglu": lambda n: lambda v: ACTIVATIONS["swiglu"](v[0]) * v[1],
+    "geglu": lambda n: lambda v: ACTIVATIONS["geglu"](v[0]) * v[1],
+    "sigmoid_mul": lambda n: lambda v: v[0] / (Const(1.0) + Call("exp", Const(0.0) - v[1])),
+}
+
+
+def _lower_elementwise(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    (node,) = nodes
+    ins = _sizes(node)
+    per = _per_token(node.output)
+    _, tbind, _ = _rows(node.output)
+    sig = "_".join(str(s) for _, s in ins)
+    key = f"{node.op}_{node.attrs.get('factor', '')}".replace(".", "p").replace("-", "m")
+    kern = elementwise_kernel(f"ew_{key}_{sig}_{per}".replace("-", "b"), ins, per, _FNS[node.op](node),
+                              ctx.knob(node.op, "chunk", CHUNK), ctx.lanes)
+    bufs = tuple((nm, ctx.buf(v)) for (nm, _), v in zip(ins, node.inputs)) + (("y", ctx.buf(node.output)),)
+    return [Launch(kern, bufs, (("T", tbind),))]
+
+
+def _lower_last_row(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    (node,) = nodes
+    per = _per_token(node.inputs[0])
+    chunk = max(1, min(ctx.knob("last_row", "chunk", CHUNK), per))
+    c = Var("g0") * chunk + Var("l")
+    body = (LaneFor("l", Const(chunk), (If(c < per, (Store("y", c, Load("x", (Var("T") - 1) * per + c)),)),)),)
+    kern = Kernel(f"last_row_{per}", (Buf("x", "f32"), Buf("y", "f32", out=True), Scalar("T")),
+                  (Const((per + chunk - 1) // chunk),), body, lanes=ctx.lanes, knobs=(("chunk", chunk),))
+    return [Launch(kern, (("x", ctx.buf(node.inputs[0])), ("y", ctx.buf(node.output))), (("T", "T"),))]
+
+
+def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int) -> Kernel:
+    """Rows of length d (grid over rows): [s = x + r, stored to `sum`] then y = s / sqrt(mean(s^2) + eps) * w."""
+    row = Var("g0") * d
+    if fused_add:
+        def src(j: Expr) -> Expr:
+            return Load("sum", row + j)
+        pre = [LaneFor("j", Const(d), (Store("sum", row + Var("j"), Load("x", row + Var("j")) +
+                                             Load("r", row + Var("j"))),))]
+        params = [Buf("x", "f32"), Buf("r", "f32"), Buf("sum", "f32", out=True)]
+    else:
+        def src(j: Expr) -> Expr:
+            return Load("x", row + j)
+        pre, params = [], [Buf("x", "f32")]
+    body = [*pre,
+            Reduce("ss", "+", "j", Const(d), (Let("v", src(Var("j"))),), Var("v") * Var("v")),
+            Let("inv", Const(1.0) / Call("sqrt", Var("ss") / float(d) + float(eps))),
+            LaneFor("j", Const(d), (Store("y", row + Var("j"), src(Var("j")) * Var("inv") * Load("w", Var("j"))),))]
+    params += [Buf("w", "f32"), Buf("y", "f32", out=True), Scalar("R")]
+    return Kernel(name, tuple(params), (Var("R"),), tuple(body), lanes=lanes)
+
+
+def _norm_rows(v: Value) -> tuple[str | int, int]:
+    """Launch binding for the row count of a norm over the last dim: 'T' scaled by middle dims needs a kernel
+    scalar, so rows = T * mid is expressed through grid R bound to T with the middle folded into d-steps."""
+    mid = math.prod(int(d) for d in v.type.shape[1:-1])
+    return token_binding(v), mid
+
+
+def _norm_launch(kern_fn, node: Node, ctx: RecipeContext, bufs: list[tuple[str, str]]) -> list[Launch]:
+    x = node.inputs[0]
+    d = int(x.type.shape[-1])
+    tb, mid = _norm_rows(x)
+    kern = kern_fn(d, mid)
+    return [Launch(kern, tuple(bufs), (("R", tb),))]
+
+
+def _rms_kernel_mid(d: int, mid: int, eps: float, fused: bool, lanes: int) -> Kernel:
+    k = rms_norm_kernel(f"rms_norm{'_add' if fused else ''}_{d}x{mid}_{str(eps).replace('.', 'p').replace('-', 'm')}",
+                        d, eps, fused, lanes)
+    if mid == 1:
+        return k
+    # Rows = tokens * mid: scale the grid (R is bound to the token count).
+    return Kernel(k.name, k.params, (Var("R") * mid,), k.body, lanes=k.lanes)
+
+
+def _lower_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    (node,) = nodes
+    x, w = node.inputs
+    eps = float(node.attrs["eps"])
+    return _norm_launch(lambda d, mid: _rms_kernel_mid(d, mid, eps, False, ctx.lanes), node, ctx,
+                        [("x", ctx.buf(x)), ("w", ctx.buf(w)), ("y", ctx.buf(node.output))])
+
+
+def _lower_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    add, norm = nodes
+    x, r = add.inputs
+    w = norm.inputs[1]
+    eps = float(norm.attrs["eps"])
+    return _norm_launch(lambda d, mid: _rms_kernel_mid(d, mid, eps, True, ctx.lanes), add, ctx,
+                        [("x", ctx.buf(x)), ("r", ctx.buf(r)), ("sum", ctx.buf(add.output)), ("w", ctx.buf(w)),
+                         ("y", ctx.buf(norm.output))])
+
+
+def _match_add_rms(nodes: Sequence[Node]) -> bool:
+    add, norm = nodes
+    x, r = add.inputs
+    return norm.inputs[0] is add.output and x.type.shape == r.type.shape and _f32_weight(norm)
+
+
+def _f32_weight(norm: Node) -> bool:
+    return len(norm.inputs[1].type.shape) == 1
+
+
+def rope_kernel(name: str, h: int, d: int, dims: int, base: float, freq_scale: float, mode: str,
+                lanes: int) -> Kernel:
+    """y = rope(x) for x [T, h, d]; grid (T, h); angle = pos * freq_scale * base^(-2p/dims) per pair p."""
+    half = dims // 2
+    row = (Var("g0") * h + Var("g1")) * d
+    p = Var("p")
+    if mode == "normal":
+        ia, ib = p * 2, p * 2 + 1
+    else:
+        ia, ib = p, p + half
+    body = (
+        Let("pos", Cast("f32", Load("positions", Var("g0")))),
+        LaneFor("p", Const(half), (
+            Let("ang", Var("pos") * float(freq_scale) *
+                Call("pow", Const(float(base)), Cast("f32", p * -2) / float(dims))),
+            Let("c", Call("cos", Var("ang"))), Let("s", Call("sin", Var("ang"))),
+            Let("a", Load("x", row + ia)), Let("b", Load("x", row + ib)),
+            Store("y", row + ia, Var("a") * Var("c") - Var("b") * Var("s")),
+            Store("y", row + ib, Var("a") * Var("s") + Var("b") * Var("c")),
+        )),
+        LaneFor("q", Const(max(d - dims, 1)), (If(Var("q") < d - dims, (
+            Store("y", row + dims + Var("q"), Load("x", row + dims + Var("q"))),)),)),
+    )
+    params = (Buf("x", "f32"), Buf("positions", "i32"), Buf("y", "f32", out=True), Scalar("T"))
+    return Kernel(name, params, (Var("T"), Const(h)), body, lanes=lanes)
+
+
+def _lower_rope(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    (node,) = nodes
+    x, pos = node.inputs
+    _, h, d = (x.type.shape[0], int(x.type.shape[1]), int(x.type.shape[2]))
+    a = node.attrs
+    tag = f"{h}x{d}_{a['dims']}_{a['mode']}_{abs(hash((a['base'], a['freq_scale']))) % 10**8}"
+    kern = rope_kernel(f"rope_{tag}", h, d, int(a["dims"]), float(a["base"]), float(a["freq_scale"]), a["mode"],
+                       ctx.lanes)
+    return [Launch(kern, (("x", ctx.buf(x)), ("positions", ctx.buf(pos)), ("y", ctx.buf(node.output))),
+                   (("T", "T"),))]
+
+
+register(Recipe("add_rms_norm", ("add", "rms_norm"), _lower_add_rms, _match_add_rms))
+for _op in _FNS:
+    register(Recipe(_op, (_op,), _lower_elementwise, None, (("chunk", CHUNK),)))
+register(Recipe("last_row", ("last_row",), _lower_last_row, None, (("chunk", CHUNK),)))
+register(Recipe("rms_norm", ("rms_norm",), _lower_rms, None))
+register(Recipe("rope", ("rope",), _lower_rope, None))

@@ -1,0 +1,214 @@
+"""Weight-reading recipes: `matmul` (any weight format), fused gate+up+activation, `embed`.
+
+Schedule (one kernel serves every T, since T is a run-time symbol): grid (ceil(N / rows), ceil(T / tokens)).
+Each group first quantizes its token tile of x to int8 in local memory (int8 path, see `_matvec`), then for
+each of its `rows` weight rows and each token of the tile computes the dot product block by block. For T == 1
+that is a plain matvec (grid over row tiles); for large T each group reads its weight rows once from memory
+and reuses them (from cache) for the whole token tile.
+
+Knobs: rows (rows per group), tokens (token tile), int8 (int8-activation path where the format allows it),
+split ("rows": lanes take rows, each a whole dot product -- the CPU default; "blocks": for each row a Reduce
+over the row's blocks spread over the lanes -- the GPU default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from polystrata.codegen.dequant import Decoder, block_stride, elements_per_row_bytes, weight_dtype
+from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
+from polystrata.codegen.recipes._matvec import QB, Act, block_dot, fmt_for, quantize_x, use_int8
+from polystrata.ir.graph import Node
+from polystrata.ir.kernel import (
+    Buf,
+    Call,
+    Decl,
+    For,
+    If,
+    Kernel,
+    LaneFor,
+    Launch,
+    Let,
+    Load,
+    LocalArray,
+    Reduce,
+    Scalar,
+    Store,
+)
+from polystrata.ir.quant import Const, Expr, QuantFormat, Var
+
+MATMUL_KNOBS = (("rows", 4), ("tokens", 8), ("int8", 1), ("split", "auto"))
+
+
+def _exp(x: Expr) -> Expr:
+    return Call("exp", x)
+
+
+def silu(g: Expr) -> Expr:
+    """g * sigmoid(g)."""
+    return g / (Const(1.0) + _exp(Const(0.0) - g))
+
+
+def gelu_tanh(g: Expr) -> Expr:
+    """GELU, tanh approximation."""
+    c = 0.7978845608028654
+    return Const(0.5) * g * (Const(1.0) + Call("tanh", Const(c) * (g + Const(0.044715) * g * g * g)))
+
+
+ACTIVATIONS = {"swiglu": silu, "geglu": gelu_tanh}
+
+
+def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, int8: bool,
+                  split: str, lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+    """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j); weights [n, k] of formats `fmts`."""
+    int8 = all(use_int8(f, int8) for f in fmts)
+    rows = max(1, min(rows, n))
+    wnames = [f"w{j}" for j in range(len(fmts))]
+    params = [Buf("x", "f32"), *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True),
+              Scalar("T")]
+    t0, nt = Var("t0"), Var("nt")
+    body: list = [Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - t0))]
+    local = []
+    if int8:
+        local = [LocalArray("xq", "i8", tokens * k), LocalArray("xd", "f32", tokens * k // QB)]
+        body += quantize_x("x", "xq", "xd", t0, nt, tokens, k)
+        act = Act("x", k, "xq", "xd")
+    else:
+        act = Act("x", k)
+
+    def dots(row: Expr, t_act: Expr, accs: list[str]) -> list:
+        rowc = Call("min", row, Const(n - 1))  # clamp so loads stay in bounds; the store is guarded
+        out = []
+        for j, (w, f) in enumerate(zip(wnames, fmts)):
+            nb = k // fmt_for(f).block_size
+            out.append(Let(f"w{j}_rb", rowc * elements_per_row_bytes(f, k)))
+            out.append(For("b", Const(0), Const(nb), tuple(block_dot(f, w, Var(f"w{j}_rb"), Var("b"), act, t_act,
+                                                                       accs[j], f"w{j}_"))))
+        return out
+
+    def result(accs: list[str]) -> Expr:
+        vals = [Var(a) for a in accs]
+        return epilogue(vals) if epilogue else vals[0]
+
+    if split == "rows":
+        accs = [f"acc{j}" for j in range(len(fmts))]
+        rr, row, t = Var("rr"), Var("row"), Var("t")
+        t_act = t if int8 else t0 + t
+        inner = [Decl(a, "f32", Const(0.0)) for a in accs] + dots(row, t_act, accs)
+        inner.append(Store("y", (t0 + t) * n + row, result(accs)))
+        body.append(LaneFor("rr", Const(rows), (
+            Let("row", Var("g0") * rows + rr),
+            If(row < n, (For("t", Const(0), nt, tuple(inner)),)),
+        )))
+    else:
+        for r in range(rows):
+            row = Var("g0") * rows + r
+            t = Var(f"tt{r}")
+            t_act = t if int8 else t0 + t
+            red = []
+            for j in range(len(fmts)):
+                acc = f"acc{j}"
+                sub_accs = [acc if i == j else f"_u{i}" for i in range(len(fmts))]
+                red.append(Reduce(f"s{r}_{j}", "+", f"bb{j}", Const(k // fmt_for(fmts[j]).block_size), (
+                    Decl(acc, "f32", Const(0.0)),
+                    *_only(dots(row, t_act, sub_accs), j, Var(f"bb{j}")),
+                ), Var(acc)))
+            vals = [f"s{r}_{j}" for j in range(len(fmts))]
+            body.append(For(t.name, Const(0), nt, (*red, If(row < n, (Store("y", (t0 + t) * n + row, result(vals)),)))))
+    grid = (Const((n + rows - 1) // rows), (Var("T") + (tokens - 1)) // tokens)
+    knobs = (("rows", rows), ("tokens", tokens), ("int8", int(int8)), ("split", split))
+    return Kernel(name, tuple(params), grid, tuple(body), lanes=lanes, local=tuple(local), knobs=knobs,
+                  doc=f"matmul {'+'.join(f.name for f in fmts)} [{n}x{k}]")
+
+
+def _only(loops: list, j: int, b: Expr) -> list:
+    """Weight j's block loop body for block `b` (the Reduce iterates the blocks itself)."""
+    return [loops[2 * j], Let("b", b), *loops[2 * j + 1].body]
+
+
+def _knobs(ctx: RecipeContext, recipe: str) -> dict:
+    kn = {name: ctx.knob(recipe, name, default) for name, default in MATMUL_KNOBS}
+    if kn["split"] == "auto":
+        kn["split"] = "rows" if ctx.lanes == 1 else "blocks"
+    return kn
+
+
+def _fmt(ctx: RecipeContext, v) -> QuantFormat:
+    from polystrata.ir.quant import F32
+
+    return ctx.weight_formats.get(v.weight, F32) if v.weight is not None else F32
+
+
+def _lower_matmul(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    (node,) = nodes
+    x, w = node.inputs
+    n, k = int(w.type.shape[0]), int(w.type.shape[-1])
+    kn = _knobs(ctx, "matmul")
+    kern = matmul_kernel(f"matmul_{_fmt(ctx, w).name.lower()}_{n}x{k}", [_fmt(ctx, w)], n, k, lanes=ctx.lanes,
+                         **kn)
+    return [Launch(kern, (("x", ctx.buf(x)), ("w0", ctx.buf(w)), ("y", ctx.buf(node.output))),
+                   (("T", token_binding(x)),))]
+
+
+def _lower_glu(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    g, u, act = nodes
+    x, wg = g.inputs
+    _, wu = u.inputs
+    n, k = int(wg.type.shape[0]), int(wg.type.shape[-1])
+    kn = _knobs(ctx, "matmul_glu")
+    fn = ACTIVATIONS[act.op]
+    fg, fu = _fmt(ctx, wg), _fmt(ctx, wu)
+    kern = matmul_kernel(f"glu_{act.op}_{fg.name.lower()}_{fu.name.lower()}_{n}x{k}", [fg, fu], n, k,
+                         lanes=ctx.lanes, epilogue=lambda v: fn(v[0]) * v[1], **kn)
+    return [Launch(kern, (("x", ctx.buf(x)), ("w0", ctx.buf(wg)), ("w1", ctx.buf(wu)), ("y", ctx.buf(act.output))),
+                   (("T", token_binding(x)),))]
+
+
+def _match_glu(nodes: Sequence[Node]) -> bool:
+    g, u, act = nodes
+    return (g.inputs[0] is u.inputs[0] and act.inputs[0] is g.output and act.inputs[1] is u.output
+            and g.inputs[1].weight is not None and u.inputs[1].weight is not None)
+
+
+def _match_matmul(nodes: Sequence[Node]) -> bool:
+    return nodes[0].inputs[1].weight is not None
+
+
+def embed_kernel(name: str, fmt: QuantFormat, cols: int, chunk: int, lanes: int) -> Kernel:
+    """out[t, :] = dequantized row tokens[t] of the [vocab, cols] table; grid (T, ceil(blocks / chunk))."""
+    wf = fmt_for(fmt)
+    nb = cols // wf.block_size
+    chunk = max(1, min(chunk, nb))
+    body = (LaneFor("c", Const(chunk), (
+        Let("b", Var("g1") * chunk + Var("c")),
+        If(Var("b") < nb, (
+            Let("tok", Load("tokens", Var("g0"))),
+            *_decode_store(wf, Var("tok") * elements_per_row_bytes(fmt, cols) + Var("b") * block_stride(wf),
+                           Var("g0") * cols + Var("b") * wf.block_size),
+        )),
+    )),)
+    grid = (Var("T"), Const((nb + chunk - 1) // chunk))
+    params = (Buf("w", weight_dtype(fmt)), Buf("tokens", "i32"), Buf("y", "f32", out=True), Scalar("T"))
+    return Kernel(name, params, grid, body, lanes=lanes, knobs=(("chunk", chunk),), doc=f"embed {fmt.name}")
+
+
+def _decode_store(wf: QuantFormat, base: Expr, out: Expr) -> list:
+    dec = Decoder(wf, "w", base, "d_")
+    return dec.walk(lambda s, n, env, inner: inner,
+                    lambda c, L, i0, env, lw: [Store("y", out + c + Var(i0), dec.value(lw))])
+
+
+def _lower_embed(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    (node,) = nodes
+    w, tok = node.inputs
+    fmt = _fmt(ctx, w)
+    cols = int(w.type.shape[1])
+    kern = embed_kernel(f"embed_{fmt.name.lower()}_{cols}", fmt, cols, ctx.knob("embed", "chunk", 8), ctx.lanes)
+    return [Launch(kern, (("w", ctx.buf(w)), ("tokens", ctx.buf(tok)), ("y", ctx.buf(node.output))),
+                   (("T", "T"),))]
+
+
+register(Recipe("matmul_swiglu", ("matmul", "matmul", "swiglu"), _lower_glu, _match_glu, MATMUL_KNOBS))
+register(Recipe("matmul_geglu", ("matmul", "matmul", "geglu"), _lower_glu, _match_glu, MATMUL_KNOBS))
+register(Recipe("matmul", ("matmul",), _lower_matmul, _match_matmul, MATMUL_KNOBS))
+register(Recipe("embed", ("embed",), _lower_embed, None, (("chunk", 8),)))

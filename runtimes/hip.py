@@ -1,0 +1,331 @@
+"""HIP runtime: kernels rendered to HIP C++, compiled by hiprtc (ctypes) into AMD code objects, cached on disk.
+
+Without an AMD GPU (`hipGetDeviceCount` fails or finds none) the runtime is compile-only: `compile()` returns
+code objects, buffers and launches raise. hiprtc runs in a child process (`python -m polystrata.runtimes.hip
+--compile ARCH OUT < source`) because ROCm 5.2's hiprtc aborts the whole process on architectures it does not
+know; the parent turns a crash into a `PolystrataError`. Buffers are device pointers holding the IR storage
+dtypes (f16 as 2 bytes, u8 as bytes, ...).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from polystrata.codegen.cpu import NUMPY_DTYPES
+from polystrata.codegen.hip import base_arch, render, wave_of
+from polystrata.errors import PolystrataError
+from polystrata.ir.kernel import DTYPE_BYTES, Kernel
+from polystrata.runtimes.base import CompiledKernel, Runtime, cache_dir, cache_key
+
+# Sonames, newest first: ROCm 6 ships hiprtc as its own library, ROCm 5.2 (Debian) inside libamdhip64.
+_HIP_LIBS = ("libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so")
+_RTC_LIBS = ("libhiprtc.so.6", "libhiprtc.so.5", "libhiprtc.so", *_HIP_LIBS)
+# What hiprtc of ROCm <= 5.2 compiles (measured); anything else (gfx940+, gfx11) aborts the process there.
+KNOWN_ROCM52 = ("gfx803", "gfx900", "gfx902", "gfx906", "gfx908", "gfx909", "gfx90a", "gfx90c", "gfx1010",
+                "gfx1011", "gfx1012", "gfx1013", "gfx1030", "gfx1031", "gfx1032", "gfx1033", "gfx1034", "gfx1035",
+                "gfx1036")
+# Set to 1 to skip the up-front refusal (tests: the subprocess must survive the crash that follows).
+FORCE_ENV = "POLYSTRATA_HIP_FORCE_ARCH"
+_NO_GPU = "no AMD GPU: the hip target can compile (polystrata compile --target hip --arch {arch}) but not run here"
+_LIBS: dict[str, ctypes.CDLL] = {}
+
+
+def _load(kind: str) -> ctypes.CDLL:
+    if kind not in _LIBS:
+        for name in _HIP_LIBS if kind == "hip" else _RTC_LIBS:
+            try:
+                _LIBS[kind] = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        else:
+            raise PolystrataError("HIP libraries not found (libamdhip64.so.5); on Debian: "
+                                  "apt-get install libamdhip64-5 libhiprtc-builtins5")
+    return _LIBS[kind]
+
+
+def available() -> bool:
+    """Whether the HIP runtime library can be loaded (compiling needs nothing more)."""
+    try:
+        _load("hip")
+        return True
+    except PolystrataError:
+        return False
+
+
+def rocm_version() -> tuple[int, int, int]:
+    """(major, minor, patch) of the loaded HIP runtime (HIP_VERSION = major * 10^7 + minor * 10^5 + patch)."""
+    v = ctypes.c_int()
+    if _load("hip").hipRuntimeGetVersion(ctypes.byref(v)) != 0:
+        return (0, 0, 0)
+    return v.value // 10_000_000, v.value // 100_000 % 100, v.value % 100_000
+
+
+def supported_archs() -> tuple[str, ...] | None:
+    """Architectures this ROCm's hiprtc is known to compile for; None where it is newer than 5.2 (no list)."""
+    return KNOWN_ROCM52 if rocm_version()[:2] <= (5, 2) else None
+
+
+def check_arch(arch: str) -> None:
+    """Refuse up front an architecture that this ROCm's hiprtc would crash on."""
+    try:
+        wave_of(arch)
+    except ValueError as e:
+        raise PolystrataError(str(e)) from None
+    known = supported_archs()
+    if known is not None and base_arch(arch) not in known and os.environ.get(FORCE_ENV) != "1":
+        major, minor, _ = rocm_version()
+        raise PolystrataError(f"hiprtc in ROCm {major}.{minor} cannot compile for {arch}; supported here: "
+                              f"{', '.join(known)}")
+
+
+def _check(err: int, what: str) -> None:
+    if err != 0:
+        lib = _load("hip")
+        lib.hipGetErrorString.restype = ctypes.c_char_p
+        raise PolystrataError(f"HIP {what} failed: {(lib.hipGetErrorString(err) or b'').decode()} ({err})")
+
+
+def hiprtc_compile(source: str, name: str, options: Sequence[str]) -> bytes:
+    """Compile in THIS process (the child's side): code object bytes, or PolystrataError with the log."""
+    rtc = _load("rtc")
+    rtc.hiprtcGetErrorString.restype = ctypes.c_char_p
+    prog = ctypes.c_void_p()
+    err = rtc.hiprtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.hip".encode(), 0, None, None)
+    if err != 0:
+        raise PolystrataError(f"hiprtcCreateProgram failed: {rtc.hiprtcGetErrorString(err).decode()}")
+    try:
+        opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
+        err = rtc.hiprtcCompileProgram(prog, len(options), opts)
+        if err != 0:
+            size = ctypes.c_size_t()
+            rtc.hiprtcGetProgramLogSize(prog, ctypes.byref(size))
+            log = ctypes.create_string_buffer(size.value + 1)
+            rtc.hiprtcGetProgramLog(prog, log)
+            raise PolystrataError(f"{rtc.hiprtcGetErrorString(err).decode()}\n{log.value.decode(errors='replace')}")
+        size = ctypes.c_size_t()
+        rtc.hiprtcGetCodeSize(prog, ctypes.byref(size))
+        code = ctypes.create_string_buffer(size.value)
+        rtc.hiprtcGetCode(prog, code)
+        return code.raw
+    finally:
+        rtc.hiprtcDestroyProgram(ctypes.byref(prog))
+
+
+def compile_in_subprocess(source: str, name: str, arch: str, options: Sequence[str]) -> bytes:
+    """hiprtc in a child process: a compiler abort becomes a PolystrataError instead of killing the caller."""
+    with tempfile.TemporaryDirectory(prefix="polystrata-hip-") as tmp:
+        out = Path(tmp) / "code.o"
+        cmd = [sys.executable, "-m", "polystrata.runtimes.hip", "--compile", name, str(out), *options]
+        p = subprocess.run(cmd, input=source.encode(), capture_output=True)
+        log = [ln for ln in p.stderr.decode(errors="replace").splitlines() if ln.strip()]
+        text = "\n".join(log[:20]) + ("\n..." if len(log) > 20 else "")
+        if p.returncode < 0:
+            sig = signal.Signals(-p.returncode).name
+            raise PolystrataError(f"hiprtc crashed ({sig}) compiling kernel {name} for {arch}:\n{text}")
+        if p.returncode != 0 or not out.exists():
+            raise PolystrataError(f"hiprtc build of kernel {name} failed for {arch}:\n{text}")
+        return out.read_bytes()
+
+
+@dataclass
+class HIPCode:
+    """A compiled kernel: the code object and, on a GPU, its loaded module and function."""
+
+    code: bytes
+    module: int | None = None
+    function: int | None = None
+
+
+class HIPBuffer:
+    """Device memory (`hipMalloc`), freed with the object."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.ptr, self.nbytes = ptr, nbytes
+
+    def __del__(self):
+        if _LIBS.get("hip") is not None and self.ptr:
+            _LIBS["hip"].hipFree(ctypes.c_void_p(self.ptr))
+
+
+def _gpu_count() -> int:
+    n = ctypes.c_int()
+    return n.value if _load("hip").hipGetDeviceCount(ctypes.byref(n)) == 0 else 0
+
+
+def _device_arch(lib: ctypes.CDLL) -> tuple[str, str]:
+    """(gcnArchName, name) of device 0; the struct layout varies across ROCm, so both are searched for."""
+    props = ctypes.create_string_buffer(16384)
+    _check(lib.hipGetDeviceProperties(props, 0), "hipGetDeviceProperties")
+    name = props.raw[:256].split(b"\0", 1)[0].decode(errors="replace")
+    raw = props.raw[256:]
+    i = raw.find(b"gfx")
+    arch = raw[i:].split(b"\0", 1)[0].decode() if i >= 0 else ""
+    return arch, name
+
+
+class HIPRuntime(Runtime):
+    """One AMD GPU, or compile-only for `arch` when there is none (or with `compile_only=True`)."""
+
+    name = "hip"
+
+    def __init__(self, arch: str | None = None, compile_only: bool = False, native_f16: bool = True) -> None:
+        """`arch`: the gfx target (default: the GPU's; required without one). `native_f16=False` renders f16
+        with the portable bit conversions."""
+        super().__init__()
+        self.lib = _load("hip")
+        self.gpu = not compile_only and _gpu_count() > 0
+        self.version = rocm_version()
+        ver = ".".join(map(str, self.version))
+        if self.gpu:
+            _check(self.lib.hipSetDevice(0), "hipSetDevice")
+            found, dev_name = _device_arch(self.lib)
+            arch = arch or found
+            self.device = f"{dev_name} ({found}, ROCm {ver})"
+        elif arch is None:
+            raise PolystrataError(_NO_GPU.format(arch="gfx1030") + "; give an arch to compile for")
+        else:
+            self.device = f"{arch} (compile only, ROCm {ver})"
+        check_arch(arch)
+        self.arch = arch
+        self.subgroup = wave_of(arch)
+        self.lanes = self.subgroup  # 64 on wave64 (CDNA, GCN), 32 on wave32 (RDNA)
+        self.native_f16 = native_f16
+        self.options = [f"--offload-arch={arch}", "-O3", "-ffp-contract=off"]
+        self._compiled: dict[str, Any] = {}
+
+    def render(self, kernel: Kernel) -> str:
+        """HIP C++ for `kernel` on this runtime's architecture."""
+        return render(kernel, self.arch, self.subgroup, self.native_f16)
+
+    def compile(self, kernel: Kernel) -> CompiledKernel:
+        """Code object of `kernel` from the cache, else from hiprtc (in a child process); loaded on a GPU."""
+        source = self.render(kernel)
+        ver = ".".join(map(str, self.version))
+        key = cache_key(source, self.name, self.arch, f"rocm {ver} {' '.join(self.options)}")
+        if key in self._compiled:
+            return self._compiled[key]
+        path = cache_dir(self.name) / f"{kernel.name}_{key}.co"
+        cached = path.exists()
+        if cached:
+            code = path.read_bytes()
+        else:
+            code = compile_in_subprocess(source, kernel.name, self.arch, self.options)
+            _atomic_write(path, code)
+        handle = HIPCode(code)
+        if self.gpu:
+            module, fn = ctypes.c_void_p(), ctypes.c_void_p()
+            _check(self.lib.hipModuleLoadData(ctypes.byref(module), code), "hipModuleLoadData")
+            _check(self.lib.hipModuleGetFunction(ctypes.byref(fn), module, kernel.name.encode()),
+                   "hipModuleGetFunction")
+            handle.module, handle.function = module.value, fn.value
+        ck = CompiledKernel(kernel, handle, source, cached)
+        if cached:
+            self.cache_hits += 1
+        else:
+            self.cache_misses += 1
+        self._compiled[key] = ck
+        return ck
+
+    def _need_gpu(self) -> None:
+        if not self.gpu:
+            raise PolystrataError(_NO_GPU.format(arch=self.arch))
+
+    def alloc(self, shape: Sequence[int], dtype: str) -> HIPBuffer:
+        self._need_gpu()
+        nbytes = max(int(np.prod(shape)) * DTYPE_BYTES[dtype], 4)
+        ptr = ctypes.c_void_p()
+        _check(self.lib.hipMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "hipMalloc")
+        buf = HIPBuffer(ptr.value, nbytes)
+        _check(self.lib.hipMemset(ctypes.c_void_p(buf.ptr), 0, ctypes.c_size_t(nbytes)), "hipMemset")  # zeros
+        return buf
+
+    def upload(self, array: np.ndarray) -> HIPBuffer:
+        self._need_gpu()
+        host = np.ascontiguousarray(array).reshape(-1)
+        buf = self.alloc((max(host.nbytes, 4),), "u8")
+        self.write(buf, host)
+        return buf
+
+    def download(self, buf: HIPBuffer, shape: Sequence[int], dtype: str) -> np.ndarray:
+        self._need_gpu()
+        out = np.empty(tuple(shape), dtype=NUMPY_DTYPES[dtype])
+        if out.nbytes:
+            _check(self.lib.hipMemcpyDtoH(out.ctypes.data_as(ctypes.c_void_p), ctypes.c_void_p(buf.ptr),
+                                          ctypes.c_size_t(out.nbytes)), "hipMemcpyDtoH")
+        return out.view(np.float16).astype(np.float32) if dtype == "f16" else out
+
+    def write(self, buf: HIPBuffer, array: np.ndarray) -> None:
+        self._need_gpu()
+        host = np.ascontiguousarray(array).reshape(-1)
+        if host.nbytes > buf.nbytes:
+            raise PolystrataError(f"write of {host.nbytes} bytes into a {buf.nbytes}-byte HIP buffer")
+        if host.nbytes:
+            _check(self.lib.hipMemcpyHtoD(ctypes.c_void_p(buf.ptr), host.ctypes.data_as(ctypes.c_void_p),
+                                          ctypes.c_size_t(host.nbytes)), "hipMemcpyHtoD")
+
+    def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
+        self._need_gpu()
+        grid = [int(g) for g in grid] + [1] * (3 - len(grid))
+        if min(grid) <= 0:
+            return
+        # kernelParams: an array of pointers to each argument's value (kept alive until the call returns).
+        vals = [ctypes.c_void_p(a.ptr) if isinstance(a, HIPBuffer) else
+                ctypes.c_float(float(a)) if isinstance(a, float | np.floating) else ctypes.c_int32(int(a))
+                for a in args]
+        params = (ctypes.c_void_p * max(len(vals), 1))(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
+                                                         for v in vals))
+        _check(self.lib.hipModuleLaunchKernel(
+            ctypes.c_void_p(ck.handle.function), *(ctypes.c_uint(g) for g in grid),
+            ctypes.c_uint(ck.kernel.lanes), ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(0), None, params,
+            None), "hipModuleLaunchKernel")
+
+    def sync(self) -> None:
+        """Wait for queued work (the null stream)."""
+        if self.gpu:
+            _check(self.lib.hipDeviceSynchronize(), "hipDeviceSynchronize")
+
+    def memory_info(self) -> tuple[int, int] | None:
+        """(free, total) bytes on the GPU; None in compile-only mode."""
+        if not self.gpu:
+            return None
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        _check(self.lib.hipMemGetInfo(ctypes.byref(free), ctypes.byref(total)), "hipMemGetInfo")
+        return free.value, total.value
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    # Write-then-rename: a concurrent reader never sees half a code object.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _main(argv: list[str]) -> int:
+    """Child entry: `--compile NAME OUT [options...]`, source on stdin; the log goes to stderr."""
+    if len(argv) < 3 or argv[0] != "--compile":
+        sys.exit("usage: python -m polystrata.runtimes.hip --compile NAME OUT [hiprtc options...] < source")
+    name, out, options = argv[1], argv[2], argv[3:]
+    try:
+        code = hiprtc_compile(sys.stdin.read(), name, options)
+    except PolystrataError as e:
+        print(e, file=sys.stderr)
+        return 1
+    Path(out).write_bytes(code)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

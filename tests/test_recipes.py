@@ -1,0 +1,358 @@
+"""Recipe conformance: every recipe's kernels, on every available target, against the numpy reference.
+
+Outputs are poisoned with NaN before each launch. Tolerances: rtol/atol ~1e-4 for f32 paths; the int8-activation
+matvec path is bounded by the activation rounding: |err| <= sum_k |w_k| * max|x_blk| / 254 per output.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+from polystrata.codegen.recipes import RecipeContext, load_all
+from polystrata.codegen.recipes.linear import embed_kernel, matmul_kernel
+from polystrata.ir import quant as Q
+from polystrata.ir.graph import Graph
+from polystrata.runtimes import reference as R
+from polystrata.runtimes.base import eval_int
+
+FORMATS = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+           "IQ4_NL", "IQ4_XS"]
+
+
+def _targets():
+    out = ["cpu"]
+    try:
+        from polystrata.runtimes.opencl import OpenCLRuntime  # noqa: F401
+
+        out.append("opencl")
+    except Exception:
+        pass
+    return out
+
+
+@pytest.fixture(scope="module", params=_targets())
+def rt(request):
+    # A private kernel cache per session (keeps runs independent of stale on-disk caches).
+    old = os.environ.get("POLYSTRATA_HOME")
+    os.environ["POLYSTRATA_HOME"] = tempfile.mkdtemp(prefix="ps_recipes_")
+    try:
+        if request.param == "cpu":
+            from polystrata.runtimes.cpu import CPURuntime
+
+            yield CPURuntime()
+        else:
+            try:
+                from polystrata.runtimes.opencl import OpenCLRuntime
+
+                yield OpenCLRuntime()
+            except Exception as e:  # no device / driver, or the target is still being written
+                pytest.skip(f"OpenCL unavailable: {e}")
+    finally:
+        if old is None:
+            os.environ.pop("POLYSTRATA_HOME", None)
+        else:
+            os.environ["POLYSTRATA_HOME"] = old
+
+
+def run(rt, kernel, buffers: dict[str, np.ndarray], scalars: dict, outs: dict[str, tuple]) -> dict[str, np.ndarray]:
+    """Upload, poison outputs with NaN, launch once, download the outputs (name -> (shape, dtype))."""
+    dev = {}
+    for p in kernel.params:
+        if hasattr(p, "dtype") and p.name in buffers:
+            dev[p.name] = rt.upload(buffers[p.name])
+    for name, (shape, dtype) in outs.items():
+        if name in buffers:
+            continue
+        dev[name] = rt.alloc(shape, dtype)
+        if dtype == "f32":
+            rt.write(dev[name], np.full(int(np.prod(shape)), np.nan, np.float32))
+    grid = [eval_int(g, scalars) for g in kernel.grid]
+    rt.launch(rt.compile(kernel), rt.args_for(kernel, dev, scalars), grid)
+    rt.sync()
+    return {n: rt.download(dev[n], s, d) for n, (s, d) in outs.items()}
+
+
+def _weight(fmt_name: str, rows: int, cols: int, seed: int = 0):
+    fmt = Q.FORMATS[fmt_name]
+    w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    raw = Q.quantize(fmt, w)
+    deq = Q.dequantize(fmt, raw, (rows, cols))
+    buf = raw.reshape(-1).view(np.float32) if fmt.name == "F32" else raw.reshape(-1)
+    return fmt, buf, deq
+
+
+def _int8_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Per-output bound of the int8 activation rounding (plus float slack)."""
+    xb = np.abs(x).reshape(x.shape[0], -1, 32).max(axis=-1) / 254.0  # half a step per 32-block
+    xe = np.repeat(xb, 32, axis=1)
+    return xe @ np.abs(w).T * 1.01 + 1e-4 * (np.abs(x) @ np.abs(w).T) + 1e-5
+
+
+# --- matmul: every format, odd row counts, several T on one compiled kernel ---------------------------------
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_matmul_formats(rt, fmt_name):
+    n, k = 37, 256
+    fmt, wb, wd = _weight(fmt_name, n, k)
+    kern = matmul_kernel(f"t_mm_{fmt_name.lower()}", [fmt], n, k, rows=4, tokens=4, int8=True, split="rows",
+                         lanes=rt.lanes)
+    int8 = dict(kern.knobs)["int8"]
+    rng = np.random.default_rng(1)
+    for t in (1, 2, 7, 33):
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        y = run(rt, kern, {"x": x.reshape(-1), "w0": wb}, {"T": t}, {"y": ((t, n), "f32")})["y"]
+        ref = x @ wd.T
+        if int8:
+            assert np.all(np.abs(y - ref) <= _int8_bound(x, wd)), fmt_name
+        else:
+            np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt_name,split,int8,rows", [("Q4_K", "blocks", True, 3), ("Q5_1", "blocks", False, 1),
+                                                      ("F16", "blocks", False, 2), ("Q6_K", "rows", False, 5)])
+def test_matmul_schedules(rt, fmt_name, split, int8, rows):
+    n, k = 3, 512
+    fmt, wb, wd = _weight(fmt_name, n, k, 2)
+    kern = matmul_kernel(f"t_mms_{fmt_name.lower()}_{split}_{int(int8)}_{rows}", [fmt], n, k, rows=rows, tokens=3,
+                         int8=int8, split=split, lanes=rt.lanes)
+    rng = np.random.default_rng(3)
+    for t in (1, 7):
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        y = run(rt, kern, {"x": x.reshape(-1), "w0": wb}, {"T": t}, {"y": ((t, n), "f32")})["y"]
+        ref = x @ wd.T
+        if dict(kern.knobs)["int8"]:
+            assert np.all(np.abs(y - ref) <= _int8_bound(x, wd))
+        else:
+            np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_embed(rt, fmt_name):
+    vocab, cols = 7, 512
+    fmt, wb, wd = _weight(fmt_name, vocab, cols, 4)
+    kern = embed_kernel(f"t_embed_{fmt_name.lower()}", fmt, cols, 3, rt.lanes)
+    tok = np.array([3, 0, 6, 3, 1], np.int32)
+    y = run(rt, kern, {"w": wb, "tokens": tok}, {"T": len(tok)}, {"y": ((len(tok), cols), "f32")})["y"]
+    np.testing.assert_array_equal(y, wd[tok])
+
+
+# --- graph-level recipes: lower a one-op graph through its recipe ---------------------------------------------
+
+
+def _ctx(g: Graph, kv="f16", n_ctx=64, formats=None):
+    names = {}
+    for v in g.inputs:
+        names[id(v)] = v.name
+    for nd in g.nodes:
+        names[id(nd.output)] = nd.output.name
+    return RecipeContext(lanes=1, subgroup=1, kv_format=Q.KV_FORMATS[kv], n_ctx=n_ctx, buffer_names=names,
+                         weight_formats=formats or {})
+
+
+def _recipe(name):
+    for r in load_all() or __import__("polystrata.codegen.recipes", fromlist=["RECIPES"]).RECIPES:
+        if r.name == name:
+            return r
+    from polystrata.codegen.recipes import RECIPES
+
+    return next(r for r in RECIPES if r.name == name)
+
+
+def _run_launches(rt, launches, bufs: dict[str, np.ndarray], scal: dict, outs: dict[str, tuple], keep=None):
+    """Run launches over named plan buffers (numpy in, dict out); `keep` holds device buffers across calls."""
+    dev = keep if keep is not None else {}
+    for name, arr in bufs.items():
+        dev[name] = rt.upload(arr)
+    for name, (shape, dtype) in outs.items():
+        if name not in dev:
+            dev[name] = rt.alloc(shape, dtype)
+        if dtype == "f32":
+            rt.write(dev[name], np.full(int(np.prod(shape)), np.nan, np.float32))
+    for la in launches:
+        k = la.kernel
+        bmap = dict(la.buffers)
+        s = {n: (scal[v] if isinstance(v, str) else v) for n, v in la.scalars}
+        args = rt.args_for(k, {p: dev[b] for p, b in bmap.items()}, s)
+        rt.launch(rt.compile(k), args, [eval_int(gd, s) for gd in k.grid])
+    rt.sync()
+    return {n: rt.download(dev[n], sh, dt) for n, (sh, dt) in outs.items()}
+
+
+def test_glu_fused(rt):
+    for fmt_name, act in (("Q4_1", "swiglu"), ("F32", "geglu"), ("Q6_K", "swiglu")):
+        g = Graph("t")
+        x = g.input("x", "f32", ("T", 256))
+        wg, wu = g.weight("wg", fmt_name, (19, 256)), g.weight("wu", fmt_name, (19, 256))
+        a = g.op("matmul", x, wg, name="a")
+        b = g.op("matmul", x, wu, name="b")
+        g.op(act, a, b, name="o")
+        ctx = _ctx(g, formats={"wg": Q.FORMATS[fmt_name], "wu": Q.FORMATS[fmt_name]})
+        launches = _recipe(f"matmul_{act}").lower(g.nodes, ctx)
+        _, bg, dg = _weight(fmt_name, 19, 256, 5)
+        _, bu, du = _weight(fmt_name, 19, 256, 6)
+        for t in (1, 7):
+            xv = np.random.default_rng(t).standard_normal((t, 256)).astype(np.float32)
+            y = _run_launches(rt, launches, {"x": xv.reshape(-1), "wg": bg, "wu": bu}, {"T": t},
+                              {"o": ((t, 19), "f32")})["o"]
+            ga, ua = xv @ dg.T, xv @ du.T
+            ref = (R.silu(ga) if act == "swiglu" else R.gelu_tanh(ga)) * ua
+            tol = 0.02 * np.abs(ref).max() if fmt_name != "F32" else 1e-4
+            np.testing.assert_allclose(y, ref, atol=tol, rtol=1e-3)
+
+
+@pytest.mark.parametrize("op", ["add", "mul", "scale", "swiglu", "geglu", "sigmoid_mul", "last_row"])
+def test_elementwise(rt, op):
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", 37))
+    if op in ("add", "mul"):
+        y = g.input("y", "f32", (37,))
+        g.op(op, x, y, name="o")
+    elif op == "scale":
+        g.op(op, x, factor=0.37, name="o")
+    elif op == "sigmoid_mul":
+        y = g.input("y", "f32", ("T", 1))
+        g.op(op, x, y, name="o")
+    elif op == "last_row":
+        g.op(op, x, name="o")
+    else:
+        y = g.input("y", "f32", ("T", 37))
+        g.op(op, x, y, name="o")
+    launches = _recipe(op).lower(g.nodes, _ctx(g))
+    for t in (1, 7):
+        rng = np.random.default_rng(t)
+        vals = {v.name: rng.standard_normal([t if d == "T" else d for d in v.type.shape]).astype(np.float32)
+                for v in g.inputs}
+        ref = R._IMPLS[op](None, g.nodes[0], [vals[v.name] for v in g.nodes[0].inputs])
+        out = _run_launches(rt, launches, {k: v.reshape(-1) for k, v in vals.items()}, {"T": t},
+                            {"o": (ref.shape, "f32")})["o"]
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused,heads", [(False, False), (True, False), (False, True)])
+def test_rms_norm(rt, fused, heads):
+    g = Graph("t")
+    shape = ("T", 3, 64) if heads else ("T", 96)
+    x = g.input("x", "f32", shape)
+    w = g.weight("w", "F32", (shape[-1],))
+    if fused:
+        r = g.input("r", "f32", shape)
+        s = g.op("add", x, r, name="s")
+        g.op("rms_norm", s, w, eps=1e-5, name="o")
+        launches = _recipe("add_rms_norm").lower(g.nodes, _ctx(g))
+    else:
+        g.op("rms_norm", x, w, eps=1e-5, name="o")
+        launches = _recipe("rms_norm").lower(g.nodes, _ctx(g))
+    for t in (1, 5):
+        rng = np.random.default_rng(t)
+        xv = rng.standard_normal((t, *shape[1:])).astype(np.float32)
+        rv = rng.standard_normal(xv.shape).astype(np.float32)
+        wv = rng.standard_normal(shape[-1]).astype(np.float32)
+        src = xv + rv if fused else xv
+        ref = R._IMPLS["rms_norm"](None, g.nodes[-1], [src, wv])
+        bufs = {"x": xv.reshape(-1), "w": wv, "r": rv.reshape(-1)}
+        outs = {"o": (xv.shape, "f32")} | ({"s": (xv.shape, "f32")} if fused else {})
+        out = _run_launches(rt, launches, bufs, {"T": t}, outs)
+        np.testing.assert_allclose(out["o"], ref, rtol=1e-4, atol=1e-5)
+        if fused:
+            np.testing.assert_array_equal(out["s"], src)
+
+
+@pytest.mark.parametrize("mode,dims", [("normal", 64), ("neox", 64), ("neox", 32)])
+def test_rope(rt, mode, dims):
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", 3, 64))
+    pos = g.input("positions", "i32", ("T",))
+    g.op("rope", x, pos, base=10000.0, dims=dims, mode=mode, freq_scale=0.5, name="o")
+    launches = _recipe("rope").lower(g.nodes, _ctx(g))
+    t = 7
+    xv = np.random.default_rng(0).standard_normal((t, 3, 64)).astype(np.float32)
+    pv = np.arange(20, 20 + t, dtype=np.int32)
+    out = _run_launches(rt, launches, {"x": xv.reshape(-1), "positions": pv}, {"T": t}, {"o": ((t, 3, 64), "f32")})
+    ref = R.apply_rope(xv, pv, dims, 10000.0, 0.5, mode)
+    np.testing.assert_allclose(out["o"], ref, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("kv,gqa,window,softcap", [
+    ("f16", 1, 0, 0.0), ("f16", 3, 4, 0.0), ("q8_0", 3, 0, 30.0), ("q8_0", 1, 4, 0.0), ("q8_g64", 3, 0, 0.0),
+    ("q8_g64", 1, 3, 20.0),
+])
+def test_attention(rt, kv, gqa, window, softcap):
+    hkv, d = 2, 64
+    hq = hkv * gqa
+    n_ctx = 32
+    g = Graph("t")
+    q = g.input("q", "f32", ("T", hq, d))
+    k = g.input("k", "f32", ("T", hkv, d))
+    v = g.input("v", "f32", ("T", hkv, d))
+    pos = g.input("positions", "i32", ("T",))
+    g.op("attention", q, k, v, pos, layer=0, scale=0.125, window=window, softcap=softcap, name="o")
+    launches = _recipe("attention").lower(g.nodes, _ctx(g, kv=kv, n_ctx=n_ctx))
+    fmt = Q.KV_FORMATS[kv]
+    kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
+    ex = R.ReferenceExecutor({}, n_ctx)
+    keep: dict = {}
+    keep["kv.0.k"] = rt.alloc((kvb,), "u8")
+    keep["kv.0.v"] = rt.alloc((kvb,), "u8")
+    n_past = 0
+    rng = np.random.default_rng(7)
+    for t in (7, 1, 1, 5):  # prefill, decode steps, another chunk
+        qv, kvv, vv = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+        pv = np.arange(n_past, n_past + t, dtype=np.int32)
+        # The reference sees what the cache holds: K/V rounded through the KV format.
+        kq = Q.dequantize(fmt, Q.quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
+        vq = Q.dequantize(fmt, Q.quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
+        ref = R._IMPLS["attention"](ex, g.nodes[0], [qv, kq, vq, pv])
+        out = _run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
+                                           "positions": pv}, {"T": t}, {"o": ((t, hq, d), "f32")}, keep)["o"]
+        # Our encoder may pick the neighbouring f16 scale (round-to-nearest vs. rounding up): one q8 step.
+        tol = 1e-4 if kv == "f16" else 0.02
+        np.testing.assert_allclose(out, ref, atol=tol, rtol=1e-3)
+        n_past += t
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_router(rt, norm):
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", 8))
+    g.op("router", x, k=3, norm=norm, name="o")
+    launches = _recipe("router").lower(g.nodes, _ctx(g))
+    t = 5
+    xv = np.random.default_rng(0).standard_normal((t, 8)).astype(np.float32)
+    out = _run_launches(rt, launches, {"x": xv.reshape(-1)}, {"T": t}, {"o": ((2 * t * 3,), "i32")})["o"]
+    ids, w = R._IMPLS["router"](None, g.nodes[0], [xv])
+    np.testing.assert_array_equal(out[: t * 3].reshape(t, 3), ids)
+    np.testing.assert_allclose(out[t * 3:].reshape(t, 3) / 2.0**30, w, atol=1e-6)
+
+
+@pytest.mark.parametrize("fmt_name", ["Q4_0", "F16"])
+def test_moe_ffn(rt, fmt_name):
+    e, dm, ff, k = 4, 64, 32, 2
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", dm))
+    logits = g.input("logits", "f32", ("T", e))
+    route = g.op("router", logits, k=k, norm=True, name="route")
+    gw = g.weight("g", fmt_name, (e, ff, dm))
+    uw = g.weight("u", fmt_name, (e, ff, dm))
+    dw = g.weight("d", fmt_name, (e, dm, ff))
+    g.op("moe_ffn", x, route, gw, uw, dw, name="o")
+    fmts = {n: Q.FORMATS[fmt_name] for n in "gud"}
+    ctx = _ctx(g, formats=fmts)
+    launches = _recipe("router").lower(g.nodes[:1], ctx) + _recipe("moe_ffn").lower(g.nodes[1:], ctx)
+    _, bg, dg = _weight(fmt_name, e * ff, dm, 1)
+    _, bu, du = _weight(fmt_name, e * ff, dm, 2)
+    _, bd, dd = _weight(fmt_name, e * dm, ff, 3)
+    t = 3
+    rng = np.random.default_rng(5)
+    xv = rng.standard_normal((t, dm)).astype(np.float32)
+    lv = rng.standard_normal((t, e)).astype(np.float32)
+    out = _run_launches(rt, launches, {"x": xv.reshape(-1), "logits": lv.reshape(-1), "g": bg, "u": bu, "d": bd},
+                        {"T": t}, {"o": ((t, dm), "f32"), "route": ((2 * t * k,), "i32")})["o"]
+    r = R._IMPLS["router"](None, g.nodes[0], [lv])
+    ref = R._IMPLS["moe_ffn"](None, g.nodes[1], [xv, r, dg.reshape(e, ff, dm), du.reshape(e, ff, dm),
+                                                  dd.reshape(e, dm, ff)])
+    np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
