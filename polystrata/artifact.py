@@ -43,7 +43,9 @@ def is_artifact(arg: str | os.PathLike) -> bool:
     return (Path(arg) / MANIFEST).is_file()
 
 
-def write_artifact(model_path: Path, target: str, out: str | os.PathLike, kv_type: str = "f16") -> tuple[Path, str]:
+def write_artifact(
+    model_path: Path, target: str, out: str | os.PathLike, kv_type: str = "f16", arch: str | None = None
+) -> tuple[Path, str]:
     """Plan `model_path` for `target`, compile its kernels (through the binary cache), and write the artifact
     directory `out` atomically. Returns the path and a one-line report of the kernel cache."""
     target = resolve_target(target)
@@ -59,13 +61,14 @@ def write_artifact(model_path: Path, target: str, out: str | os.PathLike, kv_typ
         n_ctx = min(int(meta["n_ctx_train"]), DEFAULT_CTX)
         kernels: list[dict[str, Any]] = []
         sources: dict[str, str] = {}
+        binaries: dict[str, bytes] = {}
         kernel_ir = ""
         report = "reference target: no kernels"
         device = "host CPU (numpy float32)"
         if target != "reference":
             from polystrata.compiler import compile_plans
 
-            rt = make_runtime(target)
+            rt = make_runtime(target, arch=arch)
             device = rt.device
             plans = compile_plans(f, [decode, score], rt, n_ctx, kv_type)
             for name, plan in (("decode", plans[id(decode)]), ("prefill", plans[id(score)])):
@@ -73,8 +76,12 @@ def write_artifact(model_path: Path, target: str, out: str | os.PathLike, kv_typ
                     kernels.append({"plan": name, **entry})
                 kernel_ir += f"# plan: {name}\n" + plan.dump_kernels()
                 for la in plan.launches:
-                    ck = rt.compile(la.kernel)
-                    sources[f"{la.kernel.name}-{la.kernel.fingerprint()}"] = ck.source
+                    key = f"{la.kernel.name}-{la.kernel.fingerprint()}"
+                    if key not in sources:
+                        ck = rt.compile(la.kernel)
+                        sources[key] = ck.source
+                        if isinstance(getattr(ck.handle, "code", None), bytes):  # code objects (hip) travel along
+                            binaries[key] = ck.handle.code
             total = rt.cache_hits + rt.cache_misses
             report = (
                 f"{total} kernels: {rt.cache_hits} from the binary cache, {rt.cache_misses} compiled"
@@ -86,7 +93,7 @@ def write_artifact(model_path: Path, target: str, out: str | os.PathLike, kv_typ
         "polystrata": __version__,
         "model": {"path": str(model_path.resolve()), "sha256": file_sha256(model_path)},
         "arch": decode.arch,
-        "target": {"name": target, "device": device},
+        "target": {"name": target, "device": device, **({"arch": arch} if arch else {})},
         "graph": {**decode.summary(), "hparams": meta},
         "kernels": kernels,
         "memory": {
@@ -105,6 +112,8 @@ def write_artifact(model_path: Path, target: str, out: str | os.PathLike, kv_typ
             src.mkdir()
             for name, text in sources.items():
                 (src / f"{name}.{_EXT.get(target, 'txt')}").write_text(text)
+            for name, code in binaries.items():
+                (src / f"{name}.{arch or 'bin'}.co").write_bytes(code)
         old = None
         if out.exists():
             old = out.with_name(f".{out.name}.old")
@@ -119,7 +128,7 @@ def write_artifact(model_path: Path, target: str, out: str | os.PathLike, kv_typ
     return out, report
 
 
-_EXT = {"cpu": "py", "opencl": "cl", "cuda": "cu", "hip": "hip"}
+_EXT = {"cpu": "py", "opencl": "cl", "cuda": "py", "hip": "hip"}
 
 
 def load_artifact(path: str | os.PathLike) -> dict[str, Any]:

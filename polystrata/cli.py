@@ -39,7 +39,7 @@ def _model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
 def _target_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target", default="auto",
-        help="where kernels run: auto (a GPU if present, else cpu), cpu, opencl, or reference (numpy oracle)",
+        help="where kernels run: auto (a GPU if present, else cpu), cpu, opencl, hip, or reference (numpy oracle)",
     )
     p.add_argument("--kv-type", default="f16", help="KV cache format: f16, q8_0, q8_g64 (kernel targets)")
 
@@ -90,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="plan the model for a target and write an artifact")
     _model_arg(p)
     _target_arg(p)
+    p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
     p.add_argument("-o", "--output", required=True)
 
     from polystrata.bench import add_bench_parser
@@ -295,7 +296,7 @@ def cmd_run(a) -> int:
 def cmd_compile(a) -> int:
     from polystrata.artifact import write_artifact
 
-    out, report = write_artifact(_resolve(a.model), a.target, a.output, kv_type=a.kv_type)
+    out, report = write_artifact(_resolve(a.model), a.target, a.output, kv_type=a.kv_type, arch=a.arch)
     print(f"wrote {out}: {report}", file=sys.stderr)
     return 0
 

@@ -47,34 +47,55 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
     return [int(i) for i in np.random.default_rng(seed).integers(3, 1000, size=n)]
 
 
+def _close(have: np.ndarray, want: np.ndarray) -> None:
+    """Kernel targets quantize activations to int8 per 32 values in their matmuls (as llama.cpp does): logits
+    move by about 1 % of their norm, and the distribution over the top tokens barely at all."""
+    rel = np.linalg.norm(have - want) / np.linalg.norm(want)
+    assert rel < 0.03, rel
+    top = np.argsort(-want, axis=-1)[:, :40]
+    par = Parity()
+    par.add(top, np.take_along_axis(want, top, 1), have)
+    assert par.kl < 0.01, str(par)
+    # Random weights give flat distributions with near-ties; where the reference has a clear winner, so must we.
+    top2 = np.take_along_axis(want, top[:, :2], 1)
+    clear = top2[:, 0] - top2[:, 1] > 0.1
+    assert (have.argmax(1) == top[:, 0])[clear].mean() >= 0.95 if clear.any() else True
+
+
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("arch", ARCHES)
 def test_target_matches_reference_on_every_arch(tiny_models, target, arch):
-    """Prefill (all logits), then decode steps continuing the cache: both equal the reference executor's."""
+    """Prefill (all logits), then decode steps continuing the cache: both agree with the reference executor."""
     path = tiny_models(arch, "Q8_0")
     ids = _prompt(20)
     ref = Engine(path, target="reference", n_ctx=64)
     got = Engine(path, target=target, n_ctx=64)
-    want = ref.score(ids)
-    have = got.score(ids)
-    scale = np.abs(want).max()
-    np.testing.assert_allclose(have, want, rtol=1e-3, atol=2e-3 * scale)
-    for t in _prompt(4, seed=1):
-        np.testing.assert_allclose(got.forward([t])[-1], ref.forward([t])[-1], rtol=1e-3, atol=2e-3 * scale)
+    _close(got.score(ids), ref.score(ids))
+    steps = _prompt(4, seed=1)
+    _close(np.stack([got.forward([t])[-1] for t in steps]), np.stack([ref.forward([t])[-1] for t in steps]))
+
+
+@pytest.fixture(scope="module")
+def head64_model(tmp_path_factory):
+    """Two layers at SmolLM2's shape: heads of 64 values, as q8_g64 needs."""
+    path = tmp_path_factory.mktemp("h64") / "m.gguf"
+    return synth_model("llama", path, preset="smollm2-135m", qtype="Q8_0", seed=3, n_layer=2)
 
 
 @pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("kv_type", ["q8_0", "q8_g64"])
-def test_quantized_kv_cache_stays_close(tiny_models, target, kv_type):
+def test_quantized_kv_cache_stays_close(head64_model, target, kv_type):
     """A quantized KV cache changes logits only by its rounding: top-1 stays, KL stays tiny."""
-    path = tiny_models("llama", "F16")
+    path = head64_model
     ids = _prompt(24, seed=2)
-    want = Engine(path, target="reference", n_ctx=64).score(ids)
+    f16 = Engine(path, target=target, n_ctx=64, kv_type="f16").score(ids)
     have = Engine(path, target=target, n_ctx=64, kv_type=kv_type).score(ids)
-    top = np.argsort(-want, axis=1)[:, :40]
-    par = Parity()
-    par.add(top, np.take_along_axis(want, top, 1), have)
-    assert par.kl < 1e-3 and par.top1 >= 0.95, str(par)
+    _close(have, f16)
+
+
+def test_kv_type_must_fit_the_heads(tiny_models):
+    with pytest.raises(PolystrataError, match="q8_g64 stores blocks of 64 values"):
+        Engine(tiny_models("llama", "Q8_0"), target="cpu", n_ctx=64, kv_type="q8_g64")
 
 
 @pytest.mark.slow

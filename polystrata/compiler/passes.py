@@ -111,6 +111,11 @@ def build_plan(
             dv = n.inputs[2].type.shape[2]
             layer = n.attrs["layer"]
             for kind, width in (("k", d), ("v", dv)):
+                if width % kv_format.block_size:
+                    raise UnsupportedError(
+                        f"KV cache type {kv_format.name} stores blocks of {kv_format.block_size} values, but this "
+                        f"model's heads have {width}; use --kv-type f16 or q8_0"
+                    )
                 name = f"kv.{layer}.{kind}"
                 buffers[name] = BufferSpec(name, "u8", n_ctx * hkv * row_bytes(kv_format, width), "kv")
 

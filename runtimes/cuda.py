@@ -1,0 +1,272 @@
+"""CUDA runtime: kernels rendered to numba-cuda source, compiled by numba-cuda, launched through the driver.
+
+Buffers are 1-D numba device arrays holding the IR storage dtypes. `compile` writes the source into the kernel
+cache and imports it from there (numba-cuda keeps its cubins beside it in `__pycache__`), then compiles eagerly
+for the kernel's signature. Launches bypass numba's dispatcher (about 30-125 µs of Python per launch): the
+kernel's CUfunction is called with `cuLaunchKernel`, with arguments flattened the way numba-cuda does it (an
+array is 7 words: meminfo, parent, nitems, itemsize, data, shape[0], strides[0]) and packed once per `prepare`.
+
+CUDA graphs: `begin_capture()`, then launches (`launch` / `launch_prepared`), then `end_capture()` returns a
+graph that `replay(graph)` re-runs with one driver call. The graph holds the arguments as they were at capture
+(buffer pointers and scalar values): capture once per set of bindings, write new inputs into the same buffers.
+With `NUMBA_ENABLE_CUDASIM=1` (set before numba.cuda is imported) everything runs in numba-cuda's simulator:
+launches go through the dispatcher, the shared-memory Reduce is used, and a graph is a recorded launch list.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+import tempfile
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from polystrata.codegen.cuda import render
+from polystrata.codegen.pyfamily import NUMPY_DTYPES
+from polystrata.errors import PolystrataError
+from polystrata.ir.kernel import Buf, Kernel
+from polystrata.runtimes.base import CompiledKernel, Runtime, cache_dir, cache_key
+
+
+def _check(result) -> tuple:
+    """The values of a cuda.bindings call, raising on a CUresult other than success."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err:
+        raise PolystrataError(f"CUDA driver error {err!r}")
+    return tuple(rest)
+
+
+class Prepared:
+    """A launch with its arguments packed: what `launch_prepared` re-runs without touching the arguments."""
+
+    def __init__(self, fn: Any, grid: tuple[int, int, int], lanes: int, values: list, call: Any = None):
+        self.fn, self.grid, self.lanes, self.call = fn, grid, lanes, call
+        self.values = values  # keep the ctypes scalars alive: the pointer array refers to them
+        self.ptrs = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
+        self.empty = min(grid) <= 0
+
+
+class CUDAGraph:
+    """A captured sequence of launches (`exe` on a GPU; `launches` in the simulator)."""
+
+    def __init__(self, graph: Any = None, exe: Any = None, launches: list | None = None):
+        self.graph, self.exe, self.launches = graph, exe, launches
+        if exe is not None:
+            from cuda.bindings import driver
+
+            weakref.finalize(self, _destroy_graph, driver, graph, exe)
+
+
+def _destroy_graph(driver, graph, exe) -> None:
+    driver.cuGraphExecDestroy(exe)
+    driver.cuGraphDestroy(graph)
+
+
+class CUDARuntime(Runtime):
+    """One NVIDIA GPU (the current numba-cuda device) with one stream, or numba-cuda's simulator."""
+
+    name = "cuda"
+    lanes = 128  # 4 warps per group
+    subgroup = 32
+
+    def __init__(self, shuffles: bool | None = None) -> None:
+        """`shuffles`: warp shuffles for Reduce (default: on a GPU yes, in the simulator no, it has none)."""
+        super().__init__()
+        try:
+            import numba_cuda
+            from numba import config, cuda
+        except ImportError as e:  # pragma: no cover - optional dependency
+            raise PolystrataError(f"no CUDA GPU found: numba-cuda is not installed ({e})") from None
+        self.cuda = cuda
+        self.simulator = bool(config.ENABLE_CUDASIM)
+        self.compiler = f"numba-cuda {numba_cuda.__version__}"
+        if self.simulator:
+            self.device = "numba-cuda simulator"
+            self.driver = None
+        else:
+            try:
+                cuda.current_context()  # initialises the driver and the primary context
+                dev = cuda.get_current_device()
+                from cuda.bindings import driver
+            except Exception as e:  # CudaSupportError, missing libcuda, no device, ...
+                raise PolystrataError(f"no CUDA GPU found: {e}") from None
+            name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+            cc = ".".join(str(v) for v in dev.compute_capability)
+            self.device = f"{name} (sm {cc})"
+            self.driver = driver
+        self.shuffles = (not self.simulator) if shuffles is None else shuffles
+        self.fast = not self.simulator  # driver launches; False: numba's dispatcher (for comparisons)
+        self.stream = cuda.stream()  # a real stream: the legacy default stream cannot be captured
+        self._recording: list | None = None
+        self._compiled: dict[str, CompiledKernel] = {}
+
+    # --- compilation ----------------------------------------------------------------------------------
+
+    def render(self, kernel: Kernel, shuffles: bool | None = None) -> str:
+        return render(kernel, self.shuffles if shuffles is None else shuffles)
+
+    def compile(self, kernel: Kernel, shuffles: bool | None = None) -> CompiledKernel:
+        source = self.render(kernel, shuffles)
+        key = cache_key(source, self.name, self.device, self.compiler)
+        if key in self._compiled:
+            return self._compiled[key]
+        path = cache_dir(self.name) / f"k_{key}.py"
+        # numba-cuda's cache index (*.nbi) sits in __pycache__ beside the source; the simulator compiles nothing.
+        cached = path.exists() and (self.simulator or any(path.parent.glob(f"__pycache__/k_{key}.*.nbi")))
+        if not path.exists():
+            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # atomic: no half-written imports
+            with os.fdopen(fd, "w") as f:
+                f.write(source)
+            os.replace(tmp, path)
+        name = f"polystrata_cuda_kernel_{key}"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # numba's cache finds the module by name
+        spec.loader.exec_module(module)
+        disp = getattr(module, kernel.name)
+        ck = CompiledKernel(kernel, disp, source, cached)
+        ck.cufunc = None
+        if not self.simulator:
+            try:  # compile now (or load from numba's cache), not at the first launch
+                compiled = disp.compile(_signature(kernel))
+                handle = compiled._codelibrary.get_cufunc().handle  # a CUkernel (cuda.core library)
+            except Exception as e:
+                raise PolystrataError(f"CUDA build of kernel {kernel.name} failed on {self.device}:\n{e}") from None
+            try:
+                ck.cufunc = _check(self.driver.cuKernelGetFunction(handle))[0]
+            except (PolystrataError, TypeError):
+                ck.cufunc = handle  # already a CUfunction (older cuda.core)
+        self.cache_hits += cached
+        self.cache_misses += not cached
+        self._compiled[key] = ck
+        return ck
+
+    # --- buffers --------------------------------------------------------------------------------------
+
+    def alloc(self, shape: Sequence[int], dtype: str) -> Any:
+        n = max(int(np.prod(shape)), 1)  # no empty device arrays: every buffer has a pointer
+        if self.simulator:
+            return self.cuda.to_device(np.zeros(n, NUMPY_DTYPES[dtype]))
+        buf = self.cuda.device_array(n, NUMPY_DTYPES[dtype], stream=self.stream)
+        _check(self.driver.cuMemsetD8Async(_ptr(buf), 0, buf.nbytes, self.stream.handle))  # zeros, like the CPU
+        return buf
+
+    def upload(self, array: np.ndarray) -> Any:
+        host = np.ascontiguousarray(array).reshape(-1)
+        if host.size == 0:
+            host = np.zeros(1, host.dtype)
+        return self.cuda.to_device(host, stream=self.stream)
+
+    def download(self, buf: Any, shape: Sequence[int], dtype: str) -> np.ndarray:
+        n = int(np.prod(shape))
+        out = buf[:n].copy_to_host(stream=self.stream) if n else np.empty(0, NUMPY_DTYPES[dtype])
+        self.stream.synchronize()
+        out = out.view(NUMPY_DTYPES[dtype]).reshape(tuple(shape))
+        return out.view(np.float16).astype(np.float32) if dtype == "f16" else out
+
+    def write(self, buf: Any, array: np.ndarray) -> None:
+        host = np.ascontiguousarray(array).reshape(-1)
+        if host.size:
+            host = host.view(buf.dtype) if host.dtype.itemsize == buf.dtype.itemsize else host.astype(buf.dtype)
+            buf[: host.size].copy_to_device(host, stream=self.stream)
+
+    # --- launches -------------------------------------------------------------------------------------
+
+    def prepare(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> Prepared:
+        """Pack one launch (kernel, arguments, grid) for `launch_prepared`; the buffers must stay alive."""
+        g = tuple(int(v) for v in grid) + (1,) * (3 - len(grid))
+        lanes = ck.kernel.lanes
+        if not self.fast:
+            call = ck.handle[g, lanes, self.stream]  # numba's dispatcher, configured once
+            return Prepared(None, g, lanes, [], lambda: call(*args))
+        values: list = []
+        for p, a in zip(ck.kernel.params, args):
+            if isinstance(p, Buf):
+                # numba-cuda's flattened array: meminfo, parent, nitems, itemsize, data, shape[0], strides[0].
+                n, size = int(a.size), int(a.dtype.itemsize)
+                values += [ctypes.c_int64(v) for v in (0, 0, n, size)]
+                values += [ctypes.c_uint64(_ptr(a)), ctypes.c_int64(n), ctypes.c_int64(size)]
+            elif p.dtype == "f32":
+                values.append(ctypes.c_float(float(a)))
+            else:
+                values.append(ctypes.c_int32(int(a)))
+        return Prepared(ck.cufunc, g, lanes, values)
+
+    def launch_prepared(self, h: Prepared) -> None:
+        """Run a prepared launch on the runtime's stream (captured instead when a capture is open)."""
+        if h.empty:
+            return
+        if h.call is not None:
+            if self._recording is not None:
+                self._recording.append(h)
+            else:
+                h.call()
+            return
+        gx, gy, gz = h.grid
+        err, = self.driver.cuLaunchKernel(h.fn, gx, gy, gz, h.lanes, 1, 1, 0, self.stream.handle,
+                                          ctypes.addressof(h.ptrs), 0)
+        if err:
+            raise PolystrataError(f"CUDA launch failed: {err!r}")
+
+    def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
+        self.launch_prepared(self.prepare(ck, args, grid))
+
+    # --- graphs ---------------------------------------------------------------------------------------
+
+    def begin_capture(self) -> None:
+        """Start recording launches on the runtime's stream into a graph (they do not run until `replay`)."""
+        if self._recording is not None:
+            raise PolystrataError("a CUDA graph capture is already open")
+        if self.fast:
+            mode = self.driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+            _check(self.driver.cuStreamBeginCapture(self.stream.handle, mode))
+            self._recording = []  # marks the open capture; driver launches are captured by the stream
+        else:
+            self._recording = []
+
+    def end_capture(self) -> CUDAGraph:
+        """Close the capture; returns the graph, ready for `replay`."""
+        if self._recording is None:
+            raise PolystrataError("end_capture without begin_capture")
+        launches, self._recording = self._recording, None
+        if not self.fast:
+            return CUDAGraph(launches=launches)
+        graph, = _check(self.driver.cuStreamEndCapture(self.stream.handle))
+        exe, = _check(self.driver.cuGraphInstantiate(graph, 0))
+        return CUDAGraph(graph, exe)
+
+    def replay(self, graph: CUDAGraph) -> None:
+        """Launch a captured graph on the runtime's stream (asynchronous, like a launch)."""
+        if graph.launches is not None:
+            for h in graph.launches:
+                h.call()
+        else:
+            _check(self.driver.cuGraphLaunch(graph.exe, self.stream.handle))
+
+    # --- device ---------------------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        self.stream.synchronize()
+
+    def memory_info(self) -> tuple[int, int] | None:
+        if self.simulator:
+            return None
+        free, total = _check(self.driver.cuMemGetInfo())
+        return int(free), int(total)
+
+
+def _ptr(buf: Any) -> int:
+    return int(buf.__cuda_array_interface__["data"][0])
+
+
+def _signature(kernel: Kernel) -> tuple:
+    """numba argument types of a kernel: 1-D C arrays of the storage dtypes, int32 / float32 scalars."""
+    import numba
+
+    return tuple(numba.types.Array(numba.from_dtype(np.dtype(NUMPY_DTYPES[p.dtype])), 1, "C") if isinstance(p, Buf)
+                 else (numba.types.float32 if p.dtype == "f32" else numba.types.int32) for p in kernel.params)

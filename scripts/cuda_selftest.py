@@ -1,0 +1,106 @@
+"""CUDA target self-test on a real GPU: every hand-built kernel of tests/test_target_cuda.py with warp shuffles
+and the driver launch path, compared with numpy and the CPU target; then launch overheads.
+
+    python scripts/cuda_selftest.py [--scale N] [--no-cpu]
+
+Prints a table of max errors (relative for f32, count of differing values for integers / f16 bits) for the
+shuffle path and the shared-memory path, then µs per launch for numba's dispatcher, `launch` (pack + driver
+launch), `launch_prepared` (driver launch only) and graph replay (100 launches captured, per launch).
+Exits 1 when a case is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+try:
+    import polystrata.codegen.cuda  # noqa: F401 - an installed (editable) polystrata
+except ImportError:  # a bare checkout: map polystrata.ir / .codegen / .runtimes onto the top-level folders
+    sys.path.insert(0, str(ROOT))
+    import polystrata
+
+    polystrata.__path__.append(str(ROOT))
+
+import test_target_cuda as t  # noqa: E402
+
+from polystrata.ir.kernel import Buf, Kernel, Scalar, Store  # noqa: E402
+from polystrata.runtimes.cuda import CUDARuntime  # noqa: E402
+
+
+def check(rt, cpu, scale: int) -> bool:
+    ok = True
+    print(f"{'case':34s} {'output':6s} {'shuffle':>10s} {'tree':>10s} {'vs cpu':>10s}")
+    for label, kernel, inputs, outputs, scalars, grid, ref in t.cases(scale):
+        shuf = t.run(rt, kernel, inputs, outputs, scalars, grid, shuffles=True)
+        tree = t.run(rt, kernel, inputs, outputs, scalars, grid, shuffles=False)
+        host = t.run(cpu, kernel, inputs, outputs, scalars, grid) if cpu else None
+        for name, (_, dt) in outputs.items():
+            tol = (2e-6 if kernel.name == "mathf" else 1e-5) if dt == "f32" else 0
+            errs = [t.max_error(shuf[name], ref[name], dt), t.max_error(tree[name], ref[name], dt),
+                    t.max_error(shuf[name], host[name], dt) if host else 0.0]
+            bad = not all(e <= tol for e in errs)  # NaN fails too
+            ok &= not bad
+            print(f"{label:34s} {name:6s} " + " ".join(f"{e:10.3g}" for e in errs) + ("  FAIL" if bad else ""))
+    return ok
+
+
+def timing(rt, nargs: int, reps: int = 2000) -> tuple[float, ...]:
+    """µs per launch of a one-block kernel with `nargs` parameters (one buffer, the rest int scalars)."""
+    params = (Buf("y", "f32", True),) + tuple(Scalar(f"a{i}") for i in range(nargs - 1))
+    kern = Kernel(f"tiny{nargs}", params, (1,), (Store("y", 0, 1.0),), lanes=rt.lanes)
+    ck = rt.compile(kern)
+    y = rt.alloc((1,), "f32")
+    args = rt.args_for(kern, {"y": y}, {f"a{i}": i for i in range(nargs - 1)})
+
+    def per_launch(fn, n=reps) -> float:
+        fn()
+        rt.sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        rt.sync()
+        return (time.perf_counter() - t0) / n * 1e6
+
+    rt.fast = False
+    dispatcher = per_launch(lambda: rt.launch(ck, args, (1,)), reps // 4)
+    rt.fast = True
+    launch = per_launch(lambda: rt.launch(ck, args, (1,)))
+    h = rt.prepare(ck, args, (1,))
+    prepared = per_launch(lambda: rt.launch_prepared(h))
+    rt.begin_capture()
+    for _ in range(100):
+        rt.launch_prepared(h)
+    graph = rt.end_capture()
+    replay = per_launch(lambda: rt.replay(graph), reps // 100) / 100
+    return dispatcher, launch, prepared, replay
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scale", type=int, default=4, help="grow the test sizes")
+    ap.add_argument("--no-cpu", action="store_true", help="skip the CPU target comparison")
+    a = ap.parse_args()
+    rt = CUDARuntime()
+    print(f"device: {rt.device}  {rt.compiler}  memory free/total: {rt.memory_info()}")
+    cpu = None
+    if not a.no_cpu:
+        from polystrata.runtimes.cpu import CPURuntime
+
+        cpu = CPURuntime()
+    ok = check(rt, cpu, a.scale)
+    print(f"\n{'args':>4s} {'dispatcher':>11s} {'launch':>9s} {'prepared':>9s} {'graph/launch':>13s}   (µs)")
+    for nargs in (1, 12):
+        print(f"{nargs:4d} " + " ".join(f"{v:{w}.2f}" for v, w in zip(timing(rt, nargs), (11, 9, 9, 13))))
+    print("OK" if ok else "FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
