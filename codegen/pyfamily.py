@@ -52,7 +52,7 @@ def f16_bits_to_f32(h):
     elif e == 0:
         v = np.float32(m) * np.float32(5.960464477539063e-08)
     else:
-        v = np.float32(math.ldexp(np.float32(1024 + m), np.int32(e - 25)))
+        v = np.float32(1024 + m) * np.float32(np.int64(1) << e) * np.float32(2.9802322387695312e-08)  # exact
     return -v if h >> 15 else v
 
 @{dec}

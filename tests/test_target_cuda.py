@@ -22,8 +22,25 @@ from polystrata.codegen.cuda import render
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import (
-    Assign, Buf, Call, Cast, Const, Decl, For, If, Kernel, LaneFor, Let, Load, LocalArray, Reduce, Scalar, Select,
-    Store, ToF32, Var,
+    Assign,
+    Buf,
+    Call,
+    Cast,
+    Const,
+    Decl,
+    For,
+    If,
+    Kernel,
+    LaneFor,
+    Let,
+    Load,
+    LocalArray,
+    Reduce,
+    Scalar,
+    Select,
+    Store,
+    ToF32,
+    Var,
 )
 from polystrata.ir.quant import TABLES, Table
 
@@ -221,13 +238,16 @@ def run(r, kernel, inputs, outputs, scalars, grid, **compile_kw):
 def max_error(got: np.ndarray, want, dtype: str) -> float:
     """Largest relative error (floats; NaN where exactly one is NaN) or count of differing values (ints)."""
     got, want = np.asarray(got), np.asarray(want).reshape(np.shape(got))
-    if dtype == "f32":
-        g, w = got.astype(np.float64), want.astype(np.float64)
-        if (np.isnan(g) != np.isnan(w)).any():
-            return float("nan")
-        ok = ~np.isnan(w) & ~(np.isinf(w) & (g == w))
-        return float((np.abs(g - w)[ok] / np.maximum(np.abs(w[ok]), 1e-6)).max(initial=0.0))
-    return float((got.astype(np.int64) != want.astype(np.int64)).sum())
+    if dtype != "f32":
+        return float((got.astype(np.int64) != want.astype(np.int64)).sum())
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    if (np.isnan(g) != np.isnan(w)).any():
+        return float("nan")
+    inf = np.isinf(w)
+    if (g[inf] != w[inf]).any():  # infinities must match exactly
+        return float("inf")
+    ok = np.isfinite(w)
+    return float((np.abs(g[ok] - w[ok]) / np.maximum(np.abs(w[ok]), 1e-6)).max(initial=0.0))
 
 
 # --- the simulator child process -------------------------------------------------------------------------
@@ -266,7 +286,7 @@ def test_case_matches_numpy_and_cpu(rt, cpu, case):
     got = run(rt, kernel, inputs, outputs, scalars, grid)
     cpu_got = run(cpu, kernel, inputs, outputs, scalars, grid)
     for name, (_, dt) in outputs.items():
-        tol = 2e-6 if kernel.name == "mathf" else 1e-5
+        tol = 1e-5
         assert max_error(got[name], ref[name], dt) <= (tol if dt == "f32" else 0), (label, name)
         assert max_error(got[name], cpu_got[name], dt) <= (tol if dt == "f32" else 0), (label, name, "vs cpu")
         if kernel.name.startswith("red") and name == "m":  # max is exact

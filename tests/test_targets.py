@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from oclgrind import oclgrind_problems
 
 from polystrata.engine import Engine
 from polystrata.errors import PolystrataError
@@ -110,3 +111,25 @@ def test_target_parity_with_llama_cpp(target, model, request, fixtures_dir):
         ref = np.load(fixtures_dir / model / f"{name}.npz")
         par.add(ref["top_ids"], ref["top_logits"], eng.score([int(i) for i in ref["ids"]]))
     assert par.ok(), f"{target}: {par}"
+
+
+_OCLGRIND_MODEL = """
+import numpy as np
+from polystrata.engine import Engine
+for path in {paths!r}:
+    eng = Engine(path, target="opencl", n_ctx=16)
+    eng.score([5, 17, 99, 3, 250, 7])
+    eng.forward([11])
+    eng.forward([12])
+print("OK")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("opencl" not in TARGETS, reason="no OpenCL device")
+def test_opencl_model_kernels_pass_oclgrind(tiny_models, tmp_path):
+    """Every kernel of small models (dense, MoE, sliding window), prefill and decode, run on oclgrind's checked
+    device: no out-of-bounds access, no data race, no uninitialized read."""
+    paths = [str(tiny_models(a, "Q4_K")) for a in ("llama", "qwen3moe", "gemma3")]
+    problems = oclgrind_problems(_OCLGRIND_MODEL.format(paths=paths), tmp_path, timeout=2400)
+    assert not problems, "\n\n".join(problems[:5])
