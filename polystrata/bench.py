@@ -185,13 +185,15 @@ def _prefill_once(engine, ids: np.ndarray) -> float:
     return time.perf_counter() - t0
 
 
-def _decode_once(engine, first: int, n: int) -> float:
+def _decode_once(engine, first: int, n: int, host: list[float] | None = None) -> float:
     engine.reset()
     tok = first
     t0 = time.perf_counter()
     for _ in range(n):
         # Feeding back the argmax makes each step depend on the previous one's logits, as real decoding does.
         tok = int(np.argmax(engine.forward([tok])[-1]))
+        if host is not None and getattr(engine.executor, "last_host_s", None) is not None:
+            host.append(engine.executor.last_host_s)
     return time.perf_counter() - t0
 
 
@@ -254,11 +256,13 @@ def run_bench(
         first = int(rng.integers(0, n_vocab))
         say(f"tg{n_gen}: warm-up")
         _decode_once(engine, first, min(n_gen, 4))  # the shape-1 graph at a few cache lengths
-        rates = []
+        rates, host = [], []
         for i in range(repetitions):
-            rates.append(n_gen / _decode_once(engine, first, n_gen))
+            rates.append(n_gen / _decode_once(engine, first, n_gen, host))
             say(f"tg{n_gen}: {i + 1}/{repetitions} {rates[-1]:.2f} tok/s")
         result["tg"] = _stats(n_gen, rates)
+        # Host time per token: what the host spends issuing a step, before it waits for the device's results.
+        result["host_ms_per_token"] = round(1e3 * statistics.median(host), 4) if host else None
 
     bpt = decode_bytes_per_token(engine)
     bw, source = resolve_bandwidth(device, is_host_cpu, threads)

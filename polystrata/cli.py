@@ -87,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=None, help="context length (default: min(trained, 4096))")
     _target_arg(p)
 
+    p = sub.add_parser("parity", help="score llama.cpp's reference prompts and compare (pooled KL, top-1)")
+    _model_arg(p)
+    p.add_argument("--fixtures", required=True, help="folder with prompts.json and one <prompt>.npz per prompt")
+    _target_arg(p)
+
     p = sub.add_parser("compile", help="plan the model for a target and write an artifact")
     _model_arg(p)
     _target_arg(p)
@@ -239,6 +244,28 @@ def cmd_score(a) -> int:
     return 0
 
 
+def cmd_parity(a) -> int:
+    from polystrata.engine import Engine
+    from polystrata.parity import Parity
+
+    fixtures = Path(a.fixtures)
+    prompts = fixtures / "prompts.json"
+    if not prompts.is_file():
+        prompts = fixtures.parent / "prompts.json"
+    try:
+        names = list(json.loads(prompts.read_text()))
+    except (OSError, ValueError) as e:
+        raise PolystrataError(f"cannot read the fixtures' prompts.json near {fixtures}: {e}") from None
+    path = _resolve(a.model)
+    eng = Engine(path, target=a.target, kv_type=a.kv_type)
+    par = Parity()
+    for name in names:
+        ref = np.load(fixtures / f"{name}.npz")
+        par.add(ref["top_ids"], ref["top_logits"], eng.score([int(i) for i in ref["ids"]]))
+    print(f"parity {path.name} {eng.target}: {par}")
+    return 0 if par.ok() else EXIT_ERROR
+
+
 def cmd_run(a) -> int:
     from polystrata.artifact import is_artifact, load_artifact
     from polystrata.engine import Engine, GenerationStats
@@ -323,6 +350,7 @@ COMMANDS = {
     "score": cmd_score,
     "run": cmd_run,
     "compile": cmd_compile,
+    "parity": cmd_parity,
     "synth": cmd_synth,
 }
 

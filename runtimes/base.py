@@ -69,6 +69,8 @@ class Runtime(ABC):
     # Lanes per group that recipes should use on this device (1 on the CPU), and the subgroup (warp) width.
     lanes: int = 1
     subgroup: int = 1
+    # Whether launches return before the work is done (GPUs); the host's time per step is then measurable.
+    asynchronous: bool = False
 
     def __init__(self) -> None:
         self.cache_hits = 0

@@ -73,6 +73,7 @@ class CUDARuntime(Runtime):
     name = "cuda"
     lanes = 128  # 4 warps per group
     subgroup = 32
+    asynchronous = True
 
     def __init__(self, shuffles: bool | None = None) -> None:
         """`shuffles`: warp shuffles for Reduce (default: on a GPU yes, in the simulator no, it has none)."""

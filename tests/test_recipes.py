@@ -18,39 +18,19 @@ from polystrata.ir import quant as Q
 from polystrata.ir.graph import Graph
 from polystrata.runtimes import reference as R
 from polystrata.runtimes.base import eval_int
+from polystrata.targets import available_kernel_targets, make_runtime
 
 FORMATS = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
            "IQ4_NL", "IQ4_XS"]
 
 
-def _targets():
-    out = ["cpu"]
-    try:
-        from polystrata.runtimes.opencl import OpenCLRuntime  # noqa: F401
-
-        out.append("opencl")
-    except Exception:
-        pass
-    return out
-
-
-@pytest.fixture(scope="module", params=_targets())
+@pytest.fixture(scope="module", params=available_kernel_targets())
 def rt(request):
     # A private kernel cache per session (keeps runs independent of stale on-disk caches).
     old = os.environ.get("POLYSTRATA_HOME")
     os.environ["POLYSTRATA_HOME"] = tempfile.mkdtemp(prefix="ps_recipes_")
     try:
-        if request.param == "cpu":
-            from polystrata.runtimes.cpu import CPURuntime
-
-            yield CPURuntime()
-        else:
-            try:
-                from polystrata.runtimes.opencl import OpenCLRuntime
-
-                yield OpenCLRuntime()
-            except Exception as e:  # no device / driver, or the target is still being written
-                pytest.skip(f"OpenCL unavailable: {e}")
+        yield make_runtime(request.param)
     finally:
         if old is None:
             os.environ.pop("POLYSTRATA_HOME", None)

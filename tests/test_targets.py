@@ -13,21 +13,9 @@ from polystrata.engine import Engine
 from polystrata.errors import PolystrataError
 from polystrata.parity import Parity
 from polystrata.synth import synth_model
-from polystrata.targets import KERNEL_TARGETS, make_runtime
+from polystrata.targets import available_kernel_targets
 
-
-def _available() -> list[str]:
-    out = []
-    for t in KERNEL_TARGETS:
-        try:
-            make_runtime(t)
-        except (ImportError, PolystrataError):
-            continue
-        out.append(t)
-    return out
-
-
-TARGETS = _available()
+TARGETS = available_kernel_targets()
 ARCHES = ["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3"]
 
 

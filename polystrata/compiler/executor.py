@@ -6,6 +6,8 @@ few scalar arguments and grids that use them, and launches.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,27 +21,37 @@ from polystrata.runtimes.base import CompiledKernel, Runtime, eval_int
 
 
 class _BoundLaunch:
-    """A launch with buffer handles resolved; only symbol-valued scalars and grids vary per step."""
+    """A launch with buffer handles resolved; only symbol-valued scalars and grids vary per step.
+
+    On runtimes that can pre-pack a launch (`prepare` / `launch_prepared`), the packed form is kept per step
+    shape, so a repeated launch costs the runtime nothing but the launch itself.
+    """
 
     def __init__(self, rt: Runtime, ck: CompiledKernel, handles: Mapping[str, Any], launch) -> None:
         self.ck = ck
         k = launch.kernel
         bufs = dict(launch.buffers)
         self.scalars = dict(launch.scalars)
-        self.static = all(not isinstance(v, str) for v in self.scalars.values())
         self.handles = {p.name: handles[bufs[p.name]] for p in k.params if isinstance(p, Buf)}
-        self.args = rt.args_for(k, self.handles, self.scalars) if self.static else None
-        self.grid_static = None
-        if self.static:
-            self.grid_static = [eval_int(g, self.scalars) for g in k.grid]
+        self.symbols = sorted({v for v in self.scalars.values() if isinstance(v, str)})
+        self.packed: dict[tuple, Any] = {}
+        self.can_prepare = hasattr(rt, "prepare")
 
     def run(self, rt: Runtime, step: dict[str, int]) -> None:
-        if self.static:
-            rt.launch(self.ck, self.args, self.grid_static)
-            return
-        env = {n: (step[v] if isinstance(v, str) else v) for n, v in self.scalars.items()}
-        k = self.ck.kernel
-        rt.launch(self.ck, rt.args_for(k, self.handles, env), [eval_int(g, env) for g in k.grid])
+        key = tuple(step[s] for s in self.symbols)
+        packed = self.packed.get(key)
+        if packed is None:
+            env = {n: (step[v] if isinstance(v, str) else v) for n, v in self.scalars.items()}
+            k = self.ck.kernel
+            args = rt.args_for(k, self.handles, env)
+            grid = [eval_int(g, env) for g in k.grid]
+            packed = rt.prepare(self.ck, args, grid) if self.can_prepare else (args, grid)
+            if len(self.packed) < 64:  # prefill chunk lengths vary; keep a bounded set
+                self.packed[key] = packed
+        if self.can_prepare:
+            rt.launch_prepared(packed)
+        else:
+            rt.launch(self.ck, *packed)
 
 
 class PlanExecutor:
@@ -52,6 +64,7 @@ class PlanExecutor:
         self.rt = runtime
         self.n_ctx = n_ctx
         self.n_past = 0
+        self.last_host_s: float | None = None
         self.plans = plans  # id(graph) -> plan
         self.handles: dict[str, Any] = {}
         for plan in plans.values():
@@ -72,6 +85,11 @@ class PlanExecutor:
                 for name, spec in plan.buffers.items()
             }
             self.bound[pid] = [_BoundLaunch(runtime, runtime.compile(la.kernel), local, la) for la in plan.launches]
+        # Decode steps (one token) are captured once into a device graph and replayed, where the runtime can:
+        # every kernel reads the positions from device memory, so the graph is the same for every token.
+        self.use_graphs = hasattr(runtime, "begin_capture") and not os.environ.get("POLYSTRATA_NO_GRAPHS")
+        self.graphs: dict[int, Any] = {}
+        self.decode_runs: dict[int, int] = {}
 
     def reset(self) -> None:
         """Start a new sequence; KV rows past n_past are never read, so nothing is cleared."""
@@ -86,11 +104,27 @@ class PlanExecutor:
         if self.n_past + t > self.n_ctx:
             raise ValueError(f"context full: {self.n_past} + {t} tokens > n_ctx {self.n_ctx}")
         rt = self.rt
+        t_start = time.perf_counter()
         rt.write(self.handles["tokens"], np.asarray(tokens, dtype=np.int32))
         rt.write(self.handles["positions"], np.arange(self.n_past, self.n_past + t, dtype=np.int32))
         step = dict(zip(STEP_SYMBOLS, (t, self.n_past, self.n_past + t)))
-        for b in self.bound[id(graph)]:
-            b.run(rt, step)
+        pid = id(graph)
+        if t == 1 and self.use_graphs and pid in self.graphs:
+            rt.replay(self.graphs[pid])
+        elif t == 1 and self.use_graphs and self.decode_runs.get(pid, 0) >= 1:
+            # Captured launches do not run: capture, then replay to compute this step.
+            rt.begin_capture()
+            for b in self.bound[pid]:
+                b.run(rt, step)
+            self.graphs[pid] = rt.end_capture()
+            rt.replay(self.graphs[pid])
+        else:
+            for b in self.bound[pid]:
+                b.run(rt, step)
+            if t == 1:
+                self.decode_runs[pid] = self.decode_runs.get(pid, 0) + 1
+        # On asynchronous devices everything above only queued work: this is the host's own cost of the step.
+        self.last_host_s = time.perf_counter() - t_start if rt.asynchronous else None
         rows = t if plan.output_shape[0] == "T" else int(plan.output_shape[0])
         out = rt.download(self.handles[(id(plan), plan.output)], (rows, int(plan.output_shape[1])), "f32")
         self.n_past += t

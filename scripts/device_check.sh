@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# On the GPU device machine (H200): install the carried wheels, run the GPU conformance checks, model parity and
+# the benchmarks, and print a short table last. Run from the repository root with the wheels in .whl/:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl numpy==2.4.4 \
+#       pyopencl pytools platformdirs siphash24 gguf   (see docs/benchmarks.md)
+# Stages (default: all): selftest tests parity bench. Example: scripts/device_check.sh bench
+set -uo pipefail
+cd "$(dirname "$0")/.."
+STAGES="${*:-selftest tests parity bench}"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+LOG="$OUT/device_check.log"
+export PYTHONUNBUFFERED=1 POLYSTRATA_HOME=/tmp/ps_home NCCL_NVLS_ENABLE=0
+
+# numpy 2.5 breaks numba-cuda (np.row_stack is gone): the carried 2.4 wheel goes first on the path.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . > /dev/null \
+    || { echo "project install failed"; exit 1; }
+export PYTHONPATH=/tmp/site
+# NVIDIA's OpenCL driver is there but not registered with the ICD loader.
+mkdir -p /etc/OpenCL/vendors && echo libnvidia-opencl.so.1 > /etc/OpenCL/vendors/nvidia.icd
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
+python3 -c "import numpy, numba, numba_cuda; print('numpy', numpy.__version__, 'numba', numba.__version__)" | tee -a "$LOG"
+python3 -c "from polystrata.targets import available_kernel_targets as a; print('targets', a())" | tee -a "$LOG"
+
+SUMMARY="$OUT/summary.txt"; : > "$SUMMARY"
+row() { printf '%-34s %s\n' "$1" "$2" | tee -a "$SUMMARY"; }
+
+if [[ " $STAGES " == *" selftest "* ]]; then
+    python3 scripts/cuda_selftest.py 2>&1 | tee -a "$LOG" | tail -25
+    row "cuda selftest" "exit ${PIPESTATUS[0]}"
+fi
+
+if [[ " $STAGES " == *" tests "* ]]; then
+    # Conformance on every target present: cpu, cuda, hip (NVRTC), opencl (NVIDIA's driver).
+    timeout 1500 python3 -m pytest -q -x -p no:cacheprovider tests/test_targets.py tests/test_target_hip.py \
+        -m "not slow" 2>&1 | tee -a "$LOG" | tail -15
+    row "tests (targets, hip)" "$(grep -E '[0-9]+ (passed|failed)' "$LOG" | tail -1)"
+fi
+
+if [[ " $STAGES " == *" parity "* ]]; then
+    # Real models travel in .models/ (carried; see docs/benchmarks.md); llama.cpp's fixtures are in the repo.
+    for t in cuda hip opencl; do
+        [ -f .models/SmolLM2-135M-Instruct.Q4_1.gguf ] && python3 -m polystrata parity .models/SmolLM2-135M-Instruct.Q4_1.gguf \
+            --fixtures tests/data/fixtures/reference/smollm2 --target "$t" 2>&1 | tee -a "$LOG" | tail -3
+    done
+    grep -E "^parity" "$LOG" | while read -r line; do row "${line%%:*}" "${line#*:}"; done
+fi
+
+if [[ " $STAGES " == *" bench "* ]]; then
+    M=/tmp/models; mkdir -p "$M"
+    [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
+    [ -f "$M/qwen3moe-8l-q4km.gguf" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b --layers 8 --type Q4_K_M -o "$M/qwen3moe-8l-q4km.gguf"
+    python3 scripts/matvec_bench.py --target cuda 2>&1 | tee -a "$LOG" | tail -4
+    row "Q4_K matvec 4096x14336" "$(grep -E '^matvec' "$LOG" | tail -1)"
+    for m in llama3-8b-q4km qwen3moe-8l-q4km; do
+        timeout 900 python3 -m polystrata bench "$M/$m.gguf" --target cuda -p 512 -n 128 -r 3 --json > "$OUT/bench_$m.json" 2>> "$LOG"
+        python3 - "$OUT/bench_$m.json" "$m" <<'EOF' | tee -a "$SUMMARY"
+import json, sys
+r = json.load(open(sys.argv[1]))
+pp, tg = r["pp"], r["tg"]
+print(f"{sys.argv[2]:34s} pp512 {pp['tok_s_mean']:.0f}±{pp['tok_s_sd']:.0f}  tg128 {tg['tok_s_mean']:.0f}±{tg['tok_s_sd']:.0f} tok/s"
+      f"  {r['bytes_per_token']/2**30:.2f} GiB/token  roofline {r['roofline_pct'] or 0:.0f}%  host {r.get('host_ms_per_token', 'n/a')} ms/token")
+EOF
+    done
+fi
+
+echo; echo "=== summary ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) ==="
+cat "$SUMMARY"
