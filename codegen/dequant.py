@@ -58,8 +58,9 @@ class _Lowerer:
     """Lowers format expressions for one element chunk `i = c + i0` (or a constant `i` for hoisted lets)."""
 
     def __init__(self, fmt: QuantFormat, buf: str, base: Expr, env: dict[str, Expr], i_val, span: int,
-                 i0: str):
+                 i0: str, f16_arith: bool = False):
         self.fmt, self.buf, self.base, self.env = fmt, buf, base, env
+        self.f16_arith = f16_arith  # f16 fields by branch-free integer/float arithmetic instead of the intrinsic
         self.i_val = i_val  # int or _Aff
         self.span = span  # L: the range of i0
         self.i0 = i0
@@ -153,10 +154,24 @@ class _Lowerer:
         for k in range(1, size):
             word = word | (byte(k) << (8 * k))
         if f.dtype == "f16":
-            return Call("f16_bits_to_f32", word)
+            return f16_bits_to_f32_arith(word) if self.f16_arith else Call("f16_bits_to_f32", word)
         if f.dtype == "bf16":
             return bf16_bits_to_f32(word)
         return word  # u16 / u32 / i32: integer bits (shifts and masks see the same bits)
+
+
+def f16_bits_to_f32_arith(h: Expr) -> Expr:
+    """Exact f32 of f16 bits `h` by branch-free arithmetic: (-1)^s * (m + 1024 [e > 0]) * 2^max(e, 1) * 2^-25.
+
+    Every step is exact in f32 (an 11-bit integer times powers of two, results >= 2^-24). Infinities and NaNs
+    (e == 31) are not special-cased: weights never hold them. Cheaper than the intrinsic where that is a
+    branchy software routine (Numba) and it vectorizes.
+    """
+    e = (h >> 10) & 31
+    m = h & 1023
+    mant = Cast("f32", m + Select(e.eq(0), Const(0), Const(1024)))
+    mag = mant * Cast("f32", Const(1) << Call("max", e, Const(1))) * float(2.0**-25)
+    return Select(((h >> 15) & 1).eq(1), Const(0.0) - mag, mag)
 
 
 def bf16_bits_to_f32(h: Expr) -> Expr:
@@ -305,31 +320,40 @@ class Decoder:
     buf: str
     base: Expr
     prefix: str
+    f16_arith: bool = False  # see `f16_bits_to_f32_arith` (a CPU-friendly choice; GPUs convert f16 natively)
 
     def _env_name(self, let: str) -> str:
         return f"{self.prefix}{let}"
 
     def lets_for(self, group: int, start: int, env: dict[str, Expr], i_val=None, span: int = 1,
-                 i0: str = "_i0", names: set[str] | None = None) -> list:
+                 i0: str = "_i0", names: set[str] | None = None, suffix: str = "") -> list:
         """`Let` statements for the lets of exactly `group` (evaluated at element `start`); updates env."""
         out = []
-        lw = _Lowerer(self.fmt, self.buf, self.base, env, start if i_val is None else i_val, span, i0)
+        lw = _Lowerer(self.fmt, self.buf, self.base, env, start if i_val is None else i_val, span, i0, self.f16_arith)
         idx_only = _index_only_lets(self.fmt)
         for lt in self.fmt.lets:
             if lt.group != group or lt.name in idx_only or (names is not None and lt.name not in names):
                 continue
-            name = self._env_name(lt.name) + ("" if group == 1 else f"_{start}")
+            name = self._env_name(lt.name) + (suffix if group == 1 else f"_{start}")
             out.append(Let(name, lw.expr(lt.expr)))
             env[lt.name] = Var(name)
         return out
 
-    def walk(self, emit_group: Callable, emit_chunk: Callable, lo: int = 0, hi: int | None = None) -> list:
+    def walk(self, emit_group: Callable, emit_chunk: Callable, lo: int = 0, hi: int | None = None,
+             fuse: bool = False) -> list:
         """Statements visiting the block's elements [lo, hi) with hoisted lets.
 
         `emit_group(start, size, env, stmts_inside)` wraps the statements of the finest group (it can add
         per-group accumulators); `emit_chunk(c, L, i0, env, lowerer)` returns statements for one chunk's inner
         loop body (i = c + i0).
+
+        `fuse`: all group lets first, then ONE loop over i0 whose body holds every chunk's statements (per-element
+        lets get a per-chunk suffix); `emit_group` is not called. For chunk bodies that do not depend on each
+        other's order: one longer loop body is what a CPU compiler vectorizes (several 16-trip loops get fully
+        unrolled instead, and then stay scalar).
         """
+        if fuse:
+            return self._walk_fused(emit_chunk, lo, self.fmt.block_size if hi is None else hi)
         hi = self.fmt.block_size if hi is None else hi
         gs = groups(self.fmt)
         finest = gs[-2] if len(gs) > 1 else 1
@@ -345,7 +369,7 @@ class Decoder:
                 for c in range(start, start + size, L):
                     if c + L <= lo or c >= hi:
                         continue
-                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, i0)
+                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, i0, self.f16_arith)
                     body = self.lets_for(1, c, lw.env, _Aff(1, c), L, i0) if finest != 1 else []
                     body += emit_chunk(c, L, i0, lw.env, lw)
                     inner.append(For(i0, Const(0), Const(L), tuple(body)))
@@ -361,9 +385,38 @@ class Decoder:
 
         return stmts + rec(0, 0, self.fmt.block_size)
 
+    def _walk_fused(self, emit_chunk: Callable, lo: int, hi: int) -> list:
+        gs = groups(self.fmt)
+        finest = gs[-2] if len(gs) > 1 else 1
+        L = chunk_len(self.fmt, finest)
+        i0 = f"{self.prefix}i0"
+        env: dict[str, Expr] = {}
+        lets = self.lets_for(gs[0], 0, env) if gs[0] != 1 else []
+        body: list = []
+
+        def rec(level: int, start: int, size: int) -> None:
+            if size == finest:
+                for c in range(start, start + size, L):
+                    if c + L <= lo or c >= hi:
+                        continue
+                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, i0, self.f16_arith)
+                    if finest != 1:
+                        body.extend(self.lets_for(1, c, lw.env, _Aff(1, c), L, i0, suffix=f"_c{c}"))
+                    body.extend(emit_chunk(c, L, i0, lw.env, lw))
+                return
+            sub = gs[level + 1]
+            for s in range(start, start + size, sub):
+                if s + sub <= lo or s >= hi:
+                    continue
+                lets.extend(self.lets_for(sub, s, env))
+                rec(level + 1, s, sub)
+
+        rec(0, 0, self.fmt.block_size)
+        return [*lets, For(i0, Const(0), Const(L), tuple(body))]
+
     def group_expr(self, e: Expr, start: int, env: dict[str, Expr]) -> Expr:
         """A group-level format expression (scale, offset) as kernel IR, at group start `start`."""
-        return _Lowerer(self.fmt, self.buf, self.base, env, start, 1, "_unused").expr(e)
+        return _Lowerer(self.fmt, self.buf, self.base, env, start, 1, "_unused", self.f16_arith).expr(e)
 
     def value(self, lw: _Lowerer) -> Expr:
         """The element value (f32) inside a chunk."""

@@ -9,12 +9,13 @@ cd "$(dirname "$0")/.."
 STAGES="${*:-selftest tests parity bench}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 LOG="$OUT/device_check.log"
-export PYTHONUNBUFFERED=1 POLYSTRATA_HOME=/tmp/ps_home NCCL_NVLS_ENABLE=0
+# PYTHONSAFEPATH: the source tree's polystrata/ must not shadow the installed package (ir/, codegen/ map into it).
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 POLYSTRATA_HOME=/tmp/ps_home NCCL_NVLS_ENABLE=0
 
 # numpy 2.5 breaks numba-cuda (np.row_stack is gone): the carried 2.4 wheel goes first on the path.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site . > /dev/null \
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . > /dev/null \
     || { echo "project install failed"; exit 1; }
 export PYTHONPATH=/tmp/site
 # NVIDIA's OpenCL driver is there but not registered with the ICD loader.

@@ -6,7 +6,14 @@ Two dot-product paths, both generated from the format description (`codegen.dequ
   to int8 (`xq`, with scale `xd = max|x| / 127`) once per group into local arrays, and each weight group
   accumulates the integer `sum(level * xq)` (and `sum(xq)` when there is an offset), scaled once:
   `S_g * xd * isum + M_g * xd * xsum`. Integer sums vectorize without fast-math and avoid per-element floats.
-* f32 path (everything else, or knob int8=0): per-element decoded values times f32 activations.
+* f32 path (everything else, or knob int8=0): per-element decoded values times f32 activations. With `part`
+  (the CPU default, knob vert) the products go to per-element partial sums in a local array, `p[e] += w_e * x_e`
+  over all blocks, summed once per dot product: a vertical update (no reduction inside the element loop), which
+  a compiler vectorizes without reassociating float sums.
+
+`nonneg` (with one lane) masks each block's base addresses with `NONNEG`, a no-op on valid indices that tells a
+compiler the indices are non-negative (Numba otherwise wraps every signed index like Python, which defeats
+vectorization).
 """
 
 from __future__ import annotations
@@ -16,6 +23,12 @@ from polystrata.ir.kernel import Assign, Call, Cast, Decl, For, If, LaneFor, Let
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 QB = 32  # activation quantization block
+NONNEG = (1 << 31) - 1  # index mask: see the module docstring
+
+
+def nonneg_mask(bound: int) -> int:
+    """The NONNEG mask for indices below `bound`: 31 bits (a 32-bit constant every target takes) unless more."""
+    return NONNEG if bound <= NONNEG + 1 else (1 << 62) - 1
 
 
 def fmt_for(fmt: QuantFormat) -> QuantFormat:
@@ -67,16 +80,27 @@ class Act:
 
 
 def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t: Expr, acc: str,
-              prefix: str) -> list:
+              prefix: str, part: tuple[str, Expr] | None = None, nonneg: int = 0,
+              f16_arith: bool = False) -> list:
     """Statements adding block `b` of the weight row at `row_base` dotted with activation row `t` into `acc`.
 
     `t` indexes the activation rows (a local token index for the int8 arrays, a buffer row otherwise).
+    `part` = (local f32 array, offset): f32 path only, add the products to `array[offset + e]` (e < block size)
+    instead of `acc` (see the module docstring); `nonneg`: 0, or the mask (`nonneg_mask` of the weight buffer's
+    size) for the weight base address (activation addresses use NONNEG); `f16_arith` see `Decoder`.
     """
     wf = fmt_for(fmt)
     bs = wf.block_size
-    dec = Decoder(wf, wbuf, row_base + b * block_stride(wf), prefix)
+    wb = row_base + b * block_stride(wf)
+    xo = t * act.k + b * bs
+    head = []
+    if nonneg:
+        head.append(Let(f"{prefix}wb", wb & nonneg))
+        wb = Var(f"{prefix}wb")
+        xo = xo & NONNEG
+    dec = Decoder(wf, wbuf, wb, prefix, f16_arith)
     xoff = Var(f"{prefix}xo")
-    head = [Let(xoff.name, t * act.k + b * bs)]
+    head.append(Let(xoff.name, xo))
     if act.int8:
         a = affine(wf)
         lvl_q = act.xq
@@ -109,6 +133,15 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
             return [*st, Assign(acc, Var(acc) + term)]
 
         return head + dec.walk(group, chunk)
+
+    if part is not None:
+        pbuf, poff = part
+
+        def chunk_p(c, L, i0, env, lw):
+            pi = poff + c + Var(i0)
+            return [Store(pbuf, pi, Load(pbuf, pi) + dec.value(lw) * Load(act.buf, xoff + c + Var(i0)))]
+
+        return head + dec.walk(lambda s, n, env, inner: inner, chunk_p, fuse=True)
 
     def chunk_f(c, L, i0, env, lw):
         return [Assign(acc, Var(acc) + dec.value(lw) * Load(act.buf, xoff + c + Var(i0)))]

@@ -6,9 +6,12 @@ each of its `rows` weight rows and each token of the tile computes the dot produ
 that is a plain matvec (grid over row tiles); for large T each group reads its weight rows once from memory
 and reuses them (from cache) for the whole token tile.
 
-Knobs: rows (rows per group), tokens (token tile), int8 (int8-activation path where the format allows it),
-split ("rows": lanes take rows, each a whole dot product -- the CPU default; "blocks": for each row a Reduce
-over the row's blocks spread over the lanes -- the GPU default).
+Knobs: rows (rows per group), tokens (token tile), int8 (int8-activation path where the format allows it; "auto":
+off with one lane -- the CPU, where the f32 path below vectorizes better -- on otherwise), split ("rows": lanes
+take rows, each a whole dot product -- the CPU default; "blocks": for each row a Reduce over the row's blocks
+spread over the lanes -- the GPU default), vert (split "rows", f32 path: per-element partial sums in a local array,
+see `_matvec`; "auto": on with one lane). With one lane the kernels also mask block base addresses non-negative
+and decode f16 scales arithmetically (see `_matvec.NONNEG`, `dequant.f16_bits_to_f32_arith`).
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import Decoder, block_stride, elements_per_row_bytes, weight_dtype
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
-from polystrata.codegen.recipes._matvec import QB, Act, block_dot, fmt_for, quantize_x, use_int8
+from polystrata.codegen.recipes._matvec import QB, Act, block_dot, fmt_for, nonneg_mask, quantize_x, use_int8
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
+    Assign,
     Buf,
     Call,
     Decl,
@@ -37,7 +41,7 @@ from polystrata.ir.kernel import (
 )
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
-MATMUL_KNOBS = (("rows", 4), ("tokens", 8), ("int8", 1), ("split", "auto"))
+MATMUL_KNOBS = (("rows", 4), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"))
 
 
 def _exp(x: Expr) -> Expr:
@@ -59,9 +63,16 @@ ACTIVATIONS = {"swiglu": silu, "geglu": gelu_tanh}
 
 
 def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, int8: bool,
-                  split: str, lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+                  split: str, lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
+                  vert: bool | str = "auto") -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j); weights [n, k] of formats `fmts`."""
+    if int8 == "auto":
+        int8 = lanes > 1
     int8 = all(use_int8(f, int8) for f in fmts)
+    if vert == "auto":
+        vert = lanes == 1
+    vert = bool(vert) and not int8 and split == "rows"
+    cpu = lanes == 1  # one lane: NONNEG masks and arithmetic f16 conversion (the CPU's choices)
     rows = max(1, min(rows, n))
     wnames = [f"w{j}" for j in range(len(fmts))]
     params = [Buf("x", "f32"), *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True),
@@ -69,6 +80,9 @@ def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, row
     t0, nt = Var("t0"), Var("nt")
     body: list = [Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - t0))]
     local = []
+    pb = max(fmt_for(f).block_size for f in fmts)  # partial sums per (row, weight) with vert
+    if vert:
+        local = [LocalArray("p", "f32", (rows if lanes > 1 else 1) * len(fmts) * pb)]
     if int8:
         local = [LocalArray("xq", "i8", tokens * k), LocalArray("xd", "f32", tokens * k // QB)]
         body += quantize_x("x", "xq", "xd", t0, nt, tokens, k)
@@ -76,14 +90,15 @@ def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, row
     else:
         act = Act("x", k)
 
-    def dots(row: Expr, t_act: Expr, accs: list[str]) -> list:
+    def dots(row: Expr, t_act: Expr, accs: list[str], parts: list | None = None) -> list:
         rowc = Call("min", row, Const(n - 1))  # clamp so loads stay in bounds; the store is guarded
         out = []
         for j, (w, f) in enumerate(zip(wnames, fmts)):
             nb = k // fmt_for(f).block_size
             out.append(Let(f"w{j}_rb", rowc * elements_per_row_bytes(f, k)))
-            out.append(For("b", Const(0), Const(nb), tuple(block_dot(f, w, Var(f"w{j}_rb"), Var("b"), act, t_act,
-                                                                       accs[j], f"w{j}_"))))
+            out.append(For("b", Const(0), Const(nb), tuple(block_dot(
+                f, w, Var(f"w{j}_rb"), Var("b"), act, t_act, accs[j], f"w{j}_", parts[j] if parts else None,
+                nonneg=nonneg_mask(n * elements_per_row_bytes(f, k)) if cpu else 0, f16_arith=cpu))))
         return out
 
     def result(accs: list[str]) -> Expr:
@@ -94,7 +109,23 @@ def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, row
         accs = [f"acc{j}" for j in range(len(fmts))]
         rr, row, t = Var("rr"), Var("row"), Var("t")
         t_act = t if int8 else t0 + t
-        inner = [Decl(a, "f32", Const(0.0)) for a in accs] + dots(row, t_act, accs)
+        inner = [Decl(a, "f32", Const(0.0)) for a in accs]
+        parts = None
+        if vert:
+            parts = []
+            for j, f in enumerate(fmts):
+                # One lane walks the rows in turn and reuses one slot per weight: constant offsets let a compiler
+                # keep the partial sums in registers. Lanes working on rows concurrently need a slot each.
+                po = Const(j * pb) if lanes == 1 else Var(f"w{j}_po")
+                if lanes > 1:
+                    inner.append(Let(po.name, (rr * len(fmts) + j) * pb))
+                inner.append(For("e", Const(0), Const(fmt_for(f).block_size), (Store("p", po + Var("e"), Const(0.0)),)))
+                parts.append(("p", po))
+        inner += dots(row, t_act, accs, parts)
+        if vert:
+            for j, f in enumerate(fmts):
+                inner.append(For("e", Const(0), Const(fmt_for(f).block_size), (
+                    Assign(accs[j], Var(accs[j]) + Load("p", parts[j][1] + Var("e"))),)))
         inner.append(Store("y", (t0 + t) * n + row, result(accs)))
         body.append(LaneFor("rr", Const(rows), (
             Let("row", Var("g0") * rows + rr),
@@ -116,7 +147,7 @@ def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, row
             vals = [f"s{r}_{j}" for j in range(len(fmts))]
             body.append(For(t.name, Const(0), nt, (*red, If(row < n, (Store("y", (t0 + t) * n + row, result(vals)),)))))
     grid = (Const((n + rows - 1) // rows), (Var("T") + (tokens - 1)) // tokens)
-    knobs = (("rows", rows), ("tokens", tokens), ("int8", int(int8)), ("split", split))
+    knobs = (("rows", rows), ("tokens", tokens), ("int8", int(int8)), ("split", split), ("vert", int(vert)))
     return Kernel(name, tuple(params), grid, tuple(body), lanes=lanes, local=tuple(local), knobs=knobs,
                   doc=f"matmul {'+'.join(f.name for f in fmts)} [{n}x{k}]")
 
