@@ -14,6 +14,8 @@ with barriers; the CPU never reads it.
 
 from __future__ import annotations
 
+import math
+
 from polystrata.ir.kernel import (
     Assign,
     Bin,
@@ -151,7 +153,13 @@ class PyPrinter:
     def e(self, x) -> str:
         """Render an expression."""
         if isinstance(x, Const):
-            return f"np.float32({x.value!r})" if isinstance(x.value, float) else repr(x.value)
+            if isinstance(x.value, float):
+                # repr gives 'inf'/'nan' for non-finite values, which are not Python names.
+                v = x.value
+                if math.isfinite(v):
+                    return f"np.float32({v!r})"
+                return "np.float32(np.nan)" if v != v else f"np.float32({'-' if v < 0 else ''}np.inf)"
+            return repr(x.value)
         if isinstance(x, Var):
             return x.name
         if isinstance(x, Bin):
@@ -168,7 +176,9 @@ class PyPrinter:
                 return f"np.float32({self.e(x.a)})"
             return f"np.int64({self.e(x.a)})"
         if isinstance(x, Load):
-            v = f"{x.buf}[{self.e(x.index)}]"
+            # Indices are never negative in the IR; an unsigned index spares Numba its wrap-around check, which
+            # otherwise keeps loops over consecutive elements from vectorizing.
+            v = f"{x.buf}[np.uint64({self.e(x.index)})]"
             if x.buf in self.f16:
                 return f"f16_bits_to_f32({v})"
             return v if self.k.dtype_of(x.buf) in ("f32", "f16") else f"np.int64({v})"
@@ -201,7 +211,7 @@ class PyPrinter:
         v = self.e(s.value)
         if s.buf in self.f16:
             v = f"f32_to_f16_bits({v})"
-        return f"{s.buf}[{self.e(s.index)}] = {v}"
+        return f"{s.buf}[np.uint64({self.e(s.index)})] = {v}"
 
     def partial(self, s: Reduce, d: int) -> str:
         """Emit this lane's share of a Reduce into an accumulator; returns its name."""

@@ -4,11 +4,12 @@ Without an AMD GPU (`hipGetDeviceCount` fails or finds none) the runtime is comp
 code objects, buffers and launches raise. hiprtc runs in a child process (`python -m polystrata.runtimes.hip
 --compile ARCH OUT < source`) because ROCm 5.2's hiprtc aborts the whole process on architectures it does not
 know; the parent turns a crash into a `PolystrataError`. Buffers are device pointers holding the IR storage
-dtypes (f16 as 2 bytes, u8 as bytes, ...).
+dtypes (f16 as 2 bytes, u8 as bytes, ...). NVIDIA GPUs and `sm_XX` archs: runtimes/hip_nvrtc.py (NVRTC).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -44,11 +45,9 @@ _LIBS: dict[str, ctypes.CDLL] = {}
 def _load(kind: str) -> ctypes.CDLL:
     if kind not in _LIBS:
         for name in _HIP_LIBS if kind == "hip" else _RTC_LIBS:
-            try:
+            with contextlib.suppress(OSError):
                 _LIBS[kind] = ctypes.CDLL(name)
                 break
-            except OSError:
-                continue
         else:
             raise PolystrataError("HIP libraries not found (libamdhip64.so.5); on Debian: "
                                   "apt-get install libamdhip64-5 libhiprtc-builtins5")
@@ -149,14 +148,14 @@ class HIPCode:
 
 
 class HIPBuffer:
-    """Device memory (`hipMalloc`), freed with the object."""
+    """Device memory (`hipMalloc`, or `cuMemAlloc` behind NVRTC), freed with the object by `free(ptr)`."""
 
-    def __init__(self, ptr: int, nbytes: int):
-        self.ptr, self.nbytes = ptr, nbytes
+    def __init__(self, ptr: int, nbytes: int, free: Any = None):
+        self.ptr, self.nbytes, self.free = ptr, nbytes, free
 
     def __del__(self):
-        if _LIBS.get("hip") is not None and self.ptr:
-            _LIBS["hip"].hipFree(ctypes.c_void_p(self.ptr))
+        if self.free is not None and self.ptr:
+            self.free(self.ptr)
 
 
 def _gpu_count() -> int:
@@ -169,22 +168,27 @@ def _device_arch(lib: ctypes.CDLL) -> tuple[str, str]:
     props = ctypes.create_string_buffer(16384)
     _check(lib.hipGetDeviceProperties(props, 0), "hipGetDeviceProperties")
     name = props.raw[:256].split(b"\0", 1)[0].decode(errors="replace")
-    raw = props.raw[256:]
-    i = raw.find(b"gfx")
-    arch = raw[i:].split(b"\0", 1)[0].decode() if i >= 0 else ""
-    return arch, name
+    i = props.raw.find(b"gfx", 256)
+    return (props.raw[i:].split(b"\0", 1)[0].decode() if i >= 0 else ""), name
 
 
 class HIPRuntime(Runtime):
     """One AMD GPU, or compile-only for `arch` when there is none (or with `compile_only=True`)."""
 
     name = "hip"
+    asynchronous = True
+
+    def __new__(cls, arch: str | None = None, compile_only: bool = False, native_f16: bool = True):
+        """An `sm_XX` arch, or no arch on an NVIDIA GPU and no AMD one: `hip_nvrtc.NVRTCRuntime`."""
+        from polystrata.runtimes import hip_nvrtc
+
+        return super().__new__(hip_nvrtc.NVRTCRuntime if hip_nvrtc.wanted(cls, arch, compile_only) else cls)
 
     def __init__(self, arch: str | None = None, compile_only: bool = False, native_f16: bool = True) -> None:
-        """`arch`: the gfx target (default: the GPU's; required without one). `native_f16=False` renders f16
-        with the portable bit conversions."""
+        """`arch`: the gfx target (the GPU's by default); `native_f16=False`: f16 by the portable bit conversions."""
         super().__init__()
         self.lib = _load("hip")
+        self.lib.hipFree.argtypes = [ctypes.c_void_p]  # the buffers' finaliser
         self.gpu = not compile_only and _gpu_count() > 0
         self.version = rocm_version()
         ver = ".".join(map(str, self.version))
@@ -199,10 +203,10 @@ class HIPRuntime(Runtime):
             self.device = f"{arch} (compile only, ROCm {ver})"
         check_arch(arch)
         self.arch = arch
-        self.subgroup = wave_of(arch)
-        self.lanes = self.subgroup  # 64 on wave64 (CDNA, GCN), 32 on wave32 (RDNA)
+        self.lanes = self.subgroup = wave_of(arch)  # 64 on wave64 (CDNA, GCN), 32 on wave32 (RDNA)
         self.native_f16 = native_f16
         self.options = [f"--offload-arch={arch}", "-O3", "-ffp-contract=off"]
+        self.compiler = f"rocm {ver} {' '.join(self.options)}"
         self._compiled: dict[str, Any] = {}
 
     def render(self, kernel: Kernel) -> str:
@@ -210,33 +214,31 @@ class HIPRuntime(Runtime):
         return render(kernel, self.arch, self.subgroup, self.native_f16)
 
     def compile(self, kernel: Kernel) -> CompiledKernel:
-        """Code object of `kernel` from the cache, else from hiprtc (in a child process); loaded on a GPU."""
+        """Code object of `kernel` from the cache, else from the compiler (`_build`); loaded on a GPU."""
         source = self.render(kernel)
-        ver = ".".join(map(str, self.version))
-        key = cache_key(source, self.name, self.arch, f"rocm {ver} {' '.join(self.options)}")
+        key = cache_key(source, self.name, self.arch, self.compiler)
         if key in self._compiled:
             return self._compiled[key]
         path = cache_dir(self.name) / f"{kernel.name}_{key}.co"
         cached = path.exists()
-        if cached:
-            code = path.read_bytes()
-        else:
-            code = compile_in_subprocess(source, kernel.name, self.arch, self.options)
+        code = path.read_bytes() if cached else self._build(source, kernel.name)
+        if not cached:
             _atomic_write(path, code)
-        handle = HIPCode(code)
-        if self.gpu:
-            module, fn = ctypes.c_void_p(), ctypes.c_void_p()
-            _check(self.lib.hipModuleLoadData(ctypes.byref(module), code), "hipModuleLoadData")
-            _check(self.lib.hipModuleGetFunction(ctypes.byref(fn), module, kernel.name.encode()),
-                   "hipModuleGetFunction")
-            handle.module, handle.function = module.value, fn.value
+        handle = HIPCode(code, *(self._load_module(code, kernel.name) if self.gpu else ()))
         ck = CompiledKernel(kernel, handle, source, cached)
-        if cached:
-            self.cache_hits += 1
-        else:
-            self.cache_misses += 1
+        self.cache_hits += cached
+        self.cache_misses += not cached
         self._compiled[key] = ck
         return ck
+
+    def _build(self, source: str, name: str) -> bytes:
+        return compile_in_subprocess(source, name, self.arch, self.options)
+
+    def _load_module(self, code: bytes, name: str) -> tuple[Any, Any]:
+        module, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        _check(self.lib.hipModuleLoadData(ctypes.byref(module), code), "hipModuleLoadData")
+        _check(self.lib.hipModuleGetFunction(ctypes.byref(fn), module, name.encode()), "hipModuleGetFunction")
+        return module.value, fn.value
 
     def _need_gpu(self) -> None:
         if not self.gpu:
@@ -244,36 +246,37 @@ class HIPRuntime(Runtime):
 
     def alloc(self, shape: Sequence[int], dtype: str) -> HIPBuffer:
         self._need_gpu()
-        nbytes = max(int(np.prod(shape)) * DTYPE_BYTES[dtype], 4)
+        return self._malloc(max(int(np.prod(shape)) * DTYPE_BYTES[dtype], 4))
+
+    def _malloc(self, nbytes: int) -> HIPBuffer:  # zeroed, like the CPU target's buffers
         ptr = ctypes.c_void_p()
         _check(self.lib.hipMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "hipMalloc")
-        buf = HIPBuffer(ptr.value, nbytes)
-        _check(self.lib.hipMemset(ctypes.c_void_p(buf.ptr), 0, ctypes.c_size_t(nbytes)), "hipMemset")  # zeros
+        buf = HIPBuffer(ptr.value, nbytes, self.lib.hipFree)
+        _check(self.lib.hipMemset(ctypes.c_void_p(buf.ptr), 0, ctypes.c_size_t(nbytes)), "hipMemset")
         return buf
 
+    def _copy(self, to_device: bool, dev: int, host: int, nbytes: int) -> None:
+        what, dst, src = ("hipMemcpyHtoD", dev, host) if to_device else ("hipMemcpyDtoH", host, dev)
+        _check(getattr(self.lib, what)(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes)), what)
+
     def upload(self, array: np.ndarray) -> HIPBuffer:
-        self._need_gpu()
         host = np.ascontiguousarray(array).reshape(-1)
         buf = self.alloc((max(host.nbytes, 4),), "u8")
         self.write(buf, host)
         return buf
 
     def download(self, buf: HIPBuffer, shape: Sequence[int], dtype: str) -> np.ndarray:
-        self._need_gpu()
         out = np.empty(tuple(shape), dtype=NUMPY_DTYPES[dtype])
         if out.nbytes:
-            _check(self.lib.hipMemcpyDtoH(out.ctypes.data_as(ctypes.c_void_p), ctypes.c_void_p(buf.ptr),
-                                          ctypes.c_size_t(out.nbytes)), "hipMemcpyDtoH")
+            self._copy(False, buf.ptr, out.ctypes.data, out.nbytes)
         return out.view(np.float16).astype(np.float32) if dtype == "f16" else out
 
     def write(self, buf: HIPBuffer, array: np.ndarray) -> None:
-        self._need_gpu()
         host = np.ascontiguousarray(array).reshape(-1)
         if host.nbytes > buf.nbytes:
             raise PolystrataError(f"write of {host.nbytes} bytes into a {buf.nbytes}-byte HIP buffer")
         if host.nbytes:
-            _check(self.lib.hipMemcpyHtoD(ctypes.c_void_p(buf.ptr), host.ctypes.data_as(ctypes.c_void_p),
-                                          ctypes.c_size_t(host.nbytes)), "hipMemcpyHtoD")
+            self._copy(True, buf.ptr, host.ctypes.data, host.nbytes)
 
     def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
         self._need_gpu()
@@ -284,20 +287,19 @@ class HIPRuntime(Runtime):
         vals = [ctypes.c_void_p(a.ptr) if isinstance(a, HIPBuffer) else
                 ctypes.c_float(float(a)) if isinstance(a, float | np.floating) else ctypes.c_int32(int(a))
                 for a in args]
-        params = (ctypes.c_void_p * max(len(vals), 1))(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
-                                                         for v in vals))
-        _check(self.lib.hipModuleLaunchKernel(
-            ctypes.c_void_p(ck.handle.function), *(ctypes.c_uint(g) for g in grid),
-            ctypes.c_uint(ck.kernel.lanes), ctypes.c_uint(1), ctypes.c_uint(1), ctypes.c_uint(0), None, params,
-            None), "hipModuleLaunchKernel")
+        params = (ctypes.c_void_p * max(len(vals), 1))(*(ctypes.addressof(v) for v in vals))
+        self._launch(ck.handle.function, grid, ck.kernel.lanes, params)
 
-    def sync(self) -> None:
-        """Wait for queued work (the null stream)."""
+    def _launch(self, fn: Any, grid: list[int], lanes: int, params: ctypes.Array) -> None:
+        _check(self.lib.hipModuleLaunchKernel(
+            ctypes.c_void_p(fn), *(ctypes.c_uint(g) for g in grid), ctypes.c_uint(lanes), ctypes.c_uint(1),
+            ctypes.c_uint(1), ctypes.c_uint(0), None, params, None), "hipModuleLaunchKernel")
+
+    def sync(self) -> None:  # the null stream
         if self.gpu:
             _check(self.lib.hipDeviceSynchronize(), "hipDeviceSynchronize")
 
-    def memory_info(self) -> tuple[int, int] | None:
-        """(free, total) bytes on the GPU; None in compile-only mode."""
+    def memory_info(self) -> tuple[int, int] | None:  # None in compile-only mode
         if not self.gpu:
             return None
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
@@ -305,8 +307,7 @@ class HIPRuntime(Runtime):
         return free.value, total.value
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    # Write-then-rename: a concurrent reader never sees half a code object.
+def _atomic_write(path: Path, data: bytes) -> None:  # write-then-rename: no reader sees half a code object
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
@@ -317,13 +318,12 @@ def _main(argv: list[str]) -> int:
     """Child entry: `--compile NAME OUT [options...]`, source on stdin; the log goes to stderr."""
     if len(argv) < 3 or argv[0] != "--compile":
         sys.exit("usage: python -m polystrata.runtimes.hip --compile NAME OUT [hiprtc options...] < source")
-    name, out, options = argv[1], argv[2], argv[3:]
     try:
-        code = hiprtc_compile(sys.stdin.read(), name, options)
+        code = hiprtc_compile(sys.stdin.read(), argv[1], argv[3:])  # NAME, options
     except PolystrataError as e:
         print(e, file=sys.stderr)
         return 1
-    Path(out).write_bytes(code)
+    Path(argv[2]).write_bytes(code)
     return 0
 
 

@@ -1,7 +1,9 @@
 """HIP target: hand-built kernels covering every IR construct, rendered to HIP C++ and compiled by hiprtc into
 AMD code objects for gfx1030 (wave32) and gfx90a (wave64); the compile-only runtime's errors; the same source as
-CUDA behind `cuda_prelude()` where nvcc exists. Skips where libamdhip64 is absent (CI installs libamdhip64-5 and
-libhiprtc-builtins5). Running the kernels needs an AMD GPU: see `test_runs_on_gpu`."""
+CUDA behind `cuda_prelude()` where nvcc exists, and through NVRTC (`HIPRuntime("sm_90")`, runtimes/hip_nvrtc.py)
+where libnvrtc loads. hiprtc tests skip where libamdhip64 is absent (CI installs libamdhip64-5 and
+libhiprtc-builtins5). Running the kernels needs an AMD GPU (`test_runs_on_gpu`) or an NVIDIA GPU with no AMD one
+(`test_nvidia_*`: `HIPRuntime()` is then the NVRTC backend, checked against numpy and the CPU target)."""
 
 from __future__ import annotations
 
@@ -40,13 +42,22 @@ from polystrata.ir.kernel import (
 from polystrata.ir.quant import Table
 
 hiprt = pytest.importorskip("polystrata.runtimes.hip")
-if not hiprt.available():
-    pytest.skip("libamdhip64 not installed (apt-get install libamdhip64-5 libhiprtc-builtins5)",
-                allow_module_level=True)
+hipnv = pytest.importorskip("polystrata.runtimes.hip_nvrtc")
+AMD = hiprt.available()
+amd = pytest.mark.skipif(not AMD, reason="libamdhip64 not installed (apt-get install libamdhip64-5 "
+                         "libhiprtc-builtins5)")
+try:
+    NVRTC = hipnv.nvrtc_version()
+except PolystrataError:
+    NVRTC = None
+nv = pytest.mark.skipif(NVRTC is None, reason="NVRTC not loadable (pip install cuda-bindings nvidia-cuda-nvrtc)")
+# HIPRuntime() takes the NVRTC path: an NVIDIA GPU, NVRTC, and no AMD GPU.
+NV_GPU = NVRTC is not None and hipnv.gpu_count() > 0 and not (AMD and hiprt._gpu_count() > 0)
+nv_gpu = pytest.mark.skipif(not NV_GPU, reason="no NVIDIA GPU (or no NVRTC, or an AMD GPU takes precedence)")
 
 g0, g1, g2, n, j, k = (Var(v) for v in ("g0", "g1", "g2", "n", "j", "k"))
 ARCHS = ("gfx1030", "gfx90a")  # wave32 RDNA2, wave64 CDNA2
-OLD_ROCM = hiprt.supported_archs() is not None  # ROCm <= 5.2: the refusal list applies
+OLD_ROCM = AMD and hiprt.supported_archs() is not None  # ROCm <= 5.2: the refusal list applies
 
 
 @pytest.fixture(autouse=True)
@@ -61,6 +72,8 @@ def runtimes():
     made: dict[str, hiprt.HIPRuntime] = {}
 
     def get(arch: str) -> hiprt.HIPRuntime:
+        if not AMD:
+            pytest.skip("libamdhip64 not installed (apt-get install libamdhip64-5 libhiprtc-builtins5)")
         if arch not in made:
             made[arch] = hiprt.HIPRuntime(arch, compile_only=True)
         return made[arch]
@@ -267,6 +280,7 @@ def test_compiler_crash_does_not_kill_the_caller(monkeypatch):
     assert rt.cache_misses == 0 and not list((hiprt.cache_dir("hip")).glob("*.co"))
 
 
+@amd
 def test_code_object_cache_hit_in_fresh_runtime():
     kern = reduce_kernel(64)
     first = hiprt.HIPRuntime("gfx90a", compile_only=True)
@@ -282,6 +296,7 @@ def test_code_object_cache_hit_in_fresh_runtime():
     assert not other.cached
 
 
+@amd
 def test_compile_only_launch_error():
     rt = hiprt.HIPRuntime("gfx1030", compile_only=True)
     ck = rt.compile(grid_kernel())
@@ -302,7 +317,7 @@ def test_child_entry_usage():
 
 def test_runs_on_gpu():
     """Sums and maxima of rows on a real AMD GPU (skipped without one)."""
-    if hiprt._gpu_count() == 0:
+    if not AMD or hiprt._gpu_count() == 0:
         pytest.skip("no AMD GPU")
     rt = hiprt.HIPRuntime()
     for lanes in (1, rt.subgroup // 2, rt.subgroup, 2 * rt.subgroup, 96):
@@ -333,3 +348,211 @@ def test_cuda_prelude_compiles_with_nvcc(tmp_path, kern):
     assert f".entry {kern.name}(" in ptx  # extern "C": the name is not mangled
     if kern.name == "intr":
         assert "dp4a" in ptx
+
+
+# --- the same source through NVRTC (runtimes/hip_nvrtc.py) -------------------------------------------------------
+
+
+def _is_cubin(code: bytes) -> None:
+    assert code[:4] == b"\x7fELF" and len(code) > 256
+    assert int.from_bytes(code[18:20], "little") == 190  # e_machine: EM_CUDA
+
+
+def test_nvrtc_dispatch(monkeypatch):
+    """Which runtime `HIPRuntime(...)` is: sm_XX always NVRTC; no arch only with an NVIDIA GPU and no AMD one."""
+    wanted = hipnv.wanted
+    assert wanted(hiprt.HIPRuntime, "sm_90", False) and wanted(hiprt.HIPRuntime, "sm_80", True)
+    assert not wanted(hiprt.HIPRuntime, "gfx90a", False) and not wanted(hipnv.NVRTCRuntime, "sm_90", False)
+    monkeypatch.setattr(hipnv, "gpu_count", lambda: 1)
+    monkeypatch.setattr(hiprt, "available", lambda: False)
+    assert wanted(hiprt.HIPRuntime, None, False) and not wanted(hiprt.HIPRuntime, None, True)
+    monkeypatch.setattr(hiprt, "available", lambda: True)
+    monkeypatch.setattr(hiprt, "_gpu_count", lambda: 1)  # an AMD GPU comes first
+    assert not wanted(hiprt.HIPRuntime, None, False)
+    monkeypatch.setattr(hiprt, "_gpu_count", lambda: 0)
+    assert wanted(hiprt.HIPRuntime, None, False)
+    monkeypatch.setattr(hipnv, "gpu_count", lambda: 0)
+    assert not wanted(hiprt.HIPRuntime, None, False)
+
+
+@nv
+@pytest.mark.parametrize("kern", [reduce_kernel(1), reduce_kernel(16), reduce_kernel(32), reduce_kernel(128),
+                                  shared_kernel(32), shared_kernel(96), *(make() for make in OTHERS.values())],
+                         ids=lambda kk: kk.name)
+def test_nvrtc_compiles_every_construct(kern):
+    rt = hiprt.HIPRuntime("sm_90", compile_only=True)
+    assert isinstance(rt, hipnv.NVRTCRuntime)
+    ck = rt.compile(kern)
+    _is_cubin(ck.handle.code)
+    assert ck.source.startswith(cuda_prelude()) and "sm_90, wave 32" in ck.source
+    assert ck.source.endswith(render(kern, "sm_90"))  # the HIP renderer's source, unchanged
+    if kern.name == "intr":
+        assert "__builtin_amdgcn_sdot4" in ck.source  # -> __dp4a through the prelude
+
+
+@nv
+def test_nvrtc_options_device_and_compile_only_errors():
+    rt = hiprt.HIPRuntime("sm_90", compile_only=True)
+    assert rt.options[:2] == ["--gpu-architecture=sm_90", "--fmad=false"] and not rt.ptx
+    assert all(o.startswith("-I") for o in rt.options[2:])
+    assert (rt.lanes, rt.subgroup, rt.gpu) == (32, 32, False) and rt.memory_info() is None
+    assert rt.device == f"sm_90 (compile only, NVRTC {NVRTC[0]}.{NVRTC[1]}, HIP source)"
+    ck = rt.compile(grid_kernel())
+    want = r"no NVIDIA GPU: the hip target can compile \(polystrata compile --target hip --arch sm_90\) but not run"
+    for call in (lambda: rt.alloc((4,), "f32"), lambda: rt.upload(np.zeros(4, np.float32)),
+                 lambda: rt.launch(ck, [None], (3, 4, 5))):
+        with pytest.raises(PolystrataError, match=want):
+            call()
+    with pytest.raises(PolystrataError, match="unknown NVIDIA architecture 'sm_9x'"):
+        hiprt.HIPRuntime("sm_9x")
+
+
+@nv
+def test_nvrtc_ptx_for_an_arch_newer_than_nvrtc():
+    rt = hiprt.HIPRuntime("sm_990", compile_only=True)
+    assert rt.ptx and rt.options[0].startswith("--gpu-architecture=compute_")
+    ptx = rt.compile(reduce_kernel(64)).handle.code
+    assert b".entry red64(" in ptx and f".target sm_{rt.options[0].split('_')[-1]}".encode() in ptx
+
+
+@nv
+def test_nvrtc_syntax_error_is_clean(monkeypatch):
+    kern = Kernel("broken", (Buf("y", "f32", True),), (1,), (Store("y", 0, Call("rsqrt", Const(2.0))),))
+    monkeypatch.setattr(hipgen.HIPPrinter, "rsqrt", lambda self, x: f"ps_no_such_intrinsic({x})")
+    rt = hiprt.HIPRuntime("sm_90", compile_only=True)
+    with pytest.raises(PolystrataError, match="NVRTC build of kernel broken failed for sm_90") as err:
+        rt.compile(kern)
+    msg = str(err.value)
+    assert "ps_no_such_intrinsic" in msg and "error" in msg
+    assert len(msg.splitlines()) <= 22
+    assert rt.cache_misses == 0 and not list(hiprt.cache_dir("hip").glob("broken_*"))
+
+
+@nv
+def test_nvrtc_cubin_cache_hit_in_fresh_runtime():
+    kern = reduce_kernel(64)
+    first = hiprt.HIPRuntime("sm_90", compile_only=True)
+    a = first.compile(kern)
+    assert not a.cached and first.cache_misses == 1 and first.compile(kern) is a
+    fresh = hiprt.HIPRuntime("sm_90", compile_only=True)
+    b = fresh.compile(kern)
+    assert b.cached and fresh.cache_hits == 1 and b.handle.code == a.handle.code
+    assert not hiprt.HIPRuntime("sm_80", compile_only=True).compile(kern).cached  # another arch, another key
+
+
+# --- on an NVIDIA GPU: HIPRuntime() through NVRTC and the CUDA driver -----------------------------------------------
+
+_BYTES = {"f32": 4, "f16": 2, "i32": 4, "u32": 4, "i16": 2, "u16": 2, "i8": 1, "u8": 1}
+
+
+def _run(r, kernel, inputs, outputs, scalars=None, grid=(1,)):
+    """Launch `kernel` on runtime `r`; outputs (name -> (size, dtype)) start poisoned (NaN / all-ones bytes);
+    returns their contents (f16 as raw u16 bits)."""
+    from polystrata.codegen.cpu import NUMPY_DTYPES
+
+    bufs = {name: r.upload(np.ascontiguousarray(a)) for name, a in inputs.items()}
+    for name, (size, dt) in outputs.items():
+        fill = np.full(size, np.nan, np.float32) if dt == "f32" else \
+            np.full(size * _BYTES[dt], 0xFF, np.uint8).view(NUMPY_DTYPES[dt])
+        bufs[name] = r.upload(fill)
+    r.launch(r.compile(kernel), r.args_for(kernel, bufs, scalars or {}), grid)
+    r.sync()
+    return {name: r.download(bufs[name], (size,), "u16" if dt == "f16" else dt) for name, (size, dt) in outputs.items()}
+
+
+@pytest.fixture(scope="module")
+def nvrt():
+    if not NV_GPU:
+        pytest.skip("no NVIDIA GPU (or no NVRTC, or an AMD GPU takes precedence)")
+    return hiprt.HIPRuntime()
+
+
+@nv_gpu
+def test_nvidia_runtime_is_nvrtc(nvrt):
+    from cuda.bindings import driver
+
+    assert isinstance(nvrt, hipnv.NVRTCRuntime) and nvrt.gpu and nvrt.subgroup == 32
+    assert nvrt.device.startswith("NVIDIA") and "via NVRTC (HIP source" in nvrt.device
+    dev = driver.cuDeviceGet(0)[1]
+    major = driver.cuDeviceGetAttribute(driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)[1]
+    assert nvrt.arch.startswith(f"sm_{major}")
+    free, total = nvrt.memory_info()
+    assert 0 < free <= total
+    buf = nvrt.alloc((5,), "i32")  # zeroed
+    np.testing.assert_array_equal(nvrt.download(buf, (5,), "i32"), np.zeros(5, np.int32))
+    nvrt.write(buf, np.arange(3, dtype=np.int32))
+    np.testing.assert_array_equal(nvrt.download(buf, (5,), "i32"), [0, 1, 2, 0, 0])
+    with pytest.raises(PolystrataError, match="write of 24 bytes into a 20-byte HIP buffer"):
+        nvrt.write(buf, np.arange(6, dtype=np.int32))
+    if hipnv.include_dirs():
+        assert f"-I{hipnv.include_dirs()[0]}" in nvrt.options
+
+
+@nv_gpu
+@pytest.mark.parametrize("lanes", [1, 16, 32, 64, 96, 128])
+def test_nvidia_reductions_vs_numpy(nvrt, lanes):
+    n_ = 77
+    x = np.random.default_rng(lanes).standard_normal(n_ * n_).astype(np.float32)
+    out = _run(nvrt, reduce_kernel(lanes), {"x": x}, {"s": (n_, "f32"), "m": (n_, "f32")}, {"n": n_}, (n_,))
+    np.testing.assert_allclose(out["s"], x.reshape(n_, n_).sum(1), rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(out["m"], 2 * x.reshape(n_, n_).max(1))
+
+
+def _cases():
+    rng = np.random.default_rng(7)
+    n_ = 200
+    # a >= 0: `//` and `%` of negatives differ between the targets (C truncates, the CPU target floors).
+    ints = {"a": rng.integers(0, 1000, n_, dtype=np.int32), "b": rng.integers(0, 256, n_, dtype=np.uint8),
+            "c": rng.integers(-128, 128, n_, dtype=np.int8), "h": rng.integers(0, 12, n_, dtype=np.uint16),
+            "s": rng.integers(-3000, 3000, n_, dtype=np.int16),
+            "w": rng.integers(0, 2**32, n_, dtype=np.uint64).astype(np.uint32)}
+    x = rng.standard_normal(n_).astype(np.float32) * 3
+    h16 = (rng.standard_normal(n_) * 4).astype(np.float16).view(np.uint16)
+    return {
+        "ints": (int_kernel(), ints, {"o": (4 * n_, "i32"), "u": (n_, "u32")}, {"n": n_}, (1,)),
+        "math": (math_kernel(), {"x": x}, {"y": (13 * n_, "f32")}, {"n": n_, "scale": 0.75}, (1,)),
+        "grid": (grid_kernel(), {}, {"y": (600, "i32")}, {}, (3, 4, 5)),
+        "f16": (f16_kernel(), {"h": h16, "q": rng.integers(0, 256, n_, dtype=np.uint8)},
+                {"y": (n_, "f32"), "o": (n_, "f16")}, {"n": n_}, (1,)),
+        "intrinsics": (intrinsics_kernel(), {"x": x, "a": rng.integers(-2**31, 2**31, n_, dtype=np.int64)
+                                             .astype(np.int32), "b": rng.integers(0, 2**32, n_, dtype=np.uint64)
+                                             .astype(np.uint32), "raw": rng.integers(0, 256, 4 * n_ + 4,
+                                                                                     dtype=np.uint8)},
+                       {"o": (n_, "i32"), "u": (2 * n_, "u32"), "y": (n_, "f32")}, {"n": n_}, (1,)),
+        "shared32": (shared_kernel(32), {"x": x[:150].copy()}, {"y": (150, "f32"), "tot": (3, "f32")}, {"n": 50},
+                     (3,)),
+        "shared96": (shared_kernel(96), {"x": np.tile(x, 3)}, {"y": (600, "f32"), "tot": (3, "f32")}, {"n": 200},
+                     (3,)),
+    }
+
+
+@nv_gpu
+@pytest.mark.parametrize("case", ["ints", "grid", "f16", "intrinsics", "shared32", "shared96"])
+def test_nvidia_matches_cpu_target(nvrt, case):
+    """Every construct on the GPU against the CPU target: exact where no rounding order differs."""
+    cpu = pytest.importorskip("polystrata.runtimes.cpu")  # Numba
+    kern, inputs, outputs, scalars, grid = _cases()[case]
+    got = _run(nvrt, kern, inputs, outputs, scalars, grid)
+    want = _run(cpu.CPURuntime(), kern, inputs, outputs, scalars, grid)
+    for name in outputs:
+        g, w = got[name], want[name]
+        if case.startswith("shared"):  # reduction order
+            np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
+            np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=f"{case}: {name}")
+
+
+@nv_gpu
+def test_nvidia_math_vs_numpy(nvrt):
+    """Every math function against numpy (CUDA's are within a few ulp; inf * 0 and NaN stay NaN)."""
+    kern, inputs, outputs, scalars, grid = _cases()["math"]
+    got = _run(nvrt, kern, inputs, outputs, scalars, grid)["y"].reshape(-1, 13)
+    x = inputs["x"] * np.float32(0.75)
+    ax = np.abs(x)
+    with np.errstate(invalid="ignore"):
+        want = np.stack([np.exp(x), np.tanh(x), np.sqrt(ax), 1 / np.sqrt(ax + 1), np.cos(x), np.sin(x),
+                         np.log(ax + 0.5), ax ** 1.5, np.maximum(x, 0.25), np.minimum(x, 0.25), x / 3,
+                         np.float32(np.inf) * x, np.full_like(x, np.nan)], 1).astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
