@@ -44,6 +44,9 @@ from polystrata.ir.kernel import (
     Store,
     ToF32,
     Var,
+    expr_nodes,
+    loads,
+    stmt_exprs,
     walk,
 )
 from polystrata.ir.quant import TABLES, Table
@@ -508,9 +511,9 @@ class CPrinter:
     def _loaded_buffers(self) -> set[str]:
         out: set[str] = set()
         for s in walk(self.k.body):
-            for e in _stmt_exprs(s):
-                out |= {ld.buf for ld in _loads(e)}
-                out |= {c.args[0].name for c in _nodes(e) if isinstance(c, Call) and c.fn == "load_u32"
+            for e in stmt_exprs(s):
+                out |= {ld.buf for ld in loads(e)}
+                out |= {c.args[0].name for c in expr_nodes(e) if isinstance(c, Call) and c.fn == "load_u32"
                         and isinstance(c.args[0], Var)}
         return out
 
@@ -522,10 +525,10 @@ class CPrinter:
             for s in body:
                 if isinstance(s, LaneFor | Reduce):
                     for e in (s.stop,):
-                        out.update(ld.buf for ld in _loads(e) if ld.buf in self.local_names)
+                        out.update(ld.buf for ld in loads(e) if ld.buf in self.local_names)
                     continue
-                for e in _stmt_exprs(s):
-                    out.update(ld.buf for ld in _loads(e) if ld.buf in self.local_names)
+                for e in stmt_exprs(s):
+                    out.update(ld.buf for ld in loads(e) if ld.buf in self.local_names)
                 if isinstance(s, For):
                     visit(s.body)
                 elif isinstance(s, If):
@@ -579,37 +582,3 @@ def _join(a: str, b: str) -> str:
     if "u" in (a, b):
         return "u"
     return "i"
-
-
-def _nodes(e):
-    yield e
-    for f in getattr(e, "__dataclass_fields__", {}):
-        v = getattr(e, f)
-        if hasattr(v, "__dataclass_fields__") and not isinstance(v, str):
-            yield from _nodes(v)
-        elif isinstance(v, tuple):
-            for x in v:
-                if hasattr(x, "__dataclass_fields__"):
-                    yield from _nodes(x)
-
-
-def _loads(e):
-    return [n for n in _nodes(e) if isinstance(n, Load)]
-
-
-def _stmt_exprs(s) -> tuple:
-    if isinstance(s, Let | Assign):
-        return (s.expr,)
-    if isinstance(s, Decl):
-        return (s.init,)
-    if isinstance(s, Store):
-        return (s.index, s.value)
-    if isinstance(s, For):
-        return (s.start, s.stop)
-    if isinstance(s, LaneFor):
-        return (s.stop,)
-    if isinstance(s, Reduce):
-        return (s.stop, s.value)
-    if isinstance(s, If):
-        return (s.cond,)
-    return ()

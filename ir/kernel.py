@@ -312,15 +312,16 @@ def verify(k: Kernel) -> None:
             if isinstance(s, Store):
                 if s.buf not in outs:
                     raise KernelError(f"{k.name}: store to {s.buf}, which is not an output buffer or local array")
-            for e in _exprs(s):
-                for ld in _loads(e):
+            for e in stmt_exprs(s):
+                for ld in loads(e):
                     if ld.buf not in bufs:
                         raise KernelError(f"{k.name}: load from unknown buffer {ld.buf}")
 
     check_group(k.body, True)
 
 
-def _exprs(s) -> tuple[Expr, ...]:
+def stmt_exprs(s) -> tuple[Expr, ...]:
+    """The expressions a statement evaluates itself (not those of nested statements)."""
     if isinstance(s, Let | Assign):
         return (s.expr,)
     if isinstance(s, Decl):
@@ -338,20 +339,22 @@ def _exprs(s) -> tuple[Expr, ...]:
     return ()
 
 
-def _loads(e: Expr) -> Iterator[Load]:
-    if isinstance(e, Load):
-        yield e
-    for v in vars(e).values() if hasattr(e, "__dict__") else _fields(e):
+def expr_nodes(e: Expr) -> Iterator[Expr]:
+    """Every node of an expression tree, the root first."""
+    yield e
+    for f in getattr(e, "__dataclass_fields__", {}):
+        v = getattr(e, f)
         if isinstance(v, Expr):
-            yield from _loads(v)
+            yield from expr_nodes(v)
         elif isinstance(v, tuple):
             for x in v:
                 if isinstance(x, Expr):
-                    yield from _loads(x)
+                    yield from expr_nodes(x)
 
 
-def _fields(e: Expr):
-    return [getattr(e, f) for f in getattr(e, "__dataclass_fields__", {})]
+def loads(e: Expr) -> list[Load]:
+    """The buffer loads in an expression."""
+    return [n for n in expr_nodes(e) if isinstance(n, Load)]
 
 
 def dump(k: Kernel) -> str:
@@ -425,7 +428,7 @@ def expr_str(e: Expr) -> str:
 __all__ = [
     "Assign", "Bin", "Buf", "Call", "Cast", "Const", "Decl", "For", "GRID_VARS", "If", "Kernel", "KernelError",
     "LaneFor", "Let", "Load", "LocalArray", "Reduce", "Scalar", "Select", "Store", "ToF32", "Var", "dump",
-    "expr_str", "verify", "walk",
+    "expr_nodes", "expr_str", "loads", "stmt_exprs", "verify", "walk",
 ]
 
 

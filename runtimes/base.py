@@ -75,6 +75,16 @@ class Runtime(ABC):
     def __init__(self) -> None:
         self.cache_hits = 0
         self.cache_misses = 0
+        self._compiled: dict[str, CompiledKernel] = {}  # cache key -> kernel compiled in this process
+
+    def _remember(self, key: str, ck: CompiledKernel) -> CompiledKernel:
+        """Keep a compiled kernel for this process and count where it came from (binary cache or a build)."""
+        if ck.cached:
+            self.cache_hits += 1
+        else:
+            self.cache_misses += 1
+        self._compiled[key] = ck
+        return ck
 
     @abstractmethod
     def render(self, kernel: Kernel) -> str:

@@ -53,7 +53,6 @@ class CPURuntime(Runtime):
     def __init__(self) -> None:
         super().__init__()
         self.device = f"{_cpu_name()} ({os.cpu_count()} threads, numba {numba.__version__})"
-        self._compiled: dict[str, CompiledKernel] = {}
 
     def render(self, kernel: Kernel) -> str:
         return render(kernel)
@@ -81,13 +80,7 @@ class CPURuntime(Runtime):
         fn = getattr(module, kernel.name)
         # Compile now (or load from Numba's cache), not at the first launch: `compile` means compiled.
         fn.compile(_signature(kernel))
-        ck = CompiledKernel(kernel, fn, source, cached)
-        if cached:
-            self.cache_hits += 1
-        else:
-            self.cache_misses += 1
-        self._compiled[key] = ck
-        return ck
+        return self._remember(key, CompiledKernel(kernel, fn, source, cached))
 
     def alloc(self, shape: Sequence[int], dtype: str) -> np.ndarray:
         return np.zeros(tuple(shape), dtype=NUMPY_DTYPES[dtype]).reshape(-1)

@@ -104,7 +104,6 @@ class CUDARuntime(Runtime):
         self.fast = not self.simulator  # driver launches; False: numba's dispatcher (for comparisons)
         self.stream = cuda.stream()  # a real stream: the legacy default stream cannot be captured
         self._recording: list | None = None
-        self._compiled: dict[str, CompiledKernel] = {}
 
     # --- compilation ----------------------------------------------------------------------------------
 
@@ -142,10 +141,7 @@ class CUDARuntime(Runtime):
                 ck.cufunc = _check(self.driver.cuKernelGetFunction(handle))[0]
             except (PolystrataError, TypeError):
                 ck.cufunc = handle  # already a CUfunction (older cuda.core)
-        self.cache_hits += cached
-        self.cache_misses += not cached
-        self._compiled[key] = ck
-        return ck
+        return self._remember(key, ck)
 
     # --- buffers --------------------------------------------------------------------------------------
 

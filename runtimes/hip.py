@@ -207,7 +207,6 @@ class HIPRuntime(Runtime):
         self.native_f16 = native_f16
         self.options = [f"--offload-arch={arch}", "-O3", "-ffp-contract=off"]
         self.compiler = f"rocm {ver} {' '.join(self.options)}"
-        self._compiled: dict[str, Any] = {}
 
     def render(self, kernel: Kernel) -> str:
         """HIP C++ for `kernel` on this runtime's architecture."""
@@ -225,11 +224,7 @@ class HIPRuntime(Runtime):
         if not cached:
             _atomic_write(path, code)
         handle = HIPCode(code, *(self._load_module(code, kernel.name) if self.gpu else ()))
-        ck = CompiledKernel(kernel, handle, source, cached)
-        self.cache_hits += cached
-        self.cache_misses += not cached
-        self._compiled[key] = ck
-        return ck
+        return self._remember(key, CompiledKernel(kernel, handle, source, cached))
 
     def _build(self, source: str, name: str) -> bytes:
         return compile_in_subprocess(source, name, self.arch, self.options)

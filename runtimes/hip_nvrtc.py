@@ -117,7 +117,6 @@ class NVRTCRuntime(hip.HIPRuntime):
         self.native_f16 = native_f16
         self.options = [target, "--fmad=false", *(f"-I{d}" for d in include_dirs())]
         self.compiler = f"nvrtc {ver} {target} --fmad=false"
-        self._compiled: dict[str, Any] = {}
 
     def render(self, kernel: Kernel) -> str:  # what NVRTC compiles
         return cuda_prelude() + render(kernel, self.arch, self.subgroup, self.native_f16)

@@ -100,7 +100,6 @@ class OpenCLRuntime(Runtime):
         self.lanes = min(64 if gpu else 16, dev.max_work_group_size)
         self.has_subgroups = _has_subgroups(dev) if subgroups is None else subgroups and _has_subgroups(dev)
         self.options = self._std_option()
-        self._compiled: dict[str, CompiledKernel] = {}
         self.subgroup = self._probe_subgroup() if self.has_subgroups else 1
 
     def _std_option(self) -> list[str]:
@@ -148,13 +147,7 @@ class OpenCLRuntime(Runtime):
                 raise PolystrataError(f"OpenCL build of kernel {kernel.name} failed on {self.device}:\n{log}") from None
             _atomic_write(path, program.binaries[0])
         handle = cl.Kernel(program, kernel.name)
-        ck = CompiledKernel(kernel, handle, source, cached)
-        if cached:
-            self.cache_hits += 1
-        else:
-            self.cache_misses += 1
-        self._compiled[key] = ck
-        return ck
+        return self._remember(key, CompiledKernel(kernel, handle, source, cached))
 
     def alloc(self, shape: Sequence[int], dtype: str) -> Any:
         nbytes = int(np.prod(shape)) * DTYPE_BYTES[dtype]

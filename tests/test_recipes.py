@@ -309,9 +309,8 @@ def test_router(rt, norm):
     np.testing.assert_allclose(out[t * 3:].reshape(t, 3) / 2.0**30, w, atol=1e-6)
 
 
-@pytest.mark.parametrize("fmt_name", ["Q4_0", "F16"])
-def test_moe_ffn(rt, fmt_name):
-    e, dm, ff, k = 4, 64, 32, 2
+def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2):
+    """A router + moe_ffn graph lowered on a context of `lanes` lanes; returns what a test needs to run it."""
     g = Graph("t")
     x = g.input("x", "f32", ("T", dm))
     logits = g.input("logits", "f32", ("T", e))
@@ -320,19 +319,66 @@ def test_moe_ffn(rt, fmt_name):
     uw = g.weight("u", fmt_name, (e, ff, dm))
     dw = g.weight("d", fmt_name, (e, dm, ff))
     g.op("moe_ffn", x, route, gw, uw, dw, name="o")
-    fmts = {n: Q.FORMATS[fmt_name] for n in "gud"}
-    ctx = _ctx(g, formats=fmts)
-    launches = _recipe("router").lower(g.nodes[:1], ctx) + _recipe("moe_ffn").lower(g.nodes[1:], ctx)
+    ctx = _ctx(g, formats={n: Q.FORMATS[fmt_name] for n in "gud"})
+    ctx.lanes, ctx.t_max = lanes, t_max
+    rl = _recipe("router").lower(g.nodes[:1], ctx)
+    ml = _recipe("moe_ffn").lower(g.nodes[1:], ctx)
     _, bg, dg = _weight(fmt_name, e * ff, dm, 1)
     _, bu, du = _weight(fmt_name, e * ff, dm, 2)
     _, bd, dd = _weight(fmt_name, e * dm, ff, 3)
-    t = 3
-    rng = np.random.default_rng(5)
-    xv = rng.standard_normal((t, dm)).astype(np.float32)
-    lv = rng.standard_normal((t, e)).astype(np.float32)
-    out = _run_launches(rt, launches, {"x": xv.reshape(-1), "logits": lv.reshape(-1), "g": bg, "u": bu, "d": bd},
-                        {"T": t}, {"o": ((t, dm), "f32"), "route": ((2 * t * k,), "i32")})["o"]
-    r = R._IMPLS["router"](None, g.nodes[0], [lv])
-    ref = R._IMPLS["moe_ffn"](None, g.nodes[1], [xv, r, dg.reshape(e, ff, dm), du.reshape(e, ff, dm),
-                                                  dd.reshape(e, dm, ff)])
-    np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+    weights = {"g": bg, "u": bu, "d": bd}
+    deq = (dg.reshape(e, ff, dm), du.reshape(e, ff, dm), dd.reshape(e, dm, ff))
+    return g, ctx, rl, ml, weights, deq
+
+
+def _moe_scratch(ctx):
+    """Scratch buffers of the plan, poisoned: NaN (f32, through `outs`), garbage (i32, uploaded)."""
+    bufs, outs = {}, {}
+    for name, (dt, count) in ctx.scratch_buffers.items():
+        if dt == "f32":
+            outs[name] = ((count,), dt)
+        else:
+            bufs[name] = np.full(count, 0x3C3C3C3C, np.int32)
+    return bufs, outs
+
+
+@pytest.mark.parametrize("fmt_name", ["Q4_0", "F16", "Q4_K", "Q8_0", "Q6_K"])
+def test_moe_ffn(rt, fmt_name):
+    """Router + expert-dispatched moe_ffn vs. the reference, k = 2 of 8 experts, T = 1 and 9 on one plan."""
+    e, dm, k = 8, 256, 2
+    for lanes in sorted({1, rt.lanes}):
+        g, ctx, rl, ml, weights, deq = _moe_case(rt, fmt_name, lanes)
+        keep: dict = {}
+        rng = np.random.default_rng(5)
+        for t in (16, 1, 9):  # largest first: `keep` holds buffers sized by the first step
+            xv = rng.standard_normal((t, dm)).astype(np.float32)
+            lv = rng.standard_normal((t, e)).astype(np.float32)
+            sb, so = _moe_scratch(ctx)
+            out = _run_launches(rt, rl + ml, {"x": xv.reshape(-1), "logits": lv.reshape(-1), **weights, **sb},
+                                {"T": t}, {"o": ((t, dm), "f32"), "route": ((2 * t * k,), "i32"), **so}, keep)["o"]
+            r = R._IMPLS["router"](None, g.nodes[0], [lv])
+            ref = R._IMPLS["moe_ffn"](None, g.nodes[1], [xv, r, *deq])
+            np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max(), err_msg=f"T={t}")
+
+
+@pytest.mark.parametrize("fmt_name", ["Q4_K", "Q8_0"])
+def test_moe_ffn_random_routes(rt, fmt_name):
+    """moe_ffn alone on hand-made routes: skewed (one expert takes every token), unnormalised weights, T = 1 and 9."""
+    e, dm, k = 8, 256, 2
+    for lanes in sorted({1, rt.lanes}):
+        g, ctx, _, ml, weights, deq = _moe_case(rt, fmt_name, lanes)
+        rng = np.random.default_rng(11)
+        keep: dict = {}
+        for t, skew in ((9, False), (1, False), (9, True)):
+            xv = rng.standard_normal((t, dm)).astype(np.float32)
+            ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+            if skew:
+                ids[:, 0] = 3
+                ids[:, 1] = np.where(ids[:, 1] == 3, 5, ids[:, 1])
+            w = rng.uniform(0.05, 1.0, (t, k)).astype(np.float32)
+            route = np.concatenate([ids.reshape(-1), np.round(w.astype(np.float64) * 2.0**30).astype(np.int32)])
+            sb, so = _moe_scratch(ctx)
+            out = _run_launches(rt, ml, {"x": xv.reshape(-1), "route": route, **weights, **sb}, {"T": t},
+                                {"o": ((t, dm), "f32"), **so}, keep)["o"]
+            ref = R._IMPLS["moe_ffn"](None, g.nodes[1], [xv, (ids, w), *deq])
+            np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max(), err_msg=f"T={t}")

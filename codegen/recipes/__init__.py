@@ -37,6 +37,7 @@ class RecipeContext:
     weight_formats: dict[str, QuantFormat]  # GGUF tensor name -> its format
     knobs: dict[str, dict[str, Any]] = field(default_factory=dict)  # recipe name -> knob overrides (tuner)
     scratch_buffers: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (dtype, count)
+    t_max: int = 256  # most tokens per step the plan serves (sizes per-token scratch buffers)
 
     def buf(self, v: Value) -> str:
         """Plan buffer name of a graph value or weight."""

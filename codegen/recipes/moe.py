@@ -4,18 +4,29 @@ Route buffer convention (i32, 2 * T * k words, as the compiler sizes it): words 
 (token t, slot s) at t*k + s; words [T*k, 2*T*k) hold the slot weights as Q30 fixed point, round(w * 2^30)
 (the IR has no bit-cast, and weights lie in [0, 1], so Q30 keeps ~1e-9 absolute precision).
 
-`moe_ffn`: grid (T,): for each slot, h = silu(gate_e x) * (up_e x) into local memory (LaneFor over the expert's
-rows), then a LaneFor over output rows accumulates w * (down_e h) into a local row; expert e's matrix starts at
-e * rows * row_bytes of the 3-D weight buffer. No atomics: each group owns its token's output row.
+`moe_ffn` dispatches by expert (group tokens by expert, run each selected expert's matrix products over all its
+tokens, weighted combine back), in four launches over plan scratch buffers sized for the plan's t_max:
+
+1. `group` (grid n_expert): expert e scans the T*k route ids in order and lists the entries `t*k + s` routed to
+   it: list buffer (i32) = [count of each expert (n_expert words)] + [n_expert x cap entries], cap = t_max * k.
+2. `gate/up` (grid n_expert x row tiles): h[entry, f] = silu(gate_e x_t) * (up_e x_t) for every listed entry
+   (t = entry // k), each weight row read once for all the expert's tokens.
+3. `down` (grid n_expert x row tiles): d[entry, r] = down_e h[entry].
+4. `combine` (grid T): y[t] = sum_s w(t, s) * d[t*k + s]; each group owns its token's row: no atomics.
+
+Expert e's matrix starts at byte e * rows * row_bytes of the 3-D weight tensor. Dot products come from
+`_matvec.block_dot` (f32 activations; every weight format): with one lane (the CPU) lanes take rows and walk the
+expert's tokens, with per-element partial sums, non-negative index masks and arithmetic f16 decoding as `linear`
+does; with more lanes each dot product is a Reduce over its blocks. Knobs: rows (rows per group), split.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import elements_per_row_bytes, weight_dtype
-from polystrata.codegen.recipes import Recipe, RecipeContext, register
-from polystrata.codegen.recipes._matvec import Act, block_dot, fmt_for
+from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
+from polystrata.codegen.recipes._matvec import Act, block_dot, fmt_for, nonneg_mask
 from polystrata.codegen.recipes.linear import silu
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
@@ -36,7 +47,7 @@ from polystrata.ir.kernel import (
     Scalar,
     Store,
 )
-from polystrata.ir.quant import Const, QuantFormat, Var
+from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 Q30 = float(1 << 30)
 
@@ -68,42 +79,115 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int) -> Kernel:
     return Kernel(name, params, (Var("T"),), tuple(body), lanes=lanes, local=(LocalArray("p", "f32", e),))
 
 
-def moe_kernel(name: str, fg: QuantFormat, fu: QuantFormat, fd: QuantFormat, n_exp: int, dm: int, ff: int, k: int,
-               lanes: int) -> Kernel:
-    """out[t] = sum_s w_s * down_e(silu(gate_e x_t) * up_e x_t), e = ids[t, s]; f32-activation dot products."""
-    t = Var("g0")
-    ex = Var("ex")
-    xa = Act("x", dm)
-    ha = Act("h", ff)
+MOE_KNOBS = (("rows", 4), ("split", "auto"))
 
-    def dot(fmt, buf, n_rows, n_cols, row, act, trow, acc, prefix):
-        rb = elements_per_row_bytes(fmt, n_cols)
-        base = (ex * n_rows + row) * rb
-        return [Decl(acc, "f32", Const(0.0)),
-                For(f"{prefix}b", Const(0), Const(n_cols // fmt_for(fmt).block_size),
-                    tuple(block_dot(fmt, buf, base, Var(f"{prefix}b"), act, trow, acc, prefix)))]
 
+def group_kernel(name: str, n_exp: int, k: int, cap: int, lanes: int) -> Kernel:
+    """lst[e] = number of route entries with expert e; lst[n_exp + e*cap + j] = the j-th such entry (t*k + s)."""
+    ex = Var("g0")
     body = (
-        LaneFor("r", Const(dm), (Store("o", Var("r"), Const(0.0)),)),
-        For("s", Const(0), Const(k), (
-            Let("ex", Load("route", t * k + Var("s"))),
-            Let("wt", Cast("f32", Load("route", Var("T") * k + t * k + Var("s"))) / Q30),
-            LaneFor("f", Const(ff), (
-                *dot(fg, "gate", ff, dm, Var("f"), xa, t, "ag", "g_"),
-                *dot(fu, "up", ff, dm, Var("f"), xa, t, "au", "u_"),
-                Store("h", Var("f"), silu(Var("ag")) * Var("au")),
-            )),
-            LaneFor("r", Const(dm), (
-                *dot(fd, "down", dm, ff, Var("r"), ha, Const(0), "ad", "d_"),
-                Store("o", Var("r"), Load("o", Var("r")) + Var("wt") * Var("ad")),
-            )),
-        )),
-        LaneFor("r", Const(dm), (Store("y", t * dm + Var("r"), Load("o", Var("r"))),)),
+        Decl("cnt", "i32", Const(0)),
+        For("i", Const(0), Var("T") * k, (If(Load("route", Var("i")).eq(ex), (
+            Store("lst", Const(n_exp) + ex * cap + Var("cnt"), Var("i")),
+            Assign("cnt", Var("cnt") + 1),
+        )),)),
+        Store("lst", ex, Var("cnt")),
     )
-    params = (Buf("x", "f32"), Buf("route", "i32"), Buf("gate", weight_dtype(fg)), Buf("up", weight_dtype(fu)),
-              Buf("down", weight_dtype(fd)), Buf("y", "f32", out=True), Scalar("T"))
-    local = (LocalArray("h", "f32", ff), LocalArray("o", "f32", dm))
-    return Kernel(name, params, (Var("T"),), body, lanes=lanes, local=local)
+    params = (Buf("route", "i32"), Buf("lst", "i32", out=True), Scalar("T"))
+    return Kernel(name, params, (Const(n_exp),), body, lanes=lanes, doc=f"moe group {n_exp}x{k}")
+
+
+def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
+                  act: str, per_token: bool, rows: int, split: str, lanes: int,
+                  epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+    """out[entry, r] = epilogue(dot(w_j[e, r], a) for each weight j) for each entry listed for expert e = g0.
+
+    Weights [n_exp, n, kd]; the activation row is `act[entry // k]` (`per_token`) or `act[entry]`.
+    Grid (n_exp, ceil(n / rows)): each group reads its weight rows once for all the expert's entries.
+    """
+    rows = max(1, min(rows, n))
+    cpu = lanes == 1
+    vert = cpu and split == "rows"
+    wnames = [f"w{j}" for j in range(len(fmts))]
+    rbs = [elements_per_row_bytes(f, kd) for f in fmts]
+    masks = [nonneg_mask(n_exp * n * rb) if cpu else 0 for rb in rbs]
+    a = Act(act, kd)
+    ex = Var("g0")
+    pb = max(fmt_for(f).block_size for f in fmts)
+    local: list = []
+    body: list = [Let("cnt", Load("lst", ex))]
+
+    def entry(j: Expr, sfx: str) -> list:
+        ent = Var(f"ent{sfx}")
+        return [Let(ent.name, Load("lst", Const(n_exp) + ex * cap + j)),
+                Let(f"ta{sfx}", ent // k if per_token else ent)]
+
+    def result(vals: list[Expr]) -> Expr:
+        return epilogue(vals) if epilogue else vals[0]
+
+    if split == "rows":
+        if vert:
+            local = [LocalArray("p", "f32", (1 if lanes == 1 else rows) * len(fmts) * pb)]
+        accs = [f"acc{j}" for j in range(len(fmts))]
+        inner: list = [*entry(Var("j"), ""), *(Decl(acc, "f32", Const(0.0)) for acc in accs)]
+        parts = []
+        for j, f in enumerate(fmts):
+            po = Const(j * pb) if lanes == 1 else (Var("rr") * len(fmts) + j) * pb
+            if vert:
+                parts.append(("p", po))
+                inner.append(For("e", Const(0), Const(fmt_for(f).block_size), (Store("p", po + Var("e"), Const(0.0)),)))
+            inner.append(For("b", Const(0), Const(kd // fmt_for(f).block_size), tuple(block_dot(
+                f, wnames[j], Var(f"w{j}_rb"), Var("b"), a, Var("ta"), accs[j], f"w{j}_", parts[j] if vert else None,
+                nonneg=masks[j], f16_arith=cpu))))
+            if vert:
+                inner.append(For("e", Const(0), Const(fmt_for(f).block_size), (
+                    Assign(accs[j], Var(accs[j]) + Load("p", po + Var("e"))),)))
+        inner.append(Store("out", Var("ent") * n + Var("row"), result([Var(acc) for acc in accs])))
+        body.append(LaneFor("rr", Const(rows), (
+            Let("row", Var("g1") * rows + Var("rr")),
+            If(Var("row") < n, (
+                *(Let(f"w{j}_rb", (ex * n + Var("row")) * rb) for j, rb in enumerate(rbs)),
+                For("j", Const(0), Var("cnt"), tuple(inner)),
+            )),
+        )))
+    else:
+        for r in range(rows):
+            row = Var("g1") * rows + r
+            rowc = Call("min", row, Const(n - 1))  # loads stay in bounds; the store is guarded
+            red = []
+            for j, f in enumerate(fmts):
+                acc = f"acc{j}"
+                red.append(Reduce(f"s{r}_{j}", "+", f"bb{j}", Const(kd // fmt_for(f).block_size), (
+                    Decl(acc, "f32", Const(0.0)),
+                    *block_dot(f, wnames[j], (ex * n + rowc) * rbs[j], Var(f"bb{j}"), a, Var(f"ta{r}"), acc,
+                               f"w{j}_"),
+                ), Var(acc)))
+            vals = [Var(f"s{r}_{j}") for j in range(len(fmts))]
+            body.append(For(f"j{r}", Const(0), Var("cnt"), (
+                *entry(Var(f"j{r}"), str(r)), *red,
+                If(row < n, (Store("out", Var(f"ent{r}") * n + row, result(vals)),)),
+            )))
+    params = (Buf(act, "f32"), Buf("lst", "i32"), *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)),
+              Buf("out", "f32", out=True))
+    grid = (Const(n_exp), Const((n + rows - 1) // rows))
+    knobs = (("rows", rows), ("split", split), ("vert", int(vert)))
+    return Kernel(name, params, grid, tuple(body), lanes=lanes, local=tuple(local), knobs=knobs,
+                  doc=f"moe expert matmul {'+'.join(f.name for f in fmts)} [{n_exp}x{n}x{kd}]")
+
+
+def combine_kernel(name: str, dm: int, k: int, lanes: int) -> Kernel:
+    """y[t] = sum_s w(t, s) * d[t*k + s] (slot weights from the route buffer)."""
+    t = Var("g0")
+    body = (LaneFor("r", Const(dm), (
+        Decl("acc", "f32", Const(0.0)),
+        For("s", Const(0), Const(k), (
+            Let("wt", Cast("f32", Load("route", Var("T") * k + t * k + Var("s"))) / Q30),
+            Assign("acc", Var("acc") + Var("wt") * Load("d", (t * k + Var("s")) * dm + Var("r"))),
+        )),
+        Store("y", t * dm + Var("r"), Var("acc")),
+    )),)
+    params = (Buf("route", "i32"), Buf("d", "f32"), Buf("y", "f32", out=True), Scalar("T"))
+    return Kernel(name, params, (Var("T"),), body, lanes=lanes, doc=f"moe combine {dm}x{k}")
 
 
 def _lower_router(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -120,11 +204,30 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     n_exp, ff, dm = (int(s) for s in g.type.shape)
     k = int(route.type.shape[1])
     fg, fu, fd = (ctx.weight_formats[w.weight] for w in (g, u, d))
-    kern = moe_kernel(f"moe_{fg.name}_{fu.name}_{fd.name}_{n_exp}_{dm}_{ff}_{k}".lower(), fg, fu, fd, n_exp, dm, ff,
-                      k, ctx.lanes)
-    return [Launch(kern, (("x", ctx.buf(x)), ("route", ctx.buf(route)), ("gate", ctx.buf(g)), ("up", ctx.buf(u)),
-                          ("down", ctx.buf(d)), ("y", ctx.buf(node.output))), (("T", "T"),))]
+    tb = token_binding(x)
+    t_max = tb if isinstance(tb, int) else ctx.t_max
+    cap = t_max * k
+    rows = int(ctx.knob("moe_ffn", "rows", 4))
+    split = ctx.knob("moe_ffn", "split", "auto")
+    if split == "auto":
+        split = "rows" if ctx.lanes == 1 else "blocks"
+    lst = ctx.scratch("moe_list", "i32", n_exp * (1 + cap))
+    hb = ctx.scratch("moe_h", "f32", cap * ff)
+    db = ctx.scratch("moe_d", "f32", cap * dm)
+    tag = f"{n_exp}_{dm}_{ff}_{k}_{cap}"
+    kg = group_kernel(f"moe_group_{tag}", n_exp, k, cap, ctx.lanes)
+    kgu = expert_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}".lower(), [fg, fu], n_exp, ff, dm, k, cap, act="x",
+                        per_token=True, rows=rows, split=split, lanes=ctx.lanes, epilogue=lambda v: silu(v[0]) * v[1])
+    kd = expert_kernel(f"moe_down_{fd.name}_{tag}".lower(), [fd], n_exp, dm, ff, k, cap, act="h", per_token=False,
+                       rows=rows, split=split, lanes=ctx.lanes)
+    kc = combine_kernel(f"moe_combine_{dm}_{k}", dm, k, ctx.lanes)
+    return [
+        Launch(kg, (("route", ctx.buf(route)), ("lst", lst)), (("T", tb),)),
+        Launch(kgu, (("x", ctx.buf(x)), ("lst", lst), ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb))),
+        Launch(kd, (("h", hb), ("lst", lst), ("w0", ctx.buf(d)), ("out", db))),
+        Launch(kc, (("route", ctx.buf(route)), ("d", db), ("y", ctx.buf(node.output))), (("T", tb),)),
+    ]
 
 
 register(Recipe("router", ("router",), _lower_router, None))
-register(Recipe("moe_ffn", ("moe_ffn",), _lower_moe, None))
+register(Recipe("moe_ffn", ("moe_ffn",), _lower_moe, None, MOE_KNOBS))

@@ -133,7 +133,7 @@ def build_plan(
 
     ctx = RecipeContext(
         lanes=lanes, subgroup=subgroup, kv_format=kv_format, n_ctx=n_ctx, buffer_names=names,
-        weight_formats=weight_formats, knobs=knobs or {},
+        weight_formats=weight_formats, knobs=knobs or {}, t_max=t_max,
     )
     launches = []
     recipes_used = []
