@@ -340,7 +340,7 @@ class Decoder:
         return out
 
     def walk(self, emit_group: Callable, emit_chunk: Callable, lo: int = 0, hi: int | None = None,
-             fuse: bool = False) -> list:
+             fuse: bool = False, wide: int = 1) -> list:
         """Statements visiting the block's elements [lo, hi) with hoisted lets.
 
         `emit_group(start, size, env, stmts_inside)` wraps the statements of the finest group (it can add
@@ -351,6 +351,10 @@ class Decoder:
         lets get a per-chunk suffix); `emit_group` is not called. For chunk bodies that do not depend on each
         other's order: one longer loop body is what a CPU compiler vectorizes (several 16-trip loops get fully
         unrolled instead, and then stay scalar).
+
+        `wide` > 1 (dividing every chunk length): each chunk loop runs `L // wide` times, `i0` counting words of
+        `wide` elements, and per-element lets are not emitted: `emit_chunk` gets the lowerer of the element
+        index `c + i0` and builds its word-wise statements itself (e.g. with `inline_elem_lets`).
         """
         if fuse:
             return self._walk_fused(emit_chunk, lo, self.fmt.block_size if hi is None else hi)
@@ -370,9 +374,9 @@ class Decoder:
                     if c + L <= lo or c >= hi:
                         continue
                     lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, i0, self.f16_arith)
-                    body = self.lets_for(1, c, lw.env, _Aff(1, c), L, i0) if finest != 1 else []
+                    body = self.lets_for(1, c, lw.env, _Aff(1, c), L, i0) if finest != 1 and wide == 1 else []
                     body += emit_chunk(c, L, i0, lw.env, lw)
-                    inner.append(For(i0, Const(0), Const(L), tuple(body)))
+                    inner.append(For(i0, Const(0), Const(L // wide), tuple(body)))
                 return emit_group(start, size, dict(env), inner)
             out = []
             sub = gs[level + 1]
@@ -421,6 +425,25 @@ class Decoder:
     def value(self, lw: _Lowerer) -> Expr:
         """The element value (f32) inside a chunk."""
         return lw.expr(self.fmt.value)
+
+
+def inline_elem_lets(fmt: QuantFormat, e: Expr) -> Expr:
+    """`e` with every per-element let (group 1, not an index-only let) replaced by its definition, recursively."""
+    idx = _index_only_lets(fmt)
+    if isinstance(e, Var) and e.name != "i" and e.name not in idx:
+        lt = fmt.let(e.name)
+        return inline_elem_lets(fmt, lt.expr) if lt.group == 1 else e
+    if isinstance(e, Bin):
+        return Bin(e.op, inline_elem_lets(fmt, e.a), inline_elem_lets(fmt, e.b))
+    if isinstance(e, Q.Select):
+        return Q.Select(inline_elem_lets(fmt, e.cond), inline_elem_lets(fmt, e.a), inline_elem_lets(fmt, e.b))
+    if isinstance(e, ToF32):
+        return ToF32(inline_elem_lets(fmt, e.a))
+    if isinstance(e, Q.Load):
+        return Q.Load(e.field, inline_elem_lets(fmt, e.index))
+    if isinstance(e, Table):
+        return Table(e.name, inline_elem_lets(fmt, e.index))
+    return e
 
 
 # --- affine factorization -------------------------------------------------------------------------------

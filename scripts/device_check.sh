@@ -52,15 +52,17 @@ if [[ " $STAGES " == *" bench "* ]]; then
     M=/tmp/models; mkdir -p "$M"
     [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
     [ -f "$M/qwen3moe-8l-q4km.gguf" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b --layers 8 --type Q4_K_M -o "$M/qwen3moe-8l-q4km.gguf"
-    python3 scripts/matvec_bench.py --target cuda 2>&1 | tee -a "$LOG" | tail -4
-    row "Q4_K matvec 4096x14336" "$(grep -E '^matvec' "$LOG" | tail -1)"
+    for t in cuda hip opencl; do python3 scripts/matvec_bench.py --target "$t" 2>&1 | tee -a "$LOG" | tail -2; done
+    grep -E '^matvec' "$LOG" | while read -r line; do row "Q4_K matvec" "${line#*on }"; done
     for m in llama3-8b-q4km qwen3moe-8l-q4km; do
-        timeout 900 python3 -m polystrata bench "$M/$m.gguf" --target cuda -p 512 -n 128 -r 3 --json > "$OUT/bench_$m.json" 2>> "$LOG"
+        # BENCH_ARGS shortens the run when device time is short (e.g. "-p 128 -n 32 -r 1").
+        timeout 900 python3 -m polystrata bench "$M/$m.gguf" --target "${BENCH_TARGET:-cuda}" ${BENCH_ARGS:--p 512 -n 128 -r 3} \
+            --json > "$OUT/bench_$m.json" 2>> "$LOG"
         python3 - "$OUT/bench_$m.json" "$m" <<'EOF' | tee -a "$SUMMARY"
 import json, sys
 r = json.load(open(sys.argv[1]))
 pp, tg = r["pp"], r["tg"]
-print(f"{sys.argv[2]:34s} pp512 {pp['tok_s_mean']:.0f}±{pp['tok_s_sd']:.0f}  tg128 {tg['tok_s_mean']:.0f}±{tg['tok_s_sd']:.0f} tok/s"
+print(f"{sys.argv[2]:34s} pp{pp['n']} {pp['tok_s_mean']:.0f}±{pp['tok_s_sd']:.0f}  tg{tg['n']} {tg['tok_s_mean']:.0f}±{tg['tok_s_sd']:.0f} tok/s"
       f"  {r['bytes_per_token']/2**30:.2f} GiB/token  roofline {r['roofline_pct'] or 0:.0f}%  host {r.get('host_ms_per_token', 'n/a')} ms/token")
 EOF
     done

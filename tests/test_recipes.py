@@ -376,7 +376,8 @@ def test_moe_ffn_random_routes(rt, fmt_name):
                 ids[:, 0] = 3
                 ids[:, 1] = np.where(ids[:, 1] == 3, 5, ids[:, 1])
             w = rng.uniform(0.05, 1.0, (t, k)).astype(np.float32)
-            route = np.concatenate([ids.reshape(-1), np.round(w.astype(np.float64) * 2.0**30).astype(np.int32)])
+            q30 = np.round(w.astype(np.float64) * 2.0**30).astype(np.int32)
+            route = np.concatenate([ids.reshape(-1), q30.reshape(-1)])
             sb, so = _moe_scratch(ctx)
             out = _run_launches(rt, ml, {"x": xv.reshape(-1), "route": route, **weights, **sb}, {"T": t},
                                 {"o": ((t, dm), "f32"), **so}, keep)["o"]

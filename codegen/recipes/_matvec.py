@@ -6,6 +6,9 @@ Two dot-product paths, both generated from the format description (`codegen.dequ
   to int8 (`xq`, with scale `xd = max|x| / 127`) once per group into local arrays, and each weight group
   accumulates the integer `sum(level * xq)` (and `sum(xq)` when there is an offset), scaled once:
   `S_g * xd * isum + M_g * xd * xsum`. Integer sums vectorize without fast-math and avoid per-element floats.
+  With packed activations (`Act.packed`: codes in u32 words, from the GPU path's quantize kernel), formats whose
+  level is a byte-wise function of weight bytes (shifts, masks, ors, a constant bias; `_vec_level`) accumulate
+  4 elements at a time: `dot4_i8(level word, code word)` with the level word built from one 4-byte load.
 * f32 path (everything else, or knob int8=0): per-element decoded values times f32 activations. With `part`
   (the CPU default, knob vert) the products go to per-element partial sums in a local array, `p[e] += w_e * x_e`
   over all blocks, summed once per dot product: a vertical update (no reduction inside the element loop), which
@@ -18,11 +21,24 @@ vectorization).
 
 from __future__ import annotations
 
-from polystrata.codegen.dequant import Decoder, affine, block_stride, groups, widen
-from polystrata.ir.kernel import Assign, Call, Cast, Decl, For, If, LaneFor, Let, Load, Select, Store
-from polystrata.ir.quant import Const, Expr, QuantFormat, Var
+from polystrata.codegen.dequant import (
+    Affine,
+    Decoder,
+    _Aff,
+    _Lowerer,
+    affine,
+    block_stride,
+    chunk_len,
+    groups,
+    inline_elem_lets,
+    weight_dtype,
+    widen,
+)
+from polystrata.ir.kernel import Assign, Call, Cast, Decl, For, If, LaneFor, Let, Load, Select, Store, ToF32
+from polystrata.ir.quant import Bin, Const, Expr, QuantFormat, Table, Var
 
 QB = 32  # activation quantization block
+XS = 16  # elements per code sum of the packed activations (`Act.xs`)
 NONNEG = (1 << 31) - 1  # index mask: see the module docstring
 
 
@@ -69,10 +85,14 @@ def quantize_x(x: str, xq: str, xd: str, t0: Expr, nt: Expr, tt_max: int, k: int
 
 
 class Act:
-    """Where a dot product's activations come from: an f32 buffer, or int8 codes + scales in local arrays."""
+    """Where a dot product's activations come from: an f32 buffer, or int8 codes + scales in local arrays
+    (`packed`: in buffers, `xq` an i32 buffer of words packing 4 codes little-endian, as `quantize_x_kernel`
+    writes them)."""
 
-    def __init__(self, buf: str, k: int, xq: str | None = None, xd: str | None = None):
-        self.buf, self.k, self.xq, self.xd = buf, k, xq, xd
+    def __init__(self, buf: str, k: int, xq: str | None = None, xd: str | None = None, packed: bool = False,
+                 xs: str | None = None):
+        self.buf, self.k, self.xq, self.xd, self.packed = buf, k, xq, xd, packed
+        self.xs = xs  # i32 buffer: sum of the codes of each 16 elements (packed path; None: summed in the loop)
 
     @property
     def int8(self) -> bool:
@@ -112,8 +132,25 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
             g = c - c % finest  # accumulators per group: unique names (C targets reject redeclaration)
             return f"{prefix}is{g}", f"{prefix}xs{g}"
 
+        wide = _wide_levels(wf, a, prefix) if act.packed else None
+        pre_xs = wide is not None and act.xs is not None and finest % XS == 0
+
         def chunk(c, L, i0, env, lw):
-            q = Load(lvl_q, xoff + c + Var(i0))
+            if wide is not None:  # 4 levels per word against 4 packed codes: dot4_i8
+                word, bias = _vec_level(wf, wbuf, lw, a.level, i0)
+                xw = Load(lvl_q, (xoff + c) // 4 + Var(i0))
+                is_, xs = names(c)
+                st = [Assign(is_, Call("dot4_i8", word, xw, Var(is_)))]
+                if (a.offset is not None or bias) and not pre_xs:
+                    st.append(Assign(xs, Call("dot4_i8", Cast("u32", Const(0x01010101)), xw, Var(xs))))
+                if bias:
+                    wide[names(c)[0]] = bias
+                return st
+            if act.packed:  # byte e of word e // 4, sign-extended
+                ix = xoff + c + Var(i0)
+                q = ((Cast("i32", (Load(lvl_q, ix // 4) >> ((ix % 4) * 8)) & 255) + 128) & 255) - 128
+            else:
+                q = Load(lvl_q, xoff + c + Var(i0))
             is_, xs = names(c)
             st = [Assign(is_, Var(is_) + lw.expr(a.level) * q)]
             if a.offset is not None:
@@ -122,17 +159,24 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
 
         def group(start, size, env, inner):
             is_, xs = names(start)
+            bias = wide.get(is_, 0) if wide is not None else 0
             st = [Decl(is_, "i32", Const(0))]
-            if a.offset is not None:
-                st.append(Decl(xs, "i32", Const(0)))
+            if a.offset is not None or bias:
+                init = Const(0)
+                if pre_xs:  # the group's code sum, from the quantize kernel's per-16 sums
+                    for h in range(size // XS):
+                        ld = Load(act.xs, (xoff + start) // XS + h)
+                        init = ld if h == 0 else init + ld
+                st.append(Decl(xs, "i32", init))
             st += inner
             dx = Load(act.xd, (xoff + start) // QB)  # xoff is a multiple of 32; xd is indexed per 32 elements
-            term = dec.group_expr(a.scale, start, env) * dx * Cast("f32", Var(is_))
+            isum = Var(is_) - Var(xs) * bias if bias else Var(is_)
+            term = dec.group_expr(a.scale, start, env) * dx * Cast("f32", isum)
             if a.offset is not None:
                 term = term + dec.group_expr(a.offset, start, env) * dx * Cast("f32", Var(xs))
             return [*st, Assign(acc, Var(acc) + term)]
 
-        return head + dec.walk(group, chunk)
+        return head + dec.walk(group, chunk, wide=4 if wide is not None else 1)
 
     if part is not None:
         pbuf, poff = part
@@ -147,3 +191,135 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
         return [Assign(acc, Var(acc) + dec.value(lw) * Load(act.buf, xoff + c + Var(i0)))]
 
     return head + dec.walk(lambda s, n, env, inner: inner, chunk_f)
+
+
+# --- wide (4 elements per word) levels for dot4_i8 -------------------------------------------------------
+
+
+class _NoWide(Exception):
+    pass
+
+
+def _wide_levels(wf: QuantFormat, a: Affine, prefix: str) -> dict | None:
+    """A dict (filled by the chunks with each accumulator's level bias) when every chunk's level packs into
+    words (see `_vec_level`), else None (per-element path)."""
+    if weight_dtype(wf) != "u8":
+        return None
+    gs = groups(wf)
+    finest = gs[-2] if len(gs) > 1 else 1
+    L = chunk_len(wf, finest)
+    if L % 4 or finest % 4:
+        return None
+    bias: dict[int, int] = {}
+    try:
+        for c in range(0, wf.block_size, L):
+            lw = _Lowerer(wf, "_w", Var("_wb"), _ProbeEnv(), _Aff(1, c), L, "_i0")
+            b = _vec_level(wf, "_w", lw, a.level, "_i0")[1]
+            if bias.setdefault(c - c % finest, b) != b:
+                return None  # one bias per accumulator group
+    except (_NoWide, KeyError):
+        return None
+    return {}
+
+
+class _ProbeEnv(dict):
+    def __missing__(self, k):
+        return Var(k)
+
+
+def _vec_level(wf: QuantFormat, wbuf: str, lw, level: Expr, i0: str) -> tuple[Expr, int]:
+    """(u32 word of the levels of elements 4*i0 .. 4*i0+3 of the chunk, bias): level_e = byte_e(word) - bias,
+    each byte a signed int8 for `dot4_i8`. Raises `_NoWide` when the level expression does not pack."""
+    e = lw.expr(inline_elem_lets(wf, level))
+    bias = 0
+    if isinstance(e, Bin) and e.op == "-" and _is_int(e.b):
+        x = e.a
+        if (isinstance(x, Bin) and x.op == "&" and _is_int(x.b, 255) and isinstance(x.a, Bin) and x.a.op == "+"
+                and _is_int(x.a.b, 128) and e.b.value == 128):
+            w, _ = _vec(x.a.a, wbuf, i0)  # ((b + 128) & 255) - 128: the byte as signed int8
+            return w, 0
+        e, bias = x, e.b.value
+    w, mx = _vec(e, wbuf, i0)
+    if mx > 127:
+        raise _NoWide
+    return w, bias
+
+
+def _is_int(e: Expr, v: int | None = None) -> bool:
+    return isinstance(e, Const) and isinstance(e.value, int) and (v is None or e.value == v)
+
+
+_ONES = 0x01010101
+
+
+def _vec(e: Expr, wbuf: str, i0: str) -> tuple[Expr, int]:
+    """Packed-bytes form of a per-element integer expression in `i0`: (u32 word, max byte value)."""
+    if isinstance(e, Load):
+        if e.buf != wbuf or _coef(e.index, i0) != 1:
+            raise _NoWide
+        return Call("load_u32", Var(wbuf), _subst(e.index, i0, Var(i0) * 4)), 255
+    if isinstance(e, Bin) and _is_int(e.b) and e.op in (">>", "<<", "&"):
+        w, mx = _vec(e.a, wbuf, i0)
+        s = e.b.value
+        if e.op == ">>" and 0 <= s < 8:
+            return (w if s == 0 else (w >> s) & ((255 >> s) * _ONES)), mx >> s
+        if e.op == "<<" and 0 <= s < 8 and (mx << s) <= 255:
+            return (w if s == 0 else w << s), mx << s
+        if e.op == "&" and 0 <= s < 256:
+            if s >= mx and (s + 1) & s == 0:
+                return w, mx  # the mask keeps every bit a byte can hold
+            if s < 128:
+                return w & (s * _ONES), min(mx, s)
+        raise _NoWide
+    if isinstance(e, Bin) and e.op == "|":
+        (wa, ma), (wb, mb) = _vec(e.a, wbuf, i0), _vec(e.b, wbuf, i0)
+        if ma + mb > 255:
+            raise _NoWide
+        return wa | wb, ma + mb
+    raise _NoWide
+
+
+def _coef(e: Expr, i0: str) -> int | None:
+    """Coefficient of Var(i0) in `e` when `e` is affine in it (+, -, * by constants), 0 when free of it."""
+    if isinstance(e, Var):
+        return 1 if e.name == i0 else 0
+    if isinstance(e, Const):
+        return 0
+    if isinstance(e, Bin):
+        a, b = _coef(e.a, i0), _coef(e.b, i0)
+        if a is None or b is None:
+            return None
+        if e.op == "+":
+            return a + b
+        if e.op == "-":
+            return a - b
+        if e.op == "*" and a == 0 and _is_int(e.a):
+            return e.a.value * b
+        if e.op == "*" and b == 0 and _is_int(e.b):
+            return a * e.b.value
+        return 0 if a == 0 and b == 0 else None
+    if isinstance(e, Load):
+        return 0 if _coef(e.index, i0) == 0 else None
+    return None
+
+
+def _subst(e: Expr, name: str, repl: Expr) -> Expr:
+    if isinstance(e, Var):
+        return repl if e.name == name else e
+    if isinstance(e, Bin):
+        return Bin(e.op, _subst(e.a, name, repl), _subst(e.b, name, repl))
+    if isinstance(e, Load):
+        return Load(e.buf, _subst(e.index, name, repl))
+    if isinstance(e, Call):
+        return Call(e.fn, *(_subst(x, name, repl) for x in e.args))
+    if isinstance(e, Cast):
+        return Cast(e.dtype, _subst(e.a, name, repl))
+    if isinstance(e, Select):
+        return Select(_subst(e.cond, name, repl), _subst(e.a, name, repl), _subst(e.b, name, repl))
+    if isinstance(e, ToF32):
+        return ToF32(_subst(e.a, name, repl))
+    if isinstance(e, Table):
+        return Table(e.name, _subst(e.index, name, repl))
+    if isinstance(e, Const):
+        return e
+    raise _NoWide
