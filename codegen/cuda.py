@@ -19,7 +19,7 @@ import math
 
 from polystrata.codegen.cfamily import CPrinter
 from polystrata.codegen.pyfamily import NUMPY_DTYPES, PyPrinter
-from polystrata.ir.kernel import Kernel, LaneFor, Reduce, Store, walk
+from polystrata.ir.kernel import Call, Const, Kernel, LaneFor, Reduce, Store, walk
 
 WARP = 32
 _FULL = "0xFFFFFFFF"
@@ -32,8 +32,14 @@ class CUDAPrinter(PyPrinter):
     imports = "import math\nimport numpy as np\nfrom numba import cuda\n"
     helper_decorator = 'cuda.jit(device=True, inline="always")'
 
-    def __init__(self, k: Kernel, shuffles: bool = False):
+    def __init__(self, k: Kernel, shuffles: bool = False, native: bool = False):
         super().__init__(k)
+        self.native = native  # intrinsics as PTX (`codegen/cuda_intrinsics.py`); the simulator runs the portable ones
+        if native:
+            self.native_intrinsics = {"dot4_i8": "dp4a", "f16_bits_to_f32": "f16_to_f32",
+                                      "f32_to_f16_bits": "f32_to_f16"}
+            self.imports += ("from polystrata.codegen.cuda_intrinsics import dp4a, f16_to_f32, f32_to_f16, "
+                             "load_u32_a2, load_u32_a4\n")
         self.lanes = k.lanes
         # Warp shuffles need whole warps: a group that is a multiple of 32 lanes.
         self.shuffles = shuffles and k.lanes % WARP == 0
@@ -45,6 +51,14 @@ class CUDAPrinter(PyPrinter):
         self.scratch = 0 if not has_reduce else (k.lanes // WARP if self.shuffles else k.lanes)
         if self.scratch == 1:
             self.scratch = 0  # one warp: the shuffle result is broadcast, no shared memory
+
+    def e(self, x) -> str:
+        # load_u32 at a promised alignment is one 32-bit or two 16-bit loads (the others: `native_intrinsics`).
+        if not self.native:
+            return super().e(x)
+        if isinstance(x, Call) and x.fn == "load_u32" and isinstance(x.args[2], Const) and x.args[2].value in (2, 4):
+            return f"np.int64(load_u32_a{x.args[2].value}({x.args[0].name}, np.uint64({self.e(x.args[1])})))"
+        return super().e(x)
 
     def header(self) -> int:
         k = self.k
@@ -138,9 +152,10 @@ class CUDAPrinter(PyPrinter):
             self.barrier(d)
 
 
-def render(kernel: Kernel, shuffles: bool = False) -> str:
+def render(kernel: Kernel, shuffles: bool = False, native: bool = False) -> str:
     """numba-cuda source of `kernel`: a module with the f16/intrinsic device functions and one `@cuda.jit`
     kernel `kernel.name` taking its parameters in order (1-D arrays and int32/float32 scalars); launch it on
     `grid` blocks of `kernel.lanes` threads. `shuffles` selects warp shuffles for `Reduce` (lanes a multiple of
-    32; not available in the simulator), otherwise the shared-memory tree."""
-    return CUDAPrinter(kernel, shuffles).render()
+    32; not available in the simulator), otherwise the shared-memory tree; `native` the PTX forms of the
+    intrinsics (`dp4a`, word loads; not in the simulator), otherwise their portable definitions."""
+    return CUDAPrinter(kernel, shuffles, native).render()

@@ -70,6 +70,12 @@ class HIPPrinter(CPrinter):
     const_array_qualifier = "static __constant__ const"
     f2u = "__float_as_uint"
     u2f = "__uint_as_float"
+    # Word loads where the recipe promises alignment (little-endian on AMD and NVIDIA alike).
+    aligned_loads = {
+        4: "(*(const unsigned int *)({0} + ({1})))",
+        2: "((unsigned int)*(const unsigned short *)({0} + ({1})) "
+           "| ((unsigned int)*(const unsigned short *)({0} + ({1}) + 2) << 16))",
+    }
 
     def __init__(self, kernel: Kernel, arch: str, wave: int | None = None, native_f16: bool = True):
         self.arch = arch

@@ -91,7 +91,7 @@ def dot4_i8(a, b, acc):
     return s
 
 @{dec}
-def load_u32(buf, i):
+def load_u32(buf, i, align):
     return (np.int64(buf[i]) | (np.int64(buf[i + 1]) << 8) | (np.int64(buf[i + 2]) << 16)
             | (np.int64(buf[i + 3]) << 24))
 '''
@@ -111,6 +111,8 @@ class PyPrinter:
 
     imports = "import math\nimport numpy as np\n"
     helper_decorator = ""
+    # Intrinsics a target renders with its own functions (imported in `imports`): IR name -> function name.
+    native_intrinsics: dict[str, str] = {}
 
     def __init__(self, k: Kernel):
         self.k = k
@@ -180,7 +182,7 @@ class PyPrinter:
             # otherwise keeps loops over consecutive elements from vectorizing.
             v = f"{x.buf}[np.uint64({self.e(x.index)})]"
             if x.buf in self.f16:
-                return f"f16_bits_to_f32({v})"
+                return f"{self.native_intrinsics.get('f16_bits_to_f32', 'f16_bits_to_f32')}({v})"
             return v if self.k.dtype_of(x.buf) in ("f32", "f16") else f"np.int64({v})"
         if isinstance(x, Table):
             self.tables.add(x.name)
@@ -192,7 +194,7 @@ class PyPrinter:
             if x.fn in _MATH:
                 call = f"{_MATH[x.fn]}({args})"
                 return f"np.float32({call})" if x.fn in _FLOAT_RESULT else call
-            return f"{x.fn}({args})"
+            return f"{self.native_intrinsics.get(x.fn, x.fn)}({args})"
         raise TypeError(f"cannot render {x!r}")
 
     # --- statements -----------------------------------------------------------------------------------
@@ -210,7 +212,7 @@ class PyPrinter:
     def store_text(self, s: Store) -> str:
         v = self.e(s.value)
         if s.buf in self.f16:
-            v = f"f32_to_f16_bits({v})"
+            v = f"{self.native_intrinsics.get('f32_to_f16_bits', 'f32_to_f16_bits')}({v})"
         return f"{s.buf}[np.uint64({self.e(s.index)})] = {v}"
 
     def partial(self, s: Reduce, d: int) -> str:

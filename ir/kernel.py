@@ -59,8 +59,9 @@ INTRINSICS = {
     "f32_to_f16_bits": (1, "u32", "bit manipulation (see codegen)"),
     # Sum of the four products of the signed bytes of two packed i32 words, plus acc (CUDA __dp4a).
     "dot4_i8": (3, "i32", "four byte extracts, multiplies and adds"),
-    # Little-endian u32 from 4 bytes at a byte offset of a u8 buffer (a wide load where aligned).
-    "load_u32": (2, "u32", "four byte loads, shifted and or-ed"),
+    # Little-endian u32 from 4 bytes at byte offset i of a u8 buffer: load_u32(buf, i, align), `align` a
+    # constant 1, 2 or 4 the caller promises divides i (buffers start aligned): a 4-byte or two 2-byte loads.
+    "load_u32": (3, "u32", "four byte loads, shifted and or-ed"),
 }
 REDUCE_OPS = ("+", "max")
 

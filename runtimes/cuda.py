@@ -108,7 +108,7 @@ class CUDARuntime(Runtime):
     # --- compilation ----------------------------------------------------------------------------------
 
     def render(self, kernel: Kernel, shuffles: bool | None = None) -> str:
-        return render(kernel, self.shuffles if shuffles is None else shuffles)
+        return render(kernel, self.shuffles if shuffles is None else shuffles, native=not self.simulator)
 
     def compile(self, kernel: Kernel, shuffles: bool | None = None) -> CompiledKernel:
         source = self.render(kernel, shuffles)

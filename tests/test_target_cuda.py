@@ -134,12 +134,12 @@ def f16_kernel() -> Kernel:
 
 
 def intrinsics_kernel() -> Kernel:
-    """dot4_i8 and an unaligned load_u32, and an iq4nl Table lookup."""
+    """dot4_i8, load_u32 at offsets aligned to 1, 2 and 4 bytes, and an iq4nl Table lookup."""
     return Kernel("intr", (Buf("a", "i32"), Buf("b", "u32"), Buf("q", "u8"), Buf("o", "i32", True),
                            Buf("w", "u32", True), Buf("t", "f32", True), Scalar("n")), (1,), (
         LaneFor("j", n, (
             Store("o", j, Call("dot4_i8", Load("a", j), Load("b", j), j - 50)),
-            Store("w", j, Call("load_u32", Var("q"), j)),
+            *(Store("w", j * 3 + s, Call("load_u32", Var("q"), j * al, al)) for s, al in enumerate((1, 2, 4))),
             Store("t", j, ToF32(Table("iq4nl", Load("q", j) & 15)) * 0.5),
         )),
     ), lanes=32)
@@ -210,11 +210,12 @@ def cases(scale: int = 1) -> list[tuple]:
                                        "z": np.float32(np.float16(1 / 3))}))
     a = rng.integers(-(2**31), 2**31, m, dtype=np.int64).astype(np.int32)
     b = rng.integers(0, 2**32, m, dtype=np.uint64).astype(np.uint32)
-    q = rng.integers(0, 256, m + 3).astype(np.uint8)
+    q = rng.integers(0, 256, 4 * m + 4).astype(np.uint8)
     dot = (a.view(np.int8).reshape(-1, 4).astype(np.int64) * b.view(np.int8).reshape(-1, 4)).sum(1)
     out.append(("dot4/load_u32/table", intrinsics_kernel(), {"a": a, "b": b, "q": q},
-                {"o": (m, "i32"), "w": (m, "u32"), "t": (m, "f32")}, {"n": m}, (1,),
-                {"o": dot + np.arange(m) - 50, "w": np.array([q[i:i + 4].view("<u4")[0] for i in range(m)]),
+                {"o": (m, "i32"), "w": (3 * m, "u32"), "t": (m, "f32")}, {"n": m}, (1,),
+                {"o": dot + np.arange(m) - 50,
+                 "w": np.array([q[i * al:i * al + 4].view("<u4")[0] for i in range(m) for al in (1, 2, 4)]),
                  "t": np.array(TABLES["iq4nl"], np.float32)[q[:m] & 15] * 0.5}))
     return out
 

@@ -168,12 +168,13 @@ def intrinsics_kernel() -> Kernel:
     """Each intrinsic: f16 bit conversions, dot4_i8, load_u32."""
     x = Load("x", j)
     return Kernel("intr", (Buf("x", "f32"), Buf("a", "i32"), Buf("b", "u32"), Buf("raw", "u8"),
-                           Buf("o", "i32", True), Buf("u", "u32", True), Buf("y", "f32", True), Scalar("n")), (1,), (
+                           Buf("o", "i32", True), Buf("u", "u32", True), Buf("y", "f32", True), Buf("w", "u32", True),
+                           Scalar("n")), (1,), (
         LaneFor("j", n, (
-            Store("u", j * 2, Call("f32_to_f16_bits", x)),
+            Store("u", j, Call("f32_to_f16_bits", x)),
             Store("y", j, Call("f16_bits_to_f32", Call("f32_to_f16_bits", x))),
             Store("o", j, Call("dot4_i8", Load("a", j), Load("b", j), j - 50)),
-            Store("u", j * 2 + 1, Call("load_u32", Var("raw"), j)),
+            *(Store("w", j * 3 + s, Call("load_u32", Var("raw"), j * al, al)) for s, al in enumerate((1, 2, 4))),
         )),
     ), lanes=64)
 
@@ -518,7 +519,8 @@ def _cases():
                                              .astype(np.int32), "b": rng.integers(0, 2**32, n_, dtype=np.uint64)
                                              .astype(np.uint32), "raw": rng.integers(0, 256, 4 * n_ + 4,
                                                                                      dtype=np.uint8)},
-                       {"o": (n_, "i32"), "u": (2 * n_, "u32"), "y": (n_, "f32")}, {"n": n_}, (1,)),
+                       {"o": (n_, "i32"), "u": (n_, "u32"), "y": (n_, "f32"), "w": (3 * n_, "u32")}, {"n": n_},
+                       (1,)),
         "shared32": (shared_kernel(32), {"x": x[:150].copy()}, {"y": (150, "f32"), "tot": (3, "f32")}, {"n": 50},
                      (3,)),
         "shared96": (shared_kernel(96), {"x": np.tile(x, 3)}, {"y": (600, "f32"), "tot": (3, "f32")}, {"n": 200},

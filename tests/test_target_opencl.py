@@ -357,12 +357,13 @@ def test_dot4_i8(rt, cpu):
     np.testing.assert_array_equal(c["o"], want)
 
 
-def test_load_u32_unaligned(rt, cpu):
+@pytest.mark.parametrize("align", [1, 2, 4])
+def test_load_u32(rt, cpu, align):
     kern = Kernel("ldu32", (Buf("b", "u8"), Buf("o", "u32", True), Scalar("n")), (1,),
-                  (LaneFor("j", n, (Store("o", j, Call("load_u32", Var("b"), j)),)),), lanes=16)
-    raw = np.random.default_rng(9).integers(0, 256, 203).astype(np.uint8)
+                  (LaneFor("j", n, (Store("o", j, Call("load_u32", Var("b"), j * align, align)),)),), lanes=16)
+    raw = np.random.default_rng(9).integers(0, 256, 4 * 200 + 4).astype(np.uint8)
     r, c = both(rt, cpu, kern, {"b": raw}, {"o": (200, "u32")}, {"n": 200})
-    want = np.array([raw[i:i + 4].view("<u4")[0] for i in range(200)], np.uint32)
+    want = np.array([raw[i * align:i * align + 4].view("<u4")[0] for i in range(200)], np.uint32)
     np.testing.assert_array_equal(r["o"], want)
     np.testing.assert_array_equal(c["o"], want)
 

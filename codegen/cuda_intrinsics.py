@@ -1,0 +1,97 @@
+"""Native forms of the IR intrinsics for numba-cuda, imported by the generated kernels (`codegen/cuda.py`).
+
+Numba's Python has no spelling for PTX's `dp4a` nor for a 4-byte load from a byte array, and the portable
+definitions (`codegen/pyfamily.HELPERS`) cost tens of 64-bit integer instructions each, in the innermost loop of
+every quantized dot product. These are Numba intrinsics emitting the instruction itself (inline PTX) or an LLVM
+load of the wider type.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.cuda.extending import intrinsic
+
+
+@intrinsic
+def dp4a(typingctx, a, b, acc):
+    """acc + the sum of the products of the four signed bytes of `a` and `b` (all truncated to 32 bits)."""
+    if not all(isinstance(t, types.Integer) for t in (a, b, acc)):
+        return None
+    sig = types.int32(a, b, acc)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        vals = [_narrow(builder, v, 32) for v in args]
+        asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
+        return builder.call(asm, vals)
+
+    return sig, codegen
+
+
+def _narrow(builder, v, width: int):
+    t = ir.IntType(width)
+    return builder.trunc(v, t) if v.type.width > width else builder.zext(v, t) if v.type.width < width else v
+
+
+@intrinsic
+def f16_to_f32(typingctx, h):
+    """The f32 value of the f16 bits in the low 16 bits of `h` (PTX cvt: exact, no branches)."""
+    if not isinstance(h, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(16)]), "cvt.f32.f16 $0, $1;", "=f,h")
+        return builder.call(asm, [_narrow(builder, args[0], 16)])
+
+    return types.float32(h), codegen
+
+
+@intrinsic
+def f32_to_f16(typingctx, x):
+    """The f16 bits (in a u32) of `x` rounded to nearest even (PTX cvt.rn)."""
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0] if args[0].type == ir.FloatType() else builder.fptrunc(args[0], ir.FloatType())
+        asm = ir.InlineAsm(ir.FunctionType(ir.IntType(16), [ir.FloatType()]), "cvt.rn.f16.f32 $0, $1;", "=h,f")
+        return builder.zext(builder.call(asm, [v]), ir.IntType(32))
+
+    return types.uint32(x), codegen
+
+
+def _word_load(width: int, count: int):
+    """An intrinsic loading `count` little-endian `width`-bit words at a byte offset of a u8 array into a u32."""
+
+    @intrinsic
+    def load(typingctx, arr, index):
+        if not (isinstance(arr, types.Array) and arr.dtype == types.uint8 and isinstance(index, types.Integer)):
+            return None
+        sig = types.uint32(arr, index)
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, value=args[0])
+            i64 = ir.IntType(64)
+            idx = builder.zext(args[1], i64) if args[1].type.width < 64 else args[1]
+            byte_ptr = builder.gep(ary.data, [idx])
+            wt = ir.IntType(width)
+            ptr = builder.bitcast(byte_ptr, wt.as_pointer())
+            out = None
+            for k in range(count):
+                p = builder.gep(ptr, [ir.Constant(i64, k)]) if k else ptr
+                v = builder.load(p, align=width // 8)
+                v = builder.zext(v, ir.IntType(32)) if width < 32 else v
+                if k:
+                    v = builder.shl(v, ir.Constant(ir.IntType(32), width * k))
+                out = v if out is None else builder.or_(out, v)
+            return out
+
+        return sig, codegen
+
+    return load
+
+
+load_u32_a4 = _word_load(32, 1)  # offset a multiple of 4: one 32-bit load
+load_u32_a2 = _word_load(16, 2)  # offset a multiple of 2: two 16-bit loads
+
