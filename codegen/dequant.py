@@ -340,7 +340,7 @@ class Decoder:
         return out
 
     def walk(self, emit_group: Callable, emit_chunk: Callable, lo: int = 0, hi: int | None = None,
-             fuse: bool = False, wide: int = 1) -> list:
+             fuse: bool = False, wide: int = 1, split: tuple[Expr, int] | None = None) -> list:
         """Statements visiting the block's elements [lo, hi) with hoisted lets.
 
         `emit_group(start, size, env, stmts_inside)` wraps the statements of the finest group (it can add
@@ -355,6 +355,10 @@ class Decoder:
         `wide` > 1 (dividing every chunk length): each chunk loop runs `L // wide` times, `i0` counting words of
         `wide` elements, and per-element lets are not emitted: `emit_chunk` gets the lowerer of the element
         index `c + i0` and builds its word-wise statements itself (e.g. with `inline_elem_lets`).
+
+        `split` = (sub, S): the block is shared by S lanes, lane `sub` (0 <= sub < S) taking the chunk iterations
+        i0 = sub, sub + S, ... (neighbouring lanes read neighbouring words). Group lets are evaluated by every
+        lane; `emit_group`'s accumulation must be linear in the chunk statements (partial sums per lane).
         """
         if fuse:
             return self._walk_fused(emit_chunk, lo, self.fmt.block_size if hi is None else hi)
@@ -373,10 +377,22 @@ class Decoder:
                 for c in range(start, start + size, L):
                     if c + L <= lo or c >= hi:
                         continue
-                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, i0, self.f16_arith)
-                    body = self.lets_for(1, c, lw.env, _Aff(1, c), L, i0) if finest != 1 and wide == 1 else []
-                    body += emit_chunk(c, L, i0, lw.env, lw)
-                    inner.append(For(i0, Const(0), Const(L // wide), tuple(body)))
+                    once = split is not None and split[1] == L // wide  # one iteration per lane: no loop
+                    ic = f"{i0}_{c}" if once else i0  # (a name per chunk: C rejects redeclared names)
+                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, ic, self.f16_arith)
+                    body = (self.lets_for(1, c, lw.env, _Aff(1, c), L, ic, suffix=f"_c{c}" if once else "")
+                            if finest != 1 and wide == 1 else [])
+                    body += emit_chunk(c, L, ic, lw.env, lw)
+                    if split is None:
+                        inner.append(For(i0, Const(0), Const(L // wide), tuple(body)))
+                    elif once:
+                        inner += [Let(ic, split[0]), *body]
+                    elif (L // wide) % split[1] == 0:  # a constant trip count (unrolled by compilers)
+                        m = f"{i0}m"
+                        inner.append(For(m, Const(0), Const(L // wide // split[1]),
+                                         (Let(i0, split[0] + Var(m) * split[1]), *body)))
+                    else:
+                        inner.append(For(i0, split[0], Const(L // wide), tuple(body), step=split[1]))
                 return emit_group(start, size, dict(env), inner)
             out = []
             sub = gs[level + 1]

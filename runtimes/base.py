@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from polystrata.ir.kernel import Buf, Kernel, Scalar, expr_str
+from polystrata.ir.kernel import Buf, Call, Kernel, Scalar, expr_str
 from polystrata.ir.quant import Bin, Const, Expr, Var
 
 
@@ -48,6 +48,9 @@ def eval_int(e: Expr, env: dict[str, int]) -> int:
             return a // b
         if e.op == "%":
             return a % b
+    if isinstance(e, Call) and e.fn in ("min", "max"):
+        vals = [eval_int(a, env) for a in e.args]
+        return min(vals) if e.fn == "min" else max(vals)
     raise ValueError(f"grid size {expr_str(e)} is not a host integer expression")
 
 

@@ -34,11 +34,10 @@ from polystrata.codegen.dequant import (
     weight_dtype,
     widen,
 )
-from polystrata.ir.kernel import Assign, Call, Cast, Decl, For, If, LaneFor, Let, Load, Select, Store, ToF32
+from polystrata.ir.kernel import Assign, Call, Cast, Decl, For, If, LaneFor, Let, Load, Reduce, Select, Store, ToF32
 from polystrata.ir.quant import Bin, Const, Expr, QuantFormat, Table, Var
 
 QB = 32  # activation quantization block
-XS = 16  # elements per code sum of the packed activations (`Act.xs`)
 NONNEG = (1 << 31) - 1  # index mask: see the module docstring
 
 
@@ -89,10 +88,8 @@ class Act:
     (`packed`: in buffers, `xq` an i32 buffer of words packing 4 codes little-endian, as `quantize_x_kernel`
     writes them)."""
 
-    def __init__(self, buf: str, k: int, xq: str | None = None, xd: str | None = None, packed: bool = False,
-                 xs: str | None = None):
+    def __init__(self, buf: str, k: int, xq: str | None = None, xd: str | None = None, packed: bool = False):
         self.buf, self.k, self.xq, self.xd, self.packed = buf, k, xq, xd, packed
-        self.xs = xs  # i32 buffer: sum of the codes of each 16 elements (packed path; None: summed in the loop)
 
     @property
     def int8(self) -> bool:
@@ -101,13 +98,14 @@ class Act:
 
 def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t: Expr, acc: str,
               prefix: str, part: tuple[str, Expr] | None = None, nonneg: int = 0,
-              f16_arith: bool = False) -> list:
+              f16_arith: bool = False, split: tuple[Expr, int] | None = None) -> list:
     """Statements adding block `b` of the weight row at `row_base` dotted with activation row `t` into `acc`.
 
     `t` indexes the activation rows (a local token index for the int8 arrays, a buffer row otherwise).
     `part` = (local f32 array, offset): f32 path only, add the products to `array[offset + e]` (e < block size)
     instead of `acc` (see the module docstring); `nonneg`: 0, or the mask (`nonneg_mask` of the weight buffer's
-    size) for the weight base address (activation addresses use NONNEG); `f16_arith` see `Decoder`.
+    size) for the weight base address (activation addresses use NONNEG); `f16_arith` see `Decoder`;
+    `split` = (sub, S): S lanes share the block, this one adding its share (`Decoder.walk`) to `acc`.
     """
     wf = fmt_for(fmt)
     bs = wf.block_size
@@ -133,15 +131,14 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
             return f"{prefix}is{g}", f"{prefix}xs{g}"
 
         wide = _wide_levels(wf, a, prefix) if act.packed else None
-        pre_xs = wide is not None and act.xs is not None and finest % XS == 0
 
         def chunk(c, L, i0, env, lw):
             if wide is not None:  # 4 levels per word against 4 packed codes: dot4_i8
-                word, bias = _vec_level(wf, wbuf, lw, a.level, i0)
+                word, bias = _vec_level(wf, wbuf, lw, a.level, i0, dec.base)
                 xw = Load(lvl_q, (xoff + c) // 4 + Var(i0))
                 is_, xs = names(c)
                 st = [Assign(is_, Call("dot4_i8", word, xw, Var(is_)))]
-                if (a.offset is not None or bias) and not pre_xs:
+                if a.offset is not None or bias:
                     st.append(Assign(xs, Call("dot4_i8", Cast("u32", Const(0x01010101)), xw, Var(xs))))
                 if bias:
                     wide[names(c)[0]] = bias
@@ -162,12 +159,7 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
             bias = wide.get(is_, 0) if wide is not None else 0
             st = [Decl(is_, "i32", Const(0))]
             if a.offset is not None or bias:
-                init = Const(0)
-                if pre_xs:  # the group's code sum, from the quantize kernel's per-16 sums
-                    for h in range(size // XS):
-                        ld = Load(act.xs, (xoff + start) // XS + h)
-                        init = ld if h == 0 else init + ld
-                st.append(Decl(xs, "i32", init))
+                st.append(Decl(xs, "i32", Const(0)))
             st += inner
             dx = Load(act.xd, (xoff + start) // QB)  # xoff is a multiple of 32; xd is indexed per 32 elements
             isum = Var(is_) - Var(xs) * bias if bias else Var(is_)
@@ -176,7 +168,7 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
                 term = term + dec.group_expr(a.offset, start, env) * dx * Cast("f32", Var(xs))
             return [*st, Assign(acc, Var(acc) + term)]
 
-        return head + dec.walk(group, chunk, wide=4 if wide is not None else 1)
+        return head + dec.walk(group, chunk, wide=4 if wide is not None else 1, split=split)
 
     if part is not None:
         pbuf, poff = part
@@ -191,6 +183,35 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
         return [Assign(acc, Var(acc) + dec.value(lw) * Load(act.buf, xoff + c + Var(i0)))]
 
     return head + dec.walk(lambda s, n, env, inner: inner, chunk_f)
+
+
+def split_row_dot(name: str, fmt: QuantFormat, wbuf: str, row_base: Expr, act: Act, t: Expr, sub: int,
+                  prefix: str) -> Reduce:
+    """`name` = dot(weight row at `row_base`, activation row `t`) as a group `Reduce` over the row's (block, part)
+    units: `sub` lanes share each block, lane `part` taking every `sub`-th word of each chunk (`block_dot`'s
+    split). Neighbouring lanes read neighbouring words and consecutive lanes consecutive blocks: one coalesced
+    sweep of the row."""
+    nb = act.k // fmt_for(fmt).block_size
+    u, acc = Var(f"{prefix}u"), f"{prefix}acc"
+    return Reduce(name, "+", u.name, Const(nb * sub), (
+        Decl(acc, "f32", Const(0.0)),
+        *block_dot(fmt, wbuf, row_base, u // sub, act, t, acc, prefix, split=(u % sub, sub)),
+    ), Var(acc))
+
+
+def sub_lanes(fmt: QuantFormat) -> int:
+    """Lanes sharing one block by default in `split_row_dot`: 4, or fewer when a chunk has fewer words."""
+    wf = fmt_for(fmt)
+    gs = groups(wf)
+    return max(1, min(4, chunk_len(wf, gs[-2] if len(gs) > 1 else 1) // 4))
+
+
+def split_lanes(fmts, k: int, subgroup: int, sub: int | str = "auto") -> int:
+    """Group size for `split_row_dot`s over rows of length `k`: whole subgroups (at least 32 lanes) up to 128,
+    as many as cover the units of the widest row."""
+    units = max(k // fmt_for(f).block_size * (sub_lanes(f) if sub == "auto" else int(sub)) for f in fmts)
+    w = max(32, subgroup)
+    return w * max(1, min(128 // w, -(-units // w)))
 
 
 # --- wide (4 elements per word) levels for dot4_i8 -------------------------------------------------------
@@ -214,7 +235,7 @@ def _wide_levels(wf: QuantFormat, a: Affine, prefix: str) -> dict | None:
     try:
         for c in range(0, wf.block_size, L):
             lw = _Lowerer(wf, "_w", Var("_wb"), _ProbeEnv(), _Aff(1, c), L, "_i0")
-            b = _vec_level(wf, "_w", lw, a.level, "_i0")[1]
+            b = _vec_level(wf, "_w", lw, a.level, "_i0", Var("_wb"))[1]
             if bias.setdefault(c - c % finest, b) != b:
                 return None  # one bias per accumulator group
     except (_NoWide, KeyError):
@@ -227,19 +248,22 @@ class _ProbeEnv(dict):
         return Var(k)
 
 
-def _vec_level(wf: QuantFormat, wbuf: str, lw, level: Expr, i0: str) -> tuple[Expr, int]:
+def _vec_level(wf: QuantFormat, wbuf: str, lw, level: Expr, i0: str, base: Expr) -> tuple[Expr, int]:
     """(u32 word of the levels of elements 4*i0 .. 4*i0+3 of the chunk, bias): level_e = byte_e(word) - bias,
-    each byte a signed int8 for `dot4_i8`. Raises `_NoWide` when the level expression does not pack."""
+    each byte a signed int8 for `dot4_i8`. `base` is the block's byte address (a multiple of the block's size,
+    as every row and expert offset is). Raises `_NoWide` when the level expression does not pack."""
     e = lw.expr(inline_elem_lets(wf, level))
+    bs = block_stride(wf)
+    ctx = (wbuf, i0, base, bs & -bs)
     bias = 0
     if isinstance(e, Bin) and e.op == "-" and _is_int(e.b):
         x = e.a
         if (isinstance(x, Bin) and x.op == "&" and _is_int(x.b, 255) and isinstance(x.a, Bin) and x.a.op == "+"
                 and _is_int(x.a.b, 128) and e.b.value == 128):
-            w, _ = _vec(x.a.a, wbuf, i0)  # ((b + 128) & 255) - 128: the byte as signed int8
+            w, _ = _vec(x.a.a, ctx)  # ((b + 128) & 255) - 128: the byte as signed int8
             return w, 0
         e, bias = x, e.b.value
-    w, mx = _vec(e, wbuf, i0)
+    w, mx = _vec(e, ctx)
     if mx > 127:
         raise _NoWide
     return w, bias
@@ -252,14 +276,17 @@ def _is_int(e: Expr, v: int | None = None) -> bool:
 _ONES = 0x01010101
 
 
-def _vec(e: Expr, wbuf: str, i0: str) -> tuple[Expr, int]:
-    """Packed-bytes form of a per-element integer expression in `i0`: (u32 word, max byte value)."""
+def _vec(e: Expr, ctx: tuple) -> tuple[Expr, int]:
+    """Packed-bytes form of a per-element integer expression in `i0`: (u32 word, max byte value).
+    `ctx` = (weight buffer, i0, block base address, the power of two dividing the block's size)."""
+    wbuf, i0, base, base_align = ctx
     if isinstance(e, Load):
         if e.buf != wbuf or _coef(e.index, i0) != 1:
             raise _NoWide
-        return Call("load_u32", Var(wbuf), _subst(e.index, i0, Var(i0) * 4)), 255
+        index = _subst(e.index, i0, Var(i0) * 4)
+        return Call("load_u32", Var(wbuf), index, Const(_align(index, base, base_align))), 255
     if isinstance(e, Bin) and _is_int(e.b) and e.op in (">>", "<<", "&"):
-        w, mx = _vec(e.a, wbuf, i0)
+        w, mx = _vec(e.a, ctx)
         s = e.b.value
         if e.op == ">>" and 0 <= s < 8:
             return (w if s == 0 else (w >> s) & ((255 >> s) * _ONES)), mx >> s
@@ -272,11 +299,25 @@ def _vec(e: Expr, wbuf: str, i0: str) -> tuple[Expr, int]:
                 return w & (s * _ONES), min(mx, s)
         raise _NoWide
     if isinstance(e, Bin) and e.op == "|":
-        (wa, ma), (wb, mb) = _vec(e.a, wbuf, i0), _vec(e.b, wbuf, i0)
+        (wa, ma), (wb, mb) = _vec(e.a, ctx), _vec(e.b, ctx)
         if ma + mb > 255:
             raise _NoWide
         return wa | wb, ma + mb
     raise _NoWide
+
+
+def _align(e: Expr, base: Expr, base_align: int) -> int:
+    """The largest of 4, 2, 1 known to divide the byte address `e` (`base` divisible by `base_align`)."""
+    if e == base:
+        return min(4, base_align)
+    if isinstance(e, Const) and isinstance(e.value, int):
+        v = e.value
+        return 4 if v % 4 == 0 else 2 if v % 2 == 0 else 1
+    if isinstance(e, Bin) and e.op == "+":
+        return min(_align(e.a, base, base_align), _align(e.b, base, base_align))
+    if isinstance(e, Bin) and e.op == "*":
+        return min(4, _align(e.a, base, base_align) * _align(e.b, base, base_align))
+    return 1
 
 
 def _coef(e: Expr, i0: str) -> int | None:

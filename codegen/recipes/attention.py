@@ -7,7 +7,8 @@ and codes round(x / d) clipped to the anchor.
 
 Launch 2 (`attn`): grid (T, n_head); two-pass softmax with the scores of the visible keys in local memory
 (size n_ctx): LaneFor over keys computes scores (K decoded block by block), Reduce max, LaneFor exp, Reduce
-sum, then a LaneFor over V blocks accumulates p_j * v_j into a local output row.
+sum, then a LaneFor over (V block, part) accumulates p_j * v_j into a local output row, `parts` lanes sharing a
+block (`Decoder.walk`'s split).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from polystrata.codegen.dequant import Decoder, block_stride, widen
+from polystrata.codegen.dequant import Decoder, block_stride, chunk_len, groups, widen
 from polystrata.codegen.recipes import Recipe, RecipeContext, register
 from polystrata.codegen.recipes._matvec import Act, block_dot
 from polystrata.ir import quant as Q
@@ -115,9 +116,17 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     vdec_bs = vf.block_size
     nvb = dv // vdec_bs
     vb = Var("vb")
+    # Lanes per V block: each of `parts` lanes takes every parts-th element of the block's chunks, so the
+    # lanes of a group cover the V row (a lane per block would leave most lanes idle at small head sizes).
+    gs = groups(vf)
+    chunk = chunk_len(vf, gs[-2] if len(gs) > 1 else 1)
+    parts = 1
+    while parts * 2 <= chunk and chunk % (parts * 2) == 0 and nvb * parts * 2 <= lanes:
+        parts *= 2
     dec = Decoder(vf, "vc", Var("vj") * vrb + (kvh * nvb + vb) * block_stride(vf), "v_")
     vwalk = dec.walk(lambda s0, sz, env, inner: inner, lambda c, L, i0, env, lw: [
-        Store("o", vb * vdec_bs + c + Var(i0), Load("o", vb * vdec_bs + c + Var(i0)) + Var("p") * dec.value(lw))])
+        Store("o", vb * vdec_bs + c + Var(i0), Load("o", vb * vdec_bs + c + Var(i0)) + Var("p") * dec.value(lw))],
+        split=(Var("part"), parts) if parts > 1 else None)
     body = (
         Let("pos", Load("positions", t)),
         Let("lo", lo),
@@ -126,12 +135,12 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         Reduce("m", "max", "jj", n, (), Load("s", Var("jj"))),
         LaneFor("jj", n, (Store("s", Var("jj"), Call("exp", Load("s", Var("jj")) - Var("m"))),)),
         Reduce("z", "+", "jj", n, (), Load("s", Var("jj"))),
-        LaneFor("vb", Const(nvb), (
-            For("e", Const(0), Const(vdec_bs), (Store("o", vb * vdec_bs + Var("e"), Const(0.0)),)),
+        LaneFor("e", Const(dv), (Store("o", Var("e"), Const(0.0)),)),
+        LaneFor("vu", Const(nvb * parts), (
+            Let("vb", Var("vu") // parts), Let("part", Var("vu") % parts),
             For("jj", Const(0), n, (Let("vj", Var("lo") + Var("jj")), Let("p", Load("s", Var("jj"))), *vwalk)),
-            For("e", Const(0), Const(vdec_bs), (
-                Store("out", qrow * dv + vb * vdec_bs + Var("e"), Load("o", vb * vdec_bs + Var("e")) / Var("z")),)),
         )),
+        LaneFor("e", Const(dv), (Store("out", qrow * dv + Var("e"), Load("o", Var("e")) / Var("z")),)),
     )
     params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), Buf("out", "f32", out=True),
               Scalar("T"))

@@ -141,11 +141,19 @@ def _rms_kernel_mid(d: int, mid: int, eps: float, fused: bool, lanes: int) -> Ke
     return Kernel(k.name, k.params, (Var("R") * mid,), k.body, lanes=k.lanes)
 
 
+def norm_lanes(ctx: RecipeContext, d: int) -> int:
+    """Lanes of a norm over rows of `d`: with lanes at all, enough that each has ~4 values (up to 1024; whole
+    warps): at decode one group does the whole row, and its latency is what the step waits for."""
+    if ctx.lanes == 1:
+        return 1
+    return max(ctx.lanes, min(1024, d // 4 // 32 * 32))
+
+
 def _lower_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     x, w = node.inputs
     eps = float(node.attrs["eps"])
-    return _norm_launch(lambda d, mid: _rms_kernel_mid(d, mid, eps, False, ctx.lanes), node, ctx,
+    return _norm_launch(lambda d, mid: _rms_kernel_mid(d, mid, eps, False, norm_lanes(ctx, d)), node, ctx,
                         [("x", ctx.buf(x)), ("w", ctx.buf(w)), ("y", ctx.buf(node.output))])
 
 
@@ -154,7 +162,7 @@ def _lower_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     x, r = add.inputs
     w = norm.inputs[1]
     eps = float(norm.attrs["eps"])
-    return _norm_launch(lambda d, mid: _rms_kernel_mid(d, mid, eps, True, ctx.lanes), add, ctx,
+    return _norm_launch(lambda d, mid: _rms_kernel_mid(d, mid, eps, True, norm_lanes(ctx, d)), add, ctx,
                         [("x", ctx.buf(x)), ("r", ctx.buf(r)), ("sum", ctx.buf(add.output)), ("w", ctx.buf(w)),
                          ("y", ctx.buf(norm.output))])
 

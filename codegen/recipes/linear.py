@@ -8,11 +8,12 @@ and reuses them (from cache) for the whole token tile.
 
 GPU path (knob xq="kernel", the default with lanes > 1, for formats of the int8 path): two launches. A small
 kernel quantizes x once per matmul into scratch buffers (`quantize_x_kernel`: int8 codes packed 4 per u32 word,
-a scale per 32 values, the code sum per 16), then `matvec_q8_kernel`: each group takes `rows` rows (rows *
-blocks-per-row ~ lanes), stages their weight bytes in local memory with coalesced copies, and one lane per
-(row, block) accumulates `dot4_i8(level word, code word)` per 4 elements (level words built from 4-byte loads by
-`_matvec`'s wide path), scaled once per sub-block; the partials are summed per row from local memory.
-xq="inline" keeps the one-kernel schedule below (the CPU's, and what `matmul_kernel` builds).
+a scale per 32 values), then `matvec_q8_kernel`: one weight row per group, swept by all its lanes
+(`_matvec.split_row_dot`: `sub` lanes per block, neighbouring lanes on neighbouring words), each lane
+accumulating `dot4_i8(level word, code word)` per 4 elements (level words from aligned 4-byte loads by
+`_matvec`'s wide path) and scaling once per sub-block; the lanes' sums meet in a group Reduce. Knobs sub and
+lanes (group size; "auto" covers the row's units, 32 to 128). xq="inline" keeps the one-kernel schedule below
+(the CPU's, and what `matmul_kernel` builds).
 
 Knobs: rows (rows per group), tokens (token tile), int8 (int8-activation path where the format allows it; "auto":
 off with one lane -- the CPU, where the f32 path below vectorizes better -- on otherwise), split ("rows": lanes
@@ -28,7 +29,18 @@ from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import Decoder, block_stride, elements_per_row_bytes, weight_dtype
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
-from polystrata.codegen.recipes._matvec import QB, XS, Act, block_dot, fmt_for, nonneg_mask, quantize_x, use_int8
+from polystrata.codegen.recipes._matvec import (
+    QB,
+    Act,
+    block_dot,
+    fmt_for,
+    nonneg_mask,
+    quantize_x,
+    split_lanes,
+    split_row_dot,
+    sub_lanes,
+    use_int8,
+)
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
     Assign,
@@ -51,7 +63,8 @@ from polystrata.ir.kernel import (
 )
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
-MATMUL_KNOBS = (("rows", 4), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"), ("xq", "auto"))
+MATMUL_KNOBS = (("rows", 4), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"), ("xq", "auto"),
+                ("sub", "auto"), ("lanes", "auto"))
 
 
 def _exp(x: Expr) -> Expr:
@@ -191,144 +204,66 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
             and k % QB == 0:
         qb = ctx.scratch("xq", "u32", ctx.t_max * k // 4)
         db = ctx.scratch("xd", "f32", ctx.t_max * (k // QB))
-        sb = ctx.scratch("xs", "i32", ctx.t_max * (k // XS))
-        qk = quantize_x_kernel(f"quantize_x_{k}", k, ctx.lanes)
-        mk = matvec_q8_kernel(name + "_q8", fmts, n, k, tokens=kn["tokens"], lanes=ctx.lanes, epilogue=epilogue)
-        return [Launch(qk, (("x", x), ("xq", qb), ("xd", db), ("xs", sb)), (("T", t_bind),)),
-                Launch(mk, (("xq", qb), ("xd", db), ("xs", sb), *wbind, ("y", y)), (("T", t_bind),))]
+        qk = quantize_x_kernel(f"quantize_x_{k}", k)
+        lanes = split_lanes(fmts, k, ctx.subgroup, kn["sub"]) if kn["lanes"] == "auto" else int(kn["lanes"])
+        mk = matvec_q8_kernel(name + "_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"], epilogue=epilogue,
+                              lanes=lanes)
+        return [Launch(qk, (("x", x), ("xq", qb), ("xd", db)), (("T", t_bind),)),
+                Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
+    kn.pop("sub")
+    kn.pop("lanes")
     kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, **kn)
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
 
 
-def quantize_x_kernel(name: str, k: int, lanes: int) -> Kernel:
-    """xq[(t*k + e) / 4] packs the int8 codes of x[t, e..e+3] (byte e % 4, little-endian), xd[t*k/32 + blk] =
-    max|x| / 127 of each 32 values, xs[(t*k + e) / 16] the sum of the codes of each 16; grid (T, blocks), one lane
-    per 32 values."""
-    t = Var("g0")
+def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1) -> Kernel:
+    """xq[(t*k + e) / 4] packs the int8 codes of x[t, e..e+3] (byte e % 4, little-endian), xd[t*k/32 + b] =
+    max|x| / 127 of each 32 values. Grid (T * rows_per_t, k / 32): a group of 32 lanes per 32 values (the max a
+    one-warp Reduce, then 8 lanes pack a word each); `rows_per_t` > 1: x has that many rows per token (MoE slots)."""
     na = k // QB
-    amax, inv, v = Var("amax"), Var("inv"), Var("v")
-    xo = Var("xo")
-    per = min(lanes, na)  # 32-value blocks per group: several groups per token row
-    inner = (
-        Let("xo", t * k + Var("blk") * QB),
-        Decl("amax", "f32", Const(0.0)),
-        For("e", Const(0), Const(QB), (Assign("amax", Call("max", amax, Call("abs", Load("x", xo + Var("e"))))),)),
-        Let("inv", Select(amax > 0.0, Const(127.0) / amax, Const(0.0))),
-        Store("xd", t * na + Var("blk"), amax / 127.0),
-        For("h", Const(0), Const(QB // XS), (
-            Decl("sum", "i32", Const(0)),
-            For("q", Const(0), Const(XS // 4), (
-                Decl("word", "u32", Cast("u32", Const(0))),
-                For("e", Const(0), Const(4), (
-                    Let("v", Load("x", xo + Var("h") * XS + Var("q") * 4 + Var("e")) * inv),
-                    # round half away from zero, as roundf (the same codes as `_matvec.quantize_x`)
-                    Let("code", Cast("i32", v + Select(v < 0.0, Const(-0.5), Const(0.5)))),
-                    Assign("word", Var("word") | (Cast("u32", Var("code") & 255) << (Var("e") * 8))),
-                    Assign("sum", Var("sum") + Var("code")),
-                )),
-                Store("xq", (xo + Var("h") * XS) // 4 + Var("q"), Var("word")),
+    xo, inv, v = Var("xo"), Var("inv"), Var("v")
+    body = (
+        Let("xo", Var("g0") * k + Var("g1") * QB),
+        Reduce("amax", "max", "e", Const(QB), (), Call("abs", Load("x", xo + Var("e")))),
+        Let("inv", Select(Var("amax") > 0.0, Const(127.0) / Var("amax"), Const(0.0))),
+        Store("xd", Var("g0") * na + Var("g1"), Var("amax") / 127.0),
+        LaneFor("q", Const(QB // 4), (
+            Decl("word", "u32", Cast("u32", Const(0))),
+            For("e", Const(0), Const(4), (
+                Let("v", Load("x", xo + Var("q") * 4 + Var("e")) * inv),
+                # round half away from zero, as roundf (the same codes as `_matvec.quantize_x`)
+                Let("code", Cast("i32", v + Select(v < 0.0, Const(-0.5), Const(0.5)))),
+                Assign("word", Var("word") | (Cast("u32", Var("code") & 255) << (Var("e") * 8))),
             )),
-            Store("xs", xo // XS + Var("h"), Var("sum")),
+            Store("xq", xo // 4 + Var("q"), Var("word")),
         )),
     )
-    body = (LaneFor("l", Const(per), (Let("blk", Var("g1") * per + Var("l")), If(Var("blk") < na, inner))),)
-    params = (Buf("x", "f32"), Buf("xq", "u32", out=True), Buf("xd", "f32", out=True), Buf("xs", "i32", out=True),
-              Scalar("T"))
-    return Kernel(name, params, (Var("T"), Const((na + per - 1) // per)), body, lanes=lanes,
-                  doc=f"quantize x to int8 [{k}]")
-
-
-def _copy_word(w: str, bb: int, dst: Expr, last: int) -> list:
-    """Copy the 4 bytes at global `ga` to wl[dst..]: one wide load where blocks are whole words (never past the
-    row), else byte loads clamped to the buffer (the last word of a block may run past the buffer's end)."""
-    if bb % 4 == 0:
-        return [Let("cv", Call("load_u32", Var(w), Var("ga"))),
-                *(Store("wl", dst + m, (Var("cv") >> (8 * m)) & 255) for m in range(4))]
-    return [Store("wl", dst + m, Load(w, Call("min", Var("ga") + m, Const(last)))) for m in range(4)]
-
-
-def _pitch(bb: int) -> int:
-    """Bytes per staged block: the whole words covering bb bytes, an odd number of them."""
-    w = (bb + 3) // 4
-    return 4 * (w if w % 2 else w + 1)
+    params = (Buf("x", "f32"), Buf("xq", "u32", out=True), Buf("xd", "f32", out=True), Scalar("T"))
+    return Kernel(name, params, (Var("T") * rows_per_t, Const(na)), body, lanes=QB, doc=f"quantize x to int8 [{k}]")
 
 
 def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, tokens: int, lanes: int,
-                     epilogue: Callable[[list[Expr]], Expr] | None = None, stage: bool | str = "auto") -> Kernel:
+                     sub: int | str = "auto", epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t])) from pre-quantized activations (`quantize_x_kernel`).
 
-    Grid (ceil(n / rows), ceil(T / tokens)); `rows` is picked so that rows * blocks-per-row fills the lanes.
-    Phase 1: one LaneFor over the (row, block) units of the group's rows, consecutive lanes on consecutive
-    blocks of one row (neighbouring lanes read neighbouring weight bytes); each unit computes its block's int8
-    dot product for every token of the tile into a local partial. Phase 2: one lane per (token, row) sums the
-    row's partials and stores y. No activation quantization in the matvec; x is read as int8 (from cache).
+    Grid (n, ceil(T / tokens)): one weight row per group, its dot products `_matvec.split_row_dot`s (a coalesced
+    sweep of the row by all lanes, `sub` lanes per block). For each token of the tile the row is swept again
+    (from cache).
     """
-    nbs = [k // fmt_for(f).block_size for f in fmts]
-    rows = max(1, min(n, lanes // min(nbs)))
-    tokens = max(1, tokens)
-    while tokens > 1 and tokens * rows * sum(nbs) * 4 > 32768:
-        tokens //= 2
+    subs = [sub_lanes(f) if sub == "auto" else int(sub) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
-    params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("xs", "i32"),
+    params = (Buf("xq", "u32"), Buf("xd", "f32"),
               *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True), Scalar("T"))
-    t0, nt = Var("t0"), Var("nt")
-    body: list = [Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - t0))]
-    local = []
-    act = Act("xq", k, "xq", "xd", packed=True, xs="xs")
-    # Staging: the group's weight bytes are copied to local memory by consecutive lanes (coalesced global reads),
-    # each block at a pitch of an odd number of words (lanes reading their blocks hit distinct banks).
-    pitches = [_pitch(fmt_for(f).block_bytes) for f in fmts]
-    if stage == "auto":
-        stage = all(weight_dtype(f) == "u8" for f in fmts) and max(
-            rows * nb * p for nb, p in zip(nbs, pitches)) <= 32768
-    if stage:
-        local.append(LocalArray("wl", "u8", max(rows * nb * p for nb, p in zip(nbs, pitches))))
-    u = Var("u")
-    for j, (w, f) in enumerate(zip(wnames, fmts)):
-        nb = nbs[j]
-        pj = f"p{j}"
-        bb = fmt_for(f).block_bytes
-        local.append(LocalArray(pj, "f32", tokens * rows * nb))
-        rowb = elements_per_row_bytes(f, k)
-        if stage:
-            wpb = (bb + 3) // 4  # whole words covering the block
-            q = Var("q")
-            last = n * rowb - 1
-            body.append(LaneFor("q", Const(rows * nb * wpb), (
-                Let("cu", q // wpb), Let("cw", q % wpb),
-                Let("ga", Call("min", Var("g0") * rows + Var("cu") // nb, Const(n - 1)) * rowb
-                    + (Var("cu") % nb) * bb + Var("cw") * 4),
-                *(_copy_word(w, bb, Var("cu") * pitches[j] + Var("cw") * 4, last)),
-            )))
-            wbuf, base = "wl", u * pitches[j] - Var("b") * bb  # block_dot adds b * bb back
-        else:
-            wbuf, base = w, Call("min", Var("g0") * rows + Var("r"), Const(n - 1)) * rowb
-        body.append(LaneFor("u", Const(rows * nb), (
-            Let("r", u // nb), Let("b", u % nb),
-            Let("rb", base),
-            For("t", Const(0), nt, (
-                Decl("acc", "f32", Const(0.0)),
-                *block_dot(f, wbuf, Var("rb"), Var("b"), act, t0 + Var("t"), "acc", f"w{j}_"),
-                Store(pj, Var("t") * (rows * nb) + u, Var("acc")),
-            )),
-        )))
-    v, t, r = Var("v"), Var("t"), Var("r")
-    fin = []
-    for j, nb in enumerate(nbs):
-        fin += [Decl(f"s{j}", "f32", Const(0.0)),
-                For("b", Const(0), Const(nb), (
-                    Assign(f"s{j}", Var(f"s{j}") + Load(f"p{j}", (t * rows + r) * nb + Var("b"))),))]
+    act = Act("xq", k, "xq", "xd", packed=True)
+    row, t = Var("g0"), Var("t0") + Var("t")
+    red = [split_row_dot(f"s{j}", f, w, row * elements_per_row_bytes(f, k), act, t, subs[j], f"w{j}_")
+           for j, (w, f) in enumerate(zip(wnames, fmts))]
     vals = [Var(f"s{j}") for j in range(len(fmts))]
-    body.append(LaneFor("v", Const(tokens * rows), (
-        Let("t", v // rows), Let("r", v % rows), Let("row", Var("g0") * rows + r),
-        If(t < nt, (If(Var("row") < n, (
-            *fin, Store("y", (t0 + t) * n + Var("row"), epilogue(vals) if epilogue else vals[0])),
-        ),)),
-    )))
-    grid = (Const((n + rows - 1) // rows), (Var("T") + (tokens - 1)) // tokens)
-    knobs = (("rows", rows), ("tokens", tokens), ("int8", 1), ("split", "units"), ("xq", "kernel"),
-             ("stage", int(bool(stage))))
-    return Kernel(name, params, grid, tuple(body), lanes=lanes, local=tuple(local), knobs=knobs,
+    body = (Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - Var("t0"))),
+            For("t", Const(0), Var("nt"), (*red, Store("y", t * n + row, epilogue(vals) if epilogue else vals[0]))))
+    grid = (Const(n), (Var("T") + (tokens - 1)) // tokens)
+    knobs = (("tokens", tokens), ("int8", 1), ("xq", "kernel"), ("sub", ",".join(map(str, subs))))
+    return Kernel(name, params, grid, body, lanes=lanes, knobs=knobs,
                   doc=f"matvec int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
 
 

@@ -5,19 +5,23 @@ Route buffer convention (i32, 2 * T * k words, as the compiler sizes it): words 
 (the IR has no bit-cast, and weights lie in [0, 1], so Q30 keeps ~1e-9 absolute precision).
 
 `moe_ffn` dispatches by expert (group tokens by expert, run each selected expert's matrix products over all its
-tokens, weighted combine back), in four launches over plan scratch buffers sized for the plan's t_max:
+tokens, weighted combine back), in launches over plan scratch buffers sized for the plan's t_max:
 
-1. `group` (grid n_expert): expert e scans the T*k route ids in order and lists the entries `t*k + s` routed to
-   it: list buffer (i32) = [count of each expert (n_expert words)] + [n_expert x cap entries], cap = t_max * k.
-2. `gate/up` (grid n_expert x row tiles): h[entry, f] = silu(gate_e x_t) * (up_e x_t) for every listed entry
-   (t = entry // k), each weight row read once for all the expert's tokens.
-3. `down` (grid n_expert x row tiles): d[entry, r] = down_e h[entry].
+1. `group` (one group): lane e scans the T*k route ids in order and lists the entries `t*k + s` routed to expert
+   e, then one lane lists the experts that have entries: list buffer (i32) = [count of each expert (n_expert
+   words)] + [n_expert x cap entries] + [number of active experts, their ids], cap = t_max * k.
+2. `gate/up` (grid active experts x row tiles, at most min(n_expert, T*k) groups in x, those past the number of
+   active experts exit): h[entry, f] = silu(gate_e x_t) * (up_e x_t) for every listed entry (t = entry // k),
+   each weight row read once for all the expert's tokens.
+3. `down` (the same grid): d[entry, r] = down_e h[entry].
 4. `combine` (grid T): y[t] = sum_s w(t, s) * d[t*k + s]; each group owns its token's row: no atomics.
 
-Expert e's matrix starts at byte e * rows * row_bytes of the 3-D weight tensor. Dot products come from
-`_matvec.block_dot` (f32 activations; every weight format): with one lane (the CPU) lanes take rows and walk the
-expert's tokens, with per-element partial sums, non-negative index masks and arithmetic f16 decoding as `linear`
-does; with more lanes each dot product is a Reduce over its blocks. Knobs: rows (rows per group), split.
+Expert e's matrix starts at byte e * rows * row_bytes of the 3-D weight tensor. With one lane (the CPU) dot
+products come from `_matvec.block_dot` on f32 activations, lanes taking rows and walking the expert's tokens,
+with per-element partial sums, non-negative index masks and arithmetic f16 decoding as `linear` does. With more
+lanes (GPUs) and int8-path formats (knob xq), x and then h are quantized to int8 once (`linear.quantize_x_kernel`,
+two more launches) and each group sweeps one expert row with `_matvec.split_row_dot` (knob sub: lanes per
+block); other formats take a Reduce over each row's blocks on f32 activations. Knobs: rows, split, xq, sub.
 """
 
 from __future__ import annotations
@@ -26,8 +30,18 @@ from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import elements_per_row_bytes, weight_dtype
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
-from polystrata.codegen.recipes._matvec import Act, block_dot, fmt_for, nonneg_mask
-from polystrata.codegen.recipes.linear import silu
+from polystrata.codegen.recipes._matvec import (
+    QB,
+    Act,
+    block_dot,
+    fmt_for,
+    nonneg_mask,
+    split_lanes,
+    split_row_dot,
+    sub_lanes,
+    use_int8,
+)
+from polystrata.codegen.recipes.linear import quantize_x_kernel, silu
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
     Assign,
@@ -79,22 +93,51 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int) -> Kernel:
     return Kernel(name, params, (Var("T"),), tuple(body), lanes=lanes, local=(LocalArray("p", "f32", e),))
 
 
-MOE_KNOBS = (("rows", 4), ("split", "auto"))
+MOE_KNOBS = (("rows", 4), ("split", "auto"), ("xq", "auto"), ("sub", "auto"))
+
+
+def list_words(n_exp: int, cap: int) -> int:
+    """Size of the list buffer `group_kernel` writes (see there)."""
+    return n_exp * (1 + cap) + 1 + n_exp
 
 
 def group_kernel(name: str, n_exp: int, k: int, cap: int, lanes: int) -> Kernel:
-    """lst[e] = number of route entries with expert e; lst[n_exp + e*cap + j] = the j-th such entry (t*k + s)."""
-    ex = Var("g0")
+    """lst[e] = number of route entries with expert e; lst[n_exp + e*cap + j] = the j-th such entry (t*k + s);
+    then the experts with entries, in order: lst[A] = their number, lst[A + 1 + i] = the i-th (A = n_exp*(1+cap)).
+    One group: lane e lists expert e, then one lane walks the counts."""
+    ex = Var("e")
+    a = n_exp * (1 + cap)
     body = (
-        Decl("cnt", "i32", Const(0)),
-        For("i", Const(0), Var("T") * k, (If(Load("route", Var("i")).eq(ex), (
-            Store("lst", Const(n_exp) + ex * cap + Var("cnt"), Var("i")),
-            Assign("cnt", Var("cnt") + 1),
-        )),)),
-        Store("lst", ex, Var("cnt")),
+        LaneFor("e", Const(n_exp), (
+            Decl("cnt", "i32", Const(0)),
+            For("i", Const(0), Var("T") * k, (If(Load("route", Var("i")).eq(ex), (
+                Store("lst", Const(n_exp) + ex * cap + Var("cnt"), Var("i")),
+                Assign("cnt", Var("cnt") + 1),
+            )),)),
+            Store("lst", ex, Var("cnt")),
+        )),
+        LaneFor("z", Const(1), (  # one lane compacts (lane stores: no barrier per store)
+            Decl("na", "i32", Const(0)),
+            For("e", Const(0), Const(n_exp), (If(Load("lst", ex) > 0, (
+                Store("lst", Const(a + 1) + Var("na"), ex),
+                Assign("na", Var("na") + 1),
+            )),)),
+            Store("lst", Const(a), Var("na")),
+        )),
     )
     params = (Buf("route", "i32"), Buf("lst", "i32", out=True), Scalar("T"))
-    return Kernel(name, params, (Const(n_exp),), body, lanes=lanes, doc=f"moe group {n_exp}x{k}")
+    return Kernel(name, params, (Const(1),), body, lanes=lanes, doc=f"moe group {n_exp}x{k}")
+
+
+def _active_grid(n_exp: int, k: int, rest: Expr) -> tuple:
+    """Grid over the experts with entries (at most T*k of them) x `rest`; groups past their number exit."""
+    return (Call("min", Const(n_exp), Var("T") * k), rest)
+
+
+def _active_expert(n_exp: int, cap: int, inner: list) -> list:
+    """`inner` for expert `ex` = the g0-th expert with entries, when there is one."""
+    a = n_exp * (1 + cap)
+    return [If(Var("g0") < Load("lst", Const(a)), (Let("ex", Load("lst", Const(a + 1) + Var("g0"))), *inner))]
 
 
 def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
@@ -103,7 +146,8 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
     """out[entry, r] = epilogue(dot(w_j[e, r], a) for each weight j) for each entry listed for expert e = g0.
 
     Weights [n_exp, n, kd]; the activation row is `act[entry // k]` (`per_token`) or `act[entry]`.
-    Grid (n_exp, ceil(n / rows)): each group reads its weight rows once for all the expert's entries.
+    Grid (experts with entries, ceil(n / rows)) (`_active_grid`): each group reads its weight rows once for all
+    the expert's entries.
     """
     rows = max(1, min(rows, n))
     cpu = lanes == 1
@@ -112,7 +156,7 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
     rbs = [elements_per_row_bytes(f, kd) for f in fmts]
     masks = [nonneg_mask(n_exp * n * rb) if cpu else 0 for rb in rbs]
     a = Act(act, kd)
-    ex = Var("g0")
+    ex = Var("ex")
     pb = max(fmt_for(f).block_size for f in fmts)
     local: list = []
     body: list = [Let("cnt", Load("lst", ex))]
@@ -168,11 +212,37 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
                 If(row < n, (Store("out", Var(f"ent{r}") * n + row, result(vals)),)),
             )))
     params = (Buf(act, "f32"), Buf("lst", "i32"), *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)),
-              Buf("out", "f32", out=True))
-    grid = (Const(n_exp), Const((n + rows - 1) // rows))
+              Buf("out", "f32", out=True), Scalar("T"))
+    grid = _active_grid(n_exp, k, Const((n + rows - 1) // rows))
     knobs = (("rows", rows), ("split", split), ("vert", int(vert)))
-    return Kernel(name, params, grid, tuple(body), lanes=lanes, local=tuple(local), knobs=knobs,
+    return Kernel(name, params, grid, tuple(_active_expert(n_exp, cap, body)), lanes=lanes, local=tuple(local),
+                  knobs=knobs,
                   doc=f"moe expert matmul {'+'.join(f.name for f in fmts)} [{n_exp}x{n}x{kd}]")
+
+
+def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
+                     per_token: bool, sub: int | str, lanes: int,
+                     epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+    """`expert_kernel` from int8 activations (`linear.quantize_x_kernel`'s buffers; GPU path): grid (experts
+    with entries, n), one weight row per group, each dot product a `_matvec.split_row_dot` over the row."""
+    subs = [sub_lanes(f) if sub == "auto" else int(sub) for f in fmts]
+    wnames = [f"w{j}" for j in range(len(fmts))]
+    act = Act("xq", kd, "xq", "xd", packed=True)
+    ex, row, ent = Var("ex"), Var("g1"), Var("ent")
+    red = [split_row_dot(f"s{j}", f, w, (ex * n + row) * elements_per_row_bytes(f, kd), act, Var("ta"), subs[j],
+                         f"w{j}_") for j, (w, f) in enumerate(zip(wnames, fmts))]
+    vals = [Var(f"s{j}") for j in range(len(fmts))]
+    body = [For("j", Const(0), Load("lst", ex), (
+        Let("ent", Load("lst", Const(n_exp) + ex * cap + Var("j"))),
+        Let("ta", ent // k if per_token else ent),
+        *red,
+        Store("out", ent * n + row, epilogue(vals) if epilogue else vals[0]),
+    ))]
+    params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("lst", "i32"),
+              *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("out", "f32", out=True), Scalar("T"))
+    return Kernel(name, params, _active_grid(n_exp, k, Const(n)), tuple(_active_expert(n_exp, cap, body)),
+                  lanes=lanes, knobs=(("sub", ",".join(map(str, subs))), ("xq", "kernel")),
+                  doc=f"moe expert matvec int8 {'+'.join(f.name for f in fmts)} [{n_exp}x{n}x{kd}]")
 
 
 def combine_kernel(name: str, dm: int, k: int, lanes: int) -> Kernel:
@@ -211,21 +281,47 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     split = ctx.knob("moe_ffn", "split", "auto")
     if split == "auto":
         split = "rows" if ctx.lanes == 1 else "blocks"
-    lst = ctx.scratch("moe_list", "i32", n_exp * (1 + cap))
+    lst = ctx.scratch("moe_list", "i32", list_words(n_exp, cap))
     hb = ctx.scratch("moe_h", "f32", cap * ff)
     db = ctx.scratch("moe_d", "f32", cap * dm)
     tag = f"{n_exp}_{dm}_{ff}_{k}_{cap}"
     kg = group_kernel(f"moe_group_{tag}", n_exp, k, cap, ctx.lanes)
+    kc = combine_kernel(f"moe_combine_{dm}_{k}", dm, k, ctx.lanes)
+    group = Launch(kg, (("route", ctx.buf(route)), ("lst", lst)), (("T", tb),))
+    combine = Launch(kc, (("route", ctx.buf(route)), ("d", db), ("y", ctx.buf(node.output))), (("T", tb),))
+    gateup = lambda v: silu(v[0]) * v[1]  # noqa: E731
+    xq = ctx.knob("moe_ffn", "xq", "auto")
+    if (xq in ("auto", "kernel") and ctx.lanes > 1 and all(use_int8(f, True) for f in (fg, fu, fd))
+            and dm % QB == 0 and ff % QB == 0):
+        # GPU path: x and then h quantized to int8 once (as `linear` does), each expert row swept by all lanes.
+        sub = ctx.knob("moe_ffn", "sub", "auto")
+        qb = ctx.scratch("xq", "u32", max(t_max * dm, cap * ff) // 4)
+        xd = ctx.scratch("xd", "f32", max(t_max * dm, cap * ff) // QB)
+        qbufs = (("xq", qb), ("xd", xd))
+        kgu = expert_q8_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}_q8".lower(), [fg, fu], n_exp, ff, dm, k, cap,
+                               per_token=True, sub=sub, lanes=split_lanes([fg, fu], dm, ctx.subgroup, sub),
+                               epilogue=gateup)
+        kd = expert_q8_kernel(f"moe_down_{fd.name}_{tag}_q8".lower(), [fd], n_exp, dm, ff, k, cap, per_token=False,
+                              sub=sub, lanes=split_lanes([fd], ff, ctx.subgroup, sub))
+        return [
+            group,
+            Launch(quantize_x_kernel(f"quantize_x_{dm}", dm), (("x", ctx.buf(x)), *qbufs), (("T", tb),)),
+            Launch(kgu, (*qbufs, ("lst", lst), ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)), (("T", tb),)),
+            Launch(quantize_x_kernel(f"quantize_x_{ff}_{k}", ff, rows_per_t=k), (("x", hb), *qbufs),
+                   (("T", tb),)),
+            Launch(kd, (*qbufs, ("lst", lst), ("w0", ctx.buf(d)), ("out", db)), (("T", tb),)),
+            combine,
+        ]
     kgu = expert_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}".lower(), [fg, fu], n_exp, ff, dm, k, cap, act="x",
-                        per_token=True, rows=rows, split=split, lanes=ctx.lanes, epilogue=lambda v: silu(v[0]) * v[1])
+                        per_token=True, rows=rows, split=split, lanes=ctx.lanes, epilogue=gateup)
     kd = expert_kernel(f"moe_down_{fd.name}_{tag}".lower(), [fd], n_exp, dm, ff, k, cap, act="h", per_token=False,
                        rows=rows, split=split, lanes=ctx.lanes)
-    kc = combine_kernel(f"moe_combine_{dm}_{k}", dm, k, ctx.lanes)
     return [
-        Launch(kg, (("route", ctx.buf(route)), ("lst", lst)), (("T", tb),)),
-        Launch(kgu, (("x", ctx.buf(x)), ("lst", lst), ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb))),
-        Launch(kd, (("h", hb), ("lst", lst), ("w0", ctx.buf(d)), ("out", db))),
-        Launch(kc, (("route", ctx.buf(route)), ("d", db), ("y", ctx.buf(node.output))), (("T", tb),)),
+        group,
+        Launch(kgu, (("x", ctx.buf(x)), ("lst", lst), ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)),
+               (("T", tb),)),
+        Launch(kd, (("h", hb), ("lst", lst), ("w0", ctx.buf(d)), ("out", db)), (("T", tb),)),
+        combine,
     ]
 
 
