@@ -34,8 +34,9 @@ fi
 
 if [[ " $STAGES " == *" tests "* ]]; then
     # Conformance on every target present: cpu, cuda, hip (NVRTC), opencl (NVIDIA's driver).
+    # TESTS_K narrows the selection (pytest -k), e.g. "not cpu" when device time is short.
     timeout 1500 python3 -m pytest -q -x -p no:cacheprovider tests/test_targets.py tests/test_target_hip.py \
-        -m "not slow" 2>&1 | tee -a "$LOG" | tail -15
+        -m "not slow" ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee -a "$LOG" | tail -15
     row "tests (targets, hip)" "$(grep -E '[0-9]+ (passed|failed)' "$LOG" | tail -1)"
 fi
 
@@ -53,8 +54,12 @@ if [[ " $STAGES " == *" bench "* ]]; then
     [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
     [ -f "$M/qwen3moe-8l-q4km.gguf" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b --layers 8 --type Q4_K_M -o "$M/qwen3moe-8l-q4km.gguf"
     for t in cuda hip opencl; do python3 scripts/matvec_bench.py --target "$t" 2>&1 | tee -a "$LOG" | tail -2; done
+    # MATVEC_KNOBS: extra cuda runs with knob overrides, e.g. "matmul.sub=1 matmul.sub=2".
+    for kn in ${MATVEC_KNOBS:-}; do python3 scripts/matvec_bench.py --target cuda --knob "$kn" 2>&1 | tee -a "$LOG" | tail -1; done
     grep -E '^matvec' "$LOG" | while read -r line; do row "Q4_K matvec" "${line#*on }"; done
     for m in llama3-8b-q4km qwen3moe-8l-q4km; do
+        timeout 300 python3 scripts/profile_decode.py "$M/$m.gguf" --target "${BENCH_TARGET:-cuda}" --top ${PROFILE_TOP:-12} 2>&1 \
+            | tee -a "$LOG" | tail -${PROFILE_TOP:-12}
         # BENCH_ARGS shortens the run when device time is short (e.g. "-p 128 -n 32 -r 1").
         timeout 900 python3 -m polystrata bench "$M/$m.gguf" --target "${BENCH_TARGET:-cuda}" ${BENCH_ARGS:--p 512 -n 128 -r 3} \
             --json > "$OUT/bench_$m.json" 2>> "$LOG"

@@ -30,7 +30,14 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=4, help="weight copies rotated to defeat the L2 cache")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--bandwidth", type=float, default=4.29e12, help="bytes/s to compare with (H200 measured read)")
+    ap.add_argument("--knob", action="append", default=[], metavar="RECIPE.NAME=VALUE",
+                    help="schedule knob override, e.g. matmul.sub=2 (repeatable)")
     a = ap.parse_args()
+    knobs: dict = {}
+    for kv in a.knob:
+        key, val = kv.split("=", 1)
+        recipe, name = key.split(".", 1)
+        knobs.setdefault(recipe, {})[name] = int(val) if val.lstrip("-").isdigit() else val
     fmt = Q.by_name(a.format)
     rt = make_runtime(a.target)
     # tokens -> one row of an F32 table (the activation) -> the matmul under test; only the latter is timed.
@@ -40,7 +47,8 @@ def main() -> None:
     x = g.op("embed", g.weight("table", "F32", (1, a.cols)), tok)
     y = g.op("matmul", x, g.weight("w", fmt.name, (a.rows, a.cols)))
     g.outputs.append(y)
-    plan = build_plan(g, {"w": fmt, "table": Q.FORMATS["F32"]}, Q.KV_FORMATS["f16"], 16, 1, rt.lanes, rt.subgroup)
+    plan = build_plan(g, {"w": fmt, "table": Q.FORMATS["F32"]}, Q.KV_FORMATS["f16"], 16, 1, rt.lanes, rt.subgroup,
+                      knobs)
     rng = np.random.default_rng(0)
     raws = [Q.quantize(fmt, rng.standard_normal((a.rows, a.cols)).astype(np.float32)) for _ in range(a.copies)]
     xs = rng.standard_normal(a.cols).astype(np.float32)
@@ -82,7 +90,7 @@ def main() -> None:
     bw = nbytes / dt
     print(f"matvec {a.format} {a.rows}x{a.cols} on {rt.device}: {dt * 1e6:.1f} us, {bw / 1e9:.0f} GB/s = "
           f"{100 * bw / a.bandwidth:.0f}% of {a.bandwidth / 1e12:.2f} TB/s, rel. error {err:.1e}, "
-          f"{len(rest)} launch(es)")
+          f"{len(rest)} launch(es){' ' + ' '.join(a.knob) if a.knob else ''}")
 
 
 if __name__ == "__main__":
