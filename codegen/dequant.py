@@ -58,9 +58,10 @@ class _Lowerer:
     """Lowers format expressions for one element chunk `i = c + i0` (or a constant `i` for hoisted lets)."""
 
     def __init__(self, fmt: QuantFormat, buf: str, base: Expr, env: dict[str, Expr], i_val, span: int,
-                 i0: str, f16_arith: bool = False):
+                 i0: str, f16_arith: bool = False, word_loads: bool = False):
         self.fmt, self.buf, self.base, self.env = fmt, buf, base, env
         self.f16_arith = f16_arith  # f16 fields by branch-free integer/float arithmetic instead of the intrinsic
+        self.word_loads = word_loads  # fields at constant offsets out of aligned 4-byte words (see Decoder)
         self.i_val = i_val  # int or _Aff
         self.span = span  # L: the range of i0
         self.i0 = i0
@@ -144,20 +145,35 @@ class _Lowerer:
         def byte(k: int) -> Expr:
             return Load(self.buf, addr + k if k else addr)
 
-        if f.dtype == "u8":
-            return byte(0)
-        if f.dtype == "i8":
-            return ((byte(0) + 128) & 255) - 128  # sign-extend without branches
         if f.dtype == "f32":
             raise NotImplementedError(f"{self.fmt.name}: f32 fields inside byte blocks need a bit-cast")
+        bs = block_stride(self.fmt)
+        align = min(4, bs & -bs)  # block bases are multiples of the block size
+        if self.word_loads and isinstance(off, int) and size < 4 and align >= 2:
+            w0 = off - off % align
+            if off + size <= w0 + 4 <= self.fmt.block_bytes:  # one word inside the block holds the field
+                at = self.base + w0 if w0 else self.base
+                bits = Call("load_u32", Var(self.buf), at, Const(align))
+                word = (bits >> 8 * (off - w0) if off > w0 else bits) & ((1 << 8 * size) - 1)
+                # A signed int, as a byte load is: the format's arithmetic on it may go negative.
+                return _field_value(f.dtype, Cast("i32", word), self.f16_arith)
+        if f.dtype in ("u8", "i8"):
+            return _field_value(f.dtype, byte(0), self.f16_arith)
         word = byte(0)
         for k in range(1, size):
             word = word | (byte(k) << (8 * k))
-        if f.dtype == "f16":
-            return f16_bits_to_f32_arith(word) if self.f16_arith else Call("f16_bits_to_f32", word)
-        if f.dtype == "bf16":
-            return bf16_bits_to_f32(word)
-        return word  # u16 / u32 / i32: integer bits (shifts and masks see the same bits)
+        return _field_value(f.dtype, word, self.f16_arith)
+
+
+def _field_value(dtype: str, word: Expr, f16_arith: bool) -> Expr:
+    """The value of a field from its little-endian bits `word`."""
+    if dtype == "i8":
+        return ((word + 128) & 255) - 128  # sign-extend without branches
+    if dtype == "f16":
+        return f16_bits_to_f32_arith(word) if f16_arith else Call("f16_bits_to_f32", word)
+    if dtype == "bf16":
+        return bf16_bits_to_f32(word)
+    return word  # u8 / u16 / u32 / i32: integer bits (shifts and masks see the same bits)
 
 
 def f16_bits_to_f32_arith(h: Expr) -> Expr:
@@ -321,6 +337,10 @@ class Decoder:
     base: Expr
     prefix: str
     f16_arith: bool = False  # see `f16_bits_to_f32_arith` (a CPU-friendly choice; GPUs convert f16 natively)
+    # Fields at constant offsets (scales, sub-block metadata) read out of aligned 4-byte words of the block: one
+    # load (shared by the fields in it) instead of a load per byte (GPU paths; the base is a multiple of the
+    # block size, as row, expert and cache-row bases are).
+    word_loads: bool = False
 
     def _env_name(self, let: str) -> str:
         return f"{self.prefix}{let}"
@@ -329,7 +349,8 @@ class Decoder:
                  i0: str = "_i0", names: set[str] | None = None, suffix: str = "") -> list:
         """`Let` statements for the lets of exactly `group` (evaluated at element `start`); updates env."""
         out = []
-        lw = _Lowerer(self.fmt, self.buf, self.base, env, start if i_val is None else i_val, span, i0, self.f16_arith)
+        lw = _Lowerer(self.fmt, self.buf, self.base, env, start if i_val is None else i_val, span, i0, self.f16_arith,
+                       self.word_loads)
         idx_only = _index_only_lets(self.fmt)
         for lt in self.fmt.lets:
             if lt.group != group or lt.name in idx_only or (names is not None and lt.name not in names):
@@ -379,7 +400,8 @@ class Decoder:
                         continue
                     once = split is not None and split[1] == L // wide  # one iteration per lane: no loop
                     ic = f"{i0}_{c}" if once else i0  # (a name per chunk: C rejects redeclared names)
-                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, ic, self.f16_arith)
+                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, ic, self.f16_arith,
+                                  self.word_loads)
                     body = (self.lets_for(1, c, lw.env, _Aff(1, c), L, ic, suffix=f"_c{c}" if once else "")
                             if finest != 1 and wide == 1 else [])
                     body += emit_chunk(c, L, ic, lw.env, lw)
@@ -419,7 +441,8 @@ class Decoder:
                 for c in range(start, start + size, L):
                     if c + L <= lo or c >= hi:
                         continue
-                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, i0, self.f16_arith)
+                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, i0, self.f16_arith,
+                                  self.word_loads)
                     if finest != 1:
                         body.extend(self.lets_for(1, c, lw.env, _Aff(1, c), L, i0, suffix=f"_c{c}"))
                     body.extend(emit_chunk(c, L, i0, lw.env, lw))
@@ -436,7 +459,8 @@ class Decoder:
 
     def group_expr(self, e: Expr, start: int, env: dict[str, Expr]) -> Expr:
         """A group-level format expression (scale, offset) as kernel IR, at group start `start`."""
-        return _Lowerer(self.fmt, self.buf, self.base, env, start, 1, "_unused", self.f16_arith).expr(e)
+        return _Lowerer(self.fmt, self.buf, self.base, env, start, 1, "_unused", self.f16_arith,
+                        self.word_loads).expr(e)
 
     def value(self, lw: _Lowerer) -> Expr:
         """The element value (f32) inside a chunk."""

@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from polystrata.codegen.recipes import RecipeContext, load_all
-from polystrata.codegen.recipes.linear import embed_kernel, matmul_kernel
+from polystrata.codegen.recipes._matvec import use_int8
+from polystrata.codegen.recipes.linear import embed_kernel, matmul_kernel, matvec_q8_kernel, quantize_x_kernel
 from polystrata.ir import quant as Q
 from polystrata.ir.graph import Graph
+from polystrata.ir.kernel import Launch
 from polystrata.runtimes import reference as R
 from polystrata.runtimes.base import eval_int
 from polystrata.targets import available_kernel_targets, make_runtime
@@ -161,6 +163,31 @@ def _run_launches(rt, launches, bufs: dict[str, np.ndarray], scal: dict, outs: d
         rt.launch(rt.compile(k), args, [eval_int(gd, s) for gd in k.grid])
     rt.sync()
     return {n: rt.download(dev[n], sh, dt) for n, (sh, dt) in outs.items()}
+
+
+@pytest.mark.parametrize("fmt_name", [f for f in FORMATS if use_int8(Q.FORMATS[f], True)])
+def test_matvec_q8_formats(rt, fmt_name):
+    """The GPU matvec (quantize kernel + one row per group, `sub` lanes per block) on every int8-path format, against
+    a float64 product with x rounded as the quantize kernel rounds it: only float error may remain."""
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped kernels (the CPU takes matmul_kernel)")
+    n, k = 37, 512
+    fmt, wb, wd = _weight(fmt_name, n, k)
+    rng = np.random.default_rng(4)
+    for sub in ("auto", 1, 2):
+        qk = quantize_x_kernel(f"t_q8x_{k}", k)
+        mk = matvec_q8_kernel(f"t_mv8_{fmt_name.lower()}_{sub}", [fmt], n, k, tokens=4, lanes=32, sub=sub)
+        launches = [Launch(qk, (("x", "x"), ("xq", "xq"), ("xd", "xd")), (("T", "T"),)),
+                    Launch(mk, (("xq", "xq"), ("xd", "xd"), ("w0", "w"), ("y", "y")), (("T", "T"),))]
+        for t in (1, 3, 9):
+            x = rng.standard_normal((t, k)).astype(np.float32)
+            scratch = {"xq": np.full(t * k // 4, 0x3C3C3C3C, np.uint32)}
+            y = _run_launches(rt, launches, {"x": x.reshape(-1), "w": wb, **scratch}, {"T": t},
+                              {"y": ((t, n), "f32"), "xd": ((t * k // 32,), "f32")})["y"]
+            xq = _q8(x)
+            ref = xq @ wd.T.astype(np.float64)
+            bound = 1e-4 * (np.abs(xq) @ np.abs(wd.T)) + 1e-5
+            assert np.all(np.abs(y - ref) <= bound), (fmt_name, sub, t, float(np.max(np.abs(y - ref) - bound)))
 
 
 def test_glu_fused(rt):

@@ -98,14 +98,15 @@ class Act:
 
 def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t: Expr, acc: str,
               prefix: str, part: tuple[str, Expr] | None = None, nonneg: int = 0,
-              f16_arith: bool = False, split: tuple[Expr, int] | None = None) -> list:
+              f16_arith: bool = False, split: tuple[Expr, int] | None = None, word_loads: bool = False) -> list:
     """Statements adding block `b` of the weight row at `row_base` dotted with activation row `t` into `acc`.
 
     `t` indexes the activation rows (a local token index for the int8 arrays, a buffer row otherwise).
     `part` = (local f32 array, offset): f32 path only, add the products to `array[offset + e]` (e < block size)
     instead of `acc` (see the module docstring); `nonneg`: 0, or the mask (`nonneg_mask` of the weight buffer's
     size) for the weight base address (activation addresses use NONNEG); `f16_arith` see `Decoder`;
-    `split` = (sub, S): S lanes share the block, this one adding its share (`Decoder.walk`) to `acc`.
+    `split` = (sub, S): S lanes share the block, this one adding its share (`Decoder.walk`) to `acc`;
+    `word_loads` see `Decoder`.
     """
     wf = fmt_for(fmt)
     bs = wf.block_size
@@ -116,9 +117,13 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
         head.append(Let(f"{prefix}wb", wb & nonneg))
         wb = Var(f"{prefix}wb")
         xo = xo & NONNEG
-    dec = Decoder(wf, wbuf, wb, prefix, f16_arith)
+    dec = Decoder(wf, wbuf, wb, prefix, f16_arith, word_loads)
     xoff = Var(f"{prefix}xo")
     head.append(Let(xoff.name, xo))
+    if act.int8:
+        # Word and scale indices of the block's activations: constant offsets from these (xoff is a multiple of 32
+        # as blocks are), which compilers fold into the loads' addresses.
+        head += [Let(f"{prefix}xw", xoff // 4), Let(f"{prefix}xb", xoff // QB)]
     if act.int8:
         a = affine(wf)
         lvl_q = act.xq
@@ -135,7 +140,7 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
         def chunk(c, L, i0, env, lw):
             if wide is not None:  # 4 levels per word against 4 packed codes: dot4_i8
                 word, bias = _vec_level(wf, wbuf, lw, a.level, i0, dec.base)
-                xw = Load(lvl_q, (xoff + c) // 4 + Var(i0))
+                xw = Load(lvl_q, Var(f"{prefix}xw") + (c // 4 + Var(i0)))
                 is_, xs = names(c)
                 st = [Assign(is_, Call("dot4_i8", word, xw, Var(is_)))]
                 if a.offset is not None or bias:
@@ -161,7 +166,7 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
             if a.offset is not None or bias:
                 st.append(Decl(xs, "i32", Const(0)))
             st += inner
-            dx = Load(act.xd, (xoff + start) // QB)  # xoff is a multiple of 32; xd is indexed per 32 elements
+            dx = Load(act.xd, Var(f"{prefix}xb") + start // QB)  # xd is indexed per 32 elements
             isum = Var(is_) - Var(xs) * bias if bias else Var(is_)
             term = dec.group_expr(a.scale, start, env) * dx * Cast("f32", isum)
             if a.offset is not None:
@@ -195,7 +200,7 @@ def split_row_dot(name: str, fmt: QuantFormat, wbuf: str, row_base: Expr, act: A
     u, acc = Var(f"{prefix}u"), f"{prefix}acc"
     return Reduce(name, "+", u.name, Const(nb * sub), (
         Decl(acc, "f32", Const(0.0)),
-        *block_dot(fmt, wbuf, row_base, u // sub, act, t, acc, prefix, split=(u % sub, sub)),
+        *block_dot(fmt, wbuf, row_base, u // sub, act, t, acc, prefix, split=(u % sub, sub), word_loads=True),
     ), Var(acc))
 
 
