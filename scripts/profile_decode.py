@@ -4,7 +4,10 @@ Loads a model on a target, runs a prompt, then times every launch of the one-tok
 launches between synchronizations; the KV row they write is the same each time) and prints the kernels grouped by
 name with their time per token, launch count and share, largest first, then the sum.
 
-    python scripts/profile_decode.py MODEL.gguf --target cuda [--prompt 64] [--reps 20] [--top 15]
+    python scripts/profile_decode.py MODEL.gguf --target cuda [--prompt 64] [--reps 20] [--top 15] [--trace]
+
+`--trace` (CUDA, needs PyTorch for its CUPTI profiler) instead records the kernels' own device times while whole
+decode steps replay from the CUDA graph, as `run` and `bench` execute them: no launch gaps, caches as they are.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64, help="tokens in the cache before the profiled step")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--trace", action="store_true", help="device times of graph-replayed steps (CUPTI via torch)")
     a = ap.parse_args()
     eng = Engine(a.model, target=a.target, n_ctx=max(512, a.prompt + 8))
     ids = np.random.default_rng(0).integers(0, eng.hparams.n_vocab, a.prompt + 1)
@@ -33,6 +37,9 @@ def main() -> None:
     pid = id(eng.graph_last)
     step = {"T": 1, "n_past": ex.n_past, "n_kv": ex.n_past + 1}
     per_kernel: dict[str, list[float]] = defaultdict(list)
+    if a.trace:
+        trace(eng, ids[-1], a.reps, a.top)
+        return
     for b in ex.bound[pid]:
         b.run(rt, step)  # warm (compiles, packs)
         rt.sync()
@@ -47,6 +54,32 @@ def main() -> None:
     rows = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))
     for name, ts in rows[:a.top]:
         print(f"  {sum(ts) * 1e6:9.1f} us  {len(ts):4d}x  {100 * sum(ts) / total:5.1f}%  {name}")
+
+
+def trace(eng, tok: int, reps: int, top: int) -> None:
+    """Kernel device times over `reps` graph-replayed decode steps (CUPTI through torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):  # capture the graph, warm
+        eng.forward([int(tok)])
+    eng.runtime.sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            eng.forward([int(tok)])
+        eng.runtime.sync()
+        wall = (time.perf_counter() - t0) / reps
+    names = sorted({b.ck.kernel.name for b in eng.executor.bound[id(eng.graph_last)]}, key=len, reverse=True)
+    per: dict[str, list[float]] = defaultdict(list)
+    for ev in prof.events():
+        dt = ev.device_time_total
+        if dt:  # numba's mangled symbol holds the kernel's name; else keep the event's name (copies)
+            per[next((n for n in names if n in ev.name), ev.name[:60])].append(dt / 1e6)
+    total = sum(sum(v) for v in per.values()) / reps
+    print(f"graph-replayed decode: {wall * 1e3:.3f} ms a token (wall), kernels {total * 1e3:.3f} ms a token")
+    for name, ts in sorted(per.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"  {sum(ts) / reps * 1e6:9.1f} us  {len(ts) // reps:4d}x  {100 * sum(ts) / reps / total:5.1f}%  "
+              f"{name[:90]}")
 
 
 if __name__ == "__main__":
