@@ -187,7 +187,7 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
     def chunk_f(c, L, i0, env, lw):
         return [Assign(acc, Var(acc) + dec.value(lw) * Load(act.buf, xoff + c + Var(i0)))]
 
-    return head + dec.walk(lambda s, n, env, inner: inner, chunk_f)
+    return head + dec.walk(lambda s, n, env, inner: inner, chunk_f, split=split)
 
 
 def split_row_dot(name: str, fmt: QuantFormat, wbuf: str, row_base: Expr, act: Act, t: Expr, sub: int,

@@ -6,7 +6,8 @@ a bare signed-byte field and whose step is an f16 field (q8_0, q8_g64) store d =
 and codes round(x / d) clipped to the anchor.
 
 Launch 2 (`attn`): grid (T, n_head); two-pass softmax with the scores of the visible keys in local memory
-(size n_ctx): LaneFor over keys computes scores (K decoded block by block), Reduce max, LaneFor exp, Reduce
+(size n_ctx): scores (K decoded block by block; with lanes, keys in tiles, `kparts` lanes per key adding their
+shares of the dot product through a local array), Reduce max, LaneFor exp, Reduce
 sum, then a LaneFor over (V block, part) accumulates p_j * v_j into a local output row, `parts` lanes sharing a
 block (`Decoder.walk`'s split).
 """
@@ -28,6 +29,7 @@ from polystrata.ir.kernel import (
     Cast,
     Decl,
     For,
+    If,
     Kernel,
     LaneFor,
     Launch,
@@ -39,7 +41,7 @@ from polystrata.ir.kernel import (
     Select,
     Store,
 )
-from polystrata.ir.quant import Const, QuantFormat, Var
+from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 
 def _kv_fmt(fmt: QuantFormat, d: int) -> QuantFormat:
@@ -104,15 +106,43 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     lo = Call("max", Const(0), pos - (window - 1)) if window else Const(0)
     n = Var("n")
     qrow = t * hq + h
-    # Score of key j: dot of q row with K row j, head kvh, decoded block by block.
-    score_body = [Let("kj", Var("lo") + Var("jj")), Decl("sc", "f32", Const(0.0)),
-                  For("kb", Const(0), Const(d // kf.block_size), tuple(block_dot(
-                      fmt if fmt.block_size != 1 else kf, "kc", Var("kj") * krb + kvh * (d // kf.block_size) *
-                      block_stride(kf), Var("kb"), Act("q", d), qrow, "sc", "k_")))]
-    sc = Var("sc") * float(scale)
-    if softcap:
-        sc = Const(float(softcap)) * Call("tanh", sc / float(softcap))
-    score_body += [Store("s", Var("jj"), sc)]
+    # Lanes per key for the scores: `kparts` lanes share each key's dot product (a split of each K block's chunks),
+    # keys taken in tiles of lanes / kparts; 1 (one lane per key) with one lane.
+    kgs = groups(kf)
+    kchunk = chunk_len(kf, kgs[-2] if len(kgs) > 1 else 1)
+    kparts = 1
+    while lanes > 1 and kparts < 4 and kchunk % (kparts * 2) == 0 and kparts * 2 <= lanes:
+        kparts *= 2
+    tile = max(1, lanes // kparts)
+
+    def key_dot(split) -> list:
+        """Statements leaving in `sc` the (partial, with `split`) dot of the q row with K row `kj`."""
+        return [Decl("sc", "f32", Const(0.0)),
+                For("kb", Const(0), Const(d // kf.block_size), tuple(block_dot(
+                    fmt if fmt.block_size != 1 else kf, "kc", Var("kj") * krb + kvh * (d // kf.block_size) *
+                    block_stride(kf), Var("kb"), Act("q", d), qrow, "sc", "k_", split=split)))]
+
+    def scaled(x: Expr) -> Expr:
+        x = x * float(scale)
+        return Const(float(softcap)) * Call("tanh", x / float(softcap)) if softcap else x
+
+    if kparts == 1:
+        scores = [LaneFor("jj", n, (Let("kj", Var("lo") + Var("jj")), *key_dot(None),
+                                    Store("s", Var("jj"), scaled(Var("sc")))))]
+    else:
+        kt, ku = Var("kt"), Var("ku")
+        scores = [For("kt", Const(0), (n + (tile - 1)) // tile, (
+            LaneFor("ku", Const(tile * kparts), (
+                Let("jj", kt * tile + ku // kparts),
+                If(Var("jj") < n, (Let("kj", Var("lo") + Var("jj")),
+                                   *key_dot((ku % kparts, kparts)), Store("sp", ku, Var("sc")))),
+            )),
+            LaneFor("kk", Const(tile), (
+                Let("jj", kt * tile + Var("kk")),
+                If(Var("jj") < n, (Store("s", Var("jj"), scaled(
+                    _sum([Load("sp", Var("kk") * kparts + p) for p in range(kparts)]))),)),
+            )),
+        ))]
     vdec_bs = vf.block_size
     nvb = dv // vdec_bs
     vb = Var("vb")
@@ -131,7 +161,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         Let("pos", Load("positions", t)),
         Let("lo", lo),
         Let("n", pos + 1 - Var("lo")),
-        LaneFor("jj", n, tuple(score_body)),
+        *scores,
         Reduce("m", "max", "jj", n, (), Load("s", Var("jj"))),
         LaneFor("jj", n, (Store("s", Var("jj"), Call("exp", Load("s", Var("jj")) - Var("m"))),)),
         Reduce("z", "+", "jj", n, (), Load("s", Var("jj"))),
@@ -145,8 +175,17 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), Buf("out", "f32", out=True),
               Scalar("T"))
     local = (LocalArray("s", "f32", n_ctx), LocalArray("o", "f32", dv))
+    if kparts > 1:
+        local += (LocalArray("sp", "f32", tile * kparts),)
     return Kernel(name, params, (Var("T"), Const(hq)), body, lanes=lanes, local=local,
                   knobs=(("two_pass", 1),))
+
+
+def _sum(xs: list[Expr]) -> Expr:
+    out = xs[0]
+    for x in xs[1:]:
+        out = out + x
+    return out
 
 
 def _lower_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
