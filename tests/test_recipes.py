@@ -288,7 +288,12 @@ def test_rope(rt, mode, dims):
     ("f16", 1, 0, 0.0), ("f16", 3, 4, 0.0), ("q8_0", 3, 0, 30.0), ("q8_0", 1, 4, 0.0), ("q8_g64", 3, 0, 0.0),
     ("q8_g64", 1, 3, 20.0),
 ])
-def test_attention(rt, kv, gqa, window, softcap):
+@pytest.mark.parametrize("lanes", [1, 128], ids=["lanes1", "lanes128"])
+def test_attention(rt, kv, gqa, window, softcap, lanes):
+    """Attention against the reference; 128 lanes: the GPU shapes (keys in tiles, lanes sharing a key's dot
+    product, V sums in registers)."""
+    if lanes > 1 and rt.lanes == 1:
+        pytest.skip("GPU-shaped kernels")
     hkv, d = 2, 64
     hq = hkv * gqa
     n_ctx = 32
@@ -298,7 +303,9 @@ def test_attention(rt, kv, gqa, window, softcap):
     v = g.input("v", "f32", ("T", hkv, d))
     pos = g.input("positions", "i32", ("T",))
     g.op("attention", q, k, v, pos, layer=0, scale=0.125, window=window, softcap=softcap, name="o")
-    launches = _recipe("attention").lower(g.nodes, _ctx(g, kv=kv, n_ctx=n_ctx))
+    ctx = _ctx(g, kv=kv, n_ctx=n_ctx)
+    ctx.lanes, ctx.subgroup = lanes, (32 if lanes > 1 else 1)
+    launches = _recipe("attention").lower(g.nodes, ctx)
     fmt = Q.KV_FORMATS[kv]
     kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
     ex = R.ReferenceExecutor({}, n_ctx)

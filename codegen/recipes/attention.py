@@ -154,9 +154,31 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     while parts * 2 <= chunk and chunk % (parts * 2) == 0 and nvb * parts * 2 <= lanes:
         parts *= 2
     dec = Decoder(vf, "vc", Var("vj") * vrb + (kvh * nvb + vb) * block_stride(vf), "v_")
-    vwalk = dec.walk(lambda s0, sz, env, inner: inner, lambda c, L, i0, env, lw: [
-        Store("o", vb * vdec_bs + c + Var(i0), Load("o", vb * vdec_bs + c + Var(i0)) + Var("p") * dec.value(lw))],
-        split=(Var("part"), parts) if parts > 1 else None)
+    keys = (Let("vj", Var("lo") + Var("jj")), Let("p", Load("s", Var("jj"))))
+    if 1 < parts == chunk:
+        # One element of each chunk per lane: its sum over the keys stays in a register (no local-memory
+        # read-modify-write per key), stored once, divided by the softmax denominator.
+        starts = range(0, vdec_bs, chunk)
+        vwalk = dec.walk(lambda s0, sz, env, inner: inner, lambda c, L, i0, env, lw: [
+            Assign(f"va{c}", Var(f"va{c}") + Var("p") * dec.value(lw))], split=(Var("part"), parts))
+        v_pass = [LaneFor("vu", Const(nvb * parts), (
+            Let("vb", Var("vu") // parts), Let("part", Var("vu") % parts),
+            *(Decl(f"va{c}", "f32", Const(0.0)) for c in starts),
+            For("jj", Const(0), n, (*keys, *vwalk)),
+            *(Store("out", qrow * dv + vb * vdec_bs + c + Var("part"), Var(f"va{c}") / Var("z")) for c in starts),
+        ))]
+    else:
+        vwalk = dec.walk(lambda s0, sz, env, inner: inner, lambda c, L, i0, env, lw: [
+            Store("o", vb * vdec_bs + c + Var(i0), Load("o", vb * vdec_bs + c + Var(i0)) + Var("p") * dec.value(lw))],
+            split=(Var("part"), parts) if parts > 1 else None)
+        v_pass = [
+            LaneFor("e", Const(dv), (Store("o", Var("e"), Const(0.0)),)),
+            LaneFor("vu", Const(nvb * parts), (
+                Let("vb", Var("vu") // parts), Let("part", Var("vu") % parts),
+                For("jj", Const(0), n, (*keys, *vwalk)),
+            )),
+            LaneFor("e", Const(dv), (Store("out", qrow * dv + Var("e"), Load("o", Var("e")) / Var("z")),)),
+        ]
     body = (
         Let("pos", Load("positions", t)),
         Let("lo", lo),
@@ -165,16 +187,11 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         Reduce("m", "max", "jj", n, (), Load("s", Var("jj"))),
         LaneFor("jj", n, (Store("s", Var("jj"), Call("exp", Load("s", Var("jj")) - Var("m"))),)),
         Reduce("z", "+", "jj", n, (), Load("s", Var("jj"))),
-        LaneFor("e", Const(dv), (Store("o", Var("e"), Const(0.0)),)),
-        LaneFor("vu", Const(nvb * parts), (
-            Let("vb", Var("vu") // parts), Let("part", Var("vu") % parts),
-            For("jj", Const(0), n, (Let("vj", Var("lo") + Var("jj")), Let("p", Load("s", Var("jj"))), *vwalk)),
-        )),
-        LaneFor("e", Const(dv), (Store("out", qrow * dv + Var("e"), Load("o", Var("e")) / Var("z")),)),
+        *v_pass,
     )
     params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), Buf("out", "f32", out=True),
               Scalar("T"))
-    local = (LocalArray("s", "f32", n_ctx), LocalArray("o", "f32", dv))
+    local = (LocalArray("s", "f32", n_ctx),) + (() if 1 < parts == chunk else (LocalArray("o", "f32", dv),))
     if kparts > 1:
         local += (LocalArray("sp", "f32", tile * kparts),)
     return Kernel(name, params, (Var("T"), Const(hq)), body, lanes=lanes, local=local,
