@@ -9,6 +9,7 @@ Two dot-product paths, both generated from the format description (`codegen.dequ
   With packed activations (`Act.packed`: codes in u32 words, from the GPU path's quantize kernel), formats whose
   level is a byte-wise function of weight bytes (shifts, masks, ors, a constant bias; `_vec_level`) accumulate
   4 elements at a time: `dot4_i8(level word, code word)` with the level word built from one 4-byte load.
+  `split_row_dot` is the GPU form: a row's dot product as a group Reduce, several lanes sharing each block.
 * f32 path (everything else, or knob int8=0): per-element decoded values times f32 activations. With `part`
   (the CPU default, knob vert) the products go to per-element partial sums in a local array, `p[e] += w_e * x_e`
   over all blocks, summed once per dot product: a vertical update (no reduction inside the element loop), which
