@@ -58,7 +58,9 @@ if [[ " $STAGES " == *" bench "* ]]; then
     for kn in ${MATVEC_KNOBS:-}; do python3 scripts/matvec_bench.py --target cuda --knob "$kn" 2>&1 | tee -a "$LOG" | tail -1; done
     grep -E '^matvec' "$LOG" | while read -r line; do row "Q4_K matvec" "${line#*on }"; done
     for m in llama3-8b-q4km qwen3moe-8l-q4km; do
-        timeout 300 python3 scripts/profile_decode.py "$M/$m.gguf" --target "${BENCH_TARGET:-cuda}" --top ${PROFILE_TOP:-12} 2>&1 \
+        # --trace (device times of graph-replayed steps) where torch's CUPTI profiler is there; else timed launches.
+        TRACE=$(python3 -c "import torch" 2>/dev/null && [ "${BENCH_TARGET:-cuda}" = cuda ] && echo --trace)
+        timeout 300 python3 scripts/profile_decode.py "$M/$m.gguf" --target "${BENCH_TARGET:-cuda}" $TRACE --top ${PROFILE_TOP:-12} 2>&1 \
             | tee -a "$LOG" | tail -${PROFILE_TOP:-12}
         # BENCH_ARGS shortens the run when device time is short (e.g. "-p 128 -n 32 -r 1").
         timeout 900 python3 -m polystrata bench "$M/$m.gguf" --target "${BENCH_TARGET:-cuda}" ${BENCH_ARGS:--p 512 -n 128 -r 3} \
