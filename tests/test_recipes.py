@@ -288,10 +288,11 @@ def test_rope(rt, mode, dims):
     ("f16", 1, 0, 0.0), ("f16", 3, 4, 0.0), ("q8_0", 3, 0, 30.0), ("q8_0", 1, 4, 0.0), ("q8_g64", 3, 0, 0.0),
     ("q8_g64", 1, 3, 20.0),
 ])
-@pytest.mark.parametrize("lanes", [1, 128], ids=["lanes1", "lanes128"])
-def test_attention(rt, kv, gqa, window, softcap, lanes):
+@pytest.mark.parametrize("lanes,splits", [(1, 1), (128, 1), (1, 4), (128, 4)],
+                         ids=["lanes1", "lanes128", "lanes1-split4", "lanes128-split4"])
+def test_attention(rt, kv, gqa, window, softcap, lanes, splits):
     """Attention against the reference; 128 lanes: the GPU shapes (keys in tiles, lanes sharing a key's dot
-    product, V sums in registers)."""
+    product, V sums in registers); split-K: 4 runs of keys (some empty in the first steps) and the combine."""
     if lanes > 1 and rt.lanes == 1:
         pytest.skip("GPU-shaped kernels")
     hkv, d = 2, 64
@@ -305,7 +306,9 @@ def test_attention(rt, kv, gqa, window, softcap, lanes):
     g.op("attention", q, k, v, pos, layer=0, scale=0.125, window=window, softcap=softcap, name="o")
     ctx = _ctx(g, kv=kv, n_ctx=n_ctx)
     ctx.lanes, ctx.subgroup = lanes, (32 if lanes > 1 else 1)
+    ctx.knobs = {"attention": {"splits": splits}}
     launches = _recipe("attention").lower(g.nodes, ctx)
+    assert len(launches) == (4 if splits > 1 else 3)
     fmt = Q.KV_FORMATS[kv]
     kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
     ex = R.ReferenceExecutor({}, n_ctx)
@@ -321,8 +324,10 @@ def test_attention(rt, kv, gqa, window, softcap, lanes):
         kq = Q.dequantize(fmt, Q.quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
         vq = Q.dequantize(fmt, Q.quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
         ref = R._IMPLS["attention"](ex, g.nodes[0], [qv, kq, vq, pv])
+        sb, so = _moe_scratch(ctx)  # split-K partials, poisoned
         out = _run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
-                                           "positions": pv}, {"T": t}, {"o": ((t, hq, d), "f32")}, keep)["o"]
+                                           "positions": pv, **sb}, {"T": t}, {"o": ((t, hq, d), "f32"), **so},
+                            keep)["o"]
         # Our encoder may pick the neighbouring f16 scale (round-to-nearest vs. rounding up): one q8 step.
         tol = 1e-4 if kv == "f16" else 0.02
         np.testing.assert_allclose(out, ref, atol=tol, rtol=1e-3)
@@ -391,7 +396,7 @@ def _moe_ref(x: np.ndarray, ids: np.ndarray, w: np.ndarray, deq, int8: bool) -> 
 
 
 def _moe_scratch(ctx):
-    """Scratch buffers of the plan, poisoned: NaN (f32, through `outs`), garbage (i32, uploaded)."""
+    """Scratch buffers of the plan (MoE lists, split-K partials), poisoned: NaN (f32, through `outs`), garbage (i32, uploaded)."""
     bufs, outs = {}, {}
     for name, (dt, count) in ctx.scratch_buffers.items():
         if dt == "f32":

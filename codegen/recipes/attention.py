@@ -8,8 +8,13 @@ and codes round(x / d) clipped to the anchor.
 Launch 2 (`attn`): grid (T, n_head); two-pass softmax with the scores of the visible keys in local memory
 (size n_ctx): scores (K decoded block by block; with lanes, keys in tiles, `kparts` lanes per key adding their
 shares of the dot product through a local array), Reduce max, LaneFor exp, Reduce
-sum, then a LaneFor over (V block, part) accumulates p_j * v_j into a local output row, `parts` lanes sharing a
-block (`Decoder.walk`'s split).
+sum, then a LaneFor over (V block, part) accumulates p_j * v_j, `parts` lanes sharing a block (`Decoder.walk`'s
+split; with one element a lane, in registers, else into a local output row).
+
+Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by n_ctx): one group per head leaves most of a
+GPU idle at decode, so launch 2 runs `splits` groups per (token, head), each over its run of the keys, writing
+unnormalised partials (output row, max score, sum of exponentials) to plan scratch, and launch 3
+(`attention_combine_kernel`) rescales and adds them.
 """
 
 from __future__ import annotations
@@ -94,8 +99,13 @@ def kv_store_kernel(name: str, fmt: QuantFormat, width: int, lanes: int) -> Kern
 
 
 def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int, scale: float,
-                     window: int, softcap: float, lanes: int) -> Kernel:
-    """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq)."""
+                     window: int, softcap: float, lanes: int, splits: int = 1) -> Kernel:
+    """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq).
+
+    `splits` > 1 (split-K, for parallelism at decode): grid (T, hq, splits), group s takes the s-th of `splits`
+    equal runs of the visible keys and writes its unnormalised partial output, max score and sum of
+    exponentials to `po` / `pm` / `pz` (row (t * hq + h) * splits + s) for `attention_combine_kernel`.
+    """
     kf, vf = _kv_fmt(fmt, d), _kv_fmt(fmt, dv)
     g = hq // hkv
     krb = hkv * d // kf.block_size * block_stride(kf)
@@ -106,6 +116,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     lo = Call("max", Const(0), pos - (window - 1)) if window else Const(0)
     n = Var("n")
     qrow = t * hq + h
+    prow = qrow * splits + Var("g2")  # split-K: this group's partial row
     # Lanes per key for the scores: `kparts` lanes share each key's dot product (a split of each K block's chunks),
     # keys taken in tiles of lanes / kparts; 1 (one lane per key) with one lane.
     kgs = groups(kf)
@@ -154,6 +165,11 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     while parts * 2 <= chunk and chunk % (parts * 2) == 0 and nvb * parts * 2 <= lanes:
         parts *= 2
     dec = Decoder(vf, "vc", Var("vj") * vrb + (kvh * nvb + vb) * block_stride(vf), "v_")
+
+    def out_store(e: Expr, val: Expr) -> Store:
+        """Output element e: normalised, or (split-K) the unnormalised partial."""
+        return Store("po", prow * dv + e, val) if splits > 1 else Store("out", qrow * dv + e, val / Var("z"))
+
     keys = (Let("vj", Var("lo") + Var("jj")), Let("p", Load("s", Var("jj"))))
     if 1 < parts == chunk:
         # One element of each chunk per lane: its sum over the keys stays in a register (no local-memory
@@ -165,7 +181,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
             Let("vb", Var("vu") // parts), Let("part", Var("vu") % parts),
             *(Decl(f"va{c}", "f32", Const(0.0)) for c in starts),
             For("jj", Const(0), n, (*keys, *vwalk)),
-            *(Store("out", qrow * dv + vb * vdec_bs + c + Var("part"), Var(f"va{c}") / Var("z")) for c in starts),
+            *(out_store(vb * vdec_bs + c + Var("part"), Var(f"va{c}")) for c in starts),
         ))]
     else:
         vwalk = dec.walk(lambda s0, sz, env, inner: inner, lambda c, L, i0, env, lw: [
@@ -177,25 +193,57 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
                 Let("vb", Var("vu") // parts), Let("part", Var("vu") % parts),
                 For("jj", Const(0), n, (*keys, *vwalk)),
             )),
-            LaneFor("e", Const(dv), (Store("out", qrow * dv + Var("e"), Load("o", Var("e")) / Var("z")),)),
+            LaneFor("e", Const(dv), (out_store(Var("e"), Load("o", Var("e"))),)),
         ]
+    if splits > 1:  # this group's run of the visible keys: `lo` and `n` as if they were all there is
+        span = (Let("lo0", lo), Let("nall", pos + 1 - Var("lo0")), Let("per", (Var("nall") + (splits - 1)) // splits),
+                Let("k0", Var("g2") * Var("per")), Let("lo", Var("lo0") + Var("k0")),
+                Let("n", Call("max", Const(0), Call("min", Var("nall") - Var("k0"), Var("per")))))
+    else:
+        span = (Let("lo", lo), Let("n", pos + 1 - Var("lo")))
     body = (
         Let("pos", Load("positions", t)),
-        Let("lo", lo),
-        Let("n", pos + 1 - Var("lo")),
+        *span,
         *scores,
         Reduce("m", "max", "jj", n, (), Load("s", Var("jj"))),
         LaneFor("jj", n, (Store("s", Var("jj"), Call("exp", Load("s", Var("jj")) - Var("m"))),)),
         Reduce("z", "+", "jj", n, (), Load("s", Var("jj"))),
         *v_pass,
     )
-    params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), Buf("out", "f32", out=True),
-              Scalar("T"))
-    local = (LocalArray("s", "f32", n_ctx),) + (() if 1 < parts == chunk else (LocalArray("o", "f32", dv),))
+    if splits > 1:
+        body += (Store("pm", prow, Var("m")), Store("pz", prow, Var("z")))
+        outs = (Buf("po", "f32", out=True), Buf("pm", "f32", out=True), Buf("pz", "f32", out=True))
+    else:
+        outs = (Buf("out", "f32", out=True),)
+    params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), *outs, Scalar("T"))
+    local = (LocalArray("s", "f32", -(-n_ctx // splits)),) + (() if 1 < parts == chunk else
+                                                               (LocalArray("o", "f32", dv),))
     if kparts > 1:
         local += (LocalArray("sp", "f32", tile * kparts),)
-    return Kernel(name, params, (Var("T"), Const(hq)), body, lanes=lanes, local=local,
-                  knobs=(("two_pass", 1),))
+    grid = (Var("T"), Const(hq)) + ((Const(splits),) if splits > 1 else ())
+    return Kernel(name, params, grid, body, lanes=lanes, local=local, knobs=(("two_pass", 1), ("splits", splits)))
+
+
+def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int) -> Kernel:
+    """out[t, h] from the split-K partials of `attention_kernel`: with M the largest partial max,
+    out = sum_s po_s * exp(pm_s - M) / sum_s pz_s * exp(pm_s - M) (runs without keys have pm = -inf: weight 0)."""
+    r = Var("g0") * hq + Var("g1")
+    w = Call("exp", Load("pm", r * splits + Var("s")) - Var("mx"))
+    body = (
+        Decl("mx", "f32", Const(float("-inf"))),
+        For("s", Const(0), Const(splits), (Assign("mx", Call("max", Var("mx"), Load("pm", r * splits + Var("s")))),)),
+        LaneFor("e", Const(dv), (
+            Decl("zs", "f32", Const(0.0)), Decl("acc", "f32", Const(0.0)),
+            For("s", Const(0), Const(splits), (
+                Let("w", w),
+                Assign("zs", Var("zs") + Load("pz", r * splits + Var("s")) * Var("w")),
+                Assign("acc", Var("acc") + Load("po", (r * splits + Var("s")) * dv + Var("e")) * Var("w")),
+            )),
+            Store("out", r * dv + Var("e"), Var("acc") / Var("zs")),
+        )),
+    )
+    params = (Buf("po", "f32"), Buf("pm", "f32"), Buf("pz", "f32"), Buf("out", "f32", out=True), Scalar("T"))
+    return Kernel(name, params, (Var("T"), Const(hq)), body, lanes=lanes, doc=f"attention split-K combine x{splits}")
 
 
 def _sum(xs: list[Expr]) -> Expr:
@@ -218,15 +266,24 @@ def _lower_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     ks = kv_store_kernel(f"kv_store_{fmt.name.lower()}_{hkv * d}", fmt, hkv * d, ctx.lanes)
     vs = kv_store_kernel(f"kv_store_{fmt.name.lower()}_{hkv * dv}", fmt, hkv * dv, ctx.lanes)
     tag = f"{fmt.name.lower()}_{hq}_{hkv}_{d}_{dv}_{a['window']}_{abs(hash((a['scale'], a['softcap']))) % 10**8}"
-    at = attention_kernel(f"attn_{tag}", fmt, hq, hkv, d, dv, ctx.n_ctx, float(a["scale"]), int(a["window"]),
-                          float(a["softcap"] or 0.0), ctx.lanes)
+    splits = ctx.knob("attention", "splits", "auto")
+    if splits == "auto":  # GPUs: enough groups to fill the device at decode (one per head is 32 for 132 SMs)
+        splits = 1 if ctx.lanes == 1 else max(1, min(8, ctx.n_ctx // 64))
+    splits = int(splits)
+    at = attention_kernel(f"attn_{tag}_{splits}", fmt, hq, hkv, d, dv, ctx.n_ctx, float(a["scale"]),
+                          int(a["window"]), float(a["softcap"] or 0.0), ctx.lanes, splits)
     p = ctx.buf(pos)
-    return [
-        Launch(ks, (("src", ctx.buf(k)), ("positions", p), ("kv", kn)), (("T", "T"),)),
-        Launch(vs, (("src", ctx.buf(v)), ("positions", p), ("kv", vn)), (("T", "T"),)),
-        Launch(at, (("q", ctx.buf(q)), ("kc", kn), ("vc", vn), ("positions", p), ("out", ctx.buf(node.output))),
-               (("T", "T"),)),
-    ]
+    stores = [Launch(ks, (("src", ctx.buf(k)), ("positions", p), ("kv", kn)), (("T", "T"),)),
+              Launch(vs, (("src", ctx.buf(v)), ("positions", p), ("kv", vn)), (("T", "T"),))]
+    io = (("q", ctx.buf(q)), ("kc", kn), ("vc", vn), ("positions", p))
+    if splits == 1:
+        return [*stores, Launch(at, (*io, ("out", ctx.buf(node.output))), (("T", "T"),))]
+    rows = ctx.t_max * hq * splits
+    parts = (("po", ctx.scratch("attn_o", "f32", rows * dv)), ("pm", ctx.scratch("attn_m", "f32", rows)),
+             ("pz", ctx.scratch("attn_z", "f32", rows)))
+    comb = attention_combine_kernel(f"attn_combine_{hq}_{dv}_{splits}", hq, dv, splits, ctx.lanes)
+    return [*stores, Launch(at, (*io, *parts), (("T", "T"),)),
+            Launch(comb, (*parts, ("out", ctx.buf(node.output))), (("T", "T"),))]
 
 
-register(Recipe("attention", ("attention",), _lower_attention, None, (("two_pass", 1),)))
+register(Recipe("attention", ("attention",), _lower_attention, None, (("two_pass", 1), ("splits", "auto"))))
