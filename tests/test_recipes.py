@@ -396,7 +396,8 @@ def _moe_ref(x: np.ndarray, ids: np.ndarray, w: np.ndarray, deq, int8: bool) -> 
 
 
 def _moe_scratch(ctx):
-    """Scratch buffers of the plan (MoE lists, split-K partials), poisoned: NaN (f32, through `outs`), garbage (i32, uploaded)."""
+    """Scratch buffers of the plan (MoE lists, split-K partials), poisoned: NaN (f32, through `outs`), garbage
+    (i32, uploaded)."""
     bufs, outs = {}, {}
     for name, (dt, count) in ctx.scratch_buffers.items():
         if dt == "f32":
