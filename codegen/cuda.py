@@ -54,9 +54,8 @@ class CUDAPrinter(PyPrinter):
 
     def e(self, x) -> str:
         # load_u32 at a promised alignment is one 32-bit or two 16-bit loads (the others: `native_intrinsics`).
-        if not self.native:
-            return super().e(x)
-        if isinstance(x, Call) and x.fn == "load_u32" and isinstance(x.args[2], Const) and x.args[2].value in (2, 4):
+        if (self.native and isinstance(x, Call) and x.fn == "load_u32" and isinstance(x.args[2], Const)
+                and x.args[2].value in (2, 4)):
             return f"np.int64(load_u32_a{x.args[2].value}({x.args[0].name}, np.uint64({self.e(x.args[1])})))"
         return super().e(x)
 

@@ -302,6 +302,12 @@ def groups(fmt: QuantFormat) -> tuple[int, ...]:
     return tuple(sorted({fmt.block_size, 1, *(lt.group for lt in fmt.lets)}, reverse=True))
 
 
+def finest_group(fmt: QuantFormat) -> int:
+    """Size of the format's smallest let group above single elements (the block size when there is none)."""
+    gs = groups(fmt)
+    return gs[-2] if len(gs) > 1 else 1
+
+
 def chunk_len(fmt: QuantFormat, group: int) -> int:
     """Largest power-of-two chunk L dividing `group` for which every per-element index folds to affine form."""
     exprs = [lt.expr for lt in fmt.lets if lt.group == 1] + ([fmt.value] if fmt.value is not None else [])
@@ -385,7 +391,7 @@ class Decoder:
             return self._walk_fused(emit_chunk, lo, self.fmt.block_size if hi is None else hi)
         hi = self.fmt.block_size if hi is None else hi
         gs = groups(self.fmt)
-        finest = gs[-2] if len(gs) > 1 else 1
+        finest = finest_group(self.fmt)
         L = chunk_len(self.fmt, finest)
         i0 = f"{self.prefix}i0"
         env: dict[str, Expr] = {}
@@ -429,7 +435,7 @@ class Decoder:
 
     def _walk_fused(self, emit_chunk: Callable, lo: int, hi: int) -> list:
         gs = groups(self.fmt)
-        finest = gs[-2] if len(gs) > 1 else 1
+        finest = finest_group(self.fmt)
         L = chunk_len(self.fmt, finest)
         i0 = f"{self.prefix}i0"
         env: dict[str, Expr] = {}

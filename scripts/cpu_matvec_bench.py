@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from polystrata.codegen.recipes.linear import MATMUL_KNOBS, matmul_kernel
+from polystrata.codegen.recipes.linear import MATMUL_KNOBS, matmul_kernel, matmul_kernel_knobs
 from polystrata.ir import quant as Q
 from polystrata.runtimes.base import eval_int
 from polystrata.runtimes.cpu import CPURuntime
@@ -57,7 +57,7 @@ def main() -> None:
             kn.update(_parse_knobs(v))
             if kn["split"] == "auto":
                 kn["split"] = "rows"
-            kern = matmul_kernel(f"bench_{fmt_name.lower()}_{n}x{k}", [fmt], n, k, lanes=1, **kn)
+            kern = matmul_kernel(f"bench_{fmt_name.lower()}_{n}x{k}", [fmt], n, k, lanes=1, **matmul_kernel_knobs(kn))
             dev = {"x": rt.upload(x.reshape(-1)), "w0": rt.upload(wb), "y": rt.alloc((a.T, n), "f32")}
             scal = {"T": a.T}
             ck = rt.compile(kern)

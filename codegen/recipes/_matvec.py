@@ -30,7 +30,7 @@ from polystrata.codegen.dequant import (
     affine,
     block_stride,
     chunk_len,
-    groups,
+    finest_group,
     inline_elem_lets,
     weight_dtype,
     widen,
@@ -125,12 +125,10 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
         # Word and scale indices of the block's activations: constant offsets from these (xoff is a multiple of 32
         # as blocks are), which compilers fold into the loads' addresses.
         head += [Let(f"{prefix}xw", xoff // 4), Let(f"{prefix}xb", xoff // QB)]
-    if act.int8:
         a = affine(wf)
         lvl_q = act.xq
 
-        gs = groups(wf)
-        finest = gs[-2] if len(gs) > 1 else 1
+        finest = finest_group(wf)
 
         def names(c):
             g = c - c % finest  # accumulators per group: unique names (C targets reject redeclaration)
@@ -205,17 +203,19 @@ def split_row_dot(name: str, fmt: QuantFormat, wbuf: str, row_base: Expr, act: A
     ), Var(acc))
 
 
-def sub_lanes(fmt: QuantFormat) -> int:
-    """Lanes sharing one block by default in `split_row_dot`: 4, or fewer when a chunk has fewer words."""
+def sub_lanes(fmt: QuantFormat, sub: int | str = "auto") -> int:
+    """Lanes sharing one block in `split_row_dot`: the knob `sub`, or by default ("auto") 4, or fewer when a
+    chunk has fewer words."""
+    if sub != "auto":
+        return int(sub)
     wf = fmt_for(fmt)
-    gs = groups(wf)
-    return max(1, min(4, chunk_len(wf, gs[-2] if len(gs) > 1 else 1) // 4))
+    return max(1, min(4, chunk_len(wf, finest_group(wf)) // 4))
 
 
 def split_lanes(fmts, k: int, subgroup: int, sub: int | str = "auto") -> int:
     """Group size for `split_row_dot`s over rows of length `k`: whole subgroups (at least 32 lanes) up to 128,
     as many as cover the units of the widest row."""
-    units = max(k // fmt_for(f).block_size * (sub_lanes(f) if sub == "auto" else int(sub)) for f in fmts)
+    units = max(k // fmt_for(f).block_size * sub_lanes(f, sub) for f in fmts)
     w = max(32, subgroup)
     return w * max(1, min(128 // w, -(-units // w)))
 
@@ -232,8 +232,7 @@ def _wide_levels(wf: QuantFormat, a: Affine, prefix: str) -> dict | None:
     words (see `_vec_level`), else None (per-element path)."""
     if weight_dtype(wf) != "u8":
         return None
-    gs = groups(wf)
-    finest = gs[-2] if len(gs) > 1 else 1
+    finest = finest_group(wf)
     L = chunk_len(wf, finest)
     if L % 4 or finest % 4:
         return None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from polystrata.codegen.dequant import Decoder, block_stride, chunk_len, groups, widen
+from polystrata.codegen.dequant import Decoder, block_stride, chunk_len, finest_group, widen
 from polystrata.codegen.recipes import Recipe, RecipeContext, register
 from polystrata.codegen.recipes._matvec import Act, block_dot
 from polystrata.ir import quant as Q
@@ -119,8 +119,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     prow = qrow * splits + Var("g2")  # split-K: this group's partial row
     # Lanes per key for the scores: `kparts` lanes share each key's dot product (a split of each K block's chunks),
     # keys taken in tiles of lanes / kparts; 1 (one lane per key) with one lane.
-    kgs = groups(kf)
-    kchunk = chunk_len(kf, kgs[-2] if len(kgs) > 1 else 1)
+    kchunk = chunk_len(kf, finest_group(kf))
     kparts = 1
     while lanes > 1 and kparts < 4 and kchunk % (kparts * 2) == 0 and kparts * 2 <= lanes:
         kparts *= 2
@@ -142,6 +141,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
                                     Store("s", Var("jj"), scaled(Var("sc")))))]
     else:
         kt, ku = Var("kt"), Var("ku")
+        shares = [Load("sp", Var("kk") * kparts + p) for p in range(kparts)]  # the kparts lanes' shares of a key
         scores = [For("kt", Const(0), (n + (tile - 1)) // tile, (
             LaneFor("ku", Const(tile * kparts), (
                 Let("jj", kt * tile + ku // kparts),
@@ -150,8 +150,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
             )),
             LaneFor("kk", Const(tile), (
                 Let("jj", kt * tile + Var("kk")),
-                If(Var("jj") < n, (Store("s", Var("jj"), scaled(
-                    _sum([Load("sp", Var("kk") * kparts + p) for p in range(kparts)]))),)),
+                If(Var("jj") < n, (Store("s", Var("jj"), scaled(sum(shares[1:], shares[0]))),)),
             )),
         ))]
     vdec_bs = vf.block_size
@@ -159,8 +158,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     vb = Var("vb")
     # Lanes per V block: each of `parts` lanes takes every parts-th element of the block's chunks, so the
     # lanes of a group cover the V row (a lane per block would leave most lanes idle at small head sizes).
-    gs = groups(vf)
-    chunk = chunk_len(vf, gs[-2] if len(gs) > 1 else 1)
+    chunk = chunk_len(vf, finest_group(vf))
     parts = 1
     while parts * 2 <= chunk and chunk % (parts * 2) == 0 and nvb * parts * 2 <= lanes:
         parts *= 2
@@ -244,13 +242,6 @@ def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: in
     )
     params = (Buf("po", "f32"), Buf("pm", "f32"), Buf("pz", "f32"), Buf("out", "f32", out=True), Scalar("T"))
     return Kernel(name, params, (Var("T"), Const(hq)), body, lanes=lanes, doc=f"attention split-K combine x{splits}")
-
-
-def _sum(xs: list[Expr]) -> Expr:
-    out = xs[0]
-    for x in xs[1:]:
-        out = out + x
-    return out
 
 
 def _lower_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:

@@ -65,6 +65,13 @@ from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 MATMUL_KNOBS = (("rows", 4), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"), ("xq", "auto"),
                 ("sub", "auto"), ("lanes", "auto"))
+# Knobs of the two-launch GPU path only (`_launches`); the rest are `matmul_kernel`'s.
+GPU_PATH_KNOBS = ("xq", "sub", "lanes")
+
+
+def matmul_kernel_knobs(kn: dict) -> dict:
+    """The knobs of `kn` that `matmul_kernel` takes (those of the GPU path removed)."""
+    return {name: v for name, v in kn.items() if name not in GPU_PATH_KNOBS}
 
 
 def _exp(x: Expr) -> Expr:
@@ -87,11 +94,9 @@ ACTIVATIONS = {"swiglu": silu, "geglu": gelu_tanh}
 
 def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, int8: bool,
                   split: str, lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
-                  vert: bool | str = "auto", xq: str = "inline") -> Kernel:
-    """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j); weights [n, k] of formats `fmts`.
-
-    The one-kernel schedule (activations quantized inside each group): knob xq="inline". `xq` is accepted for
-    knob dicts and otherwise ignored; xq="kernel" is the two-launch path of `_launches`."""
+                  vert: bool | str = "auto") -> Kernel:
+    """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j); weights [n, k] of formats `fmts`: the one-kernel
+    schedule (activations quantized inside each group, knob xq="inline")."""
     if int8 == "auto":
         int8 = lanes > 1
     int8 = all(use_int8(f, int8) for f in fmts)
@@ -196,11 +201,9 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
               ws: Sequence[str], y: str, t_bind, epilogue=None) -> list[Launch]:
     """The matmul launches: with knob xq="kernel" (GPU default) and int8-capable formats, a quantize kernel
     writing x as int8 codes + scales into scratch buffers, then `matvec_q8_kernel`; else one `matmul_kernel`."""
-    kn = dict(kn)
-    xq = kn.pop("xq")
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
     int8 = kn["int8"]
-    if xq == "kernel" and ctx.lanes > 1 and int8 in ("auto", True, 1) and all(use_int8(f, True) for f in fmts) \
+    if kn["xq"] == "kernel" and ctx.lanes > 1 and int8 in ("auto", True, 1) and all(use_int8(f, True) for f in fmts) \
             and k % QB == 0:
         qb = ctx.scratch("xq", "u32", ctx.t_max * k // 4)
         db = ctx.scratch("xd", "f32", ctx.t_max * (k // QB))
@@ -210,9 +213,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
                               lanes=lanes)
         return [Launch(qk, (("x", x), ("xq", qb), ("xd", db)), (("T", t_bind),)),
                 Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
-    kn.pop("sub")
-    kn.pop("lanes")
-    kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, **kn)
+    kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, **matmul_kernel_knobs(kn))
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
 
 
@@ -250,7 +251,7 @@ def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, 
     sweep of the row by all lanes, `sub` lanes per block). For each token of the tile the row is swept again
     (from cache).
     """
-    subs = [sub_lanes(f) if sub == "auto" else int(sub) for f in fmts]
+    subs = [sub_lanes(f, sub) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
     params = (Buf("xq", "u32"), Buf("xd", "f32"),
               *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True), Scalar("T"))

@@ -225,7 +225,7 @@ def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int,
                      epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
     """`expert_kernel` from int8 activations (`linear.quantize_x_kernel`'s buffers; GPU path): grid (experts
     with entries, n), one weight row per group, each dot product a `_matvec.split_row_dot` over the row."""
-    subs = [sub_lanes(f) if sub == "auto" else int(sub) for f in fmts]
+    subs = [sub_lanes(f, sub) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
     act = Act("xq", kd, "xq", "xd", packed=True)
     ex, row, ent = Var("ex"), Var("g1"), Var("ent")
