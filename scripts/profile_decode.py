@@ -36,10 +36,10 @@ def main() -> None:
     ex, rt = eng.executor, eng.runtime
     pid = id(eng.graph_last)
     step = {"T": 1, "n_past": ex.n_past, "n_kv": ex.n_past + 1}
-    per_kernel: dict[str, list[float]] = defaultdict(list)
     if a.trace:
         trace(eng, ids[-1], a.reps, a.top)
         return
+    per_kernel: dict[str, list[float]] = defaultdict(list)
     for b in ex.bound[pid]:
         b.run(rt, step)  # warm (compiles, packs)
         rt.sync()
