@@ -12,9 +12,9 @@ from llvmlite import ir
 from numba import types
 from numba.cuda.extending import intrinsic
 
-# The asm reads and writes no memory: without saying so, LLVM treats each call as a possible store, and keeps
-# loads from being combined or moved across it.
-_PURE = ("readnone", "nounwind")
+# The asm calls carry no attributes. Declaring them `readnone` (they touch no memory) broke f16 attention on the
+# H200 (numba 0.68, CUDA 13: wrong values, deterministic) though each conversion alone was exact (caught
+# by test_recipes.py::test_attention on the device). Opaque calls cost some load scheduling freedom, not correctness.
 
 
 @intrinsic
@@ -28,7 +28,7 @@ def dp4a(typingctx, a, b, acc):
         i32 = ir.IntType(32)
         vals = [_narrow(builder, v, 32) for v in args]
         asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
-        return builder.call(asm, vals, attrs=_PURE)
+        return builder.call(asm, vals)
 
     return sig, codegen
 
@@ -46,7 +46,7 @@ def f16_to_f32(typingctx, h):
 
     def codegen(context, builder, signature, args):
         asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(16)]), "cvt.f32.f16 $0, $1;", "=f,h")
-        return builder.call(asm, [_narrow(builder, args[0], 16)], attrs=_PURE)
+        return builder.call(asm, [_narrow(builder, args[0], 16)])
 
     return types.float32(h), codegen
 
@@ -60,7 +60,7 @@ def f32_to_f16(typingctx, x):
     def codegen(context, builder, signature, args):
         v = args[0] if args[0].type == ir.FloatType() else builder.fptrunc(args[0], ir.FloatType())
         asm = ir.InlineAsm(ir.FunctionType(ir.IntType(16), [ir.FloatType()]), "cvt.rn.f16.f32 $0, $1;", "=h,f")
-        return builder.zext(builder.call(asm, [v], attrs=_PURE), ir.IntType(32))
+        return builder.zext(builder.call(asm, [v]), ir.IntType(32))
 
     return types.uint32(x), codegen
 
