@@ -2,8 +2,8 @@
 
 Numba's Python has no spelling for PTX's `dp4a` nor for a 4-byte load from a byte array, and the portable
 definitions (`codegen/pyfamily.HELPERS`) cost tens of 64-bit integer instructions each, in the innermost loop of
-every quantized dot product. These are Numba intrinsics emitting the instruction itself (inline PTX) or an LLVM
-load of the wider type.
+every quantized dot product. These are Numba intrinsics emitting the instruction itself (inline PTX for dp4a, LLVM
+`half` casts for the f16 conversions) or an LLVM load of the wider type.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from llvmlite import ir
 from numba import types
 from numba.cuda.extending import intrinsic
 
-# The asm calls carry no attributes. Declaring them `readnone` (they touch no memory) broke f16 attention on the
-# H200 (numba 0.68, CUDA 13: wrong values, deterministic) though each conversion alone was exact (caught
-# by test_recipes.py::test_attention on the device). Opaque calls cost some load scheduling freedom, not correctness.
+# The f16 conversions are LLVM `half` casts (NVVM emits one cvt each), not inline asm: asm conversions declared
+# `readnone` made f16 attention come out wrong on the H200 (numba 0.68, CUDA 13) though each conversion alone was
+# exact (caught by test_recipes.py::test_attention on the device). dp4a stays asm without attributes: LLVM already
+# treats asm without side effects as touching no memory (the PTX is the same with `readnone`).
 
 
 @intrinsic
@@ -40,13 +41,13 @@ def _narrow(builder, v, width: int):
 
 @intrinsic
 def f16_to_f32(typingctx, h):
-    """The f32 value of the f16 bits in the low 16 bits of `h` (PTX cvt: exact, no branches)."""
+    """The f32 value of the f16 bits in the low 16 bits of `h` (one PTX cvt: exact, no branches)."""
     if not isinstance(h, types.Integer):
         return None
 
     def codegen(context, builder, signature, args):
-        asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(16)]), "cvt.f32.f16 $0, $1;", "=f,h")
-        return builder.call(asm, [_narrow(builder, args[0], 16)])
+        half = builder.bitcast(_narrow(builder, args[0], 16), ir.HalfType())
+        return builder.fpext(half, ir.FloatType())
 
     return types.float32(h), codegen
 
@@ -59,8 +60,7 @@ def f32_to_f16(typingctx, x):
 
     def codegen(context, builder, signature, args):
         v = args[0] if args[0].type == ir.FloatType() else builder.fptrunc(args[0], ir.FloatType())
-        asm = ir.InlineAsm(ir.FunctionType(ir.IntType(16), [ir.FloatType()]), "cvt.rn.f16.f32 $0, $1;", "=h,f")
-        return builder.zext(builder.call(asm, [v]), ir.IntType(32))
+        return builder.zext(builder.bitcast(builder.fptrunc(v, ir.HalfType()), ir.IntType(16)), ir.IntType(32))
 
     return types.uint32(x), codegen
 
