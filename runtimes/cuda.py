@@ -256,6 +256,20 @@ class CUDARuntime(Runtime):
         free, total = _check(self.driver.cuMemGetInfo())
         return int(free), int(total)
 
+    def kernel_resources(self, ck: CompiledKernel) -> dict[str, int]:
+        """What a compiled kernel holds per thread and group (registers, local and shared bytes) and how many of
+        its groups fit on one multiprocessor: the occupancy facts behind a kernel's bandwidth. Empty in the
+        simulator."""
+        if self.simulator or ck.cufunc is None:
+            return {}
+        attr = self.driver.CUfunction_attribute
+        out = {name: int(_check(self.driver.cuFuncGetAttribute(a, ck.cufunc))[0]) for name, a in (
+            ("regs", attr.CU_FUNC_ATTRIBUTE_NUM_REGS), ("local_bytes", attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
+            ("shared_bytes", attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES))}
+        out["groups_per_sm"] = int(_check(self.driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+            ck.cufunc, ck.kernel.lanes, 0))[0])
+        return out
+
 
 def _ptr(buf: Any) -> int:
     return int(buf.__cuda_array_interface__["data"][0])
