@@ -44,7 +44,7 @@ from polystrata.ir.kernel import (
     Store,
     ToF32,
     Var,
-    expr_nodes,
+    buffers_read,
     loads,
     stmt_exprs,
     walk,
@@ -127,7 +127,7 @@ class CPrinter:
         self.counter = 0
         self.last_barrier = False
         self.local_names = {a.name for a in kernel.local}
-        self.loaded = self._loaded_buffers()
+        self.loaded = buffers_read(self.k)
         self.uniform_local_reads = self._uniform_local_reads()
         self.needs_scratch = any(isinstance(s, Reduce) for s in walk(kernel.body)) and not self.subgroups \
             and kernel.lanes > 1
@@ -514,15 +514,6 @@ class CPrinter:
                    for st in walk(s.body))
 
     # --- analysis -------------------------------------------------------------------------------------
-
-    def _loaded_buffers(self) -> set[str]:
-        out: set[str] = set()
-        for s in walk(self.k.body):
-            for e in stmt_exprs(s):
-                out |= {ld.buf for ld in loads(e)}
-                out |= {c.args[0].name for c in expr_nodes(e) if isinstance(c, Call) and c.fn == "load_u32"
-                        and isinstance(c.args[0], Var)}
-        return out
 
     def _uniform_local_reads(self) -> set[str]:
         """Local arrays read by uniform (group-level) statements."""

@@ -19,7 +19,7 @@ import math
 
 from polystrata.codegen.cfamily import CPrinter
 from polystrata.codegen.pyfamily import NUMPY_DTYPES, PyPrinter
-from polystrata.ir.kernel import Call, Const, Kernel, LaneFor, Reduce, Store, walk
+from polystrata.ir.kernel import Call, Const, Kernel, LaneFor, Reduce, Store, buffers_read, walk
 
 WARP = 32
 _FULL = "0xFFFFFFFF"
@@ -44,8 +44,8 @@ class CUDAPrinter(PyPrinter):
         # Warp shuffles need whole warps: a group that is a multiple of 32 lanes.
         self.shuffles = shuffles and k.lanes % WARP == 0
         self.local_names = {a.name for a in k.local}
-        # The analyses of the C printer only read `k` and `local_names`: reuse them rather than copy them.
-        self.loaded = CPrinter._loaded_buffers(self)
+        # The C printer's analysis only reads `k` and `local_names`: reuse it rather than copy it.
+        self.loaded = buffers_read(k)
         self.uniform_local_reads = CPrinter._uniform_local_reads(self)
         has_reduce = any(isinstance(s, Reduce) for s in walk(k.body)) and k.lanes > 1
         self.scratch = 0 if not has_reduce else (k.lanes // WARP if self.shuffles else k.lanes)

@@ -358,6 +358,19 @@ def loads(e: Expr) -> list[Load]:
     return [n for n in expr_nodes(e) if isinstance(n, Load)]
 
 
+def buffers_read(k: Kernel) -> set[str]:
+    """Names of the buffers and local arrays a kernel reads (`Load`s and `load_u32` word loads)."""
+    out: set[str] = set()
+    for s in walk(k.body):
+        for e in stmt_exprs(s):
+            for n in expr_nodes(e):
+                if isinstance(n, Load):
+                    out.add(n.buf)
+                elif isinstance(n, Call) and n.fn == "load_u32" and isinstance(n.args[0], Var):
+                    out.add(n.args[0].name)
+    return out
+
+
 def dump(k: Kernel) -> str:
     """Readable text form of a kernel (for artifacts and debugging)."""
     lines = [f"kernel {k.name}({', '.join(_pstr(p) for p in k.params)})"]

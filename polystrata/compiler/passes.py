@@ -6,6 +6,8 @@
 2. Buffer planning: every value gets a buffer sized for `t_max` tokens; a buffer whose last reader has run is
    reused by a later value of the same dtype that fits (never by an output of the match that reads it).
 3. Lowering: each match's recipe turns its nodes into `Launch`es bound to plan buffer names.
+4. Repeated launches: a launch identical to an earlier one (kernel, bindings, scalars) whose inputs and outputs
+   nothing has written since is dropped, e.g. the activation quantization of q, k and v (one input, three matmuls).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from polystrata.codegen.recipes import RECIPES, Recipe, RecipeContext, load_all
 from polystrata.compiler.plan import BufferSpec, Plan
 from polystrata.errors import UnsupportedError
 from polystrata.ir.graph import Graph, Node, Value
+from polystrata.ir.kernel import Buf, Launch, buffers_read
 from polystrata.ir.quant import QuantFormat, row_bytes
 
 
@@ -157,7 +160,7 @@ def build_plan(
         buffers[name] = BufferSpec(name, dtype, count, "activation")
     out = graph.outputs[0]
     return Plan(
-        launches=launches,
+        launches=drop_repeated_launches(launches),
         buffers=buffers,
         output=names[id(rootof(out))],
         output_shape=tuple(out.type.shape),
@@ -169,3 +172,25 @@ def build_plan(
 def _live_elsewhere(buf: str, names: dict[int, str], last: dict[int, int], idx: int) -> bool:
     """Whether another value sharing `buf` is still read after match `idx`."""
     return any(b == buf and last.get(vid, -1) > idx for vid, b in names.items())
+
+
+def drop_repeated_launches(launches: list[Launch]) -> list[Launch]:
+    """`launches` without those that would recompute what is already in their output buffers: a launch equal to
+    an earlier one, with no launch in between writing a buffer the earlier one reads or writes. Launches that read
+    a buffer they write are never dropped (running them again is not a no-op)."""
+    out: list[Launch] = []
+    done: dict[Launch, tuple[set[str], set[str]]] = {}  # launch -> (buffers read, written), still valid
+    for la in launches:
+        if la in done:
+            continue
+        params = {p.name: p for p in la.kernel.params}
+        read_params = buffers_read(la.kernel)
+        writes = {b for name, b in la.buffers if isinstance(params[name], Buf) and params[name].out}
+        reads = {b for name, b in la.buffers if name in read_params}
+        for old, (r, w) in list(done.items()):
+            if writes & (r | w):
+                del done[old]
+        if not writes & reads:
+            done[la] = (reads, writes)
+        out.append(la)
+    return out

@@ -1,0 +1,63 @@
+"""Compiler passes: dropping launches that would recompute what their output buffers already hold."""
+
+from __future__ import annotations
+
+from polystrata.compiler.passes import build_plan, drop_repeated_launches
+from polystrata.engine import tensor_table
+from polystrata.gguf import GGUFFile
+from polystrata.ir import quant as Q
+from polystrata.ir.kernel import Buf, Kernel, LaneFor, Launch, Load, Scalar, Store, Var
+from polystrata.models import build_graph
+from polystrata.synth import synth_model
+
+_N = Scalar("n")
+
+
+def _copy() -> Kernel:
+    """dst[i] = src[i]."""
+    i = Var("i")
+    return Kernel("copy", (Buf("src", "f32"), Buf("dst", "f32", True), _N), (Var("n"),),
+                  (LaneFor("i", Var("n"), (Store("dst", i, Load("src", i)),)),), lanes=1)
+
+
+def _bump() -> Kernel:
+    """x[i] += 1 (reads what it writes)."""
+    i = Var("i")
+    return Kernel("bump", (Buf("x", "f32", True), _N), (Var("n"),),
+                  (LaneFor("i", Var("n"), (Store("x", i, Load("x", i) + 1.0),)),), lanes=1)
+
+
+def _copy_launch(src: str, dst: str) -> Launch:
+    return Launch(_copy(), (("src", src), ("dst", dst)), (("n", "T"),))
+
+
+def test_repeated_launch_is_dropped_while_nothing_changed_its_buffers():
+    a, b, c = _copy_launch("x", "y"), _copy_launch("y", "z"), _copy_launch("x", "y")
+    assert drop_repeated_launches([a, b, c]) == [a, b]  # b only reads y: y still holds what a wrote
+
+
+def test_repeated_launch_runs_again_after_its_input_or_output_was_written():
+    a, w_in, w_out = _copy_launch("x", "y"), _copy_launch("u", "x"), _copy_launch("u", "y")
+    assert drop_repeated_launches([a, w_in, a]) == [a, w_in, a]
+    assert drop_repeated_launches([a, w_out, a]) == [a, w_out, a]
+
+
+def test_in_place_launch_is_never_dropped():
+    bump = Launch(_bump(), (("x", "x"),), (("n", "T"),))
+    assert drop_repeated_launches([bump, bump]) == [bump, bump]
+
+
+def test_gpu_plan_quantizes_the_attention_input_once_per_layer(tmp_path):
+    """q, k and v read one normalized x: on GPU-shaped plans one quantize launch serves all three matmuls."""
+    path = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=1)
+    f = GGUFFile(path)
+    graph = build_graph(f.metadata, tensor_table(f), all_logits=False)
+    formats = {name: t.fmt for name, t in f.tensors.items()}
+    plan = build_plan(graph, formats, Q.KV_FORMATS["f16"], 64, 16, 128, 32)
+    n_layer = int(f.metadata["llama.block_count"])
+    quantize = [la for la in plan.launches if la.kernel.name.startswith("quantize_x")]
+    matvec = [la for la in plan.launches if la.kernel.name.endswith("_q8")]
+    # Per layer: q, k, v, o, gate+up, down are int8 matvecs; their inputs are x_norm (q, k, v), attention output,
+    # ffn norm output and the activation product: four quantizations, plus the output head's.
+    assert len(matvec) == 6 * n_layer + 1
+    assert len(quantize) == 4 * n_layer + 1
