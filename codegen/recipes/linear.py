@@ -15,12 +15,13 @@ accumulating `dot4_i8(level word, code word)` per 4 elements (level words from a
 lanes (group size; "auto" covers the row's units, 32 to 128). xq="inline" keeps the one-kernel schedule below
 (the CPU's, and what `matmul_kernel` builds).
 
-Knobs: rows (rows per group), tokens (token tile), int8 (int8-activation path where the format allows it; "auto":
-off with one lane -- the CPU, where the f32 path below vectorizes better -- on otherwise), split ("rows": lanes
-take rows, each a whole dot product -- the CPU default; "blocks": for each row a Reduce over the row's blocks
-spread over the lanes -- the GPU default), vert (split "rows", f32 path: per-element partial sums in a local array,
-see `_matvec`; "auto": on with one lane). With one lane the kernels also mask block base addresses non-negative
-and decode f16 scales arithmetically (see `_matvec.NONNEG`, `dequant.f16_bits_to_f32_arith`).
+Knobs: rows (rows per group; "auto": 4 with one lane, 1 on GPUs), tokens (token tile), int8 (int8-activation path
+where the format allows it; "auto": off with one lane -- the CPU, where the f32 path below vectorizes better -- on
+otherwise), split ("rows": lanes take rows, each a whole dot product -- the CPU default; "blocks": for each row a
+Reduce over the row's blocks spread over the lanes -- the GPU default), vert (split "rows", f32 path: per-element
+partial sums in a local array, see `_matvec`; "auto": on with one lane). With one lane the kernels also mask block
+base addresses non-negative and decode f16 scales arithmetically (see `_matvec.NONNEG`,
+`dequant.f16_bits_to_f32_arith`).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from polystrata.ir.kernel import (
 )
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
-MATMUL_KNOBS = (("rows", 4), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"), ("xq", "auto"),
+MATMUL_KNOBS = (("rows", "auto"), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"), ("xq", "auto"),
                 ("sub", "auto"), ("lanes", "auto"))
 # Knobs of the two-launch GPU path only (`_launches`); the rest are `matmul_kernel`'s.
 GPU_PATH_KNOBS = ("xq", "sub", "lanes")
@@ -192,6 +193,8 @@ def _knobs(ctx: RecipeContext, recipe: str) -> dict:
     kn = {name: ctx.knob(recipe, name, default) for name, default in MATMUL_KNOBS}
     if kn["split"] == "auto":
         kn["split"] = "rows" if ctx.lanes == 1 else "blocks"
+    if kn["rows"] == "auto":  # GPUs: a group per row (small f32 matmuls such as MoE routers need every SM busy)
+        kn["rows"] = 4 if ctx.lanes == 1 else 1
     if kn["xq"] == "auto":
         kn["xq"] = "inline" if ctx.lanes == 1 else "kernel"
     return kn
