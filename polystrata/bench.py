@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from polystrata.errors import PolystrataError
+from polystrata.targets import TARGET_HELP
 
 BANDWIDTH_ENV = "POLYSTRATA_BANDWIDTH"
 
@@ -331,11 +332,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `bench` subcommand and its options to `subparsers`; returns its parser."""
     p = subparsers.add_parser("bench", help="prefill and decode speed (tok/s), like llama-bench")
     p.add_argument("model", help="GGUF file path or zoo name (smollm2-135m, gemma3-270m)")
-    p.add_argument(
-        "--target",
-        default="auto",
-        help="where kernels run: auto (a GPU through OpenCL if present, else cpu), reference, cpu, opencl",
-    )
+    p.add_argument("--target", default="auto", help=TARGET_HELP)
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill test tokens; 0 skips it")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="decode test tokens; 0 skips it")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test")

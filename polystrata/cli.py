@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from polystrata.errors import PolystrataError
+from polystrata.targets import TARGET_HELP
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -37,10 +38,7 @@ def _model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
 
 
 def _target_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--target", default="auto",
-        help="where kernels run: auto (a GPU if present, else cpu), cpu, opencl, hip, or reference (numpy oracle)",
-    )
+    p.add_argument("--target", default="auto", help=TARGET_HELP)
     p.add_argument("--kv-type", default="f16", help="KV cache format: f16, q8_0, q8_g64 (kernel targets)")
 
 

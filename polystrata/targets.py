@@ -10,6 +10,8 @@ from polystrata.runtimes.base import Runtime
 # `reference` is the numpy oracle (no kernels); the others run generated kernels.
 TARGETS = ("auto", "reference", "cpu", "cuda", "hip", "opencl")
 KERNEL_TARGETS = ("cpu", "cuda", "hip", "opencl")
+TARGET_HELP = ("where kernels run: auto (cuda, else hip, else a GPU through OpenCL, else cpu), cpu, cuda, hip, "
+               "opencl, or reference (numpy oracle)")
 
 
 def _has_cuda_gpu() -> bool:
