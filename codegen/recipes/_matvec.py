@@ -203,15 +203,16 @@ def split_row_dot(name: str, fmt: QuantFormat, wbuf: str, row_base: Expr, act: A
     ), Var(acc))
 
 
-SUB_MAX = 8  # "auto" sub: lanes per block up to this many (one word of each chunk per lane)
+SUB_MAX = 4  # "auto" sub: lanes per block up to this many (one word of each chunk per lane at most)
 
 
 def sub_lanes(fmt: QuantFormat, sub: int | str = "auto") -> int:
     """Lanes sharing one block in `split_row_dot`: the knob `sub`, or by default ("auto") one lane per word of a
     chunk, up to `SUB_MAX`. More lanes per block means fewer blocks per warp, so each warp-wide load touches fewer
     cache lines: the H200 matvec is bound by L1 requests (ncu: L1 92 % busy, DRAM 22 %), and sub 1, 2, 4 took
-    85, 42, 26 µs on the 4096 x 14336 Q4_K matvec. Sub 8 (Q4_K, Q5_K, Q8_0) measured the same as 4 there (25.2
-    and 27.6 µs against 26.2 and 27.1 on the two Q4_K shapes) with a third fewer loads per lane."""
+    85, 42, 26 µs on the 4096 x 14336 Q4_K matvec. Sub 8 (possible for Q4_K, Q5_K, Q8_0) did not pay: the same
+    matvec time as 4 when graph-timed (25.2 and 27.6 µs against 26.2 and 27.1 on the two Q4_K shapes), slower
+    when host-timed a day earlier (37.7 against 29.3), and prefill measured 5 % slower in the one run with it."""
     if sub != "auto":
         return int(sub)
     wf = fmt_for(fmt)
