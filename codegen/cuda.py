@@ -44,8 +44,8 @@ class CUDAPrinter(PyPrinter):
         # Warp shuffles need whole warps: a group that is a multiple of 32 lanes.
         self.shuffles = shuffles and k.lanes % WARP == 0
         self.local_names = {a.name for a in k.local}
-        # The C printer's analysis only reads `k` and `local_names`: reuse it rather than copy it.
         self.loaded = buffers_read(k)
+        # The C printer's analysis only reads `k` and `local_names`: reuse it rather than copy it.
         self.uniform_local_reads = CPrinter._uniform_local_reads(self)
         has_reduce = any(isinstance(s, Reduce) for s in walk(k.body)) and k.lanes > 1
         self.scratch = 0 if not has_reduce else (k.lanes // WARP if self.shuffles else k.lanes)
