@@ -112,7 +112,8 @@ class CPrinter:
                   "pow": "powf", "abs": "fabsf", "max": "fmaxf", "min": "fminf"}
     # Intrinsics the target renders natively: name -> format string over the rendered arguments.
     native_intrinsics: dict[str, str] = {}
-    # `load_u32` at a promised alignment (2 or 4): format strings over (buffer, byte offset); others: bytes.
+    # `load_u32` at a promised alignment (2, 4, 8, 16; 8 and 16 fall back to 4's): format strings over (buffer,
+    # byte offset); others: bytes.
     aligned_loads: dict[int, str] = {}
 
     def __init__(self, kernel: Kernel, subgroups: bool = False):
@@ -321,11 +322,12 @@ class CPrinter:
                 if not isinstance(x.args[0], Var) or self.k.dtype_of(x.args[0].name) != "u8":
                     raise KernelError(f"{self.k.name}: load_u32 needs a u8 buffer as first argument")
                 align = x.args[2].value if isinstance(x.args[2], Const) else 0
-                if align not in (1, 2, 4):
-                    raise KernelError(f"{self.k.name}: load_u32 needs a constant alignment of 1, 2 or 4")
+                if align not in (1, 2, 4, 8, 16):
+                    raise KernelError(f"{self.k.name}: load_u32 needs a constant alignment of 1, 2, 4, 8 or 16")
                 args = [x.args[0].name, self.as_type(x.args[1], "i")]
-                if align in self.aligned_loads:
-                    return self.aligned_loads[align].format(*args)
+                form = self.aligned_loads.get(align) or self.aligned_loads.get(min(align, 4))
+                if form:
+                    return form.format(*args)
             else:
                 want = {"f16_bits_to_f32": "u", "f32_to_f16_bits": "f", "dot4_i8": "uui"}[x.fn]
                 args = [self.as_type(a, t) for a, t in zip(x.args, want)]

@@ -19,7 +19,7 @@ import math
 
 from polystrata.codegen.cfamily import CPrinter
 from polystrata.codegen.pyfamily import NUMPY_DTYPES, PyPrinter
-from polystrata.ir.kernel import Call, Const, Kernel, LaneFor, Reduce, Store, buffers_read, walk
+from polystrata.ir.kernel import Call, Const, Kernel, LaneFor, Load, Reduce, Store, buffers_read, walk
 
 WARP = 32
 _FULL = "0xFFFFFFFF"
@@ -39,7 +39,7 @@ class CUDAPrinter(PyPrinter):
             self.native_intrinsics = {"dot4_i8": "dp4a", "f16_bits_to_f32": "f16_to_f32",
                                       "f32_to_f16_bits": "f32_to_f16"}
             self.imports += ("from polystrata.codegen.cuda_intrinsics import dp4a, f16_to_f32, f32_to_f16, "
-                             "load_u32_a2, load_u32_a4\n")
+                             "load_a8, load_a16, load_u32_a2, load_u32_a4, load_u32_a8, load_u32_a16\n")
         self.lanes = k.lanes
         # Warp shuffles need whole warps: a group that is a multiple of 32 lanes.
         self.shuffles = shuffles and k.lanes % WARP == 0
@@ -53,10 +53,15 @@ class CUDAPrinter(PyPrinter):
             self.scratch = 0  # one warp: the shuffle result is broadcast, no shared memory
 
     def e(self, x) -> str:
-        # load_u32 at a promised alignment is one 32-bit or two 16-bit loads (the others: `native_intrinsics`).
+        # load_u32 at a promised alignment is one 32-bit or two 16-bit loads (the others: `native_intrinsics`),
+        # and loads promised 8- or 16-byte aligned say so to NVVM, which merges runs of them into vector loads.
         if (self.native and isinstance(x, Call) and x.fn == "load_u32" and isinstance(x.args[2], Const)
-                and x.args[2].value in (2, 4)):
+                and x.args[2].value in (2, 4, 8, 16)):
             return f"np.int64(load_u32_a{x.args[2].value}({x.args[0].name}, np.uint64({self.e(x.args[1])})))"
+        if (self.native and isinstance(x, Load) and x.buf not in self.local_names
+                and self.k.dtype_of(x.buf) in ("f32", "i32", "u32") and x.align > 1):
+            v = f"load_a{min(16, 4 * x.align)}({x.buf}, np.uint64({self.e(x.index)}))"
+            return v if self.k.dtype_of(x.buf) == "f32" else f"np.int64({v})"
         return super().e(x)
 
     def header(self) -> int:

@@ -14,8 +14,9 @@ from numba.cuda.extending import intrinsic
 
 # The f16 conversions are LLVM `half` casts (NVVM emits one cvt each), not inline asm: asm conversions declared
 # `readnone` made f16 attention come out wrong on the H200 (numba 0.68, CUDA 13) though each conversion alone was
-# exact (caught by test_recipes.py::test_attention on the device). dp4a stays asm without attributes: LLVM already
-# treats asm without side effects as touching no memory (the PTX is the same with `readnone`).
+# exact (caught by test_recipes.py::test_attention on the device). dp4a is asm declared `readnone`: without it
+# NVVM must assume the asm touches memory, so it neither merges the loads on either side of it into vector
+# loads nor reuses a loaded word across it (the Q4_K matvec's 49 scalar loads a lane become 13 16-byte ones).
 
 
 @intrinsic
@@ -29,7 +30,9 @@ def dp4a(typingctx, a, b, acc):
         i32 = ir.IntType(32)
         vals = [_narrow(builder, v, 32) for v in args]
         asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
-        return builder.call(asm, vals)
+        call = builder.call(asm, vals)
+        call.attributes.add("readnone")
+        return call
 
     return sig, codegen
 
@@ -65,8 +68,10 @@ def f32_to_f16(typingctx, x):
     return types.uint32(x), codegen
 
 
-def _word_load(width: int, count: int):
-    """An intrinsic loading `count` little-endian `width`-bit words at a byte offset of a u8 array into a u32."""
+def _word_load(width: int, count: int, align: int | None = None):
+    """An intrinsic loading `count` little-endian `width`-bit words at a byte offset of a u8 array into a u32;
+    the first load is declared aligned to `align` bytes (default: the word's), which lets NVVM merge it with
+    loads of the words after it into one vector load."""
 
     @intrinsic
     def load(typingctx, arr, index):
@@ -84,7 +89,7 @@ def _word_load(width: int, count: int):
             out = None
             for k in range(count):
                 p = builder.gep(ptr, [ir.Constant(i64, k)]) if k else ptr
-                v = builder.load(p, align=width // 8)
+                v = builder.load(p, align=(align or width // 8) if k == 0 else width // 8)
                 v = builder.zext(v, ir.IntType(32)) if width < 32 else v
                 if k:
                     v = builder.shl(v, ir.Constant(ir.IntType(32), width * k))
@@ -96,6 +101,32 @@ def _word_load(width: int, count: int):
     return load
 
 
-load_u32_a4 = _word_load(32, 1)  # offset a multiple of 4: one 32-bit load
 load_u32_a2 = _word_load(16, 2)  # offset a multiple of 2: two 16-bit loads
+load_u32_a4 = _word_load(32, 1)  # offset a multiple of 4: one 32-bit load
+load_u32_a8 = _word_load(32, 1, 8)  # ... of 8 or 16: one 32-bit load that NVVM may widen with its neighbours
+load_u32_a16 = _word_load(32, 1, 16)
 
+
+def _aligned_element(align: int):
+    """An intrinsic loading element `index` of an array of 4-byte elements, declared `align`-byte aligned (the
+    IR's `Load.align` promise): NVVM merges it with loads of the elements after it into one vector load."""
+
+    @intrinsic
+    def load(typingctx, arr, index):
+        if not (isinstance(arr, types.Array) and arr.dtype.bitwidth == 32 and isinstance(index, types.Integer)):
+            return None
+        sig = arr.dtype(arr, index)
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, value=args[0])
+            i64 = ir.IntType(64)
+            idx = builder.zext(args[1], i64) if args[1].type.width < 64 else args[1]
+            return builder.load(builder.gep(ary.data, [idx]), align=align)
+
+        return sig, codegen
+
+    return load
+
+
+load_a8 = _aligned_element(8)
+load_a16 = _aligned_element(16)

@@ -60,7 +60,8 @@ INTRINSICS = {
     # Sum of the four products of the signed bytes of two packed i32 words, plus acc (CUDA __dp4a).
     "dot4_i8": (3, "i32", "four byte extracts, multiplies and adds"),
     # Little-endian u32 from 4 bytes at byte offset i of a u8 buffer: load_u32(buf, i, align), `align` a
-    # constant 1, 2 or 4 the caller promises divides i (buffers start aligned): a 4-byte or two 2-byte loads.
+    # constant 1, 2, 4, 8 or 16 the caller promises divides i (buffers start 16-byte aligned): a 4-byte or two
+    # 2-byte loads; at 8 or 16 a target may merge it with the words after it into one wide load.
     "load_u32": (3, "u32", "four byte loads, shifted and or-ed"),
 }
 REDUCE_OPS = ("+", "max")
@@ -88,14 +89,21 @@ Param = Buf | Scalar
 
 @dataclass(frozen=True)
 class Load(Expr):
-    """Element `index` of buffer or local array `buf`, widened: integers to i32 (u32 stays u32), f16 to f32."""
+    """Element `index` of buffer or local array `buf`, widened: integers to i32 (u32 stays u32), f16 to f32.
+
+    `align` (a power of two) promises that `index` is a multiple of it (buffers start 16-byte aligned): a target
+    may merge the load with the elements after it into one wide load (the CUDA target's 16-byte loads)."""
 
     buf: str
     index: Expr
+    align: int = 1
 
-    def __init__(self, buf: str, index: Expr | int):
+    def __init__(self, buf: str, index: Expr | int, align: int = 1):
+        if align < 1 or align & (align - 1):
+            raise ValueError(f"load alignment {align} is not a power of two")
         object.__setattr__(self, "buf", buf)
         object.__setattr__(self, "index", _e(index))
+        object.__setattr__(self, "align", align)
 
 
 @dataclass(frozen=True)
@@ -353,6 +361,29 @@ def expr_nodes(e: Expr) -> Iterator[Expr]:
                     yield from expr_nodes(x)
 
 
+def rewrite(node, fn):
+    """`node` (an expression, a statement or a tuple/list of them) with `fn` applied to every expression node,
+    children first; `fn` returns the node or its replacement. Unchanged subtrees are returned as they are."""
+    if isinstance(node, list | tuple):
+        out = [rewrite(x, fn) for x in node]
+        return out if isinstance(node, list) else tuple(out)
+    fields = getattr(node, "__dataclass_fields__", None)
+    if not fields:
+        return node
+    new = {f: rewrite(getattr(node, f), fn) for f in fields}
+    if any(new[f] is not getattr(node, f) for f in fields):
+        node = object.__new__(type(node))  # frozen nodes with custom constructors: set the fields directly
+        for f, v in new.items():
+            object.__setattr__(node, f, v)
+    return fn(node) if isinstance(node, Expr) else node
+
+
+def substitute(node, name: str, repl: Expr):
+    """`node` with every `Var(name)` replaced by `repl` (see `rewrite`). Names a statement binds are left as
+    they are: substitute a name no statement inside rebinds."""
+    return rewrite(node, lambda e: repl if isinstance(e, Var) and e.name == name else e)
+
+
 def loads(e: Expr) -> list[Load]:
     """The buffer loads in an expression."""
     return [n for n in expr_nodes(e) if isinstance(n, Load)]
@@ -433,7 +464,7 @@ def expr_str(e: Expr) -> str:
     if isinstance(e, Cast):
         return f"{e.dtype}({expr_str(e.a)})"
     if isinstance(e, Load):
-        return f"{e.buf}[{expr_str(e.index)}]"
+        return f"{e.buf}[{expr_str(e.index)}]" + (f"@{e.align}" if e.align > 1 else "")
     if isinstance(e, Call):
         return f"{e.fn}({', '.join(expr_str(a) for a in e.args)})"
     return repr(e)
@@ -442,7 +473,7 @@ def expr_str(e: Expr) -> str:
 __all__ = [
     "Assign", "Bin", "Buf", "Call", "Cast", "Const", "Decl", "For", "GRID_VARS", "If", "Kernel", "KernelError",
     "LaneFor", "Let", "Load", "LocalArray", "Reduce", "Scalar", "Select", "Store", "ToF32", "Var", "dump",
-    "expr_nodes", "expr_str", "loads", "stmt_exprs", "verify", "walk",
+    "expr_nodes", "expr_str", "loads", "rewrite", "stmt_exprs", "substitute", "verify", "walk",
 ]
 
 

@@ -357,15 +357,21 @@ def test_dot4_i8(rt, cpu):
     np.testing.assert_array_equal(c["o"], want)
 
 
-@pytest.mark.parametrize("align", [1, 2, 4])
+@pytest.mark.parametrize("align", [1, 2, 4, 8, 16])
 def test_load_u32(rt, cpu, align):
-    kern = Kernel("ldu32", (Buf("b", "u8"), Buf("o", "u32", True), Scalar("n")), (1,),
-                  (LaneFor("j", n, (Store("o", j, Call("load_u32", Var("b"), j * align, align)),)),), lanes=16)
-    raw = np.random.default_rng(9).integers(0, 256, 4 * 200 + 4).astype(np.uint8)
-    r, c = both(rt, cpu, kern, {"b": raw}, {"o": (200, "u32")}, {"n": 200})
+    """`load_u32` at every promised alignment, and `Load` with an alignment promise (the same values)."""
+    w = min(align // 4, 4) or 1  # the promise in u32 elements
+    kern = Kernel("ldu32", (Buf("b", "u8"), Buf("u", "u32"), Buf("o", "u32", True), Buf("p", "u32", True),
+                            Scalar("n")), (1,),
+                  (LaneFor("j", n, (Store("o", j, Call("load_u32", Var("b"), j * align, align)),
+                                    Store("p", j, Load("u", j * w, w)))),), lanes=16)
+    raw = np.random.default_rng(9).integers(0, 256, align * 200 + 4).astype(np.uint8)
+    words = np.random.default_rng(10).integers(0, 2**32, 200 * w, dtype=np.uint32)
+    r, c = both(rt, cpu, kern, {"b": raw, "u": words}, {"o": (200, "u32"), "p": (200, "u32")}, {"n": 200})
     want = np.array([raw[i * align:i * align + 4].view("<u4")[0] for i in range(200)], np.uint32)
-    np.testing.assert_array_equal(r["o"], want)
-    np.testing.assert_array_equal(c["o"], want)
+    for out in (r, c):
+        np.testing.assert_array_equal(out["o"], want)
+        np.testing.assert_array_equal(out["p"], words[::w])
 
 
 # --- runtime plumbing -------------------------------------------------------------------------------------
