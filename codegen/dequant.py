@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from polystrata.ir import quant as Q
-from polystrata.ir.kernel import Call, Cast, For, Let, Load, Select
+from polystrata.ir.kernel import Call, Cast, Decl, For, Let, Load, Select, substitute
 from polystrata.ir.quant import Bin, Const, Expr, QuantFormat, Table, ToF32, Var
 
 _SIZES = {"u8": 1, "i8": 1, "u16": 2, "bf16": 2, "f16": 2, "u32": 4, "i32": 4, "f32": 4}
@@ -153,7 +153,9 @@ class _Lowerer:
             w0 = off - off % align
             if off + size <= w0 + 4 <= self.fmt.block_bytes:  # one word inside the block holds the field
                 at = self.base + w0 if w0 else self.base
-                bits = Call("load_u32", Var(self.buf), at, Const(align))
+                # The promise: what divides both the block's size and w0 (16 at most, the widest load).
+                promise = min(16, bs & -bs, w0 & -w0 if w0 else 16)
+                bits = Call("load_u32", Var(self.buf), at, Const(promise))
                 word = (bits >> 8 * (off - w0) if off > w0 else bits) & ((1 << 8 * size) - 1)
                 # A signed int, as a byte load is: the format's arithmetic on it may go negative.
                 return _field_value(f.dtype, Cast("i32", word), self.f16_arith)
@@ -367,7 +369,7 @@ class Decoder:
         return out
 
     def walk(self, emit_group: Callable, emit_chunk: Callable, lo: int = 0, hi: int | None = None,
-             fuse: bool = False, wide: int = 1, split: tuple[Expr, int] | None = None) -> list:
+             fuse: bool = False, wide: int = 1, split: tuple | None = None) -> list:
         """Statements visiting the block's elements [lo, hi) with hoisted lets.
 
         `emit_group(start, size, env, stmts_inside)` wraps the statements of the finest group (it can add
@@ -383,9 +385,12 @@ class Decoder:
         `wide` elements, and per-element lets are not emitted: `emit_chunk` gets the lowerer of the element
         index `c + i0` and builds its word-wise statements itself (e.g. with `inline_elem_lets`).
 
-        `split` = (sub, S): the block is shared by S lanes, lane `sub` (0 <= sub < S) taking the chunk iterations
-        i0 = sub, sub + S, ... (neighbouring lanes read neighbouring words). Group lets are evaluated by every
-        lane; `emit_group`'s accumulation must be linear in the chunk statements (partial sums per lane).
+        `split` = (sub, S) or (sub, S, runs): the block is shared by S lanes, lane `sub` (0 <= sub < S) taking the
+        chunk iterations i0 = sub, sub + S, ... (neighbouring lanes read neighbouring words), or with `runs` (and
+        `wide` > 1, chunk bodies without lets) a run of consecutive ones, i0 = sub * R .. sub * R + R - 1,
+        unrolled with i0 substituted so that each address is a run start plus a constant (what a target needs
+        to merge the run's loads into one wide load). Group lets are evaluated by every lane; `emit_group`'s
+        accumulation must be linear in the chunk statements (partial sums per lane).
         """
         if fuse:
             return self._walk_fused(emit_chunk, lo, self.fmt.block_size if hi is None else hi)
@@ -411,8 +416,15 @@ class Decoder:
                     body = (self.lets_for(1, c, lw.env, _Aff(1, c), L, ic, suffix=f"_c{c}" if once else "")
                             if finest != 1 and wide == 1 else [])
                     body += emit_chunk(c, L, ic, lw.env, lw)
+                    runs = split is not None and len(split) > 2 and split[2] and wide > 1 \
+                        and (L // wide) % split[1] == 0 and not any(isinstance(s, Let | Decl) for s in body)
                     if split is None:
                         inner.append(For(i0, Const(0), Const(L // wide), tuple(body)))
+                    elif runs:  # this lane's run of R consecutive words, unrolled: addresses base + constant
+                        r = L // wide // split[1]
+                        run0 = split[0] * r if r > 1 else split[0]
+                        for m in range(r):
+                            inner += substitute(body, ic, run0 + m if m else run0)
                     elif once:
                         inner += [Let(ic, split[0]), *body]
                     elif (L // wide) % split[1] == 0:  # a constant trip count (unrolled by compilers)

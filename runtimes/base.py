@@ -72,6 +72,9 @@ class Runtime(ABC):
     # Lanes per group that recipes should use on this device (1 on the CPU), and the subgroup (warp) width.
     lanes: int = 1
     subgroup: int = 1
+    # Whether the compiler merges runs of aligned neighbouring loads into 16-byte loads (recipes then give each
+    # lane runs of consecutive words: `codegen/recipes/_matvec.use_runs`).
+    wide_loads: bool = False
     # Whether launches return before the work is done (GPUs); the host's time per step is then measurable.
     asynchronous: bool = False
 

@@ -73,6 +73,7 @@ class CUDARuntime(Runtime):
     name = "cuda"
     lanes = 128  # 4 warps per group
     subgroup = 32
+    wide_loads = True  # NVVM, with the alignment the generated loads declare
     asynchronous = True
 
     def __init__(self, shuffles: bool | None = None) -> None:

@@ -48,7 +48,7 @@ def main() -> None:
     y = g.op("matmul", x, g.weight("w", fmt.name, (a.rows, a.cols)))
     g.outputs.append(y)
     plan = build_plan(g, {"w": fmt, "table": Q.FORMATS["F32"]}, Q.KV_FORMATS["f16"], 16, 1, rt.lanes, rt.subgroup,
-                      knobs)
+                      knobs, wide_loads=rt.wide_loads)
     rng = np.random.default_rng(0)
     raws = [Q.quantize(fmt, rng.standard_normal((a.rows, a.cols)).astype(np.float32)) for _ in range(a.copies)]
     xs = rng.standard_normal(a.cols).astype(np.float32)

@@ -167,16 +167,18 @@ def _run_launches(rt, launches, bufs: dict[str, np.ndarray], scal: dict, outs: d
 
 @pytest.mark.parametrize("fmt_name", [f for f in FORMATS if use_int8(Q.FORMATS[f], True)])
 def test_matvec_q8_formats(rt, fmt_name):
-    """The GPU matvec (quantize kernel + one row per group, `sub` lanes per block) on every int8-path format, against
-    a float64 product with x rounded as the quantize kernel rounds it: only float error may remain."""
+    """The GPU matvec (quantize kernel + one row per group, `sub` lanes per block, interleaved words or runs) on every
+    int8-path format, against a float64 product with x rounded as the quantize kernel rounds it: only float error
+    may remain."""
     if rt.lanes == 1:
         pytest.skip("GPU-shaped kernels (the CPU takes matmul_kernel)")
     n, k = 37, 512
     fmt, wb, wd = _weight(fmt_name, n, k)
     rng = np.random.default_rng(4)
-    for sub in ("auto", 1, 2):
+    for sub, runs in (("auto", 0), ("auto", 1), (1, 0), (2, 1)):  # runs: each lane consecutive words
         qk = quantize_x_kernel(f"t_q8x_{k}", k)
-        mk = matvec_q8_kernel(f"t_mv8_{fmt_name.lower()}_{sub}", [fmt], n, k, tokens=4, lanes=32, sub=sub)
+        mk = matvec_q8_kernel(f"t_mv8_{fmt_name.lower()}_{sub}_{runs}", [fmt], n, k, tokens=4, lanes=32, sub=sub,
+                              runs=runs)
         launches = [Launch(qk, (("x", "x"), ("xq", "xq"), ("xd", "xd")), (("T", "T"),)),
                     Launch(mk, (("xq", "xq"), ("xd", "xd"), ("w0", "w"), ("y", "y")), (("T", "T"),))]
         for t in (1, 3, 9):
@@ -187,7 +189,43 @@ def test_matvec_q8_formats(rt, fmt_name):
             xq = _q8(x)
             ref = xq @ wd.T.astype(np.float64)
             bound = 1e-4 * (np.abs(xq) @ np.abs(wd.T)) + 1e-5
-            assert np.all(np.abs(y - ref) <= bound), (fmt_name, sub, t, float(np.max(np.abs(y - ref) - bound)))
+            assert np.all(np.abs(y - ref) <= bound), (fmt_name, sub, runs, t, float(np.max(np.abs(y - ref) - bound)))
+
+
+@pytest.mark.parametrize("fmt_name", ["Q4_K", "Q5_K", "Q8_0", "Q4_1"])
+def test_runs_alignment_promises_hold(fmt_name):
+    """Every alignment a runs-layout matvec promises (`load_u32` on the weights, `Load.align` on the codes) divides
+    the address at every lane, block and row tried; Q4_K's runs start on 16-byte boundaries (one vector load)."""
+    from polystrata.ir.kernel import Call, Let, Load, Reduce, expr_nodes, stmt_exprs, walk
+
+    n, k = 64, 1024
+    kern = matvec_q8_kernel("t_runs", [Q.FORMATS[fmt_name]], n, k, tokens=1, lanes=32, runs=1)
+    red = next(s for s in walk(kern.body) if isinstance(s, Reduce))
+    rng = np.random.default_rng(0)
+    promised = set()
+    for _ in range(40):
+        env = {"g0": int(rng.integers(n)), red.var: int(rng.integers(eval_int(red.stop, {}))), "t0": 0, "t": 0}
+        for s in walk(red.body):
+            if isinstance(s, Let):
+                try:
+                    env[s.name] = eval_int(s.expr, env)
+                except (ValueError, KeyError):
+                    pass  # not an integer expression of the lane's indices
+            for e in stmt_exprs(s):
+                for x in expr_nodes(e):
+                    if isinstance(x, Call) and x.fn == "load_u32":
+                        addr, align = eval_int(x.args[1], env), x.args[2].value
+                    elif isinstance(x, Load) and x.align > 1:
+                        addr, align = eval_int(x.index, env) * 4, x.align * 4  # u32 words
+                    else:
+                        continue
+                    assert addr % align == 0, (fmt_name, addr, align)
+                    promised.add(align)
+    assert 16 in promised
+    if fmt_name == "Q4_K":
+        words = [x for s in walk(red.body) for e in stmt_exprs(s) for x in expr_nodes(e)
+                 if isinstance(x, Call) and x.fn == "load_u32" and x.args[2].value == 16]
+        assert len({str(w.args[1]) for w in words}) == 5  # the header and one per 32-byte piece of quants
 
 
 def test_glu_fused(rt):

@@ -357,6 +357,22 @@ def test_shuffle_path_renders(lanes):
     assert "shfl" not in render(reduce_kernel(24), shuffles=True)
 
 
+def test_wide_loads_render():
+    """The runs-layout Q4_K matvec renders its 16-byte-aligned promises as the intrinsics that declare them (NVVM
+    merges each run into one vector load), and cuda plans choose runs."""
+    from polystrata.codegen.recipes.linear import matvec_q8_kernel
+    from polystrata.ir.quant import FORMATS
+
+    kern = matvec_q8_kernel("t_wide", [FORMATS["Q4_K"]], 64, 1024, tokens=1, lanes=32, runs=1)
+    src = render(kern, shuffles=True, native=True)
+    ast.parse(src)
+    assert "load_u32_a16(w0, " in src and "load_a16(xq, " in src
+    assert "load_a16" not in render(kern, shuffles=True)  # the simulator's portable loads
+    from polystrata.runtimes.cuda import CUDARuntime
+
+    assert CUDARuntime.wide_loads
+
+
 def test_barriers_follow_the_model():
     src = render(shared_kernel(64))
     body = src[src.index("def shared64"):]

@@ -38,6 +38,7 @@ class RecipeContext:
     knobs: dict[str, dict[str, Any]] = field(default_factory=dict)  # recipe name -> knob overrides (tuner)
     scratch_buffers: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (dtype, count)
     t_max: int = 256  # most tokens per step the plan serves (sizes per-token scratch buffers)
+    wide_loads: bool = False  # the target merges runs of aligned loads into 16-byte loads (`Runtime.wide_loads`)
 
     def buf(self, v: Value) -> str:
         """Plan buffer name of a graph value or weight."""

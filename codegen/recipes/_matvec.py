@@ -35,8 +35,23 @@ from polystrata.codegen.dequant import (
     weight_dtype,
     widen,
 )
-from polystrata.ir.kernel import Assign, Call, Cast, Decl, For, If, LaneFor, Let, Load, Reduce, Select, Store, ToF32
-from polystrata.ir.quant import Bin, Const, Expr, QuantFormat, Table, Var
+from polystrata.ir.kernel import (
+    Assign,
+    Call,
+    Cast,
+    Decl,
+    For,
+    If,
+    LaneFor,
+    Let,
+    Load,
+    Reduce,
+    Select,
+    Store,
+    rewrite,
+    substitute,
+)
+from polystrata.ir.quant import Bin, Const, Expr, QuantFormat, Var
 
 QB = 32  # activation quantization block
 NONNEG = (1 << 31) - 1  # index mask: see the module docstring
@@ -99,15 +114,16 @@ class Act:
 
 def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t: Expr, acc: str,
               prefix: str, part: tuple[str, Expr] | None = None, nonneg: int = 0,
-              f16_arith: bool = False, split: tuple[Expr, int] | None = None, word_loads: bool = False) -> list:
+              f16_arith: bool = False, split: tuple | None = None, word_loads: bool = False) -> list:
     """Statements adding block `b` of the weight row at `row_base` dotted with activation row `t` into `acc`.
 
     `t` indexes the activation rows (a local token index for the int8 arrays, a buffer row otherwise).
     `part` = (local f32 array, offset): f32 path only, add the products to `array[offset + e]` (e < block size)
     instead of `acc` (see the module docstring); `nonneg`: 0, or the mask (`nonneg_mask` of the weight buffer's
     size) for the weight base address (activation addresses use NONNEG); `f16_arith` see `Decoder`;
-    `split` = (sub, S): S lanes share the block, this one adding its share (`Decoder.walk`) to `acc`;
-    `word_loads` see `Decoder`.
+    `split` = (sub, S) or (sub, S, runs): S lanes share the block, this one adding its share (`Decoder.walk`)
+    to `acc`; `word_loads` see `Decoder`. With packed activations the loads' alignment promises are raised to
+    what the final addresses prove (`realign`), so a target can merge a run's words into 16-byte loads.
     """
     wf = fmt_for(fmt)
     bs = wf.block_size
@@ -172,7 +188,12 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
                 term = term + dec.group_expr(a.offset, start, env) * dx * Cast("f32", Var(xs))
             return [*st, Assign(acc, Var(acc) + term)]
 
-        return head + dec.walk(group, chunk, wide=4 if wide is not None else 1, split=split)
+        out = head + dec.walk(group, chunk, wide=4 if wide is not None else 1, split=split)
+        if not act.packed:
+            return out
+        bs_align = min(ALIGN_MAX, block_stride(wf) & -block_stride(wf))  # block bases: multiples of the block size
+        xw_align = max(1, _align(xo, {}) // 4)  # words of 4 codes
+        return realign(out, wbuf, {dec.base: bs_align}, act.xq, {f"{prefix}xw": xw_align})
 
     if part is not None:
         pbuf, poff = part
@@ -190,39 +211,59 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
 
 
 def split_row_dot(name: str, fmt: QuantFormat, wbuf: str, row_base: Expr, act: Act, t: Expr, sub: int,
-                  prefix: str) -> Reduce:
+                  prefix: str, runs: bool | int | str = False) -> Reduce:
     """`name` = dot(weight row at `row_base`, activation row `t`) as a group `Reduce` over the row's (block, part)
-    units: `sub` lanes share each block, lane `part` taking every `sub`-th word of each chunk (`block_dot`'s
-    split). Neighbouring lanes read neighbouring words and consecutive lanes consecutive blocks: one coalesced
-    sweep of the row."""
+    units: `sub` lanes share each block, lane `part` taking every `sub`-th word of each chunk, or with `runs`
+    (see `use_runs`) a run of consecutive words of each chunk (`block_dot`'s split). Consecutive lanes take
+    consecutive blocks: one sweep of the row, coalesced word by word (interleaved) or in 16-byte pieces (runs,
+    on a target that merges a run's loads)."""
     nb = act.k // fmt_for(fmt).block_size
     u, acc = Var(f"{prefix}u"), f"{prefix}acc"
     return Reduce(name, "+", u.name, Const(nb * sub), (
         Decl(acc, "f32", Const(0.0)),
-        *block_dot(fmt, wbuf, row_base, u // sub, act, t, acc, prefix, split=(u % sub, sub), word_loads=True),
+        *block_dot(fmt, wbuf, row_base, u // sub, act, t, acc, prefix, split=(u % sub, sub, use_runs(fmt, runs)),
+                   word_loads=True),
     ), Var(acc))
 
 
-SUB_MAX = 4  # "auto" sub: lanes per block up to this many (one word of each chunk per lane at most)
+SUB_MAX = 4  # "auto" sub, interleaved words: lanes per block up to this many (one word of each chunk per lane at most)
+RUN_WORDS = 4  # "auto" sub with runs: each lane a run of 4 words (16 bytes) of each chunk
 
 
-def sub_lanes(fmt: QuantFormat, sub: int | str = "auto") -> int:
-    """Lanes sharing one block in `split_row_dot`: the knob `sub`, or by default ("auto") one lane per word of a
-    chunk, up to `SUB_MAX`. More lanes per block means fewer blocks per warp, so each warp-wide load touches fewer
-    cache lines: the H200 matvec is bound by L1 requests (ncu: L1 92 % busy, DRAM 22 %), and sub 1, 2, 4 took
-    85, 42, 26 µs on the 4096 x 14336 Q4_K matvec. Sub 8 (possible for Q4_K, Q5_K, Q8_0) did not pay: the same
-    matvec time as 4 when graph-timed (25.2 and 27.6 µs against 26.2 and 27.1 on the two Q4_K shapes), slower
-    when host-timed a day earlier (37.7 against 29.3), and prefill measured 5 % slower in the one run with it."""
+def use_runs(fmt: QuantFormat, runs: bool | int | str = "auto") -> bool:
+    """Whether `split_row_dot` gives each lane runs of words (knob runs; "auto": where chunks have at least two
+    runs of `RUN_WORDS`, so that at least two lanes share a block). Measured on the H200 (wide loads), graph-timed:
+    Q4_K 4096 x 14336 25.6 -> 20.6 µs, 14336 x 4096 25.5 -> 19.0, Q8_0 14336 x 4096 37.3 -> 22.7 (its words
+    are 16-bit pairs, but the activation codes load 16 bytes at a time); Q6_K, one lane per block with runs,
+    38.0 -> 53.8 µs."""
+    if runs == "auto":
+        wf = fmt_for(fmt)
+        return chunk_len(wf, finest_group(wf)) // 4 >= 2 * RUN_WORDS
+    return bool(int(runs))
+
+
+def sub_lanes(fmt: QuantFormat, sub: int | str = "auto", runs: bool | int | str = False) -> int:
+    """Lanes sharing one block in `split_row_dot`: the knob `sub`, or by default ("auto") with `runs` as many as
+    give each lane `RUN_WORDS` consecutive words of each chunk, else one lane per word of a chunk, up to
+    `SUB_MAX`. More lanes per block means fewer blocks per warp, so each warp-wide load touches fewer cache
+    lines: with interleaved words the H200 matvec is bound by L1 requests (ncu: L1 92 % busy, DRAM 22 %), and
+    sub 1, 2, 4 took 85, 42, 26 µs on the 4096 x 14336 Q4_K matvec. Sub 8 (possible for Q4_K, Q5_K, Q8_0) did
+    not pay: the same matvec time as 4 when graph-timed (25.2 and 27.6 µs against 26.2 and 27.1 on the two Q4_K
+    shapes), and prefill measured 5 % slower in the one run with it. Runs cut the requests instead: one 16-byte
+    load where interleaving issues four 4-byte ones."""
     if sub != "auto":
         return int(sub)
     wf = fmt_for(fmt)
-    return max(1, min(SUB_MAX, chunk_len(wf, finest_group(wf)) // 4))
+    words = chunk_len(wf, finest_group(wf)) // 4
+    if use_runs(fmt, runs):
+        return max(1, words // RUN_WORDS)
+    return max(1, min(SUB_MAX, words))
 
 
-def split_lanes(fmts, k: int, subgroup: int, sub: int | str = "auto") -> int:
+def split_lanes(fmts, k: int, subgroup: int, sub: int | str = "auto", runs: bool | int | str = False) -> int:
     """Group size for `split_row_dot`s over rows of length `k`: whole subgroups (at least 32 lanes) up to 128,
     as many as cover the units of the widest row."""
-    units = max(k // fmt_for(f).block_size * sub_lanes(f, sub) for f in fmts)
+    units = max(k // fmt_for(f).block_size * sub_lanes(f, sub, runs) for f in fmts)
     w = max(32, subgroup)
     return w * max(1, min(128 // w, -(-units // w)))
 
@@ -295,8 +336,8 @@ def _vec(e: Expr, ctx: tuple) -> tuple[Expr, int]:
     if isinstance(e, Load):
         if e.buf != wbuf or _coef(e.index, i0) != 1:
             raise _NoWide
-        index = _subst(e.index, i0, Var(i0) * 4)
-        return Call("load_u32", Var(wbuf), index, Const(_align(index, base, base_align))), 255
+        index = substitute(e.index, i0, Var(i0) * 4)
+        return Call("load_u32", Var(wbuf), index, Const(_align(index, {base: base_align}, 4))), 255
     if isinstance(e, Bin) and _is_int(e.b) and e.op in (">>", "<<", "&"):
         w, mx = _vec(e.a, ctx)
         s = e.b.value
@@ -318,18 +359,43 @@ def _vec(e: Expr, ctx: tuple) -> tuple[Expr, int]:
     raise _NoWide
 
 
-def _align(e: Expr, base: Expr, base_align: int) -> int:
-    """The largest of 4, 2, 1 known to divide the byte address `e` (`base` divisible by `base_align`)."""
-    if e == base:
-        return min(4, base_align)
-    if isinstance(e, Const) and isinstance(e.value, int):
+ALIGN_MAX = 16  # the widest load a target merges (16 bytes)
+
+
+def _align(e: Expr, known: dict, cap: int = ALIGN_MAX) -> int:
+    """The largest power of two up to `cap` known to divide the integer `e` (`known`: expression or variable
+    name -> a power of two dividing it)."""
+    if e in known:
+        return min(cap, known[e])
+    if isinstance(e, Var):
+        return min(cap, known.get(e.name, 1))
+    if isinstance(e, Const) and isinstance(e.value, int) and not isinstance(e.value, bool):
         v = e.value
-        return 4 if v % 4 == 0 else 2 if v % 2 == 0 else 1
-    if isinstance(e, Bin) and e.op == "+":
-        return min(_align(e.a, base, base_align), _align(e.b, base, base_align))
+        return cap if v == 0 else min(cap, v & -v)
+    if isinstance(e, Bin) and e.op in ("+", "-"):
+        return min(_align(e.a, known, cap), _align(e.b, known, cap))
     if isinstance(e, Bin) and e.op == "*":
-        return min(4, _align(e.a, base, base_align) * _align(e.b, base, base_align))
+        return min(cap, _align(e.a, known, cap) * _align(e.b, known, cap))
+    if isinstance(e, Bin) and e.op == "<<" and _is_int(e.b) and 0 <= e.b.value < 8:
+        return min(cap, _align(e.a, known, cap) << e.b.value)
     return 1
+
+
+def realign(stmts: list, wbuf: str, wknown: dict, act_buf: str | None, aknown: dict) -> list:
+    """`stmts` with the alignment promises of `load_u32` calls on `wbuf` (byte addresses) and of loads from
+    `act_buf` (u32 words, at most 4: 16 bytes) raised to what `_align` proves (never lowered): run once the
+    addresses are final, after `Decoder.walk` has substituted each lane's word index."""
+
+    def fn(e):
+        if isinstance(e, Call) and e.fn == "load_u32" and e.args[0] == Var(wbuf):
+            a = _align(e.args[1], wknown)
+            return Call("load_u32", e.args[0], e.args[1], Const(a)) if a > e.args[2].value else e
+        if isinstance(e, Load) and e.buf == act_buf:
+            a = _align(e.index, aknown, 4)
+            return Load(e.buf, e.index, a) if a > e.align else e
+        return e
+
+    return rewrite(stmts, fn)
 
 
 def _coef(e: Expr, i0: str) -> int | None:
@@ -354,25 +420,3 @@ def _coef(e: Expr, i0: str) -> int | None:
     if isinstance(e, Load):
         return 0 if _coef(e.index, i0) == 0 else None
     return None
-
-
-def _subst(e: Expr, name: str, repl: Expr) -> Expr:
-    if isinstance(e, Var):
-        return repl if e.name == name else e
-    if isinstance(e, Bin):
-        return Bin(e.op, _subst(e.a, name, repl), _subst(e.b, name, repl))
-    if isinstance(e, Load):
-        return Load(e.buf, _subst(e.index, name, repl))
-    if isinstance(e, Call):
-        return Call(e.fn, *(_subst(x, name, repl) for x in e.args))
-    if isinstance(e, Cast):
-        return Cast(e.dtype, _subst(e.a, name, repl))
-    if isinstance(e, Select):
-        return Select(_subst(e.cond, name, repl), _subst(e.a, name, repl), _subst(e.b, name, repl))
-    if isinstance(e, ToF32):
-        return ToF32(_subst(e.a, name, repl))
-    if isinstance(e, Table):
-        return Table(e.name, _subst(e.index, name, repl))
-    if isinstance(e, Const):
-        return e
-    raise _NoWide

@@ -9,9 +9,10 @@ and reuses them (from cache) for the whole token tile.
 GPU path (knob xq="kernel", the default with lanes > 1, for formats of the int8 path): two launches. A small
 kernel quantizes x once per matmul into scratch buffers (`quantize_x_kernel`: int8 codes packed 4 per u32 word,
 a scale per 32 values), then `matvec_q8_kernel`: one weight row per group, swept by all its lanes
-(`_matvec.split_row_dot`: `sub` lanes per block, neighbouring lanes on neighbouring words), each lane
-accumulating `dot4_i8(level word, code word)` per 4 elements (level words from aligned 4-byte loads by
-`_matvec`'s wide path) and scaling once per sub-block; the lanes' sums meet in a group Reduce. Knobs sub and
+(`_matvec.split_row_dot`: `sub` lanes per block, neighbouring lanes on neighbouring words, or on targets with
+wide loads each lane a run of 4 consecutive words, loaded 16 bytes at a time), each lane accumulating
+`dot4_i8(level word, code word)` per 4 elements (level words from aligned 4-byte loads by `_matvec`'s wide path)
+and scaling once per sub-block; the lanes' sums meet in a group Reduce. Knobs sub, runs (`_matvec.use_runs`) and
 lanes (group size; "auto" covers the row's units, 32 to 128). xq="inline" keeps the one-kernel schedule below
 (the CPU's, and what `matmul_kernel` builds).
 
@@ -41,6 +42,7 @@ from polystrata.codegen.recipes._matvec import (
     split_row_dot,
     sub_lanes,
     use_int8,
+    use_runs,
 )
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
@@ -65,9 +67,9 @@ from polystrata.ir.kernel import (
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 MATMUL_KNOBS = (("rows", "auto"), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"), ("xq", "auto"),
-                ("sub", "auto"), ("lanes", "auto"))
+                ("sub", "auto"), ("runs", "auto"), ("lanes", "auto"))
 # Knobs of the two-launch GPU path only (`_launches`); the rest are `matmul_kernel`'s.
-GPU_PATH_KNOBS = ("xq", "sub", "lanes")
+GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes")
 
 
 def matmul_kernel_knobs(kn: dict) -> dict:
@@ -197,6 +199,8 @@ def _knobs(ctx: RecipeContext, recipe: str) -> dict:
         kn["rows"] = 4 if ctx.lanes == 1 else 1
     if kn["xq"] == "auto":
         kn["xq"] = "inline" if ctx.lanes == 1 else "kernel"
+    if kn["runs"] == "auto" and not ctx.wide_loads:
+        kn["runs"] = 0  # runs of scalar loads coalesce worse than interleaved words
     return kn
 
 
@@ -211,9 +215,10 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
         qb = ctx.scratch("xq", "u32", ctx.t_max * k // 4)
         db = ctx.scratch("xd", "f32", ctx.t_max * (k // QB))
         qk = quantize_x_kernel(f"quantize_x_{k}", k)
-        lanes = split_lanes(fmts, k, ctx.subgroup, kn["sub"]) if kn["lanes"] == "auto" else int(kn["lanes"])
-        mk = matvec_q8_kernel(name + "_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"], epilogue=epilogue,
-                              lanes=lanes)
+        runs = kn["runs"]
+        lanes = split_lanes(fmts, k, ctx.subgroup, kn["sub"], runs) if kn["lanes"] == "auto" else int(kn["lanes"])
+        mk = matvec_q8_kernel(name + "_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"], runs=runs,
+                              epilogue=epilogue, lanes=lanes)
         return [Launch(qk, (("x", x), ("xq", qb), ("xd", db)), (("T", t_bind),)),
                 Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
     kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, **matmul_kernel_knobs(kn))
@@ -247,26 +252,28 @@ def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1) -> Kernel:
 
 
 def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, tokens: int, lanes: int,
-                     sub: int | str = "auto", epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+                     sub: int | str = "auto", runs: bool | int | str = "auto",
+                     epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t])) from pre-quantized activations (`quantize_x_kernel`).
 
     Grid (n, ceil(T / tokens)): one weight row per group, its dot products `_matvec.split_row_dot`s (a coalesced
-    sweep of the row by all lanes, `sub` lanes per block). For each token of the tile the row is swept again
-    (from cache).
+    sweep of the row by all lanes, `sub` lanes per block, each taking interleaved words or with `runs` a run of
+    consecutive words of each chunk). For each token of the tile the row is swept again (from cache).
     """
-    subs = [sub_lanes(f, sub) for f in fmts]
+    subs = [sub_lanes(f, sub, runs) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
     params = (Buf("xq", "u32"), Buf("xd", "f32"),
               *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True), Scalar("T"))
     act = Act("xq", k, "xq", "xd", packed=True)
     row, t = Var("g0"), Var("t0") + Var("t")
-    red = [split_row_dot(f"s{j}", f, w, row * elements_per_row_bytes(f, k), act, t, subs[j], f"w{j}_")
+    red = [split_row_dot(f"s{j}", f, w, row * elements_per_row_bytes(f, k), act, t, subs[j], f"w{j}_", runs)
            for j, (w, f) in enumerate(zip(wnames, fmts))]
     vals = [Var(f"s{j}") for j in range(len(fmts))]
     body = (Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - Var("t0"))),
             For("t", Const(0), Var("nt"), (*red, Store("y", t * n + row, epilogue(vals) if epilogue else vals[0]))))
     grid = (Const(n), (Var("T") + (tokens - 1)) // tokens)
-    knobs = (("tokens", tokens), ("int8", 1), ("xq", "kernel"), ("sub", ",".join(map(str, subs))))
+    knobs = (("tokens", tokens), ("int8", 1), ("xq", "kernel"), ("sub", ",".join(map(str, subs))),
+             ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)))
     return Kernel(name, params, grid, body, lanes=lanes, knobs=knobs,
                   doc=f"matvec int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
 

@@ -20,8 +20,9 @@ Expert e's matrix starts at byte e * rows * row_bytes of the 3-D weight tensor. 
 products come from `_matvec.block_dot` on f32 activations, lanes taking rows and walking the expert's tokens,
 with per-element partial sums, non-negative index masks and arithmetic f16 decoding as `linear` does. With more
 lanes (GPUs) and int8-path formats (knob xq), x and then h are quantized to int8 once (`linear.quantize_x_kernel`,
-two more launches) and each group sweeps one expert row with `_matvec.split_row_dot` (knob sub: lanes per
-block); other formats take a Reduce over each row's blocks on f32 activations. Knobs: rows, split, xq, sub.
+two more launches) and each group sweeps one expert row with `_matvec.split_row_dot` (knobs sub: lanes per
+block, runs: consecutive words per lane, see `_matvec.use_runs`); other formats take a Reduce over each row's
+blocks on f32 activations. Knobs: rows, split, xq, sub, runs.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from polystrata.codegen.recipes._matvec import (
     split_row_dot,
     sub_lanes,
     use_int8,
+    use_runs,
 )
 from polystrata.codegen.recipes.linear import quantize_x_kernel, silu
 from polystrata.ir.graph import Node
@@ -93,7 +95,7 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int) -> Kernel:
     return Kernel(name, params, (Var("T"),), tuple(body), lanes=lanes, local=(LocalArray("p", "f32", e),))
 
 
-MOE_KNOBS = (("rows", 4), ("split", "auto"), ("xq", "auto"), ("sub", "auto"))
+MOE_KNOBS = (("rows", 4), ("split", "auto"), ("xq", "auto"), ("sub", "auto"), ("runs", "auto"))
 
 
 def list_words(n_exp: int, cap: int) -> int:
@@ -221,16 +223,16 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
 
 
 def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
-                     per_token: bool, sub: int | str, lanes: int,
+                     per_token: bool, sub: int | str, lanes: int, runs: bool | int | str = "auto",
                      epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
     """`expert_kernel` from int8 activations (`linear.quantize_x_kernel`'s buffers; GPU path): grid (experts
     with entries, n), one weight row per group, each dot product a `_matvec.split_row_dot` over the row."""
-    subs = [sub_lanes(f, sub) for f in fmts]
+    subs = [sub_lanes(f, sub, runs) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
     act = Act("xq", kd, "xq", "xd", packed=True)
     ex, row, ent = Var("ex"), Var("g1"), Var("ent")
     red = [split_row_dot(f"s{j}", f, w, (ex * n + row) * elements_per_row_bytes(f, kd), act, Var("ta"), subs[j],
-                         f"w{j}_") for j, (w, f) in enumerate(zip(wnames, fmts))]
+                         f"w{j}_", runs) for j, (w, f) in enumerate(zip(wnames, fmts))]
     vals = [Var(f"s{j}") for j in range(len(fmts))]
     body = [For("j", Const(0), Load("lst", ex), (
         Let("ent", Load("lst", Const(n_exp) + ex * cap + Var("j"))),
@@ -241,7 +243,8 @@ def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int,
     params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("lst", "i32"),
               *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("out", "f32", out=True), Scalar("T"))
     return Kernel(name, params, _active_grid(n_exp, k, Const(n)), tuple(_active_expert(n_exp, cap, body)),
-                  lanes=lanes, knobs=(("sub", ",".join(map(str, subs))), ("xq", "kernel")),
+                  lanes=lanes, knobs=(("sub", ",".join(map(str, subs))),
+                                      ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)), ("xq", "kernel")),
                   doc=f"moe expert matvec int8 {'+'.join(f.name for f in fmts)} [{n_exp}x{n}x{kd}]")
 
 
@@ -295,14 +298,18 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
             and dm % QB == 0 and ff % QB == 0):
         # GPU path: x and then h quantized to int8 once (as `linear` does), each expert row swept by all lanes.
         sub = ctx.knob("moe_ffn", "sub", "auto")
+        runs = ctx.knob("moe_ffn", "runs", "auto")
+        if runs == "auto" and not ctx.wide_loads:
+            runs = 0  # runs of scalar loads coalesce worse than interleaved words
         qb = ctx.scratch("xq", "u32", max(t_max * dm, cap * ff) // 4)
         xd = ctx.scratch("xd", "f32", max(t_max * dm, cap * ff) // QB)
         qbufs = (("xq", qb), ("xd", xd))
         kgu = expert_q8_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}_q8".lower(), [fg, fu], n_exp, ff, dm, k, cap,
-                               per_token=True, sub=sub, lanes=split_lanes([fg, fu], dm, ctx.subgroup, sub),
+                               per_token=True, sub=sub, runs=runs,
+                               lanes=split_lanes([fg, fu], dm, ctx.subgroup, sub, runs),
                                epilogue=gateup)
         kd = expert_q8_kernel(f"moe_down_{fd.name}_{tag}_q8".lower(), [fd], n_exp, dm, ff, k, cap, per_token=False,
-                              sub=sub, lanes=split_lanes([fd], ff, ctx.subgroup, sub))
+                              sub=sub, runs=runs, lanes=split_lanes([fd], ff, ctx.subgroup, sub, runs))
         return [
             group,
             Launch(quantize_x_kernel(f"quantize_x_{dm}", dm), (("x", ctx.buf(x)), *qbufs), (("T", tb),)),

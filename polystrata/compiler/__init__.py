@@ -23,7 +23,8 @@ def compile_plans(
     formats = {name: t.fmt for name, t in file.tensors.items()}
     kv = KV_FORMATS[kv_type]
     return {
-        id(g): build_plan(g, formats, kv, n_ctx, PREFILL_CHUNK, runtime.lanes, runtime.subgroup) for g in graphs
+        id(g): build_plan(g, formats, kv, n_ctx, PREFILL_CHUNK, runtime.lanes, runtime.subgroup,
+                          wide_loads=runtime.wide_loads) for g in graphs
     }
 
 

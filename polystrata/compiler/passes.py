@@ -71,8 +71,10 @@ def build_plan(
     lanes: int,
     subgroup: int,
     knobs: dict | None = None,
+    wide_loads: bool = False,
 ) -> Plan:
-    """Compile `graph` into a plan for a target with `lanes` work-items per group."""
+    """Compile `graph` into a plan for a target with `lanes` work-items per group (`wide_loads`: see
+    `Runtime.wide_loads`)."""
     items = match_recipes(graph)
     # Aliases: a reshape's output lives in its input's buffer.
     root: dict[int, Value] = {}
@@ -136,7 +138,7 @@ def build_plan(
 
     ctx = RecipeContext(
         lanes=lanes, subgroup=subgroup, kv_format=kv_format, n_ctx=n_ctx, buffer_names=names,
-        weight_formats=weight_formats, knobs=knobs or {}, t_max=t_max,
+        weight_formats=weight_formats, knobs=knobs or {}, t_max=t_max, wide_loads=wide_loads,
     )
     launches = []
     recipes_used = []
