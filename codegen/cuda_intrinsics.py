@@ -68,6 +68,14 @@ def f32_to_f16(typingctx, x):
     return types.uint32(x), codegen
 
 
+def _element_pointer(context, builder, signature, args):
+    """Pointer to element `args[1]` of the array `args[0]` (no bounds or wrap-around handling: IR indices are
+    in bounds and non-negative)."""
+    ary = context.make_array(signature.args[0])(context, builder, value=args[0])
+    idx = builder.zext(args[1], ir.IntType(64)) if args[1].type.width < 64 else args[1]
+    return builder.gep(ary.data, [idx])
+
+
 def _word_load(width: int, count: int, align: int | None = None):
     """An intrinsic loading `count` little-endian `width`-bit words at a byte offset of a u8 array into a u32;
     the first load is declared aligned to `align` bytes (default: the word's), which lets NVVM merge it with
@@ -80,10 +88,8 @@ def _word_load(width: int, count: int, align: int | None = None):
         sig = types.uint32(arr, index)
 
         def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, value=args[0])
             i64 = ir.IntType(64)
-            idx = builder.zext(args[1], i64) if args[1].type.width < 64 else args[1]
-            byte_ptr = builder.gep(ary.data, [idx])
+            byte_ptr = _element_pointer(context, builder, signature, args)
             wt = ir.IntType(width)
             ptr = builder.bitcast(byte_ptr, wt.as_pointer())
             out = None
@@ -118,10 +124,7 @@ def _aligned_element(align: int):
         sig = arr.dtype(arr, index)
 
         def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, value=args[0])
-            i64 = ir.IntType(64)
-            idx = builder.zext(args[1], i64) if args[1].type.width < 64 else args[1]
-            return builder.load(builder.gep(ary.data, [idx]), align=align)
+            return builder.load(_element_pointer(context, builder, signature, args), align=align)
 
         return sig, codegen
 
