@@ -61,3 +61,16 @@ def test_gpu_plan_quantizes_the_attention_input_once_per_layer(tmp_path):
     # ffn norm output and the activation product: four quantizations, plus the output head's.
     assert len(matvec) == 6 * n_layer + 1
     assert len(quantize) == 4 * n_layer + 1
+
+
+def test_runs_layout_only_on_wide_load_targets(tmp_path):
+    """Q8_0 matvecs take runs of words where the target merges aligned loads (cuda), interleaved words elsewhere."""
+    path = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=1)
+    f = GGUFFile(path)
+    graph = build_graph(f.metadata, tensor_table(f), all_logits=False)
+    formats = {name: t.fmt for name, t in f.tensors.items()}
+    for wide in (False, True):
+        plan = build_plan(graph, formats, Q.KV_FORMATS["f16"], 64, 16, 128, 32, wide_loads=wide)
+        runs = {r for la in plan.launches if la.kernel.name.endswith("_q8")
+                for r in la.kernel.knob_dict["runs"].split(",")}  # one per weight (gate+up: two)
+        assert runs == {str(int(wide))}, (wide, runs)

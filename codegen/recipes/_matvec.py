@@ -242,6 +242,13 @@ def use_runs(fmt: QuantFormat, runs: bool | int | str = "auto") -> bool:
     return bool(int(runs))
 
 
+def runs_for_target(runs: bool | int | str, wide_loads: bool) -> bool | int | str:
+    """The knob runs as a target takes it: "auto" (per format, `use_runs`) where the target merges aligned loads
+    (`RecipeContext.wide_loads`), else off: runs of scalar loads coalesce worse than interleaved words (through
+    NVRTC, which does not merge them, the Q4_K matvec took 48.7 µs with runs against 30.2 without)."""
+    return 0 if runs == "auto" and not wide_loads else runs
+
+
 def sub_lanes(fmt: QuantFormat, sub: int | str = "auto", runs: bool | int | str = False) -> int:
     """Lanes sharing one block in `split_row_dot`: the knob `sub`, or by default ("auto") with `runs` as many as
     give each lane `RUN_WORDS` consecutive words of each chunk, else one lane per word of a chunk, up to

@@ -38,6 +38,7 @@ from polystrata.codegen.recipes._matvec import (
     fmt_for,
     nonneg_mask,
     quantize_x,
+    runs_for_target,
     split_lanes,
     split_row_dot,
     sub_lanes,
@@ -199,8 +200,7 @@ def _knobs(ctx: RecipeContext, recipe: str) -> dict:
         kn["rows"] = 4 if ctx.lanes == 1 else 1
     if kn["xq"] == "auto":
         kn["xq"] = "inline" if ctx.lanes == 1 else "kernel"
-    if kn["runs"] == "auto" and not ctx.wide_loads:
-        kn["runs"] = 0  # runs of scalar loads coalesce worse than interleaved words
+    kn["runs"] = runs_for_target(kn["runs"], ctx.wide_loads)
     return kn
 
 

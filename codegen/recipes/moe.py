@@ -37,6 +37,7 @@ from polystrata.codegen.recipes._matvec import (
     block_dot,
     fmt_for,
     nonneg_mask,
+    runs_for_target,
     split_lanes,
     split_row_dot,
     sub_lanes,
@@ -298,9 +299,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
             and dm % QB == 0 and ff % QB == 0):
         # GPU path: x and then h quantized to int8 once (as `linear` does), each expert row swept by all lanes.
         sub = ctx.knob("moe_ffn", "sub", "auto")
-        runs = ctx.knob("moe_ffn", "runs", "auto")
-        if runs == "auto" and not ctx.wide_loads:
-            runs = 0  # runs of scalar loads coalesce worse than interleaved words
+        runs = runs_for_target(ctx.knob("moe_ffn", "runs", "auto"), ctx.wide_loads)
         qb = ctx.scratch("xq", "u32", max(t_max * dm, cap * ff) // 4)
         xd = ctx.scratch("xd", "f32", max(t_max * dm, cap * ff) // QB)
         qbufs = (("xq", qb), ("xd", xd))
