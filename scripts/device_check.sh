@@ -41,10 +41,22 @@ if [[ " $STAGES " == *" tests "* ]]; then
 fi
 
 if [[ " $STAGES " == *" parity "* ]]; then
-    # Real models travel in .models/ (carried; see docs/benchmarks.md); llama.cpp's fixtures are in the repo.
-    for t in cuda hip opencl; do
-        [ -f .models/SmolLM2-135M-Instruct.Q4_1.gguf ] && python3 -m polystrata parity .models/SmolLM2-135M-Instruct.Q4_1.gguf \
-            --fixtures tests/data/fixtures/reference/smollm2 --target "$t" 2>&1 | tee -a "$LOG" | tail -3
+    # Real models travel in .models/, whole or split into parts (FILE.part-00, -01, ...) carried over consecutive
+    # calls to the warm machine (see docs/benchmarks.md). They go into the zoo's cache, where the zoo checks their
+    # pinned sha256 before use; llama.cpp's fixtures are in the repo.
+    mkdir -p "$POLYSTRATA_HOME/models"
+    for f in SmolLM2-135M-Instruct.Q4_1.gguf gemma-3-270m-q4_k_m.gguf; do
+        if [ -f ".models/$f" ]; then cp ".models/$f" "$POLYSTRATA_HOME/models/$f"
+        elif compgen -G ".models/$f.part-*" > /dev/null; then cat ".models/$f".part-* > "$POLYSTRATA_HOME/models/$f"; fi
+    done
+    for entry in smollm2-135m:smollm2 gemma3-270m:gemma3; do
+        name=${entry%%:*}
+        python3 -c "import sys; from polystrata.zoo import is_cached; sys.exit(not is_cached('$name'))" 2>/dev/null \
+            || { echo "parity $name: model not carried (or its sha256 is wrong)" | tee -a "$LOG"; continue; }
+        for t in cuda hip opencl; do
+            timeout 600 python3 -m polystrata parity "$name" --fixtures "tests/data/fixtures/reference/${entry##*:}" \
+                --target "$t" 2>&1 | tee -a "$LOG" | tail -3
+        done
     done
     grep -E "^parity" "$LOG" | while read -r line; do row "${line%%:*}" "${line#*:}"; done
 fi
