@@ -388,7 +388,24 @@ def test_nvrtc_compiles_every_construct(kern):
     assert ck.source.startswith(cuda_prelude()) and "sm_90, wave 32" in ck.source
     assert ck.source.endswith(render(kern, "sm_90"))  # the HIP renderer's source, unchanged
     if kern.name == "intr":
-        assert "__builtin_amdgcn_sdot4" in ck.source  # -> __dp4a through the prelude
+        assert "__builtin_amdgcn_sdot4" in ck.source  # -> PTX dp4a through the prelude
+
+
+@nv
+def test_nvrtc_reuses_loads_across_dp4a():
+    """The prelude's dp4a is asm NVRTC may move: the Q4_K matvec's PTX reuses each weight word for the low and
+    high nibbles (36 global loads a lane and block; CUDA's volatile __dp4a left 76)."""
+    import re
+
+    from polystrata.codegen.recipes.linear import matvec_q8_kernel
+    from polystrata.ir.quant import FORMATS
+
+    kern = matvec_q8_kernel("t_mv", [FORMATS["Q4_K"]], 4096, 4096, tokens=1, lanes=128, runs=0)
+    rt = hiprt.HIPRuntime("sm_90", compile_only=True)
+    opts = [o.replace("sm_90", "compute_90") if o.startswith("--gpu") else o for o in rt.options]
+    ptx = hipnv.nvrtc_compile(rt.render(kern), kern.name, "sm_90", opts, ptx=True).decode(errors="replace")
+    assert len(re.findall(r"\bdp4a\.s32\.s32\b", ptx)) == 32
+    assert len(re.findall(r"\bld\.global\.", ptx)) <= 40
 
 
 @nv
