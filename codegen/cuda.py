@@ -19,7 +19,7 @@ import math
 
 from polystrata.codegen.cfamily import CPrinter
 from polystrata.codegen.pyfamily import NUMPY_DTYPES, PyPrinter
-from polystrata.ir.kernel import Call, Const, Kernel, LaneFor, Load, Reduce, Store, buffers_read, walk
+from polystrata.ir.kernel import Call, Const, Kernel, LaneFor, Load, Reduce, Store, buffers_read, promised_bytes, walk
 
 WARP = 32
 _FULL = "0xFFFFFFFF"
@@ -58,9 +58,8 @@ class CUDAPrinter(PyPrinter):
         if (self.native and isinstance(x, Call) and x.fn == "load_u32" and isinstance(x.args[2], Const)
                 and x.args[2].value in (2, 4, 8, 16)):
             return f"np.int64(load_u32_a{x.args[2].value}({x.args[0].name}, np.uint64({self.e(x.args[1])})))"
-        if (self.native and isinstance(x, Load) and x.buf not in self.local_names
-                and self.k.dtype_of(x.buf) in ("f32", "i32", "u32") and x.align > 1):
-            v = f"load_a{min(16, 4 * x.align)}({x.buf}, np.uint64({self.e(x.index)}))"
+        if self.native and isinstance(x, Load) and promised_bytes(self.k, x):
+            v = f"load_a{promised_bytes(self.k, x)}({x.buf}, np.uint64({self.e(x.index)}))"
             return v if self.k.dtype_of(x.buf) == "f32" else f"np.int64({v})"
         return super().e(x)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from polystrata.codegen.cfamily import CPrinter
-from polystrata.ir.kernel import Kernel, Load
+from polystrata.ir.kernel import Kernel, Load, promised_bytes
 
 # Architectures whose ISA has v_dot4_i32_i8 (LLVM's dot1-insts; checked with hiprtc for the ROCm 5.2 ones).
 SDOT4_ARCHS = frozenset({"gfx906", "gfx908", "gfx90a", "gfx1011", "gfx1012", "gfx1030", "gfx1031", "gfx1032",
@@ -105,11 +105,10 @@ class HIPPrinter(CPrinter):
 
     def e(self, x) -> str:
         # A load promised 8- or 16-byte aligned says so, so the compiler can merge a run into one vector load.
-        if isinstance(x, Load) and x.align > 1 and x.buf not in self.local_names \
-                and self.k.dtype_of(x.buf) in ("f32", "i32", "u32"):
+        if isinstance(x, Load) and promised_bytes(self.k, x):
             t = self.ctypes[self.k.dtype_of(x.buf)]
             at = f"{self.lookup_buf(x.buf)} + ({self.e(x.index)})"
-            return f"(*(const {t} *)__builtin_assume_aligned({at}, {min(16, 4 * x.align)}))"
+            return f"(*(const {t} *)__builtin_assume_aligned({at}, {promised_bytes(self.k, x)}))"
         return super().e(x)
 
     def group_id(self, d: int) -> str:

@@ -402,6 +402,15 @@ def buffers_read(k: Kernel) -> set[str]:
     return out
 
 
+def promised_bytes(k: Kernel, load: Load) -> int:
+    """The byte alignment a load's `align` promises (4 bytes an element, 16 at most) where a target may act on
+    it: a load from a buffer parameter of 4-byte elements; 0 otherwise (no promise, a local array, a narrower
+    dtype)."""
+    if load.align == 1 or any(a.name == load.buf for a in k.local) or k.dtype_of(load.buf) not in ("f32", "i32", "u32"):
+        return 0
+    return min(16, 4 * load.align)
+
+
 def dump(k: Kernel) -> str:
     """Readable text form of a kernel (for artifacts and debugging)."""
     lines = [f"kernel {k.name}({', '.join(_pstr(p) for p in k.params)})"]
@@ -473,7 +482,7 @@ def expr_str(e: Expr) -> str:
 __all__ = [
     "Assign", "Bin", "Buf", "Call", "Cast", "Const", "Decl", "For", "GRID_VARS", "If", "Kernel", "KernelError",
     "LaneFor", "Let", "Load", "LocalArray", "Reduce", "Scalar", "Select", "Store", "ToF32", "Var", "dump",
-    "expr_nodes", "expr_str", "loads", "rewrite", "stmt_exprs", "substitute", "verify", "walk",
+    "expr_nodes", "expr_str", "loads", "promised_bytes", "rewrite", "stmt_exprs", "substitute", "verify", "walk",
 ]
 
 

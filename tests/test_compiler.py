@@ -47,12 +47,15 @@ def test_in_place_launch_is_never_dropped():
     assert drop_repeated_launches([bump, bump]) == [bump, bump]
 
 
+def _tiny_llama(tmp_path):
+    """(GGUF file, decode graph, tensor formats) of a tiny synthetic Q8_0 llama."""
+    f = GGUFFile(synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=1))
+    return f, build_graph(f.metadata, tensor_table(f), all_logits=False), {n: t.fmt for n, t in f.tensors.items()}
+
+
 def test_gpu_plan_quantizes_the_attention_input_once_per_layer(tmp_path):
     """q, k and v read one normalized x: on GPU-shaped plans one quantize launch serves all three matmuls."""
-    path = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=1)
-    f = GGUFFile(path)
-    graph = build_graph(f.metadata, tensor_table(f), all_logits=False)
-    formats = {name: t.fmt for name, t in f.tensors.items()}
+    f, graph, formats = _tiny_llama(tmp_path)
     plan = build_plan(graph, formats, Q.KV_FORMATS["f16"], 64, 16, 128, 32)
     n_layer = int(f.metadata["llama.block_count"])
     quantize = [la for la in plan.launches if la.kernel.name.startswith("quantize_x")]
@@ -65,10 +68,7 @@ def test_gpu_plan_quantizes_the_attention_input_once_per_layer(tmp_path):
 
 def test_runs_layout_only_on_wide_load_targets(tmp_path):
     """Q8_0 matvecs take runs of words where the target merges aligned loads (cuda), interleaved words elsewhere."""
-    path = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=1)
-    f = GGUFFile(path)
-    graph = build_graph(f.metadata, tensor_table(f), all_logits=False)
-    formats = {name: t.fmt for name, t in f.tensors.items()}
+    _, graph, formats = _tiny_llama(tmp_path)
     for wide in (False, True):
         plan = build_plan(graph, formats, Q.KV_FORMATS["f16"], 64, 16, 128, 32, wide_loads=wide)
         runs = {r for la in plan.launches if la.kernel.name.endswith("_q8")

@@ -402,8 +402,7 @@ def test_nvrtc_reuses_loads_across_dp4a():
 
     kern = matvec_q8_kernel("t_mv", [FORMATS["Q4_K"]], 4096, 4096, tokens=1, lanes=128, runs=0)
     rt = hiprt.HIPRuntime("sm_90", compile_only=True)
-    opts = [o.replace("sm_90", "compute_90") if o.startswith("--gpu") else o for o in rt.options]
-    ptx = hipnv.nvrtc_compile(rt.render(kern), kern.name, "sm_90", opts, ptx=True).decode(errors="replace")
+    ptx = hipnv.nvrtc_compile(rt.render(kern), kern.name, "sm_90", rt.options, ptx=True).decode(errors="replace")
     assert len(re.findall(r"\bdp4a\.s32\.s32\b", ptx)) == 32
     assert len(re.findall(r"\bld\.global\.", ptx)) <= 40
 

@@ -215,9 +215,9 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
         qb = ctx.scratch("xq", "u32", ctx.t_max * k // 4)
         db = ctx.scratch("xd", "f32", ctx.t_max * (k // QB))
         qk = quantize_x_kernel(f"quantize_x_{k}", k)
-        runs = kn["runs"]
-        lanes = split_lanes(fmts, k, ctx.subgroup, kn["sub"], runs) if kn["lanes"] == "auto" else int(kn["lanes"])
-        mk = matvec_q8_kernel(name + "_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"], runs=runs,
+        lanes = split_lanes(fmts, k, ctx.subgroup, kn["sub"], kn["runs"]) if kn["lanes"] == "auto" \
+            else int(kn["lanes"])
+        mk = matvec_q8_kernel(name + "_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"], runs=kn["runs"],
                               epilogue=epilogue, lanes=lanes)
         return [Launch(qk, (("x", x), ("xq", qb), ("xd", db)), (("T", t_bind),)),
                 Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
