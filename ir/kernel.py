@@ -496,11 +496,15 @@ class Launch:
     `buffers` maps each `Buf` parameter to a plan buffer name (see `polystrata/compiler/plan.py`); `scalars`
     maps each `Scalar` parameter to a constant or to a step symbol resolved at run time: "T" (tokens in this
     step), "n_past" (tokens already in the KV cache), "n_kv" (n_past + T).
+
+    `provides`: launches whose whole effect this one also has (a norm that also writes its output quantized for
+    the next matmuls): the compiler drops later copies of them, as it drops repeated launches.
     """
 
     kernel: Kernel
     buffers: tuple[tuple[str, str], ...]
     scalars: tuple[tuple[str, int | float | str], ...] = ()
+    provides: tuple[Launch, ...] = ()
 
     def __post_init__(self):
         bound = {n for n, _ in self.buffers} | {n for n, _ in self.scalars}

@@ -53,17 +53,33 @@ def _tiny_llama(tmp_path):
     return f, build_graph(f.metadata, tensor_table(f), all_logits=False), {n: t.fmt for n, t in f.tensors.items()}
 
 
-def test_gpu_plan_quantizes_the_attention_input_once_per_layer(tmp_path):
-    """q, k and v read one normalized x: on GPU-shaped plans one quantize launch serves all three matmuls."""
+def test_gpu_plan_fuses_quantization_and_stacks_qkv(tmp_path):
+    """GPU-shaped plans: q, k and v are one stacked matvec; the norms write the int8 activations their matmuls
+    read (the quantize launches they provide are dropped), so only the attention output and the FFN activation
+    product are quantized by launches of their own."""
     f, graph, formats = _tiny_llama(tmp_path)
     plan = build_plan(graph, formats, Q.KV_FORMATS["f16"], 64, 16, 128, 32)
     n_layer = int(f.metadata["llama.block_count"])
-    quantize = [la for la in plan.launches if la.kernel.name.startswith("quantize_x")]
-    matvec = [la for la in plan.launches if la.kernel.name.endswith("_q8")]
-    # Per layer: q, k, v, o, gate+up, down are int8 matvecs; their inputs are x_norm (q, k, v), attention output,
-    # ffn norm output and the activation product: four quantizations, plus the output head's.
-    assert len(matvec) == 6 * n_layer + 1
-    assert len(quantize) == 4 * n_layer + 1
+    names = [la.kernel.name for la in plan.launches]
+    quantize = [n for n in names if n.startswith("quantize_x")]
+    matvec = [n for n in names if n.endswith("_q8")]
+    # Per layer: q+k+v (one launch), o, gate+up, down; then the output head.
+    assert len(matvec) == 4 * n_layer + 1
+    assert sum(n.startswith("matmul_stack_") for n in names) == n_layer
+    assert len(quantize) == 2 * n_layer
+    # Each layer's two norms and the output norm write the activations of the matmuls after them.
+    assert sum(n.startswith("rms_norm") and "_q8_" in n for n in names) == 2 * n_layer + 1
+    for i, n in enumerate(names):
+        if n.startswith("matmul_stack_") or n.startswith("glu_") or n == names[-1]:
+            assert names[i - 1].startswith("rms_norm"), (i, n, names[i - 1])
+
+
+def test_provided_launch_is_dropped_until_its_buffers_change():
+    """A launch that `provides` another's effect stands in for it, as an earlier identical launch would."""
+    q = _copy_launch("y", "yq")
+    norm = Launch(_copy(), (("src", "x"), ("dst", "y")), (("n", "T"),), provides=(q,))
+    assert drop_repeated_launches([norm, q]) == [norm]
+    assert drop_repeated_launches([norm, _copy_launch("u", "y"), q]) == [norm, _copy_launch("u", "y"), q]
 
 
 def test_runs_layout_only_on_wide_load_targets(tmp_path):

@@ -126,14 +126,15 @@ def test_embed(rt, fmt_name):
 # --- graph-level recipes: lower a one-op graph through its recipe ---------------------------------------------
 
 
-def _ctx(g: Graph, kv="f16", n_ctx=64, formats=None):
+def _ctx(g: Graph, kv="f16", n_ctx=64, formats=None, lanes=1):
+    """A recipe context over `g`'s values (lanes > 1: GPU-shaped, with warps of 32)."""
     names = {}
     for v in g.inputs:
         names[id(v)] = v.name
     for nd in g.nodes:
         names[id(nd.output)] = nd.output.name
-    return RecipeContext(lanes=1, subgroup=1, kv_format=Q.KV_FORMATS[kv], n_ctx=n_ctx, buffer_names=names,
-                         weight_formats=formats or {})
+    return RecipeContext(lanes=lanes, subgroup=min(lanes, 32), kv_format=Q.KV_FORMATS[kv], n_ctx=n_ctx,
+                         buffer_names=names, weight_formats=formats or {}, t_max=16)
 
 
 def _recipe(name):
@@ -190,6 +191,31 @@ def test_matvec_q8_formats(rt, fmt_name):
             ref = xq @ wd.T.astype(np.float64)
             bound = 1e-4 * (np.abs(xq) @ np.abs(wd.T)) + 1e-5
             assert np.all(np.abs(y - ref) <= bound), (fmt_name, sub, runs, t, float(np.max(np.abs(y - ref) - bound)))
+
+
+def test_stacked_matvecs(rt):
+    """q, k and v of one input as one stacked launch (GPU path): each weight's rows, in its own format, land in its
+    own output, within the int8 rounding of the activations."""
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped kernels (the CPU lowers each matmul on its own)")
+    g = Graph("t")
+    k = 256
+    x = g.input("x", "f32", ("T", k))
+    shapes = {"wq": ("Q4_K", 19), "wk": ("Q6_K", 7), "wv": ("Q8_0", 5)}
+    for name, (fmt_name, n) in shapes.items():
+        g.op("matmul", x, g.weight(name, fmt_name, (n, k)), name=f"y{name}")
+    ctx = _ctx(g, formats={nm: Q.FORMATS[f] for nm, (f, _) in shapes.items()}, lanes=32)
+    launches = _recipe("matmul_stack3").lower(g.nodes, ctx)
+    assert [la.kernel.name.startswith("matmul_stack") for la in launches] == [False, True]
+    weights = {nm: _weight(f, n, k, seed) for seed, (nm, (f, n)) in enumerate(shapes.items())}
+    for t in (1, 5):
+        xv = np.random.default_rng(t).standard_normal((t, k)).astype(np.float32)
+        outs = {f"y{nm}": ((t, n), "f32") for nm, (_, n) in shapes.items()}
+        outs |= {"scratch.xq": ((16 * k // 4,), "u32"), "scratch.xd": ((16 * k // 32,), "f32")}
+        y = _run_launches(rt, launches, {"x": xv.reshape(-1), **{nm: w[1] for nm, w in weights.items()}}, {"T": t},
+                          outs)
+        for nm, (_, _, wd) in weights.items():
+            assert np.all(np.abs(y[f"y{nm}"] - xv @ wd.T) <= _int8_bound(xv, wd)), (nm, t)
 
 
 @pytest.mark.parametrize("fmt_name", ["Q4_K", "Q5_K", "Q8_0", "Q4_1"])
@@ -307,6 +333,41 @@ def test_rms_norm(rt, fused, heads):
             np.testing.assert_array_equal(out["s"], src)
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_rms_norm_writes_int8_activations(rt, fused):
+    """GPU path: the norm also writes its output quantized as the next matmuls read it, the very codes and scales
+    of the quantize launch it stands in for (`provides`)."""
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped plans only")
+    g = Graph("t")
+    d = 320
+    x = g.input("x", "f32", ("T", d))
+    w = g.weight("w", "F32", (d,))
+    if fused:
+        s = g.op("add", x, g.input("r", "f32", ("T", d)), name="s")
+        g.op("rms_norm", s, w, eps=1e-5, name="o")
+        (norm,) = _recipe("add_rms_norm").lower(g.nodes, _ctx(g, lanes=32))
+    else:
+        g.op("rms_norm", x, w, eps=1e-5, name="o")
+        (norm,) = _recipe("rms_norm").lower(g.nodes, _ctx(g, lanes=32))
+    (quant,) = norm.provides
+    assert dict(quant.buffers)["x"] == "o" and "_q8_" in norm.kernel.name
+    for t in (1, 3):
+        rng = np.random.default_rng(t)
+        xv, rv = rng.standard_normal((2, t, d)).astype(np.float32)
+        xv[0, :32] = 0.0  # an all-zero block: scale 0, codes 0
+        wv = rng.standard_normal(d).astype(np.float32)
+        bufs = {"x": xv.reshape(-1), "w": wv, "r": rv.reshape(-1)}
+        qouts = {"scratch.xq": ((t * d // 4,), "u32"), "scratch.xd": ((t * d // 32,), "f32")}
+        sums = {"s": ((t, d), "f32")} if fused else {}
+        out = _run_launches(rt, [norm], bufs, {"T": t}, {"o": ((t, d), "f32"), **sums, **qouts})
+        ref = R._IMPLS["rms_norm"](None, g.nodes[-1], [xv + rv if fused else xv, wv])
+        np.testing.assert_allclose(out["o"], ref, rtol=1e-4, atol=1e-5)
+        sep = _run_launches(rt, [quant], {"o": out["o"].reshape(-1)}, {"T": t}, qouts)
+        np.testing.assert_array_equal(out["scratch.xd"], sep["scratch.xd"])
+        np.testing.assert_array_equal(out["scratch.xq"], sep["scratch.xq"])
+
+
 @pytest.mark.parametrize("mode,dims", [("normal", 64), ("neox", 64), ("neox", 32)])
 def test_rope(rt, mode, dims):
     g = Graph("t")
@@ -346,7 +407,7 @@ def test_attention(rt, kv, gqa, window, softcap, lanes, splits):
     ctx.lanes, ctx.subgroup = lanes, (32 if lanes > 1 else 1)
     ctx.knobs = {"attention": {"splits": splits}}
     launches = _recipe("attention").lower(g.nodes, ctx)
-    assert len(launches) == (4 if splits > 1 else 3)
+    assert len(launches) == (3 if splits > 1 else 2)  # K/V store, attention, [combine]
     fmt = Q.KV_FORMATS[kv]
     kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
     ex = R.ReferenceExecutor({}, n_ctx)
@@ -372,16 +433,87 @@ def test_attention(rt, kv, gqa, window, softcap, lanes, splits):
         n_past += t
 
 
-@pytest.mark.parametrize("norm", [True, False])
-def test_router(rt, norm):
+@pytest.mark.parametrize("kv,mode,dims,lanes,qk_norm", [
+    ("f16", "normal", 64, 1, False), ("q8_0", "neox", 32, 1, True), ("f16", "neox", 64, 128, True),
+    ("q8_0", "normal", 48, 128, False)])
+def test_rope_attention(rt, kv, mode, dims, lanes, qk_norm):
+    """[per-head RMS norms of q and k,] rope(q), rope(k), attention fused (the K/V store norms and ropes q and K on
+    the way) against the reference running the ops one by one: prefill, then decode steps. GPU-shaped: split-K, and the combine also writes the output as
+    the output projection's int8 activations, the very codes of the quantize launch it provides."""
+    if lanes > 1 and rt.lanes == 1:
+        pytest.skip("GPU-shaped kernels")
+    hkv, d, hq, n_ctx = 2, 64, 6, 32
     g = Graph("t")
-    x = g.input("x", "f32", ("T", 8))
+    q = g.input("q", "f32", ("T", hq, d))
+    k = g.input("k", "f32", ("T", hkv, d))
+    v = g.input("v", "f32", ("T", hkv, d))
+    pos = g.input("positions", "i32", ("T",))
+    rope = dict(base=10000.0, dims=dims, mode=mode, freq_scale=0.5)
+    rng = np.random.default_rng(3)
+    weights = {}
+    if qk_norm:
+        weights = {"qn": rng.standard_normal(d).astype(np.float32), "kn": rng.standard_normal(d).astype(np.float32)}
+        q = g.op("rms_norm", q, g.weight("qn", "F32", (d,)), eps=1e-6, name="qnorm")
+        k = g.op("rms_norm", k, g.weight("kn", "F32", (d,)), eps=1e-6, name="knorm")
+    qr = g.op("rope", q, pos, name="qr", **rope)
+    kr = g.op("rope", k, pos, name="kr", **rope)
+    g.op("attention", qr, kr, v, pos, layer=0, scale=0.125, window=0, softcap=0.0, name="o")
+    ctx = _ctx(g, kv=kv, n_ctx=n_ctx, lanes=lanes)
+    ctx.knobs = {"attention": {"splits": 4 if lanes > 1 else 1}}
+    launches = _recipe("norm_rope_attention" if qk_norm else "rope_attention").lower(g.nodes, ctx)
+    assert launches[0].kernel.name.startswith("rope_norm_kv_store" if qk_norm else "rope_kv_store")
+
+    def normed(x, w):
+        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * w if qk_norm else x
+    provided = launches[-1].provides
+    assert len(provided) == (lanes > 1)
+    fmt = Q.KV_FORMATS[kv]
+    kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
+    ex = R.ReferenceExecutor({}, n_ctx)
+    keep = {"kv.0.k": rt.alloc((kvb,), "u8"), "kv.0.v": rt.alloc((kvb,), "u8")}
+    n_past = 0
+    for t in (6, 1, 1):
+        qv, kvv, vv = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+        pv = np.arange(n_past, n_past + t, dtype=np.int32)
+        krv = R.apply_rope(normed(kvv, weights.get("kn")), pv, dims, 10000.0, 0.5, mode)
+        qrv = R.apply_rope(normed(qv, weights.get("qn")), pv, dims, 10000.0, 0.5, mode)
+        kq = Q.dequantize(fmt, Q.quantize(fmt, krv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
+        vq = Q.dequantize(fmt, Q.quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
+        ref = R._IMPLS["attention"](ex, g.nodes[-1], [qrv, kq, vq, pv])
+        sb, so = _moe_scratch(ctx)
+        out = _run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
+                                           "positions": pv, **sb, **weights}, {"T": t},
+                            {"o": ((t, hq, d), "f32"), "qr": ((t, hq, d), "f32"), **so,
+                             **({"scratch.xq": (sb["scratch.xq"].shape, "u32")} if provided else {})}, keep)
+        np.testing.assert_allclose(out["qr"], qrv, rtol=1e-4, atol=3e-5)
+        np.testing.assert_allclose(out["o"], ref, atol=1e-4 if kv == "f16" else 0.02, rtol=1e-3)
+        if provided:
+            qouts = {"scratch.xq": ((t * hq * d // 4,), "u32"), "scratch.xd": ((t * hq * d // 32,), "f32")}
+            sep = _run_launches(rt, provided, {"o": out["o"].reshape(-1)}, {"T": t}, qouts)
+            for name, ((n,), _) in qouts.items():
+                np.testing.assert_array_equal(out[name][:n], sep[name])
+        n_past += t
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("lanes", [1, 32])
+def test_router(rt, norm, lanes):
+    """Top-k expert ids and weights; tied logits go to the lowest index (a warp of lanes: the GPU router)."""
+    if lanes > 1 and rt.lanes == 1:
+        pytest.skip("GPU-shaped kernels")
+    e = 40
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", e))
     g.op("router", x, k=3, norm=norm, name="o")
-    launches = _recipe("router").lower(g.nodes, _ctx(g))
+    launches = _recipe("router").lower(g.nodes, _ctx(g, lanes=lanes))
+    assert launches[0].kernel.lanes == lanes
     t = 5
-    xv = np.random.default_rng(0).standard_normal((t, 8)).astype(np.float32)
+    xv = np.random.default_rng(0).standard_normal((t, e)).astype(np.float32)
+    xv[1, [7, 30, 33]] = xv[1].max() + 1.0  # a three-way tie for the top
+    xv[2, [3, 4]] = xv[2].max() + 0.5
     out = _run_launches(rt, launches, {"x": xv.reshape(-1)}, {"T": t}, {"o": ((2 * t * 3,), "i32")})["o"]
     ids, w = R._IMPLS["router"](None, g.nodes[0], [xv])
+    assert list(ids[1]) == [7, 30, 33] and list(ids[2][:2]) == [3, 4]
     np.testing.assert_array_equal(out[: t * 3].reshape(t, 3), ids)
     np.testing.assert_allclose(out[t * 3:].reshape(t, 3) / 2.0**30, w, atol=1e-6)
 

@@ -99,6 +99,19 @@ def quantize_x(x: str, xq: str, xd: str, t0: Expr, nt: Expr, tt_max: int, k: int
     return [LaneFor(idx, Const(tt_max * na), body)]
 
 
+def code_word(value, inv: Expr, word: str) -> list:
+    """Statements leaving in u32 `word` the int8 codes of value(e) * inv for e = 0..3 (an Expr per element index),
+    packed little-endian as `quantize_x_kernel` writes them; rounding half away from zero, as roundf (the same
+    codes as `quantize_x`)."""
+    e, v, code = Var(f"{word}_e"), Var(f"{word}_v"), Var(f"{word}_c")
+    return [Decl(word, "u32", Cast("u32", Const(0))),
+            For(e.name, Const(0), Const(4), (
+                Let(v.name, value(e) * inv),
+                Let(code.name, Cast("i32", v + Select(v < 0.0, Const(-0.5), Const(0.5)))),
+                Assign(word, Var(word) | (Cast("u32", code & 255) << (e * 8))),
+            ))]
+
+
 class Act:
     """Where a dot product's activations come from: an f32 buffer, or int8 codes + scales in local arrays
     (`packed`: in buffers, `xq` an i32 buffer of words packing 4 codes little-endian, as `quantize_x_kernel`

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 
 from polystrata.codegen.dequant import Decoder, block_stride, chunk_len, finest_group, widen
 from polystrata.codegen.recipes import Recipe, RecipeContext, register
-from polystrata.codegen.recipes._matvec import Act, block_dot
+from polystrata.codegen.recipes._matvec import QB, Act, block_dot
+from polystrata.codegen.recipes.elementwise import rope_value
+from polystrata.codegen.recipes.linear import quantize_launch, quantize_staged, quantizes_activations, staged
 from polystrata.ir import quant as Q
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
@@ -53,49 +55,96 @@ def _kv_fmt(fmt: QuantFormat, d: int) -> QuantFormat:
     return widen(fmt, math.gcd(d, 32)) if fmt.block_size == 1 else fmt
 
 
-def kv_store_kernel(name: str, fmt: QuantFormat, width: int, lanes: int) -> Kernel:
-    """cache[pos[t]] row (width values) = encode(src[t]) ; grid (T, width / block)."""
-    rb = width // fmt.block_size * fmt.block_bytes
-    b = Var("g1")
-    src0 = Var("g0") * width + b * fmt.block_size
-    dst = Load("positions", Var("g0")) * rb + b * fmt.block_bytes
-    body: list = [Let("dst", dst)]
+def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str) -> list:
+    """Statements encoding one block of KV format `fmt` (values `value(e)`, e an Expr, 0 <= e < block size) at byte
+    `dst` of the cache buffer `cache`: one-element formats (f16) store converted bits; symmetric formats whose code is
+    a bare signed-byte field and whose step an f16 field (q8_0, q8_g64) store d = max|x| / |anchor| as f16 and
+    codes round(x / d) clipped to the anchor."""
     if fmt.block_size == 1:
         (f,) = fmt.fields
         if f.dtype != "f16":
             raise NotImplementedError(f"KV cache of {fmt.name}")
-        body += [Let("h", Call("f32_to_f16_bits", Load("src", src0))),
-                 Store("kv", Var("dst"), Var("h") & 255), Store("kv", Var("dst") + 1, (Var("h") >> 8) & 255)]
-        grid = (Var("T"), Const(width))
+        return [Let("enc_h", Call("f32_to_f16_bits", value(Const(0)))),
+                Store(cache, dst, Var("enc_h") & 255), Store(cache, dst + 1, (Var("enc_h") >> 8) & 255)]
+    s = fmt.scheme
+    code = fmt.let(s.code).expr
+    ok = (s is not None and s.min is None and s.step.code is None and isinstance(code, Q.Load)
+          and fmt.field(code.field).dtype == "i8" and s.table is None and s.group == fmt.block_size)
+    if not ok:
+        raise NotImplementedError(f"in-kernel encoding of {fmt.name}")
+    df, qf = fmt.field(s.step.field), fmt.field(code.field)
+    a = float(abs(s.anchor))
+    e = Var("enc_e")
+    return [
+        Decl("enc_amax", "f32", Const(0.0)),
+        For("enc_e", Const(0), Const(fmt.block_size), (
+            Assign("enc_amax", Call("max", Var("enc_amax"), Call("abs", value(e)))),)),
+        Let("enc_h", Call("f32_to_f16_bits", Var("enc_amax") / a)),
+        Let("enc_dd", Call("f16_bits_to_f32", Var("enc_h"))),
+        Let("enc_inv", Select(Var("enc_dd") > 0.0, Const(1.0) / Var("enc_dd"), Const(0.0))),
+        Store(cache, dst + df.offset, Var("enc_h") & 255),
+        Store(cache, dst + df.offset + 1, (Var("enc_h") >> 8) & 255),
+        For("enc_e", Const(0), Const(fmt.block_size), (
+            Let("enc_v", value(e) * Var("enc_inv")),
+            Let("enc_q", Call("max", Const(-int(a)), Call("min", Const(int(a)), Cast(
+                "i32", Var("enc_v") + Select(Var("enc_v") < 0.0, Const(-0.5), Const(0.5)))))),
+            Store(cache, dst + qf.offset + e, (Var("enc_q") + 256) & 255),
+        )),
+    ]
+
+
+def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, lanes: int,
+                    rope: dict | None = None, qk_norm_eps: float | None = None) -> Kernel:
+    """This step's K and V rows into the caches at `positions[t]`, one group per (token, head); grid (T, 2 * hkv),
+    K heads first. With `rope` (the rope op's attributes) the group also ropes its K head on the way in, and hq more
+    groups first rope the q heads into `qo` (the launches of both rope ops, fused). With `qk_norm_eps` each q and
+    K head is RMS-normed (weights `qn`, `kn`) before its rope, as qwen3 and gemma3 do."""
+    t, hd = Var("g0"), Var("g1")
+    b = Var("b")
+    bs = fmt.block_size
+
+    def store(cache: str, width: int, head: Expr, value) -> tuple:
+        rb = hkv * width // bs * fmt.block_bytes
+        dst = Load("positions", t) * rb + (head * (width // bs) + b) * fmt.block_bytes
+        return (LaneFor("b", Const(width // bs), tuple(kv_encode(fmt, value, dst, cache))),)
+
+    def head(src: str, rows: int, h: Expr, wname: str) -> tuple[tuple, object]:
+        """(statements, element j of head h of src as the rope takes it: RMS-normed with `qk_norm_eps`)."""
+        row = (t * rows + h) * d
+        if qk_norm_eps is None:
+            return (), lambda j: Load(src, row + j)
+        ss, inv, i = f"{src}_ss", f"{src}_inv", Var("i")
+        pre = (Reduce(ss, "+", "i", Const(d), (), Load(src, row + i) * Load(src, row + i)),
+               Let(inv, Const(1.0) / Call("sqrt", Var(ss) / float(d) + float(qk_norm_eps))))
+        return pre, lambda j: Load(src, row + j) * Var(inv) * Load(wname, j)
+
+    def roped(x, i: Expr) -> Expr:
+        return rope_value(x, i, Var("pos"), d, int(rope["dims"]), float(rope["base"]), float(rope["freq_scale"]),
+                          rope["mode"])
+
+    nq = hq if rope else 0
+    k_head, v_head = hd - nq, hd - nq - hkv
+    if rope:
+        kpre, kval = head("k", hkv, k_head, "kn")
+        k_store = (*kpre, *store("kc", d, k_head, lambda e: roped(kval, b * bs + e)))
     else:
-        s = fmt.scheme
-        code = fmt.let(s.code).expr
-        ok = (s is not None and s.min is None and s.step.code is None and isinstance(code, Q.Load)
-              and fmt.field(code.field).dtype == "i8" and s.table is None and s.group == fmt.block_size)
-        if not ok:
-            raise NotImplementedError(f"in-kernel encoding of {fmt.name}")
-        df, qf = fmt.field(s.step.field), fmt.field(code.field)
-        a = float(abs(s.anchor))
-        e = Var("e")
-        body += [
-            Decl("amax", "f32", Const(0.0)),
-            For("e", Const(0), Const(fmt.block_size), (
-                Assign("amax", Call("max", Var("amax"), Call("abs", Load("src", src0 + e)))),)),
-            Let("h", Call("f32_to_f16_bits", Var("amax") / a)),
-            Let("dd", Call("f16_bits_to_f32", Var("h"))),
-            Let("inv", Select(Var("dd") > 0.0, Const(1.0) / Var("dd"), Const(0.0))),
-            Store("kv", Var("dst") + df.offset, Var("h") & 255),
-            Store("kv", Var("dst") + df.offset + 1, (Var("h") >> 8) & 255),
-            For("e", Const(0), Const(fmt.block_size), (
-                Let("v", Load("src", src0 + e) * Var("inv")),
-                Let("q", Call("max", Const(-int(a)), Call("min", Const(int(a)), Cast(
-                    "i32", Var("v") + Select(Var("v") < 0.0, Const(-0.5), Const(0.5)))))),
-                Store("kv", Var("dst") + qf.offset + e, (Var("q") + 256) & 255),
-            )),
-        ]
-        grid = (Var("T"), Const(width // fmt.block_size))
-    params = (Buf("src", "f32"), Buf("positions", "i32"), Buf("kv", "u8", out=True), Scalar("T"))
-    return Kernel(name, params, grid, tuple(body), lanes=lanes)
+        k_store = store("kc", d, k_head, lambda e: Load("k", (t * hkv + k_head) * d + b * bs + e))
+    v_store = store("vc", dv, v_head, lambda e: Load("v", (t * hkv + v_head) * dv + b * bs + e))
+    # One flat If per kind of head (PoCL mishandles the barriers of reductions inside a nested else-if).
+    body = [If((hd >= nq) & (hd < nq + hkv), k_store), If(hd >= nq + hkv, v_store)]
+    params = [Buf("k", "f32"), Buf("v", "f32"), Buf("positions", "i32")]
+    if rope:
+        qpre, qval = head("q", hq, hd, "qn")
+        i = Var("i")
+        body = [Let("pos", Cast("f32", Load("positions", t))),
+                If(hd < hq, (*qpre, LaneFor("i", Const(d), (Store("qo", (t * hq + hd) * d + i, roped(qval, i)),)))),
+                *body]
+        params = [Buf("q", "f32"), *params, Buf("qo", "f32", out=True)]
+        if qk_norm_eps is not None:
+            params += [Buf("qn", "f32"), Buf("kn", "f32")]
+    params += [Buf("kc", "u8", out=True), Buf("vc", "u8", out=True), Scalar("T")]
+    return Kernel(name, tuple(params), (Var("T"), Const(nq + 2 * hkv)), tuple(body), lanes=lanes)
+
 
 
 def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int, scale: float,
@@ -222,11 +271,14 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     return Kernel(name, params, grid, body, lanes=lanes, local=local, knobs=(("two_pass", 1), ("splits", splits)))
 
 
-def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int) -> Kernel:
+def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int, quant: bool = False) -> Kernel:
     """out[t, h] from the split-K partials of `attention_kernel`: with M the largest partial max,
-    out = sum_s po_s * exp(pm_s - M) / sum_s pz_s * exp(pm_s - M) (runs without keys have pm = -inf: weight 0)."""
+    out = sum_s po_s * exp(pm_s - M) / sum_s pz_s * exp(pm_s - M) (runs without keys have pm = -inf: weight 0).
+    `quant`: also write out as the output projection's int8 activations (`linear.quantize_staged`)."""
     r = Var("g0") * hq + Var("g1")
     w = Call("exp", Load("pm", r * splits + Var("s")) - Var("mx"))
+    e = Var("e")
+    store = (Store("out", r * dv + e, Var("ov")),) + ((Store("ol", staged(e), Var("ov")),) if quant else ())
     body = (
         Decl("mx", "f32", Const(float("-inf"))),
         For("s", Const(0), Const(splits), (Assign("mx", Call("max", Var("mx"), Load("pm", r * splits + Var("s")))),)),
@@ -235,46 +287,98 @@ def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: in
             For("s", Const(0), Const(splits), (
                 Let("w", w),
                 Assign("zs", Var("zs") + Load("pz", r * splits + Var("s")) * Var("w")),
-                Assign("acc", Var("acc") + Load("po", (r * splits + Var("s")) * dv + Var("e")) * Var("w")),
+                Assign("acc", Var("acc") + Load("po", (r * splits + Var("s")) * dv + e) * Var("w")),
             )),
-            Store("out", r * dv + Var("e"), Var("acc") / Var("zs")),
+            Let("ov", Var("acc") / Var("zs")),
+            *store,
         )),
     )
-    params = (Buf("po", "f32"), Buf("pm", "f32"), Buf("pz", "f32"), Buf("out", "f32", out=True), Scalar("T"))
-    return Kernel(name, params, (Var("T"), Const(hq)), body, lanes=lanes, doc=f"attention split-K combine x{splits}")
+    params = (Buf("po", "f32"), Buf("pm", "f32"), Buf("pz", "f32"), Buf("out", "f32", out=True))
+    local = ()
+    if quant:
+        body += tuple(quantize_staged("ol", dv, r * (dv // 4), r * (dv // QB)))
+        params += (Buf("xq", "u32", out=True), Buf("xd", "f32", out=True))
+        local = (LocalArray("ol", "f32", dv + dv // QB),)
+    return Kernel(name, (*params, Scalar("T")), (Var("T"), Const(hq)), body, lanes=lanes, local=local,
+                  doc=f"attention split-K combine x{splits}")
 
 
-def _lower_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
-    (node,) = nodes
-    q, k, v, pos = node.inputs
+def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | None = None,
+                        qk_norm: tuple[Node, Node] | None = None) -> list[Launch]:
+    """The attention op's launches, its q read from buffer `q`: the K/V store (with `rope`, roping q into `q` and
+    K on the way, after the per-head RMS norms `qk_norm` when given: see `kv_store_kernel`), the attention kernel
+    and, with split-K, the combine."""
+    qv, k, v, pos = node.inputs
     a = node.attrs
-    _, hq, d = q.type.shape
+    _, hq, d = qv.type.shape
     hkv, dv = int(k.type.shape[1]), int(v.type.shape[2])
     hq, d = int(hq), int(d)
     fmt = ctx.kv_format
     layer = a["layer"]
     kn, vn = f"kv.{layer}.k", f"kv.{layer}.v"
-    ks = kv_store_kernel(f"kv_store_{fmt.name.lower()}_{hkv * d}", fmt, hkv * d, ctx.lanes)
-    vs = kv_store_kernel(f"kv_store_{fmt.name.lower()}_{hkv * dv}", fmt, hkv * dv, ctx.lanes)
-    tag = f"{fmt.name.lower()}_{hq}_{hkv}_{d}_{dv}_{a['window']}_{abs(hash((a['scale'], a['softcap']))) % 10**8}"
+    p = ctx.buf(pos)
+    heads = f"{fmt.name.lower()}_{hq}_{hkv}_{d}_{dv}"
+    kv_io = (("k", ctx.buf(k)), ("v", ctx.buf(v)), ("positions", p), ("kc", kn), ("vc", vn))
+    if rope:
+        eps = float(qk_norm[0].attrs["eps"]) if qk_norm else None
+        rtag = f"_{rope['dims']}_{rope['mode']}_{abs(hash((rope['base'], rope['freq_scale'], eps))) % 10**8}"
+        ks = kv_store_kernel(f"rope{'_norm' if qk_norm else ''}_kv_store_{heads}{rtag}", fmt, hq, hkv, d, dv,
+                             ctx.lanes, rope, eps)
+        norms = (("qn", ctx.buf(qk_norm[0].inputs[1])), ("kn", ctx.buf(qk_norm[1].inputs[1]))) if qk_norm else ()
+        store = Launch(ks, (("q", ctx.buf(qv)), ("qo", q), *kv_io, *norms), (("T", "T"),))
+    else:
+        store = Launch(kv_store_kernel(f"kv_store_{heads}", fmt, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
+    tag = f"{heads}_{a['window']}_{abs(hash((a['scale'], a['softcap']))) % 10**8}"
     splits = ctx.knob("attention", "splits", "auto")
     if splits == "auto":  # GPUs: enough groups to fill the device at decode (one per head is 32 for 132 SMs)
         splits = 1 if ctx.lanes == 1 else max(1, min(8, ctx.n_ctx // 64))
     splits = int(splits)
     at = attention_kernel(f"attn_{tag}_{splits}", fmt, hq, hkv, d, dv, ctx.n_ctx, float(a["scale"]),
                           int(a["window"]), float(a["softcap"] or 0.0), ctx.lanes, splits)
-    p = ctx.buf(pos)
-    stores = [Launch(ks, (("src", ctx.buf(k)), ("positions", p), ("kv", kn)), (("T", "T"),)),
-              Launch(vs, (("src", ctx.buf(v)), ("positions", p), ("kv", vn)), (("T", "T"),))]
-    io = (("q", ctx.buf(q)), ("kc", kn), ("vc", vn), ("positions", p))
+    io = (("q", q), ("kc", kn), ("vc", vn), ("positions", p))
     if splits == 1:
-        return [*stores, Launch(at, (*io, ("out", ctx.buf(node.output))), (("T", "T"),))]
+        return [store, Launch(at, (*io, ("out", ctx.buf(node.output))), (("T", "T"),))]
     rows = ctx.t_max * hq * splits
     parts = (("po", ctx.scratch("attn_o", "f32", rows * dv)), ("pm", ctx.scratch("attn_m", "f32", rows)),
              ("pz", ctx.scratch("attn_z", "f32", rows)))
-    comb = attention_combine_kernel(f"attn_combine_{hq}_{dv}_{splits}", hq, dv, splits, ctx.lanes)
-    return [*stores, Launch(at, (*io, *parts), (("T", "T"),)),
-            Launch(comb, (*parts, ("out", ctx.buf(node.output))), (("T", "T"),))]
+    out = ctx.buf(node.output)
+    ql = None  # the output projection's activation quantization, which the combine can write too
+    if dv % QB == 0 and quantizes_activations(ctx, hq * dv):
+        ql = quantize_launch(ctx, out, hq * dv, "T")[0]
+    comb = attention_combine_kernel(f"attn_combine{'_q8' if ql else ''}_{hq}_{dv}_{splits}", hq, dv, splits,
+                                    ctx.lanes, ql is not None)
+    qbufs = tuple(b for b in ql.buffers if b[0] in ("xq", "xd")) if ql else ()
+    return [store, Launch(at, (*io, *parts), (("T", "T"),)),
+            Launch(comb, (*parts, ("out", out), *qbufs), (("T", "T"),), provides=(ql,) if ql else ())]
+
+
+def _lower_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    (node,) = nodes
+    return _attention_launches(node, ctx, ctx.buf(node.inputs[0]))
+
+
+def _lower_rope_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    *norms, rq, rk, attn = nodes
+    # The store kernel reads q and k before their norms and ropes, and writes q roped into the q rope's output.
+    q, k = (norms[0].inputs[0], norms[1].inputs[0]) if norms else (rq.inputs[0], rk.inputs[0])
+    node = Node(attn.op, (q, k, *attn.inputs[2:]), attn.attrs, attn.output)
+    return _attention_launches(node, ctx, ctx.buf(rq.output), rope=rq.attrs, qk_norm=tuple(norms) or None)
+
+
+def _match_rope_attention(nodes: Sequence[Node]) -> bool:
+    rq, rk, attn = nodes
+    return (attn.inputs[0] is rq.output and attn.inputs[1] is rk.output and rq.inputs[1] is rk.inputs[1]
+            and rq.inputs[1] is attn.inputs[3] and rq.attrs == rk.attrs)
+
+
+def _match_norm_rope_attention(nodes: Sequence[Node]) -> bool:
+    nq, nk, rq, rk, attn = nodes
+    d = attn.inputs[0].type.shape[-1]
+    return (_match_rope_attention((rq, rk, attn)) and rq.inputs[0] is nq.output and rk.inputs[0] is nk.output
+            and nq.attrs == nk.attrs and all(n.inputs[1].type.shape == (d,) for n in (nq, nk)))
 
 
 register(Recipe("attention", ("attention",), _lower_attention, None, (("two_pass", 1), ("splits", "auto"))))
+register(Recipe("rope_attention", ("rope", "rope", "attention"), _lower_rope_attention, _match_rope_attention))
+register(Recipe("norm_rope_attention", ("rms_norm", "rms_norm", "rope", "rope", "attention"), _lower_rope_attention,
+                _match_norm_rope_attention))

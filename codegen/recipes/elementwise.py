@@ -11,12 +11,35 @@ import math
 from collections.abc import Callable, Sequence
 
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
-from polystrata.codegen.recipes.linear import ACTIVATIONS
+from polystrata.codegen.recipes._matvec import QB
+from polystrata.codegen.recipes.linear import (
+    ACTIVATIONS,
+    quantize_launch,
+    quantize_staged,
+    quantizes_activations,
+    staged,
+)
 from polystrata.ir.graph import Node, Value
-from polystrata.ir.kernel import Buf, Call, Cast, If, Kernel, LaneFor, Launch, Let, Load, Reduce, Scalar, Store
+from polystrata.ir.kernel import (
+    Buf,
+    Call,
+    Cast,
+    If,
+    Kernel,
+    LaneFor,
+    Launch,
+    Let,
+    Load,
+    LocalArray,
+    Reduce,
+    Scalar,
+    Select,
+    Store,
+)
 from polystrata.ir.quant import Const, Expr, Var
 
 CHUNK = 256
+QUANT_LOCAL_BYTES = 40 * 1024  # the most local memory a norm's int8 output may stage through (of 48 KB)
 
 
 def _rows(v: Value) -> tuple[Expr, str | int, int]:
@@ -96,8 +119,11 @@ def _lower_last_row(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     return [Launch(kern, (("x", ctx.buf(node.inputs[0])), ("y", ctx.buf(node.output))), (("T", "T"),))]
 
 
-def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int) -> Kernel:
-    """Rows of length d (grid over rows): [s = x + r, stored to `sum`] then y = s / sqrt(mean(s^2) + eps) * w."""
+def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, quant: bool = False) -> Kernel:
+    """Rows of length d (grid over rows): [s = x + r, stored to `sum`] then y = s / sqrt(mean(s^2) + eps) * w.
+
+    `quant`: also write y as the matmuls' int8 activations (`xq`, `xd`: what `linear.quantize_x_kernel` writes,
+    through a local copy: `linear.quantize_staged`), sparing them a launch."""
     row = Var("g0") * d
     if fused_add:
         def src(j: Expr) -> Expr:
@@ -109,12 +135,22 @@ def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int) 
         def src(j: Expr) -> Expr:
             return Load("x", row + j)
         pre, params = [], [Buf("x", "f32")]
+    j = Var("j")
+    out = [Store("y", row + j, Var("yv"))]
+    post, local = [], ()
+    if quant:
+        out.append(Store("yl", staged(j), Var("yv")))
+        post = quantize_staged("yl", d, Var("g0") * (d // 4), Var("g0") * (d // QB))
+        local = (LocalArray("yl", "f32", d + d // QB),)
     body = [*pre,
-            Reduce("ss", "+", "j", Const(d), (Let("v", src(Var("j"))),), Var("v") * Var("v")),
+            Reduce("ss", "+", "j", Const(d), (Let("v", src(j)),), Var("v") * Var("v")),
             Let("inv", Const(1.0) / Call("sqrt", Var("ss") / float(d) + float(eps))),
-            LaneFor("j", Const(d), (Store("y", row + Var("j"), src(Var("j")) * Var("inv") * Load("w", Var("j"))),))]
-    params += [Buf("w", "f32"), Buf("y", "f32", out=True), Scalar("R")]
-    return Kernel(name, tuple(params), (Var("R"),), tuple(body), lanes=lanes)
+            LaneFor("j", Const(d), (Let("yv", src(j) * Var("inv") * Load("w", j)), *out)),
+            *post]
+    params += [Buf("w", "f32"), Buf("y", "f32", out=True)]
+    if quant:
+        params += [Buf("xq", "u32", out=True), Buf("xd", "f32", out=True)]
+    return Kernel(name, (*params, Scalar("R")), (Var("R"),), tuple(body), lanes=lanes, local=local)
 
 
 def _norm_rows(v: Value) -> tuple[str | int, int]:
@@ -124,17 +160,25 @@ def _norm_rows(v: Value) -> tuple[str | int, int]:
     return token_binding(v), mid
 
 
-def _norm_launch(kern_fn, node: Node, ctx: RecipeContext, bufs: list[tuple[str, str]]) -> list[Launch]:
+def _norm_launch(node: Node, out: Value, ctx: RecipeContext, eps: float, fused: bool,
+                 bufs: list[tuple[str, str]]) -> list[Launch]:
+    """The norm's launch over rows of its input's last dim; where the next matmuls quantize their activations
+    (`linear.quantize_launch`) and the row fits the local copy, it writes them too and `provides` that launch."""
     x = node.inputs[0]
     d = int(x.type.shape[-1])
     tb, mid = _norm_rows(x)
-    kern = kern_fn(d, mid)
-    return [Launch(kern, tuple(bufs), (("R", tb),))]
+    ql = None
+    if mid == 1 and d % QB == 0 and (d + d // QB) * 4 <= QUANT_LOCAL_BYTES and quantizes_activations(ctx, d):
+        ql = quantize_launch(ctx, ctx.buf(out), d, token_binding(out))[0]
+        bufs = [*bufs, *(b for b in ql.buffers if b[0] in ("xq", "xd"))]
+    kern = _rms_kernel_mid(d, mid, eps, fused, norm_lanes(ctx, d), ql is not None)
+    return [Launch(kern, tuple(bufs), (("R", tb),), provides=(ql,) if ql else ())]
 
 
-def _rms_kernel_mid(d: int, mid: int, eps: float, fused: bool, lanes: int) -> Kernel:
-    k = rms_norm_kernel(f"rms_norm{'_add' if fused else ''}_{d}x{mid}_{str(eps).replace('.', 'p').replace('-', 'm')}",
-                        d, eps, fused, lanes)
+def _rms_kernel_mid(d: int, mid: int, eps: float, fused: bool, lanes: int, quant: bool) -> Kernel:
+    tag = f"{'_add' if fused else ''}{'_q8' if quant else ''}"
+    k = rms_norm_kernel(f"rms_norm{tag}_{d}x{mid}_{str(eps).replace('.', 'p').replace('-', 'm')}",
+                        d, eps, fused, lanes, quant)
     if mid == 1:
         return k
     # Rows = tokens * mid: scale the grid (R is bound to the token count).
@@ -152,8 +196,7 @@ def norm_lanes(ctx: RecipeContext, d: int) -> int:
 def _lower_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     x, w = node.inputs
-    eps = float(node.attrs["eps"])
-    return _norm_launch(lambda d, mid: _rms_kernel_mid(d, mid, eps, False, norm_lanes(ctx, d)), node, ctx,
+    return _norm_launch(node, node.output, ctx, float(node.attrs["eps"]), False,
                         [("x", ctx.buf(x)), ("w", ctx.buf(w)), ("y", ctx.buf(node.output))])
 
 
@@ -161,8 +204,7 @@ def _lower_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     add, norm = nodes
     x, r = add.inputs
     w = norm.inputs[1]
-    eps = float(norm.attrs["eps"])
-    return _norm_launch(lambda d, mid: _rms_kernel_mid(d, mid, eps, True, norm_lanes(ctx, d)), add, ctx,
+    return _norm_launch(add, norm.output, ctx, float(norm.attrs["eps"]), True,
                         [("x", ctx.buf(x)), ("r", ctx.buf(r)), ("sum", ctx.buf(add.output)), ("w", ctx.buf(w)),
                          ("y", ctx.buf(norm.output))])
 
@@ -177,28 +219,33 @@ def _f32_weight(norm: Node) -> bool:
     return len(norm.inputs[1].type.shape) == 1
 
 
+def rope_value(x: Callable[[Expr], Expr], i: Expr, pos: Expr, d: int, dims: int, base: float, freq_scale: float,
+               mode: str) -> Expr:
+    """Element i of a roped head row of `d` values, x(j) giving element j before the rope: with its pair partner
+    x_j and the pair's angle a, x_i cos a - x_j sin a for the pair's first element, x_i cos a + x_j sin a for its
+    second; elements from `dims` on pass through. Pairs are (2p, 2p + 1) in mode "normal", (p, p + dims / 2) in "neox";
+    a = pos * freq_scale * base^(-2p / dims)."""
+    half = dims // 2
+    if mode == "normal":
+        p, first = i // 2, (i % 2).eq(0)
+        partner = Select(first, i + 1, i - 1)
+    else:
+        p, first = i % half, i < half
+        partner = Select(first, i + half, i - half)
+    ang = pos * float(freq_scale) * Call("pow", Const(float(base)), Cast("f32", p * -2) / float(dims))
+    xj = x(partner)
+    rot = x(i) * Call("cos", ang) + Select(first, Const(0.0) - xj, xj) * Call("sin", ang)
+    return rot if dims >= d else Select(i < dims, rot, x(i))
+
+
 def rope_kernel(name: str, h: int, d: int, dims: int, base: float, freq_scale: float, mode: str,
                 lanes: int) -> Kernel:
-    """y = rope(x) for x [T, h, d]; grid (T, h); angle = pos * freq_scale * base^(-2p/dims) per pair p."""
-    half = dims // 2
+    """y = rope(x) for x [T, h, d] (`rope_value`); grid (T, h)."""
     row = (Var("g0") * h + Var("g1")) * d
-    p = Var("p")
-    if mode == "normal":
-        ia, ib = p * 2, p * 2 + 1
-    else:
-        ia, ib = p, p + half
     body = (
         Let("pos", Cast("f32", Load("positions", Var("g0")))),
-        LaneFor("p", Const(half), (
-            Let("ang", Var("pos") * float(freq_scale) *
-                Call("pow", Const(float(base)), Cast("f32", p * -2) / float(dims))),
-            Let("c", Call("cos", Var("ang"))), Let("s", Call("sin", Var("ang"))),
-            Let("a", Load("x", row + ia)), Let("b", Load("x", row + ib)),
-            Store("y", row + ia, Var("a") * Var("c") - Var("b") * Var("s")),
-            Store("y", row + ib, Var("a") * Var("s") + Var("b") * Var("c")),
-        )),
-        LaneFor("q", Const(max(d - dims, 1)), (If(Var("q") < d - dims, (
-            Store("y", row + dims + Var("q"), Load("x", row + dims + Var("q"))),)),)),
+        LaneFor("i", Const(d), (Store("y", row + Var("i"), rope_value(
+            lambda j: Load("x", row + j), Var("i"), Var("pos"), d, dims, base, freq_scale, mode)),)),
     )
     params = (Buf("x", "f32"), Buf("positions", "i32"), Buf("y", "f32", out=True), Scalar("T"))
     return Kernel(name, params, (Var("T"), Const(h)), body, lanes=lanes)

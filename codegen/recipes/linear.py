@@ -35,6 +35,7 @@ from polystrata.codegen.recipes._matvec import (
     QB,
     Act,
     block_dot,
+    code_word,
     fmt_for,
     nonneg_mask,
     quantize_x,
@@ -50,7 +51,6 @@ from polystrata.ir.kernel import (
     Assign,
     Buf,
     Call,
-    Cast,
     Decl,
     For,
     If,
@@ -204,23 +204,44 @@ def _knobs(ctx: RecipeContext, recipe: str) -> dict:
     return kn
 
 
+def _int8_kernels(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], k: int) -> bool:
+    """Whether matmuls over `fmts` take the two-launch GPU path (quantize kernel + `matvec_q8_kernel`): knob
+    xq="kernel" (GPU default) and int8-capable formats."""
+    return (kn["xq"] == "kernel" and ctx.lanes > 1 and kn["int8"] in ("auto", True, 1)
+            and all(use_int8(f, True) for f in fmts) and k % QB == 0)
+
+
+def quantizes_activations(ctx: RecipeContext, k: int) -> bool:
+    """Whether this target's matmuls over rows of `k` (of int8-path formats) read their activations quantized by
+    `quantize_launch`."""
+    return _int8_kernels(ctx, _knobs(ctx, "matmul"), (), k)
+
+
+def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind) -> tuple[Launch, str, str]:
+    """(the launch quantizing activation buffer `x` of rows of `k` into the shared int8 scratch buffers, codes
+    buffer, scales buffer): what the GPU path's matmuls read. Identical launches on an unchanged `x` are dropped by
+    the compiler, so a producer may compute them ahead (see `Launch.provides`)."""
+    qb = ctx.scratch("xq", "u32", ctx.t_max * k // 4)
+    db = ctx.scratch("xd", "f32", ctx.t_max * (k // QB))
+    return Launch(quantize_x_kernel(f"quantize_x_{k}", k), (("x", x), ("xq", qb), ("xd", db)), (("T", t_bind),)), qb, db
+
+
+def _gpu_lanes(kn: dict, ctx: RecipeContext, fmts: Sequence[QuantFormat], k: int) -> int:
+    if kn["lanes"] == "auto":
+        return split_lanes(fmts, k, ctx.subgroup, kn["sub"], kn["runs"])
+    return int(kn["lanes"])
+
+
 def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: RecipeContext, kn: dict, x: str,
               ws: Sequence[str], y: str, t_bind, epilogue=None) -> list[Launch]:
-    """The matmul launches: with knob xq="kernel" (GPU default) and int8-capable formats, a quantize kernel
-    writing x as int8 codes + scales into scratch buffers, then `matvec_q8_kernel`; else one `matmul_kernel`."""
+    """The matmul launches: on the GPU path (`_int8_kernels`) a quantize kernel writing x as int8 codes + scales
+    into scratch buffers, then `matvec_q8_kernel`; else one `matmul_kernel`."""
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
-    int8 = kn["int8"]
-    if kn["xq"] == "kernel" and ctx.lanes > 1 and int8 in ("auto", True, 1) and all(use_int8(f, True) for f in fmts) \
-            and k % QB == 0:
-        qb = ctx.scratch("xq", "u32", ctx.t_max * k // 4)
-        db = ctx.scratch("xd", "f32", ctx.t_max * (k // QB))
-        qk = quantize_x_kernel(f"quantize_x_{k}", k)
-        lanes = split_lanes(fmts, k, ctx.subgroup, kn["sub"], kn["runs"]) if kn["lanes"] == "auto" \
-            else int(kn["lanes"])
+    if _int8_kernels(ctx, kn, fmts, k):
+        ql, qb, db = quantize_launch(ctx, x, k, t_bind)
         mk = matvec_q8_kernel(name + "_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"], runs=kn["runs"],
-                              epilogue=epilogue, lanes=lanes)
-        return [Launch(qk, (("x", x), ("xq", qb), ("xd", db)), (("T", t_bind),)),
-                Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
+                              epilogue=epilogue, lanes=_gpu_lanes(kn, ctx, fmts, k))
+        return [ql, Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
     kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, **matmul_kernel_knobs(kn))
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
 
@@ -230,25 +251,63 @@ def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1) -> Kernel:
     max|x| / 127 of each 32 values. Grid (T * rows_per_t, k / 32): a group of 32 lanes per 32 values (the max a
     one-warp Reduce, then 8 lanes pack a word each); `rows_per_t` > 1: x has that many rows per token (MoE slots)."""
     na = k // QB
-    xo, inv, v = Var("xo"), Var("inv"), Var("v")
+    xo, inv = Var("xo"), Var("inv")
     body = (
         Let("xo", Var("g0") * k + Var("g1") * QB),
         Reduce("amax", "max", "e", Const(QB), (), Call("abs", Load("x", xo + Var("e")))),
         Let("inv", Select(Var("amax") > 0.0, Const(127.0) / Var("amax"), Const(0.0))),
         Store("xd", Var("g0") * na + Var("g1"), Var("amax") / 127.0),
         LaneFor("q", Const(QB // 4), (
-            Decl("word", "u32", Cast("u32", Const(0))),
-            For("e", Const(0), Const(4), (
-                Let("v", Load("x", xo + Var("q") * 4 + Var("e")) * inv),
-                # round half away from zero, as roundf (the same codes as `_matvec.quantize_x`)
-                Let("code", Cast("i32", v + Select(v < 0.0, Const(-0.5), Const(0.5)))),
-                Assign("word", Var("word") | (Cast("u32", Var("code") & 255) << (Var("e") * 8))),
-            )),
+            *code_word(lambda e: Load("x", xo + Var("q") * 4 + e), inv, "word"),
             Store("xq", xo // 4 + Var("q"), Var("word")),
         )),
     )
     params = (Buf("x", "f32"), Buf("xq", "u32", out=True), Buf("xd", "f32", out=True), Scalar("T"))
     return Kernel(name, params, (Var("T") * rows_per_t, Const(na)), body, lanes=QB, doc=f"quantize x to int8 [{k}]")
+
+
+def staged(j: Expr) -> Expr:
+    """Where value j of a row goes in the local copy `quantize_staged` reads: one word of padding per 32 values,
+    so that lane b reading its block's values (at b * 33 + e) hits a different memory bank from its neighbours."""
+    return j + j // QB
+
+
+def quantize_staged(local: str, n: int, xq_word: Expr, xd_index: Expr) -> list:
+    """A LaneFor quantizing the n values staged in local array `local` (at `staged(j)`) as `quantize_x_kernel`
+    would: a lane per 32 values writes their scale to xd[xd_index + b] and codes to xq[xq_word + 8 b ...]. Lets a
+    kernel that produces a row (a norm, the attention combine) also write it as the next matmuls' activations."""
+    b, amax = Var("qs_b"), Var("qs_amax")
+
+    def val(e: Expr) -> Expr:
+        return Load(local, b * (QB + 1) + e)
+    return [LaneFor(b.name, Const(n // QB), (
+        Decl(amax.name, "f32", Const(0.0)),
+        For("qs_e", Const(0), Const(QB), (Assign(amax.name, Call("max", amax, Call("abs", val(Var("qs_e"))))),)),
+        Let("qs_inv", Select(Var("qs_amax") > 0.0, Const(127.0) / Var("qs_amax"), Const(0.0))),
+        Store("xd", xd_index + b, Var("qs_amax") / 127.0),
+        For("qs_w", Const(0), Const(QB // 4), (
+            *code_word(lambda e: val(Var("qs_w") * 4 + e), Var("qs_inv"), "qs_word"),
+            Store("xq", xq_word + b * (QB // 4) + Var("qs_w"), Var("qs_word")),
+        )),
+    ))]
+
+
+def _row_sweeps(fmts: Sequence[QuantFormat], wnames: Sequence[str], row: Expr, k: int, subs: Sequence[int],
+                runs, prefix: str = "") -> list:
+    """One `split_row_dot` per weight (`s{j}` = dot(w_j[row], x[t])) from the packed int8 activations."""
+    act = Act("xq", k, "xq", "xd", packed=True)
+    t = Var("t0") + Var("t")
+    return [split_row_dot(f"{prefix}s{j}", f, w, row * elements_per_row_bytes(f, k), act, t, subs[j],
+                          f"{prefix}w{j}_", runs) for j, (w, f) in enumerate(zip(wnames, fmts))]
+
+
+def _token_tile(tokens: int) -> tuple:
+    return Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - Var("t0")))
+
+
+def _q8_knobs(fmts: Sequence[QuantFormat], tokens: int, subs: Sequence[int], runs) -> tuple:
+    return (("tokens", tokens), ("int8", 1), ("xq", "kernel"), ("sub", ",".join(map(str, subs))),
+            ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)))
 
 
 def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, tokens: int, lanes: int,
@@ -264,18 +323,41 @@ def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, 
     wnames = [f"w{j}" for j in range(len(fmts))]
     params = (Buf("xq", "u32"), Buf("xd", "f32"),
               *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True), Scalar("T"))
-    act = Act("xq", k, "xq", "xd", packed=True)
     row, t = Var("g0"), Var("t0") + Var("t")
-    red = [split_row_dot(f"s{j}", f, w, row * elements_per_row_bytes(f, k), act, t, subs[j], f"w{j}_", runs)
-           for j, (w, f) in enumerate(zip(wnames, fmts))]
     vals = [Var(f"s{j}") for j in range(len(fmts))]
-    body = (Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - Var("t0"))),
-            For("t", Const(0), Var("nt"), (*red, Store("y", t * n + row, epilogue(vals) if epilogue else vals[0]))))
+    y = epilogue(vals) if epilogue else vals[0]
+    body = (*_token_tile(tokens),
+            For("t", Const(0), Var("nt"), (*_row_sweeps(fmts, wnames, row, k, subs, runs), Store("y", t * n + row, y))))
     grid = (Const(n), (Var("T") + (tokens - 1)) // tokens)
-    knobs = (("tokens", tokens), ("int8", 1), ("xq", "kernel"), ("sub", ",".join(map(str, subs))),
-             ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)))
-    return Kernel(name, params, grid, body, lanes=lanes, knobs=knobs,
+    return Kernel(name, params, grid, body, lanes=lanes, knobs=_q8_knobs(fmts, tokens, subs, runs),
                   doc=f"matvec int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
+
+
+def stacked_matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], ns: Sequence[int], k: int, *, tokens: int,
+                             lanes: int, sub: int | str = "auto", runs: bool | int | str = "auto") -> Kernel:
+    """y_j[t, r] = dot(w_j[r], x[t]) for several weights (rows `ns[j]`) reading the same activations, as if stacked
+    into one weight: grid (sum(ns), ceil(T / tokens)), the first ns[0] groups on w0, the next ns[1] on w1, ...
+    (a group-uniform branch). One launch where there were several, and small matvecs (attention k and v: 1024
+    rows) fill the device together."""
+    subs = [sub_lanes(f, sub, runs) for f in fmts]
+    m = len(fmts)
+    params = (Buf("xq", "u32"), Buf("xd", "f32"), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
+              *(Buf(f"y{j}", "f32", out=True) for j in range(m)), Scalar("T"))
+    t = Var("t0") + Var("t")
+    starts = [sum(ns[:j]) for j in range(m)]
+
+    def part(j: int) -> tuple:
+        row = Var("g0") - starts[j] if starts[j] else Var("g0")
+        return (For("t", Const(0), Var("nt"), (*_row_sweeps([fmts[j]], [f"w{j}"], row, k, [subs[j]], runs, f"p{j}"),
+                                                 Store(f"y{j}", t * ns[j] + row, Var(f"p{j}s0")))),)
+
+    g0 = Var("g0")
+    # Flat Ifs, one a weight (PoCL mishandles the barriers of reductions inside a nested else-if).
+    branches = [If((g0 >= starts[j]) & (g0 < starts[j] + ns[j]) if j else g0 < ns[0], part(j)) for j in range(m)]
+    grid = (Const(sum(ns)), (Var("T") + (tokens - 1)) // tokens)
+    return Kernel(name, params, grid, (*_token_tile(tokens), *branches), lanes=lanes,
+                  knobs=_q8_knobs(fmts, tokens, subs, runs),
+                  doc=f"stacked matvecs int8 {'+'.join(f.name for f in fmts)} [{'+'.join(map(str, ns))}x{k}]")
 
 
 def _fmt(ctx: RecipeContext, v) -> QuantFormat:
@@ -304,6 +386,31 @@ def _lower_glu(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     return _launches(f"glu_{act.op}_{fg.name.lower()}_{fu.name.lower()}_{n}x{k}", [fg, fu], n, k, ctx, kn,
                      ctx.buf(x), [ctx.buf(wg), ctx.buf(wu)], ctx.buf(act.output), token_binding(x),
                      epilogue=lambda v: fn(v[0]) * v[1])
+
+
+def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """Matmuls of one input (attention q, k, v): on the GPU path one quantize launch and one
+    `stacked_matvec_q8_kernel`; elsewhere each matmul as `matmul` lowers it."""
+    x = nodes[0].inputs[0]
+    ws = [n.inputs[1] for n in nodes]
+    ns, k = [int(w.type.shape[0]) for w in ws], int(ws[0].type.shape[-1])
+    fmts = [_fmt(ctx, w) for w in ws]
+    kn = _knobs(ctx, "matmul")
+    if not _int8_kernels(ctx, kn, fmts, k):
+        return [la for n in nodes for la in _lower_matmul([n], ctx)]
+    ql, qb, db = quantize_launch(ctx, ctx.buf(x), k, token_binding(x))
+    tag = "_".join(f"{f.name.lower()}{n}" for f, n in zip(fmts, ns))
+    mk = stacked_matvec_q8_kernel(f"matmul_stack_{tag}x{k}_q8", fmts, ns, k, tokens=kn["tokens"], sub=kn["sub"],
+                                  runs=kn["runs"], lanes=_gpu_lanes(kn, ctx, fmts, k))
+    outs = tuple((f"y{j}", ctx.buf(n.output)) for j, n in enumerate(nodes))
+    return [ql, Launch(mk, (("xq", qb), ("xd", db), *((f"w{j}", ctx.buf(w)) for j, w in enumerate(ws)), *outs),
+                       (("T", token_binding(x)),))]
+
+
+def _match_matmul_stack(nodes: Sequence[Node]) -> bool:
+    x = nodes[0].inputs[0]
+    return all(n.inputs[0] is x and n.inputs[1].weight is not None and len(n.inputs[1].type.shape) == 2
+               and n.inputs[1].type.shape[-1] == nodes[0].inputs[1].type.shape[-1] for n in nodes)
 
 
 def _match_glu(nodes: Sequence[Node]) -> bool:
@@ -353,4 +460,7 @@ def _lower_embed(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
 register(Recipe("matmul_swiglu", ("matmul", "matmul", "swiglu"), _lower_glu, _match_glu, MATMUL_KNOBS))
 register(Recipe("matmul_geglu", ("matmul", "matmul", "geglu"), _lower_glu, _match_glu, MATMUL_KNOBS))
 register(Recipe("matmul", ("matmul",), _lower_matmul, _match_matmul, MATMUL_KNOBS))
+# Matmuls sharing their input (q, k, v): the "matmul" knobs apply.
+register(Recipe("matmul_stack3", ("matmul",) * 3, _lower_matmul_stack, _match_matmul_stack))
+register(Recipe("matmul_stack2", ("matmul",) * 2, _lower_matmul_stack, _match_matmul_stack))
 register(Recipe("embed", ("embed",), _lower_embed, None, (("chunk", 8),)))

@@ -62,6 +62,7 @@ from polystrata.ir.kernel import (
     LocalArray,
     Reduce,
     Scalar,
+    Select,
     Store,
 )
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
@@ -70,19 +71,24 @@ Q30 = float(1 << 30)
 
 
 def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int) -> Kernel:
-    """Softmax over e logits, top-k by repeated argmax (lowest index wins ties), optional renormalisation."""
-    t = Var("g0")
+    """Softmax over e logits, top-k by repeated argmax (lowest index wins ties), optional renormalisation; grid
+    (T,). Each argmax is two group reductions (the largest probability, then the lowest index holding it), so
+    with a warp of lanes the whole top-k takes no barrier but the one after marking each pick taken."""
+    t, j = Var("g0"), Var("j")
+    p = Load("p", j)
     body = [
-        Reduce("m", "max", "j", Const(e), (), Load("x", t * e + Var("j"))),
-        LaneFor("j", Const(e), (Store("p", Var("j"), Call("exp", Load("x", t * e + Var("j")) - Var("m"))),)),
-        Reduce("z", "+", "j", Const(e), (), Load("p", Var("j"))),
+        Reduce("m", "max", "j", Const(e), (), Load("x", t * e + j)),
+        LaneFor("j", Const(e), (Store("p", j, Call("exp", Load("x", t * e + j) - Var("m"))),)),
+        Reduce("z", "+", "j", Const(e), (), p),
         Decl("tot", "f32", Const(0.0)),
     ]
     for s in range(k):
         body += [
-            Decl(f"bi{s}", "i32", Const(0)), Decl(f"bv{s}", "f32", Const(-1.0)),
-            For("j", Const(0), Const(e), (If(Load("p", Var("j")) > Var(f"bv{s}"), (
-                Assign(f"bi{s}", Var("j")), Assign(f"bv{s}", Load("p", Var("j"))))),)),
+            Reduce(f"bv{s}", "max", "j", Const(e), (), p),
+            # e - 1 - (the lowest index with that probability): a max, as reductions go
+            Reduce(f"br{s}", "max", "j", Const(e), (), Select(p.eq(Var(f"bv{s}")), Cast("f32", (e - 1) - j),
+                                                              Const(-1.0))),
+            Let(f"bi{s}", (e - 1) - Cast("i32", Var(f"br{s}"))),
             Store("p", Var(f"bi{s}"), Const(-2.0)),  # taken
             Assign("tot", Var("tot") + Var(f"bv{s}") / Var("z")),
         ]
@@ -268,7 +274,8 @@ def _lower_router(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     (x,) = node.inputs
     e, k, norm = int(x.type.shape[1]), int(node.attrs["k"]), bool(node.attrs["norm"])
-    kern = router_kernel(f"router_{e}_{k}_{int(norm)}", e, k, norm, ctx.lanes)
+    # One warp (subgroup reductions, no barriers between them) on GPUs.
+    kern = router_kernel(f"router_{e}_{k}_{int(norm)}", e, k, norm, min(ctx.lanes, max(ctx.subgroup, 32)))
     return [Launch(kern, (("x", ctx.buf(x)), ("route", ctx.buf(node.output))), (("T", "T"),))]
 
 

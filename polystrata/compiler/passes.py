@@ -6,8 +6,9 @@
 2. Buffer planning: every value gets a buffer sized for `t_max` tokens; a buffer whose last reader has run is
    reused by a later value of the same dtype that fits (never by an output of the match that reads it).
 3. Lowering: each match's recipe turns its nodes into `Launch`es bound to plan buffer names.
-4. Repeated launches: a launch identical to an earlier one (kernel, bindings, scalars) whose inputs and outputs
-   nothing has written since is dropped, e.g. the activation quantization of q, k and v (one input, three matmuls).
+4. Repeated launches: a launch identical to an earlier one (kernel, bindings, scalars), or to one an earlier launch
+   `provides`, whose inputs and outputs nothing has written since is dropped, e.g. the activation quantization
+   a norm already wrote (`Launch.provides`).
 """
 
 from __future__ import annotations
@@ -178,21 +179,29 @@ def _live_elsewhere(buf: str, names: dict[int, str], last: dict[int, int], idx: 
 
 def drop_repeated_launches(launches: list[Launch]) -> list[Launch]:
     """`launches` without those that would recompute what is already in their output buffers: a launch equal to
-    an earlier one, with no launch in between writing a buffer the earlier one reads or writes. Launches that read
-    a buffer they write are never dropped (running them again is not a no-op)."""
+    an earlier one, or to one an earlier launch `provides`, with no launch in between writing a buffer it reads
+    or writes. Launches that read a buffer they write are never dropped (running them again is not a no-op)."""
     out: list[Launch] = []
     done: dict[Launch, tuple[set[str], set[str]]] = {}  # launch -> (buffers read, written), still valid
     for la in launches:
         if la in done:
             continue
-        params = {p.name: p for p in la.kernel.params}
-        read_params = buffers_read(la.kernel)
-        writes = {b for name, b in la.buffers if isinstance(params[name], Buf) and params[name].out}
-        reads = {b for name, b in la.buffers if name in read_params}
+        reads, writes = _effects(la)
         for old, (r, w) in list(done.items()):
             if writes & (r | w):
                 del done[old]
-        if not writes & reads:
-            done[la] = (reads, writes)
+        for p in (la, *la.provides):
+            pr, pw = _effects(p)
+            if not pw & pr:
+                done[p] = (pr, pw)
         out.append(la)
     return out
+
+
+def _effects(la: Launch) -> tuple[set[str], set[str]]:
+    """(plan buffers a launch reads, plan buffers it writes)."""
+    params = {p.name: p for p in la.kernel.params}
+    read_params = buffers_read(la.kernel)
+    writes = {b for name, b in la.buffers if isinstance(params[name], Buf) and params[name].out}
+    reads = {b for name, b in la.buffers if name in read_params}
+    return reads, writes
