@@ -438,8 +438,9 @@ def test_attention(rt, kv, gqa, window, softcap, lanes, splits):
     ("q8_0", "normal", 48, 128, False)])
 def test_rope_attention(rt, kv, mode, dims, lanes, qk_norm):
     """[per-head RMS norms of q and k,] rope(q), rope(k), attention fused (the K/V store norms and ropes q and K on
-    the way) against the reference running the ops one by one: prefill, then decode steps. GPU-shaped: split-K, and the combine also writes the output as
-    the output projection's int8 activations, the very codes of the quantize launch it provides."""
+    the way) against the reference running the ops one by one: prefill, then decode steps. GPU-shaped: split-K,
+    and the combine also writes the output as the output projection's int8 activations, the very codes of the
+    quantize launch it provides."""
     if lanes > 1 and rt.lanes == 1:
         pytest.skip("GPU-shaped kernels")
     hkv, d, hq, n_ctx = 2, 64, 6, 32
@@ -598,6 +599,32 @@ def test_moe_ffn(rt, fmt_name):
             ref = R._IMPLS["moe_ffn"](None, g.nodes[1], [xv, r, *deq])
             tol = 3e-2 if any(la.kernel.name.startswith("quantize_x") for la in ml) else 1e-3
             np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max(), err_msg=f"T={t}")
+
+
+def test_moe_group_lists(rt):
+    """The expert lists `group_kernel` writes: counts, each expert's entries in route order, then the experts with
+    entries in order (their ranks computed in parallel on GPUs)."""
+    from polystrata.codegen.recipes.moe import group_kernel, list_words
+
+    n_exp, k, cap = 24, 3, 16
+    rng = np.random.default_rng(5)
+    for lanes in sorted({1, rt.lanes}):
+        kern = group_kernel(f"t_group_{lanes}", n_exp, k, cap, lanes)
+        for t in (1, 5):
+            ids = np.stack([rng.choice(n_exp, k, replace=False) for _ in range(t)]).reshape(-1).astype(np.int32)
+            route = np.concatenate([ids, np.zeros_like(ids)])
+            words = list_words(n_exp, cap)
+            lst = run(rt, kern, {"route": route, "lst": np.full(words, -7, np.int32)}, {"T": t},
+                      {"lst": ((words,), "i32")})["lst"]
+            counts = np.bincount(ids, minlength=n_exp)
+            np.testing.assert_array_equal(lst[:n_exp], counts)
+            for e in range(n_exp):
+                first = n_exp + e * cap
+                np.testing.assert_array_equal(lst[first: first + counts[e]], np.flatnonzero(ids == e))
+            a = n_exp * (1 + cap)
+            active = np.flatnonzero(counts)
+            assert lst[a] == len(active)
+            np.testing.assert_array_equal(lst[a + 1: a + 1 + len(active)], active)
 
 
 @pytest.mark.parametrize("fmt_name", ["Q4_K", "Q8_0"])

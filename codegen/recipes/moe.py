@@ -113,9 +113,11 @@ def list_words(n_exp: int, cap: int) -> int:
 def group_kernel(name: str, n_exp: int, k: int, cap: int, lanes: int) -> Kernel:
     """lst[e] = number of route entries with expert e; lst[n_exp + e*cap + j] = the j-th such entry (t*k + s);
     then the experts with entries, in order: lst[A] = their number, lst[A + 1 + i] = the i-th (A = n_exp*(1+cap)).
-    One group: lane e lists expert e, then one lane walks the counts."""
-    ex = Var("e")
+    One group: lane e lists expert e and keeps its count in local memory; then lane e places an expert with
+    entries at its rank among them (a count over the local counts, not a serial walk of the global ones)."""
+    ex, e2 = Var("e"), Var("e2")
     a = n_exp * (1 + cap)
+    used = Select(Load("c", e2) > 0, Const(1), Const(0))
     body = (
         LaneFor("e", Const(n_exp), (
             Decl("cnt", "i32", Const(0)),
@@ -124,18 +126,19 @@ def group_kernel(name: str, n_exp: int, k: int, cap: int, lanes: int) -> Kernel:
                 Assign("cnt", Var("cnt") + 1),
             )),)),
             Store("lst", ex, Var("cnt")),
+            Store("c", ex, Var("cnt")),
         )),
-        LaneFor("z", Const(1), (  # one lane compacts (lane stores: no barrier per store)
-            Decl("na", "i32", Const(0)),
-            For("e", Const(0), Const(n_exp), (If(Load("lst", ex) > 0, (
-                Store("lst", Const(a + 1) + Var("na"), ex),
-                Assign("na", Var("na") + 1),
-            )),)),
-            Store("lst", Const(a), Var("na")),
-        )),
+        LaneFor("e", Const(n_exp), (If(Load("c", ex) > 0, (
+            Decl("rank", "i32", Const(0)),
+            For("e2", Const(0), ex, (Assign("rank", Var("rank") + used),)),
+            Store("lst", Const(a + 1) + Var("rank"), ex),
+        )),)),
+        Reduce("na", "+", "e2", Const(n_exp), (), Cast("f32", used)),
+        Store("lst", Const(a), Cast("i32", Var("na"))),
     )
     params = (Buf("route", "i32"), Buf("lst", "i32", out=True), Scalar("T"))
-    return Kernel(name, params, (Const(1),), body, lanes=lanes, doc=f"moe group {n_exp}x{k}")
+    return Kernel(name, params, (Const(1),), body, lanes=lanes, local=(LocalArray("c", "i32", n_exp),),
+                  doc=f"moe group {n_exp}x{k}")
 
 
 def _active_grid(n_exp: int, k: int, rest: Expr) -> tuple:
