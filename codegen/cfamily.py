@@ -455,9 +455,10 @@ class CPrinter:
     def reduce(self, s: Reduce, d: int) -> None:
         self.pre_barrier(s, d)
         self.counter += 1
-        acc = f"ps_acc{self.counter}"
+        accs = [f"ps_acc{self.counter}_{j}" for j in range(len(s.results))]
         init = "0.0f" if s.op == "+" else self.float_lit(-math.inf)
-        self.emit(d, f"float {acc} = {init};")
+        for acc in accs:
+            self.emit(d, f"float {acc} = {init};")
         self.scopes.append({})
         stop = self.e(s.stop)
         v = self.bind(s.var, "i")
@@ -465,24 +466,26 @@ class CPrinter:
         self.scopes.append({})
         for sub in s.body:
             self.stmt(sub, d + 1, True)
-        val = self.as_type(s.value, "f")
+        vals = [self.as_type(value, "f") for _, value in s.results]
         self.scopes.pop()
-        self.emit(d + 1, f"{acc} = {self.combine(s.op, acc, val)};")
+        for acc, val in zip(accs, vals):
+            self.emit(d + 1, f"{acc} = {self.combine(s.op, acc, val)};")
         self.emit(d, "}")
         self.scopes.pop()
-        name = self.bind(s.name, "f")
-        if self.lanes == 1:
-            self.emit(d, f"const float {name} = {acc};")
-            self.last_barrier = False
-        elif self.subgroups:
-            self.emit(d, f"const float {name} = {self.subgroup_reduce(s.op, acc)};")
-            self.last_barrier = False
-            if any(isinstance(st, Store) for st in walk(s.body)):
+        for acc, (result, _) in zip(accs, s.results):
+            name = self.bind(result, "f")
+            if self.lanes == 1:
+                self.emit(d, f"const float {name} = {acc};")
+                self.last_barrier = False
+            elif self.subgroups:
+                self.emit(d, f"const float {name} = {self.subgroup_reduce(s.op, acc)};")
+                self.last_barrier = False
+            else:
+                self.tree(s.op, acc, d)
+                self.emit(d, f"const float {name} = ps_red[0];")
+                # The scratch is reused by the next Reduce: everyone must have read it first.
                 self.emit_barrier(d, True, self.writes_read_global(s))
-        else:
-            self.tree(s.op, acc, d)
-            self.emit(d, f"const float {name} = ps_red[0];")
-            # The scratch is reused by the next Reduce: everyone must have read it first.
+        if self.subgroups and self.lanes > 1 and any(isinstance(st, Store) for st in walk(s.body)):
             self.emit_barrier(d, True, self.writes_read_global(s))
 
     def tree(self, op: str, acc: str, d: int) -> None:

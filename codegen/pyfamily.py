@@ -138,9 +138,9 @@ class PyPrinter:
         self.body(s.body, d + 1, True)
 
     def reduce(self, s: Reduce, d: int) -> None:
-        """`Reduce`: this lane's partial, then `combine` makes it the group's uniform value."""
-        acc = self.partial(s, d)
-        self.emit(d, f"{s.name} = {self.combine(s, acc, d)}")
+        """`Reduce`: this lane's partials, then `combine` makes each the group's uniform value."""
+        for (name, _), acc in zip(s.results, self.partial(s, d)):
+            self.emit(d, f"{name} = {self.combine(s, acc, d)}")
 
     def combine(self, s: Reduce, acc: str, d: int) -> str:
         """Combine the lanes' partials `acc` (emitting statements at depth `d`); returns the uniform result."""
@@ -215,19 +215,21 @@ class PyPrinter:
             v = f"{self.native_intrinsics.get('f32_to_f16_bits', 'f32_to_f16_bits')}({v})"
         return f"{s.buf}[np.uint64({self.e(s.index)})] = {v}"
 
-    def partial(self, s: Reduce, d: int) -> str:
-        """Emit this lane's share of a Reduce into an accumulator; returns its name."""
+    def partial(self, s: Reduce, d: int) -> list[str]:
+        """Emit this lane's shares of a Reduce into accumulators, one per result; returns their names."""
         init = "np.float32(0.0)" if s.op == "+" else "np.float32(-np.inf)"
-        acc = f"_acc_{s.name}"
-        self.emit(d, f"{acc} = {init}")
+        accs = [f"_acc_{name}" for name, _ in s.results]
+        for acc in accs:
+            self.emit(d, f"{acc} = {init}")
         self.emit(d, f"for {s.var} in {self.lane_range(self.e(s.stop))}:")
         for sub in s.body:
             self.stmt(sub, d + 1, True)
-        if s.op == "+":
-            self.emit(d + 1, f"{acc} += {self.e(s.value)}")
-        else:
-            self.emit(d + 1, f"{acc} = max({acc}, {self.e(s.value)})")
-        return acc
+        for acc, (_, value) in zip(accs, s.results):
+            if s.op == "+":
+                self.emit(d + 1, f"{acc} += {self.e(value)}")
+            else:
+                self.emit(d + 1, f"{acc} = max({acc}, {self.e(value)})")
+        return accs
 
     def stmt(self, s, d: int, lane: bool = False) -> None:
         """Render one statement; `lane` is True inside LaneFor / Reduce bodies (per-lane code)."""

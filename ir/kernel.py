@@ -195,7 +195,10 @@ class LaneFor:
 
 @dataclass(frozen=True)
 class Reduce:
-    """`name = op over var in range(stop) of value`, after `body` (statements computing `value` per var)."""
+    """`name = op over var in range(stop) of value`, after `body` (statements computing `value` per var).
+
+    `more`: further (name, value) pairs reduced the same way over the same iterations, so that one body (and the
+    loads in it) serves several results, e.g. the dot products of two weight rows with one activation row."""
 
     name: str
     op: str
@@ -203,6 +206,12 @@ class Reduce:
     stop: Expr
     body: tuple
     value: Expr
+    more: tuple[tuple[str, Expr], ...] = ()
+
+    @property
+    def results(self) -> tuple[tuple[str, Expr], ...]:
+        """Every (name, value) pair this reduction yields, `name`'s first."""
+        return ((self.name, self.value), *self.more)
 
 
 @dataclass(frozen=True)
@@ -342,7 +351,7 @@ def stmt_exprs(s) -> tuple[Expr, ...]:
     if isinstance(s, LaneFor):
         return (s.stop,)
     if isinstance(s, Reduce):
-        return (s.stop, s.value)
+        return (s.stop, *(v for _, v in s.results))
     if isinstance(s, If):
         return (s.cond,)
     return ()
@@ -447,9 +456,10 @@ def _dump_body(body: tuple, lines: list[str], depth: int) -> None:
             lines.append(f"{pad}lanes for {s.var} in 0..{expr_str(s.stop)}:")
             _dump_body(s.body, lines, depth + 1)
         elif isinstance(s, Reduce):
-            lines.append(f"{pad}{s.name} = reduce {s.op} over {s.var} in 0..{expr_str(s.stop)}:")
+            names = ", ".join(n for n, _ in s.results)
+            lines.append(f"{pad}{names} = reduce {s.op} over {s.var} in 0..{expr_str(s.stop)}:")
             _dump_body(s.body, lines, depth + 1)
-            lines.append(f"{pad}  yield {expr_str(s.value)}")
+            lines.append(f"{pad}  yield {', '.join(expr_str(v) for _, v in s.results)}")
         elif isinstance(s, If):
             lines.append(f"{pad}if {expr_str(s.cond)}:")
             _dump_body(s.then, lines, depth + 1)

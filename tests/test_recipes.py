@@ -176,10 +176,11 @@ def test_matvec_q8_formats(rt, fmt_name):
     n, k = 37, 512
     fmt, wb, wd = _weight(fmt_name, n, k)
     rng = np.random.default_rng(4)
-    for sub, runs in (("auto", 0), ("auto", 1), (1, 0), (2, 1)):  # runs: each lane consecutive words
+    # runs: each lane consecutive words; rows: rows a group (37 is odd: the last group's extra rows are clamped)
+    for sub, runs, rows in (("auto", 0, 1), ("auto", 1, 1), (1, 0, 1), (2, 1, 1), ("auto", 1, 2), ("auto", 0, 3)):
         qk = quantize_x_kernel(f"t_q8x_{k}", k)
-        mk = matvec_q8_kernel(f"t_mv8_{fmt_name.lower()}_{sub}_{runs}", [fmt], n, k, tokens=4, lanes=32, sub=sub,
-                              runs=runs)
+        mk = matvec_q8_kernel(f"t_mv8_{fmt_name.lower()}_{sub}_{runs}_{rows}", [fmt], n, k, tokens=4, lanes=32,
+                              sub=sub, runs=runs, rows=rows)
         launches = [Launch(qk, (("x", "x"), ("xq", "xq"), ("xd", "xd")), (("T", "T"),)),
                     Launch(mk, (("xq", "xq"), ("xd", "xd"), ("w0", "w"), ("y", "y")), (("T", "T"),))]
         for t in (1, 3, 9):
@@ -190,7 +191,33 @@ def test_matvec_q8_formats(rt, fmt_name):
             xq = _q8(x)
             ref = xq @ wd.T.astype(np.float64)
             bound = 1e-4 * (np.abs(xq) @ np.abs(wd.T)) + 1e-5
-            assert np.all(np.abs(y - ref) <= bound), (fmt_name, sub, runs, t, float(np.max(np.abs(y - ref) - bound)))
+            assert np.all(np.abs(y - ref) <= bound), (fmt_name, sub, runs, rows, t,
+                                                      float(np.max(np.abs(y - ref) - bound)))
+
+
+def test_matvec_rows_share_activation_loads(rt):
+    """Gate and up (same format) over two rows a group: one Reduce serves all four dot products, and the fused
+    product matches the reference."""
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped kernels")
+    from polystrata.ir.kernel import Reduce, walk
+
+    n, k = 13, 512
+    fmt, bg, dg = _weight("Q4_K", n, k, 1)
+    _, bu, du = _weight("Q4_K", n, k, 2)
+    mk = matvec_q8_kernel("t_mv8_rows2", [fmt, fmt], n, k, tokens=4, lanes=32, rows=2, epilogue=lambda v: v[0] * v[1])
+    reds = [s for s in walk(mk.body) if isinstance(s, Reduce)]
+    assert len(reds) == 1 and len(reds[0].results) == 4
+    launches = [Launch(quantize_x_kernel(f"t_q8x_{k}", k), (("x", "x"), ("xq", "xq"), ("xd", "xd")), (("T", "T"),)),
+                Launch(mk, (("xq", "xq"), ("xd", "xd"), ("w0", "wg"), ("w1", "wu"), ("y", "y")), (("T", "T"),))]
+    for t in (1, 5):
+        x = np.random.default_rng(t).standard_normal((t, k)).astype(np.float32)
+        y = _run_launches(rt, launches, {"x": x.reshape(-1), "wg": bg, "wu": bu,
+                                         "xq": np.zeros(t * k // 4, np.uint32)}, {"T": t},
+                          {"y": ((t, n), "f32"), "xd": ((t * k // 32,), "f32")})["y"]
+        xq = _q8(x)
+        ref = (xq @ dg.T.astype(np.float64)) * (xq @ du.T.astype(np.float64))
+        np.testing.assert_allclose(y, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
 
 
 def test_stacked_matvecs(rt):
@@ -205,6 +232,7 @@ def test_stacked_matvecs(rt):
     for name, (fmt_name, n) in shapes.items():
         g.op("matmul", x, g.weight(name, fmt_name, (n, k)), name=f"y{name}")
     ctx = _ctx(g, formats={nm: Q.FORMATS[f] for nm, (f, _) in shapes.items()}, lanes=32)
+    ctx.knobs = {"matmul": {"rows": 2}}  # 19, 7 and 5 rows: each weight's last group has one
     launches = _recipe("matmul_stack3").lower(g.nodes, ctx)
     assert [la.kernel.name.startswith("matmul_stack") for la in launches] == [False, True]
     weights = {nm: _weight(f, n, k, seed) for seed, (nm, (f, n)) in enumerate(shapes.items())}
@@ -225,13 +253,13 @@ def test_runs_alignment_promises_hold(fmt_name):
     from polystrata.ir.kernel import Call, Let, Load, Reduce, expr_nodes, stmt_exprs, walk
 
     n, k = 64, 1024
-    kern = matvec_q8_kernel("t_runs", [Q.FORMATS[fmt_name]], n, k, tokens=1, lanes=32, runs=1)
+    kern = matvec_q8_kernel("t_runs", [Q.FORMATS[fmt_name]], n, k, tokens=1, lanes=32, runs=1, rows=2)
     red = next(s for s in walk(kern.body) if isinstance(s, Reduce))
     rng = np.random.default_rng(0)
     promised = set()
     for _ in range(40):
-        env = {"g0": int(rng.integers(n)), red.var: int(rng.integers(eval_int(red.stop, {}))), "t0": 0, "t": 0}
-        for s in walk(red.body):
+        env = {"g0": int(rng.integers(n)), "g1": 0, red.var: int(rng.integers(eval_int(red.stop, {}))), "t": 0}
+        for s in walk(kern.body):
             if isinstance(s, Let):
                 try:
                     env[s.name] = eval_int(s.expr, env)
@@ -251,7 +279,7 @@ def test_runs_alignment_promises_hold(fmt_name):
     if fmt_name == "Q4_K":
         words = [x for s in walk(red.body) for e in stmt_exprs(s) for x in expr_nodes(e)
                  if isinstance(x, Call) and x.fn == "load_u32" and x.args[2].value == 16]
-        assert len({str(w.args[1]) for w in words}) == 5  # the header and one per 32-byte piece of quants
+        assert len({str(w.args[1]) for w in words}) == 10  # per row: the header and one per 32-byte piece of quants
 
 
 def test_glu_fused(rt):

@@ -230,13 +230,32 @@ def split_row_dot(name: str, fmt: QuantFormat, wbuf: str, row_base: Expr, act: A
     (see `use_runs`) a run of consecutive words of each chunk (`block_dot`'s split). Consecutive lanes take
     consecutive blocks: one sweep of the row, coalesced word by word (interleaved) or in 16-byte pieces (runs,
     on a target that merges a run's loads)."""
-    nb = act.k // fmt_for(fmt).block_size
-    u, acc = Var(f"{prefix}u"), f"{prefix}acc"
-    return Reduce(name, "+", u.name, Const(nb * sub), (
-        Decl(acc, "f32", Const(0.0)),
-        *block_dot(fmt, wbuf, row_base, u // sub, act, t, acc, prefix, split=(u % sub, sub, use_runs(fmt, runs)),
-                   word_loads=True),
-    ), Var(acc))
+    (red,) = split_dots([(name, fmt, wbuf, row_base, prefix, sub)], act, t, runs)
+    return red
+
+
+def split_dots(parts, act: Act, t: Expr, runs: bool | int | str = False) -> list[Reduce]:
+    """`split_row_dot` for several weight rows dotted with the same activation row: `parts` are (result name,
+    format, weight buffer, row base, prefix, sub). Rows walked alike (same block size, lanes per block and runs)
+    share one Reduce, whose body loads each activation word once for all of them (the same addresses: compilers
+    merge the loads); others get a Reduce each."""
+    groups: dict[tuple, list] = {}
+    for p in parts:
+        fmt, sub = p[1], p[5]
+        groups.setdefault((fmt_for(fmt).block_size, sub, use_runs(fmt, runs)), []).append(p)
+    out = []
+    for (bs, sub, _), ps in groups.items():
+        u = Var(f"{ps[0][4]}u")
+        body, results = [], []
+        for name, fmt, wbuf, row_base, prefix, _ in ps:
+            acc = f"{prefix}acc"
+            body += [Decl(acc, "f32", Const(0.0)),
+                     *block_dot(fmt, wbuf, row_base, u // sub, act, t, acc, prefix,
+                                split=(u % sub, sub, use_runs(fmt, runs)), word_loads=True)]
+            results.append((name, Var(acc)))
+        (first, value), *more = results
+        out.append(Reduce(first, "+", u.name, Const(act.k // bs * sub), tuple(body), value, tuple(more)))
+    return out
 
 
 SUB_MAX = 4  # "auto" sub, interleaved words: lanes per block up to this many (one word of each chunk per lane at most)

@@ -40,8 +40,8 @@ from polystrata.codegen.recipes._matvec import (
     nonneg_mask,
     quantize_x,
     runs_for_target,
+    split_dots,
     split_lanes,
-    split_row_dot,
     sub_lanes,
     use_int8,
     use_runs,
@@ -240,7 +240,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     if _int8_kernels(ctx, kn, fmts, k):
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)
         mk = matvec_q8_kernel(name + "_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"], runs=kn["runs"],
-                              epilogue=epilogue, lanes=_gpu_lanes(kn, ctx, fmts, k))
+                              rows=int(kn["rows"]), epilogue=epilogue, lanes=_gpu_lanes(kn, ctx, fmts, k))
         return [ql, Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
     kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, **matmul_kernel_knobs(kn))
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
@@ -292,71 +292,99 @@ def quantize_staged(local: str, n: int, xq_word: Expr, xd_index: Expr) -> list:
     ))]
 
 
-def _row_sweeps(fmts: Sequence[QuantFormat], wnames: Sequence[str], row: Expr, k: int, subs: Sequence[int],
-                runs, prefix: str = "") -> list:
-    """One `split_row_dot` per weight (`s{j}` = dot(w_j[row], x[t])) from the packed int8 activations."""
+def _row_sweeps(fmts: Sequence[QuantFormat], wnames: Sequence[str], rows: Sequence[Expr], k: int,
+                subs: Sequence[int], runs, prefix: str = "") -> list:
+    """The dot products `{prefix}s{j}_{r}` = dot(w_j[rows[r]], x[t]) from the packed int8 activations: weights and
+    rows walked alike share one Reduce and its activation loads (`_matvec.split_dots`)."""
     act = Act("xq", k, "xq", "xd", packed=True)
-    t = Var("t0") + Var("t")
-    return [split_row_dot(f"{prefix}s{j}", f, w, row * elements_per_row_bytes(f, k), act, t, subs[j],
-                          f"{prefix}w{j}_", runs) for j, (w, f) in enumerate(zip(wnames, fmts))]
+    # Each row index a name: the weight decoders need addresses affine in their element index.
+    lets = [Let(f"{prefix}row{r}", row) for r, row in enumerate(rows)]
+    parts = [(f"{prefix}s{j}_{r}", f, w, Var(f"{prefix}row{r}") * elements_per_row_bytes(f, k), f"{prefix}w{j}r{r}_",
+              subs[j]) for j, (w, f) in enumerate(zip(wnames, fmts)) for r in range(len(rows))]
+    return [*lets, *split_dots(parts, act, Var("t0") + Var("t"), runs)]
+
+
+def _group_rows(first: Expr, rows: int, n: int) -> tuple[list[Expr], list]:
+    """(row index of each of a group's `rows` rows starting at `first`, clamped to the last row so that loads stay
+    in bounds; the store guards: conditions under which row r exists, None when it always does)."""
+    if n % rows == 0:
+        return [first + r if r else first for r in range(rows)], [None] * rows
+    return ([first] + [Call("min", first + r, Const(n - 1)) for r in range(1, rows)],
+            [None] + [first + r < n for r in range(1, rows)])
+
+
+def _guarded(cond, st):
+    return st if cond is None else If(cond, (st,))
 
 
 def _token_tile(tokens: int) -> tuple:
     return Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - Var("t0")))
 
 
-def _q8_knobs(fmts: Sequence[QuantFormat], tokens: int, subs: Sequence[int], runs) -> tuple:
+def _q8_knobs(fmts: Sequence[QuantFormat], tokens: int, subs: Sequence[int], runs, rows: int) -> tuple:
     return (("tokens", tokens), ("int8", 1), ("xq", "kernel"), ("sub", ",".join(map(str, subs))),
-            ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)))
+            ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)), ("rows", rows))
 
 
 def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, tokens: int, lanes: int,
-                     sub: int | str = "auto", runs: bool | int | str = "auto",
+                     sub: int | str = "auto", runs: bool | int | str = "auto", rows: int = 1,
                      epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t])) from pre-quantized activations (`quantize_x_kernel`).
 
-    Grid (n, ceil(T / tokens)): one weight row per group, its dot products `_matvec.split_row_dot`s (a coalesced
-    sweep of the row by all lanes, `sub` lanes per block, each taking interleaved words or with `runs` a run of
-    consecutive words of each chunk). For each token of the tile the row is swept again (from cache).
+    Grid (ceil(n / rows), ceil(T / tokens)): `rows` weight rows per group, their dot products swept together by
+    all its lanes (`_matvec.split_dots`: `sub` lanes per block, each taking interleaved words or with `runs` a run
+    of consecutive words of each chunk; each activation word loaded once for all the rows and weights). For each
+    token of the tile the rows are swept again (from cache).
     """
     subs = [sub_lanes(f, sub, runs) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
     params = (Buf("xq", "u32"), Buf("xd", "f32"),
               *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True), Scalar("T"))
-    row, t = Var("g0"), Var("t0") + Var("t")
-    vals = [Var(f"s{j}") for j in range(len(fmts))]
-    y = epilogue(vals) if epilogue else vals[0]
+    t = Var("t0") + Var("t")
+    first = Var("g0") * rows if rows > 1 else Var("g0")
+    rws, guards = _group_rows(first, rows, n)
+    stores = []
+    for r in range(rows):
+        vals = [Var(f"s{j}_{r}") for j in range(len(fmts))]
+        y = epilogue(vals) if epilogue else vals[0]
+        stores.append(_guarded(guards[r], Store("y", t * n + first + r if r else t * n + first, y)))
     body = (*_token_tile(tokens),
-            For("t", Const(0), Var("nt"), (*_row_sweeps(fmts, wnames, row, k, subs, runs), Store("y", t * n + row, y))))
-    grid = (Const(n), (Var("T") + (tokens - 1)) // tokens)
-    return Kernel(name, params, grid, body, lanes=lanes, knobs=_q8_knobs(fmts, tokens, subs, runs),
+            For("t", Const(0), Var("nt"), (*_row_sweeps(fmts, wnames, rws, k, subs, runs), *stores)))
+    grid = (Const(-(-n // rows)), (Var("T") + (tokens - 1)) // tokens)
+    return Kernel(name, params, grid, body, lanes=lanes, knobs=_q8_knobs(fmts, tokens, subs, runs, rows),
                   doc=f"matvec int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
 
 
 def stacked_matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], ns: Sequence[int], k: int, *, tokens: int,
-                             lanes: int, sub: int | str = "auto", runs: bool | int | str = "auto") -> Kernel:
+                             lanes: int, sub: int | str = "auto", runs: bool | int | str = "auto",
+                             rows: int = 1) -> Kernel:
     """y_j[t, r] = dot(w_j[r], x[t]) for several weights (rows `ns[j]`) reading the same activations, as if stacked
-    into one weight: grid (sum(ns), ceil(T / tokens)), the first ns[0] groups on w0, the next ns[1] on w1, ...
-    (a group-uniform branch). One launch where there were several, and small matvecs (attention k and v: 1024
-    rows) fill the device together."""
+    into one weight: grid (sum(ceil(ns / rows)), ceil(T / tokens)), the first groups on w0, the next on w1, ...
+    (a group-uniform branch), `rows` rows a group. One launch where there were several, and small matvecs
+    (attention k and v: 1024 rows) fill the device together."""
     subs = [sub_lanes(f, sub, runs) for f in fmts]
     m = len(fmts)
     params = (Buf("xq", "u32"), Buf("xd", "f32"), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
               *(Buf(f"y{j}", "f32", out=True) for j in range(m)), Scalar("T"))
-    t = Var("t0") + Var("t")
-    starts = [sum(ns[:j]) for j in range(m)]
+    t, g0 = Var("t0") + Var("t"), Var("g0")
+    groups = [-(-n // rows) for n in ns]
+    starts = [sum(groups[:j]) for j in range(m)]
 
     def part(j: int) -> tuple:
-        row = Var("g0") - starts[j] if starts[j] else Var("g0")
-        return (For("t", Const(0), Var("nt"), (*_row_sweeps([fmts[j]], [f"w{j}"], row, k, [subs[j]], runs, f"p{j}"),
-                                                 Store(f"y{j}", t * ns[j] + row, Var(f"p{j}s0")))),)
+        g = g0 - starts[j] if starts[j] else g0
+        first = g * rows if rows > 1 else g
+        rws, guards = _group_rows(first, rows, ns[j])
+        stores = [_guarded(guards[r], Store(f"y{j}", t * ns[j] + first + r if r else t * ns[j] + first,
+                                            Var(f"p{j}s0_{r}"))) for r in range(rows)]
+        return (For("t", Const(0), Var("nt"), (*_row_sweeps([fmts[j]], [f"w{j}"], rws, k, [subs[j]], runs, f"p{j}"),
+                                                 *stores)),)
 
-    g0 = Var("g0")
     # Flat Ifs, one a weight (PoCL mishandles the barriers of reductions inside a nested else-if).
-    branches = [If((g0 >= starts[j]) & (g0 < starts[j] + ns[j]) if j else g0 < ns[0], part(j)) for j in range(m)]
-    grid = (Const(sum(ns)), (Var("T") + (tokens - 1)) // tokens)
+    branches = [If((g0 >= starts[j]) & (g0 < starts[j] + groups[j]) if j else g0 < groups[0], part(j))
+                for j in range(m)]
+    grid = (Const(sum(groups)), (Var("T") + (tokens - 1)) // tokens)
     return Kernel(name, params, grid, (*_token_tile(tokens), *branches), lanes=lanes,
-                  knobs=_q8_knobs(fmts, tokens, subs, runs),
+                  knobs=_q8_knobs(fmts, tokens, subs, runs, rows),
                   doc=f"stacked matvecs int8 {'+'.join(f.name for f in fmts)} [{'+'.join(map(str, ns))}x{k}]")
 
 
@@ -401,7 +429,7 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
     ql, qb, db = quantize_launch(ctx, ctx.buf(x), k, token_binding(x))
     tag = "_".join(f"{f.name.lower()}{n}" for f, n in zip(fmts, ns))
     mk = stacked_matvec_q8_kernel(f"matmul_stack_{tag}x{k}_q8", fmts, ns, k, tokens=kn["tokens"], sub=kn["sub"],
-                                  runs=kn["runs"], lanes=_gpu_lanes(kn, ctx, fmts, k))
+                                  runs=kn["runs"], rows=int(kn["rows"]), lanes=_gpu_lanes(kn, ctx, fmts, k))
     outs = tuple((f"y{j}", ctx.buf(n.output)) for j, n in enumerate(nodes))
     return [ql, Launch(mk, (("xq", qb), ("xd", db), *((f"w{j}", ctx.buf(w)) for j, w in enumerate(ws)), *outs),
                        (("T", token_binding(x)),))]
