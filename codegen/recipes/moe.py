@@ -38,8 +38,8 @@ from polystrata.codegen.recipes._matvec import (
     fmt_for,
     nonneg_mask,
     runs_for_target,
+    split_dots,
     split_lanes,
-    split_row_dot,
     sub_lanes,
     use_int8,
     use_runs,
@@ -236,13 +236,13 @@ def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int,
                      per_token: bool, sub: int | str, lanes: int, runs: bool | int | str = "auto",
                      epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
     """`expert_kernel` from int8 activations (`linear.quantize_x_kernel`'s buffers; GPU path): grid (experts
-    with entries, n), one weight row per group, each dot product a `_matvec.split_row_dot` over the row."""
+    with entries, n), one weight row per group, its dot products swept together (`_matvec.split_dots`)."""
     subs = [sub_lanes(f, sub, runs) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
     act = Act("xq", kd, "xq", "xd", packed=True)
     ex, row, ent = Var("ex"), Var("g1"), Var("ent")
-    red = [split_row_dot(f"s{j}", f, w, (ex * n + row) * elements_per_row_bytes(f, kd), act, Var("ta"), subs[j],
-                         f"w{j}_", runs) for j, (w, f) in enumerate(zip(wnames, fmts))]
+    red = split_dots([(f"s{j}", f, w, (ex * n + row) * elements_per_row_bytes(f, kd), f"w{j}_", subs[j])
+                      for j, (w, f) in enumerate(zip(wnames, fmts))], act, Var("ta"), runs)
     vals = [Var(f"s{j}") for j in range(len(fmts))]
     body = [For("j", Const(0), Load("lst", ex), (
         Let("ent", Load("lst", Const(n_exp) + ex * cap + Var("j"))),
