@@ -1,9 +1,11 @@
 """`attention`: write this step's K and V into the layer's KV cache, then causal (windowed, GQA) attention.
 
-Launch 1 (`kv_store`): grid (T, blocks per cache row) for K and for V; each group encodes one block of the KV
-format from its description: one-element formats (f16) store converted bits; symmetric formats whose code is
-a bare signed-byte field and whose step is an f16 field (q8_0, q8_g64) store d = max|x| / |anchor| as f16
-and codes round(x / d) clipped to the anchor.
+Launch 1 (`kv_store_kernel`): grid (T, 2 * n_head_kv), a group per K or V head, its lanes encoding the head's
+blocks of the KV format from its description (`kv_encode`): one-element formats (f16) store converted bits;
+symmetric formats whose code is a bare signed-byte field and whose step is an f16 field (q8_0, q8_g64) store
+d = max|x| / |anchor| as f16 and codes round(x / d) clipped to the anchor. Recipes `rope_attention` and
+`norm_rope_attention` fuse the ropes of q and k (and qwen3's per-head q/k RMS norms before them) into this
+launch: n_head more groups rope q into the rope's output, and the K groups rope K on its way into the cache.
 
 Launch 2 (`attn`): grid (T, n_head); two-pass softmax with the scores of the visible keys in local memory
 (size n_ctx): scores (K decoded block by block; with lanes, keys in tiles, `kparts` lanes per key adding their
@@ -14,7 +16,8 @@ split; with one element a lane, in registers, else into a local output row).
 Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by n_ctx): one group per head leaves most of a
 GPU idle at decode, so launch 2 runs `splits` groups per (token, head), each over its run of the keys, writing
 unnormalised partials (output row, max score, sum of exponentials) to plan scratch, and launch 3
-(`attention_combine_kernel`) rescales and adds them.
+(`attention_combine_kernel`) rescales and adds them; where the output projection takes int8 activations, the
+combine writes them too (`Launch.provides`).
 """
 
 from __future__ import annotations

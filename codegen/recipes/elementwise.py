@@ -2,7 +2,9 @@
 fused add + rms_norm, rope.
 
 Elementwise kernels: grid (tokens, ceil(C / chunk)), a LaneFor over the chunk. Row kernels (norms): grid over
-rows, a Reduce over the row then a LaneFor writing it. Knob: chunk (elements per group).
+rows, a Reduce over the row then a LaneFor writing it; where the next matmuls read int8 activations, the norm
+writes them too and `provides` their quantize launch. Knob: chunk (elements per group). `rope_value` is the one
+rope formula (the rope kernel's and the fused K/V store's, see `attention`).
 """
 
 from __future__ import annotations

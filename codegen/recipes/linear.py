@@ -8,21 +8,23 @@ and reuses them (from cache) for the whole token tile.
 
 GPU path (knob xq="kernel", the default with lanes > 1, for formats of the int8 path): two launches. A small
 kernel quantizes x once per matmul into scratch buffers (`quantize_x_kernel`: int8 codes packed 4 per u32 word,
-a scale per 32 values), then `matvec_q8_kernel`: one weight row per group, swept by all its lanes
-(`_matvec.split_row_dot`: `sub` lanes per block, neighbouring lanes on neighbouring words, or on targets with
-wide loads each lane a run of 4 consecutive words, loaded 16 bytes at a time), each lane accumulating
-`dot4_i8(level word, code word)` per 4 elements (level words from aligned 4-byte loads by `_matvec`'s wide path)
-and scaling once per sub-block; the lanes' sums meet in a group Reduce. Knobs sub, runs (`_matvec.use_runs`) and
-lanes (group size; "auto" covers the row's units, 32 to 128). xq="inline" keeps the one-kernel schedule below
-(the CPU's, and what `matmul_kernel` builds).
+a scale per 32 values; a norm or the attention combine before the matmul may write them instead, see
+`quantize_launch`), then `matvec_q8_kernel`: `q8_rows` weight rows per group, swept by all its lanes
+(`_matvec.split_dots`: `sub` lanes per block, neighbouring lanes on neighbouring words, or on targets with
+wide loads each lane a run of 4 consecutive words, loaded 16 bytes at a time; weights and rows walked alike in
+one Reduce, loading each activation word once), each lane accumulating `dot4_i8(level word, code word)` per 4
+elements (level words from aligned 4-byte loads by `_matvec`'s wide path) and scaling once per sub-block; the
+lanes' sums meet in a group Reduce. Matmuls of one input (q, k, v) are one `stacked_matvec_q8_kernel`. Knobs
+sub, runs (`_matvec.use_runs`) and lanes (group size; "auto" covers the row's units, 32 to 128). xq="inline"
+keeps the one-kernel schedule below (the CPU's, and what `matmul_kernel` builds).
 
-Knobs: rows (rows per group; "auto": 4 with one lane, 1 on GPUs), tokens (token tile), int8 (int8-activation path
-where the format allows it; "auto": off with one lane -- the CPU, where the f32 path below vectorizes better -- on
-otherwise), split ("rows": lanes take rows, each a whole dot product -- the CPU default; "blocks": for each row a
-Reduce over the row's blocks spread over the lanes -- the GPU default), vert (split "rows", f32 path: per-element
-partial sums in a local array, see `_matvec`; "auto": on with one lane). With one lane the kernels also mask block
-base addresses non-negative and decode f16 scales arithmetically (see `_matvec.NONNEG`,
-`dequant.f16_bits_to_f32_arith`).
+Knobs: rows (rows per group; "auto": 4 with one lane, 1 on GPUs, and `q8_rows` for the int8 matvecs), tokens
+(token tile), int8 (int8-activation path where the format allows it; "auto": off with one lane -- the CPU, where
+the f32 path below vectorizes better -- on otherwise), split ("rows": lanes take rows, each a whole dot product
+-- the CPU default; "blocks": for each row a Reduce over the row's blocks spread over the lanes -- the GPU
+default), vert (split "rows", f32 path: per-element partial sums in a local array, see `_matvec`; "auto": on with
+one lane). With one lane the kernels also mask block base addresses non-negative and decode f16 scales
+arithmetically (see `_matvec.NONNEG`, `dequant.f16_bits_to_f32_arith`).
 """
 
 from __future__ import annotations
