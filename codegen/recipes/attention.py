@@ -149,7 +149,6 @@ def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: 
     return Kernel(name, tuple(params), (Var("T"), Const(nq + 2 * hkv)), tuple(body), lanes=lanes)
 
 
-
 def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int, scale: float,
                      window: int, softcap: float, lanes: int, splits: int = 1) -> Kernel:
     """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq).
