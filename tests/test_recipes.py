@@ -492,8 +492,10 @@ def test_rope_attention(rt, kv, mode, dims, lanes, qk_norm):
     launches = _recipe("norm_rope_attention" if qk_norm else "rope_attention").lower(g.nodes, ctx)
     assert launches[0].kernel.name.startswith("rope_norm_kv_store" if qk_norm else "rope_kv_store")
 
-    def normed(x, w):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6) * w if qk_norm else x
+    norm_nodes = {n.inputs[1].name: n for n in g.nodes if n.op == "rms_norm"}
+
+    def normed(x, w):  # the reference's per-head RMS norm, where the graph has one
+        return R._IMPLS["rms_norm"](None, norm_nodes[w], [x, weights[w]]) if qk_norm else x
     provided = launches[-1].provides
     assert len(provided) == (lanes > 1)
     fmt = Q.KV_FORMATS[kv]
@@ -504,8 +506,8 @@ def test_rope_attention(rt, kv, mode, dims, lanes, qk_norm):
     for t in (6, 1, 1):
         qv, kvv, vv = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
         pv = np.arange(n_past, n_past + t, dtype=np.int32)
-        krv = R.apply_rope(normed(kvv, weights.get("kn")), pv, dims, 10000.0, 0.5, mode)
-        qrv = R.apply_rope(normed(qv, weights.get("qn")), pv, dims, 10000.0, 0.5, mode)
+        krv = R.apply_rope(normed(kvv, "kn"), pv, dims, 10000.0, 0.5, mode)
+        qrv = R.apply_rope(normed(qv, "qn"), pv, dims, 10000.0, 0.5, mode)
         kq = Q.dequantize(fmt, Q.quantize(fmt, krv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
         vq = Q.dequantize(fmt, Q.quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
         ref = R._IMPLS["attention"](ex, g.nodes[-1], [qrv, kq, vq, pv])

@@ -91,23 +91,26 @@ def quantize_x(x: str, xq: str, xd: str, t0: Expr, nt: Expr, tt_max: int, k: int
             Store(xd, Var(idx), Var(amax) / 127.0),
             For(e.name, Const(0), Const(QB), (
                 Let(v.name, Load(x, xo + e) * Var(inv)),
-                # round half away from zero, as roundf
-                Store(xq, tt * k + blk * QB + e, Cast("i32", v + Select(v < 0.0, Const(-0.5), Const(0.5)))),
+                Store(xq, tt * k + blk * QB + e, round_half_away(v)),
             )),
         )),
     )
     return [LaneFor(idx, Const(tt_max * na), body)]
 
 
+def round_half_away(v: Expr) -> Expr:
+    """The i32 nearest to f32 `v`, halves away from zero, as roundf: how every int8 code here is rounded."""
+    return Cast("i32", v + Select(v < 0.0, Const(-0.5), Const(0.5)))
+
+
 def code_word(value, inv: Expr, word: str) -> list:
     """Statements leaving in u32 `word` the int8 codes of value(e) * inv for e = 0..3 (an Expr per element index),
-    packed little-endian as `quantize_x_kernel` writes them; rounding half away from zero, as roundf (the same
-    codes as `quantize_x`)."""
+    packed little-endian as `quantize_x_kernel` writes them (the same codes as `quantize_x`)."""
     e, v, code = Var(f"{word}_e"), Var(f"{word}_v"), Var(f"{word}_c")
     return [Decl(word, "u32", Cast("u32", Const(0))),
             For(e.name, Const(0), Const(4), (
                 Let(v.name, value(e) * inv),
-                Let(code.name, Cast("i32", v + Select(v < 0.0, Const(-0.5), Const(0.5)))),
+                Let(code.name, round_half_away(v)),
                 Assign(word, Var(word) | (Cast("u32", code & 255) << (e * 8))),
             ))]
 

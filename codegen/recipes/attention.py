@@ -27,9 +27,9 @@ from collections.abc import Sequence
 
 from polystrata.codegen.dequant import Decoder, block_stride, chunk_len, finest_group, widen
 from polystrata.codegen.recipes import Recipe, RecipeContext, register
-from polystrata.codegen.recipes._matvec import QB, Act, block_dot
-from polystrata.codegen.recipes.elementwise import rope_value
-from polystrata.codegen.recipes.linear import quantize_launch, quantize_staged, quantizes_activations, staged
+from polystrata.codegen.recipes._matvec import QB, Act, block_dot, round_half_away
+from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
+from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged
 from polystrata.ir import quant as Q
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
@@ -89,8 +89,7 @@ def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str) -> list:
         Store(cache, dst + df.offset + 1, (Var("enc_h") >> 8) & 255),
         For("enc_e", Const(0), Const(fmt.block_size), (
             Let("enc_v", value(e) * Var("enc_inv")),
-            Let("enc_q", Call("max", Const(-int(a)), Call("min", Const(int(a)), Cast(
-                "i32", Var("enc_v") + Select(Var("enc_v") < 0.0, Const(-0.5), Const(0.5)))))),
+            Let("enc_q", Call("max", Const(-int(a)), Call("min", Const(int(a)), round_half_away(Var("enc_v"))))),
             Store(cache, dst + qf.offset + e, (Var("enc_q") + 256) & 255),
         )),
     ]
@@ -116,9 +115,8 @@ def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: 
         row = (t * rows + h) * d
         if qk_norm_eps is None:
             return (), lambda j: Load(src, row + j)
-        ss, inv, i = f"{src}_ss", f"{src}_inv", Var("i")
-        pre = (Reduce(ss, "+", "i", Const(d), (), Load(src, row + i) * Load(src, row + i)),
-               Let(inv, Const(1.0) / Call("sqrt", Var(ss) / float(d) + float(qk_norm_eps))))
+        inv = f"{src}_inv"
+        pre = tuple(rms_inverse(inv, "i", d, lambda j: Load(src, row + j), qk_norm_eps))
         return pre, lambda j: Load(src, row + j) * Var(inv) * Load(wname, j)
 
     def roped(x, i: Expr) -> Expr:
@@ -344,14 +342,12 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     parts = (("po", ctx.scratch("attn_o", "f32", rows * dv)), ("pm", ctx.scratch("attn_m", "f32", rows)),
              ("pz", ctx.scratch("attn_z", "f32", rows)))
     out = ctx.buf(node.output)
-    ql = None  # the output projection's activation quantization, which the combine can write too
-    if dv % QB == 0 and quantizes_activations(ctx, hq * dv):
-        ql = quantize_launch(ctx, out, hq * dv, "T")[0]
-    comb = attention_combine_kernel(f"attn_combine{'_q8' if ql else ''}_{hq}_{dv}_{splits}", hq, dv, splits,
-                                    ctx.lanes, ql is not None)
-    qbufs = tuple(b for b in ql.buffers if b[0] in ("xq", "xd")) if ql else ()
+    # The output projection's int8 activations, which the combine can write too (a block of 32 within a head).
+    qbufs, provides = quantized_output(ctx, out, hq * dv, "T") if dv % QB == 0 else ((), ())
+    comb = attention_combine_kernel(f"attn_combine{'_q8' if provides else ''}_{hq}_{dv}_{splits}", hq, dv, splits,
+                                    ctx.lanes, bool(provides))
     return [store, Launch(at, (*io, *parts), (("T", "T"),)),
-            Launch(comb, (*parts, ("out", out), *qbufs), (("T", "T"),), provides=(ql,) if ql else ())]
+            Launch(comb, (*parts, ("out", out), *qbufs), (("T", "T"),), provides=provides)]
 
 
 def _lower_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:

@@ -14,13 +14,7 @@ from collections.abc import Callable, Sequence
 
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import QB
-from polystrata.codegen.recipes.linear import (
-    ACTIVATIONS,
-    quantize_launch,
-    quantize_staged,
-    quantizes_activations,
-    staged,
-)
+from polystrata.codegen.recipes.linear import ACTIVATIONS, quantize_staged, quantized_output, staged
 from polystrata.ir.graph import Node, Value
 from polystrata.ir.kernel import (
     Buf,
@@ -121,6 +115,14 @@ def _lower_last_row(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     return [Launch(kern, (("x", ctx.buf(node.inputs[0])), ("y", ctx.buf(node.output))), (("T", "T"),))]
 
 
+def rms_inverse(name: str, var: str, d: int, x: Callable[[Expr], Expr], eps: float) -> list:
+    """Group statements leaving in `name` the RMS norm's scale 1 / sqrt(mean(x(j)^2) + eps) of a row of `d` values
+    (a Reduce over `var`), x(j) giving value j."""
+    ss, v = f"{name}_ss", Var(f"{name}_x")
+    return [Reduce(ss, "+", var, Const(d), (Let(v.name, x(Var(var))),), v * v),
+            Let(name, Const(1.0) / Call("sqrt", Var(ss) / float(d) + float(eps)))]
+
+
 def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, quant: bool = False) -> Kernel:
     """Rows of length d (grid over rows): [s = x + r, stored to `sum`] then y = s / sqrt(mean(s^2) + eps) * w.
 
@@ -145,8 +147,7 @@ def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, 
         post = quantize_staged("yl", d, Var("g0") * (d // 4), Var("g0") * (d // QB))
         local = (LocalArray("yl", "f32", d + d // QB),)
     body = [*pre,
-            Reduce("ss", "+", "j", Const(d), (Let("v", src(j)),), Var("v") * Var("v")),
-            Let("inv", Const(1.0) / Call("sqrt", Var("ss") / float(d) + float(eps))),
+            *rms_inverse("inv", "j", d, src, eps),
             LaneFor("j", Const(d), (Let("yv", src(j) * Var("inv") * Load("w", j)), *out)),
             *post]
     params += [Buf("w", "f32"), Buf("y", "f32", out=True)]
@@ -164,17 +165,16 @@ def _norm_rows(v: Value) -> tuple[str | int, int]:
 
 def _norm_launch(node: Node, out: Value, ctx: RecipeContext, eps: float, fused: bool,
                  bufs: list[tuple[str, str]]) -> list[Launch]:
-    """The norm's launch over rows of its input's last dim; where the next matmuls quantize their activations
-    (`linear.quantize_launch`) and the row fits the local copy, it writes them too and `provides` that launch."""
+    """The norm's launch over rows of its input's last dim; where the next matmuls read quantized activations and
+    the row fits the local copy, it writes them too (`linear.quantized_output`)."""
     x = node.inputs[0]
     d = int(x.type.shape[-1])
     tb, mid = _norm_rows(x)
-    ql = None
-    if mid == 1 and d % QB == 0 and (d + d // QB) * 4 <= QUANT_LOCAL_BYTES and quantizes_activations(ctx, d):
-        ql = quantize_launch(ctx, ctx.buf(out), d, token_binding(out))[0]
-        bufs = [*bufs, *(b for b in ql.buffers if b[0] in ("xq", "xd"))]
-    kern = _rms_kernel_mid(d, mid, eps, fused, norm_lanes(ctx, d), ql is not None)
-    return [Launch(kern, tuple(bufs), (("R", tb),), provides=(ql,) if ql else ())]
+    qbufs, provides = ((), ())
+    if mid == 1 and (d + d // QB) * 4 <= QUANT_LOCAL_BYTES:
+        qbufs, provides = quantized_output(ctx, ctx.buf(out), d, token_binding(out))
+    kern = _rms_kernel_mid(d, mid, eps, fused, norm_lanes(ctx, d), bool(provides))
+    return [Launch(kern, (*bufs, *qbufs), (("R", tb),), provides=provides)]
 
 
 def _rms_kernel_mid(d: int, mid: int, eps: float, fused: bool, lanes: int, quant: bool) -> Kernel:

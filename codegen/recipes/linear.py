@@ -214,12 +214,6 @@ def _int8_kernels(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], k: 
             and all(use_int8(f, True) for f in fmts) and k % QB == 0)
 
 
-def quantizes_activations(ctx: RecipeContext, k: int) -> bool:
-    """Whether this target's matmuls over rows of `k` (of int8-path formats) read their activations quantized by
-    `quantize_launch`."""
-    return _int8_kernels(ctx, _knobs(ctx, "matmul"), (), k)
-
-
 def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind) -> tuple[Launch, str, str]:
     """(the launch quantizing activation buffer `x` of rows of `k` into the shared int8 scratch buffers, codes
     buffer, scales buffer): what the GPU path's matmuls read. Identical launches on an unchanged `x` are dropped by
@@ -227,6 +221,16 @@ def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind) -> tuple[Launch,
     qb = ctx.scratch("xq", "u32", ctx.t_max * k // 4)
     db = ctx.scratch("xd", "f32", ctx.t_max * (k // QB))
     return Launch(quantize_x_kernel(f"quantize_x_{k}", k), (("x", x), ("xq", qb), ("xd", db)), (("T", t_bind),)), qb, db
+
+
+def quantized_output(ctx: RecipeContext, y: str, k: int, t_bind) -> tuple[tuple, tuple[Launch, ...]]:
+    """For a kernel that can also write its output `y` (rows of `k`) as the next matmuls' int8 activations (a norm,
+    the attention combine): the xq / xd bindings to add and the quantize launch it then `provides`; ((), ()) where
+    this target's matmuls do not read quantized activations."""
+    if not _int8_kernels(ctx, _knobs(ctx, "matmul"), (), k):
+        return (), ()
+    ql = quantize_launch(ctx, y, k, t_bind)[0]
+    return tuple(b for b in ql.buffers if b[0] in ("xq", "xd")), (ql,)
 
 
 def _gpu_lanes(kn: dict, ctx: RecipeContext, fmts: Sequence[QuantFormat], k: int) -> int:
@@ -501,7 +505,6 @@ def _lower_embed(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
 register(Recipe("matmul_swiglu", ("matmul", "matmul", "swiglu"), _lower_glu, _match_glu, MATMUL_KNOBS))
 register(Recipe("matmul_geglu", ("matmul", "matmul", "geglu"), _lower_glu, _match_glu, MATMUL_KNOBS))
 register(Recipe("matmul", ("matmul",), _lower_matmul, _match_matmul, MATMUL_KNOBS))
-# Matmuls sharing their input (q, k, v): the "matmul" knobs apply.
+# Three matmuls sharing their input (q, k, v): the "matmul" knobs apply.
 register(Recipe("matmul_stack3", ("matmul",) * 3, _lower_matmul_stack, _match_matmul_stack))
-register(Recipe("matmul_stack2", ("matmul",) * 2, _lower_matmul_stack, _match_matmul_stack))
 register(Recipe("embed", ("embed",), _lower_embed, None, (("chunk", 8),)))
