@@ -108,7 +108,7 @@ class Engine:
                 out = self.executor.forward(self.graph_last, chunk)
                 if last_chunk:
                     outs.append(out)
-        return np.concatenate(outs, axis=0)
+        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)  # the runtime's array is a copy
 
     def score(self, ids: list[int]) -> np.ndarray:
         """Logits [n, vocab] of one forward pass over `ids` from an empty context."""

@@ -75,8 +75,6 @@ class Runtime(ABC):
     # Whether the compiler merges runs of aligned neighbouring loads into 16-byte loads (recipes then give each
     # lane runs of consecutive words: `codegen/recipes/_matvec.use_runs`).
     wide_loads: bool = False
-    # Whether launches return before the work is done (GPUs); the host's time per step is then measurable.
-    asynchronous: bool = False
 
     def __init__(self) -> None:
         self.cache_hits = 0

@@ -74,7 +74,6 @@ class CUDARuntime(Runtime):
     lanes = 128  # 4 warps per group
     subgroup = 32
     wide_loads = True  # NVVM, with the alignment the generated loads declare
-    asynchronous = True
 
     def __init__(self, shuffles: bool | None = None) -> None:
         """`shuffles`: warp shuffles for Reduce (default: on a GPU yes, in the simulator no, it has none)."""
@@ -105,6 +104,7 @@ class CUDARuntime(Runtime):
         self.fast = not self.simulator  # driver launches; False: numba's dispatcher (for comparisons)
         self.stream = cuda.stream()  # a real stream: the legacy default stream cannot be captured
         self._recording: list | None = None
+        self._pinned: np.ndarray | None = None  # download staging, see `_staging`
 
     # --- compilation ----------------------------------------------------------------------------------
 
@@ -162,16 +162,44 @@ class CUDARuntime(Runtime):
 
     def download(self, buf: Any, shape: Sequence[int], dtype: str) -> np.ndarray:
         n = int(np.prod(shape))
-        out = buf[:n].copy_to_host(stream=self.stream) if n else np.empty(0, NUMPY_DTYPES[dtype])
-        self.stream.synchronize()
-        out = out.view(NUMPY_DTYPES[dtype]).reshape(tuple(shape))
+        host_dtype = np.dtype(NUMPY_DTYPES[dtype])
+        if not n:
+            out = np.empty(0, host_dtype)
+        elif self.simulator:
+            out = buf[:n].copy_to_host(stream=self.stream)
+            self.stream.synchronize()
+        else:
+            # Through the driver into a pinned staging buffer: numba's slice-and-copy costs about 100 µs of Python
+            # a call, and a pageable copy is slower; a decode step downloads its logits every token.
+            nbytes = n * host_dtype.itemsize
+            if nbytes > buf.nbytes:
+                raise PolystrataError(f"download of {nbytes} bytes from a {buf.nbytes}-byte CUDA buffer")
+            staging = self._staging(nbytes)
+            _check(self.driver.cuMemcpyDtoHAsync(staging.ctypes.data, _ptr(buf), nbytes, self.stream.handle))
+            _check(self.driver.cuStreamSynchronize(self.stream.handle))
+            out = staging[:nbytes].view(host_dtype).copy()
+        out = out.view(host_dtype).reshape(tuple(shape))
         return out.view(np.float16).astype(np.float32) if dtype == "f16" else out
+
+    def _staging(self, nbytes: int) -> np.ndarray:
+        """A pinned host buffer of at least `nbytes`, kept and grown (doubling) across downloads."""
+        if self._pinned is None or self._pinned.nbytes < nbytes:
+            size = max(nbytes, 2 * (self._pinned.nbytes if self._pinned is not None else 0), 1 << 16)
+            self._pinned = self.cuda.pinned_array(size, np.uint8)
+        return self._pinned
 
     def write(self, buf: Any, array: np.ndarray) -> None:
         host = np.ascontiguousarray(array).reshape(-1)
-        if host.size:
-            host = host.view(buf.dtype) if host.dtype.itemsize == buf.dtype.itemsize else host.astype(buf.dtype)
+        if not host.size:
+            return
+        host = host.view(buf.dtype) if host.dtype.itemsize == buf.dtype.itemsize else host.astype(buf.dtype)
+        if host.nbytes > buf.nbytes:
+            raise PolystrataError(f"write of {host.nbytes} bytes into a {buf.nbytes}-byte CUDA buffer")
+        if self.simulator:
             buf[: host.size].copy_to_device(host, stream=self.stream)
+        else:
+            # The driver copies pageable memory into its own staging before it returns, so `host` may go.
+            _check(self.driver.cuMemcpyHtoDAsync(_ptr(buf), host.ctypes.data, host.nbytes, self.stream.handle))
 
     # --- launches -------------------------------------------------------------------------------------
 
@@ -249,7 +277,18 @@ class CUDARuntime(Runtime):
     # --- device ---------------------------------------------------------------------------------------
 
     def sync(self) -> None:
-        self.stream.synchronize()
+        if self.simulator:
+            self.stream.synchronize()
+        else:
+            _check(self.driver.cuStreamSynchronize(self.stream.handle))
+
+    def mark(self) -> DeviceEvent | None:
+        """A device event recorded after the work queued so far (None in the simulator, which has no clock)."""
+        return None if self.simulator else DeviceEvent(self.driver, self.stream.handle)
+
+    def elapsed(self, start: DeviceEvent | None, end: DeviceEvent | None) -> float | None:
+        """Seconds of device time between two marks, once `end` is reached; None in the simulator."""
+        return None if start is None or end is None else end.seconds_since(start)
 
     def memory_info(self) -> tuple[int, int] | None:
         if self.simulator:
@@ -270,6 +309,24 @@ class CUDARuntime(Runtime):
         out["groups_per_sm"] = int(_check(self.driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(
             ck.cufunc, ck.kernel.lanes, 0))[0])
         return out
+
+
+class DeviceEvent:
+    """A CUDA driver event recorded on a stream when made (timing enabled), destroyed with the object."""
+
+    def __init__(self, driver: Any, stream: Any) -> None:
+        self.driver = driver
+        self.handle, = _check(driver.cuEventCreate(0))
+        _check(driver.cuEventRecord(self.handle, stream))
+
+    def seconds_since(self, start: DeviceEvent) -> float:
+        """Device time from `start` to this event; waits until this event is reached."""
+        _check(self.driver.cuEventSynchronize(self.handle))
+        ms, = _check(self.driver.cuEventElapsedTime(start.handle, self.handle))
+        return ms / 1e3
+
+    def __del__(self) -> None:
+        self.driver.cuEventDestroy(self.handle)
 
 
 def _ptr(buf: Any) -> int:

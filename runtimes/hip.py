@@ -176,7 +176,6 @@ class HIPRuntime(Runtime):
     """One AMD GPU, or compile-only for `arch` when there is none (or with `compile_only=True`)."""
 
     name = "hip"
-    asynchronous = True
 
     def __new__(cls, arch: str | None = None, compile_only: bool = False, native_f16: bool = True):
         """An `sm_XX` arch, or no arch on an NVIDIA GPU and no AMD one: `hip_nvrtc.NVRTCRuntime`."""

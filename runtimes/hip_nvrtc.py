@@ -14,7 +14,7 @@ from polystrata.codegen.hip import cuda_prelude, render
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Kernel
 from polystrata.runtimes import hip
-from polystrata.runtimes.cuda import _check
+from polystrata.runtimes.cuda import DeviceEvent, _check
 
 try:  # nothing is loaded until a first call: libcuda and libnvrtc may still be missing
     from cuda.bindings import driver, nvrtc
@@ -148,6 +148,15 @@ class NVRTCRuntime(hip.HIPRuntime):
     def sync(self) -> None:
         if self.gpu:
             _check(self.driver.cuCtxSynchronize())
+
+    def mark(self) -> DeviceEvent:
+        """A device event recorded after the work queued so far (the null stream)."""
+        self._need_gpu()
+        return DeviceEvent(self.driver, 0)
+
+    def elapsed(self, start: DeviceEvent, end: DeviceEvent) -> float:
+        """Seconds of device time between two marks, once `end` is reached."""
+        return end.seconds_since(start)
 
     def memory_info(self) -> tuple[int, int] | None:
         return tuple(int(v) for v in _check(self.driver.cuMemGetInfo())) if self.gpu else None

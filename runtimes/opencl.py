@@ -84,7 +84,6 @@ class OpenCLRuntime(Runtime):
     """One OpenCL device with one in-order queue."""
 
     name = "opencl"
-    asynchronous = True
 
     def __init__(self, device: Any = None, subgroups: bool | None = None) -> None:
         """`device`: a `pyopencl.Device` or a name substring (default: see `pick_device`). `subgroups=False`

@@ -123,3 +123,20 @@ def test_bad_bandwidth_env(monkeypatch):
     monkeypatch.setenv(bench.BANDWIDTH_ENV, "fast")
     with pytest.raises(PolystrataError):
         bench.resolve_bandwidth("x", is_host_cpu=False, threads=1)
+
+
+def test_host_time_is_step_wall_less_device_time(tiny_model, capsys, monkeypatch):
+    """Host time per token = a decode step's wall time less its device time, where the runtime marks device time
+    (cuda, hip); here the CPU runtime gets marks whose device time is the wall time between them (its launches are
+    synchronous), so the host's share is what the step spends outside its launches."""
+    import time
+
+    from polystrata.runtimes.cpu import CPURuntime
+
+    r = json.loads(_run(capsys, str(tiny_model), "--target", "cpu", "-p", "0", "-n", "3", "-r", "1", "--json"))
+    assert r["host_ms_per_token"] is None  # no device timer, no claim
+    monkeypatch.setattr(CPURuntime, "mark", lambda self: time.perf_counter(), raising=False)
+    monkeypatch.setattr(CPURuntime, "elapsed", lambda self, a, b: b - a, raising=False)
+    r = json.loads(_run(capsys, str(tiny_model), "--target", "cpu", "-p", "0", "-n", "3", "-r", "1", "--json"))
+    step_ms = 1e3 / r["tg"]["tok_s_mean"]
+    assert 0 < r["host_ms_per_token"] < step_ms
