@@ -176,11 +176,13 @@ def test_matvec_q8_formats(rt, fmt_name):
     n, k = 37, 512
     fmt, wb, wd = _weight(fmt_name, n, k)
     rng = np.random.default_rng(4)
-    # runs: each lane consecutive words; rows: rows a group (37 is odd: the last group's extra rows are clamped)
-    for sub, runs, rows in (("auto", 0, 1), ("auto", 1, 1), (1, 0, 1), (2, 1, 1), ("auto", 1, 2), ("auto", 0, 3)):
+    # runs: each lane consecutive words; rows: rows a group (37 is odd: the last group's extra rows are clamped);
+    # spread: the lanes spread over the rows rather than each sweeping all of them
+    for sub, runs, rows, spread in (("auto", 0, 1, 0), ("auto", 1, 1, 0), (1, 0, 1, 0), (2, 1, 1, 0), ("auto", 1, 2, 0),
+                                    ("auto", 0, 3, 0), ("auto", 1, 4, 1), ("auto", 0, 3, 1), (1, 1, 16, 1)):
         qk = quantize_x_kernel(f"t_q8x_{k}", k)
-        mk = matvec_q8_kernel(f"t_mv8_{fmt_name.lower()}_{sub}_{runs}_{rows}", [fmt], n, k, tokens=4, lanes=32,
-                              sub=sub, runs=runs, rows=rows)
+        mk = matvec_q8_kernel(f"t_mv8_{fmt_name.lower()}_{sub}_{runs}_{rows}_{spread}", [fmt], n, k, tokens=4,
+                              lanes=32, sub=sub, runs=runs, rows=rows, spread=bool(spread))
         launches = [Launch(qk, (("x", "x"), ("xq", "xq"), ("xd", "xd")), (("T", "T"),)),
                     Launch(mk, (("xq", "xq"), ("xd", "xd"), ("w0", "w"), ("y", "y")), (("T", "T"),))]
         for t in (1, 3, 9):
@@ -191,7 +193,7 @@ def test_matvec_q8_formats(rt, fmt_name):
             xq = _q8(x)
             ref = xq @ wd.T.astype(np.float64)
             bound = 1e-4 * (np.abs(xq) @ np.abs(wd.T)) + 1e-5
-            assert np.all(np.abs(y - ref) <= bound), (fmt_name, sub, runs, rows, t,
+            assert np.all(np.abs(y - ref) <= bound), (fmt_name, sub, runs, rows, spread, t,
                                                       float(np.max(np.abs(y - ref) - bound)))
 
 
@@ -549,8 +551,9 @@ def test_router(rt, norm, lanes):
     np.testing.assert_allclose(out[t * 3:].reshape(t, 3) / 2.0**30, w, atol=1e-6)
 
 
-def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2):
-    """A router + moe_ffn graph lowered on a context of `lanes` lanes; returns what a test needs to run it."""
+def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=None):
+    """A router + moe_ffn graph lowered on a context of `lanes` lanes (and moe_ffn `knobs`); returns what a test
+    needs to run it."""
     g = Graph("t")
     x = g.input("x", "f32", ("T", dm))
     logits = g.input("logits", "f32", ("T", e))
@@ -561,6 +564,7 @@ def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2):
     g.op("moe_ffn", x, route, gw, uw, dw, name="o")
     ctx = _ctx(g, formats={n: Q.FORMATS[fmt_name] for n in "gud"})
     ctx.lanes, ctx.t_max = lanes, t_max
+    ctx.knobs = {"moe_ffn": knobs or {}}
     rl = _recipe("router").lower(g.nodes[:1], ctx)
     ml = _recipe("moe_ffn").lower(g.nodes[1:], ctx)
     _, bg, dg = _weight(fmt_name, e * ff, dm, 1)
@@ -657,12 +661,21 @@ def test_moe_group_lists(rt):
             np.testing.assert_array_equal(lst[a + 1: a + 1 + len(active)], active)
 
 
-@pytest.mark.parametrize("fmt_name", ["Q4_K", "Q8_0"])
-def test_moe_ffn_random_routes(rt, fmt_name):
-    """moe_ffn alone on hand-made routes: skewed (one expert takes every token), unnormalised weights, T = 1 and 9."""
+@pytest.mark.parametrize("fmt_name,spread", [("Q4_K", "auto"), ("Q8_0", "auto"), ("Q4_K", 3)])
+def test_moe_ffn_random_routes(rt, fmt_name, spread):
+    """moe_ffn alone on hand-made routes: skewed (one expert takes every token), unnormalised weights, T = 1 and 9;
+    on GPUs with the expert rows spread over the lanes (by default here: the rows are short), also three rows a
+    group where 256 rows do not divide (the last group's loads clamped, its stores guarded)."""
     e, dm, k = 8, 256, 2
     for lanes in sorted({1, rt.lanes}):
-        g, ctx, _, ml, weights, deq = _moe_case(rt, fmt_name, lanes)
+        g, ctx, _, ml, weights, deq = _moe_case(rt, fmt_name, lanes, knobs={"spread": spread})
+        if lanes > 1:
+            spreads = [dict(la.kernel.knobs)["spread"] for la in ml if la.kernel.name.startswith("moe_down")]
+            # Q4_K's 256 columns are one block: a few units a row, spread; Q8_0's are 8 blocks of 4 units, 32 lanes.
+            if spread == 3 or fmt_name == "Q8_0":
+                assert spreads[0] == (3 if spread == 3 else 1)
+            else:
+                assert spreads[0] > 1
         rng = np.random.default_rng(11)
         keep: dict = {}
         for t, skew in ((9, False), (1, False), (9, True)):

@@ -22,6 +22,8 @@ vectorization).
 
 from __future__ import annotations
 
+import math
+
 from polystrata.codegen.dequant import (
     Affine,
     Decoder,
@@ -237,28 +239,56 @@ def split_row_dot(name: str, fmt: QuantFormat, wbuf: str, row_base: Expr, act: A
     return red
 
 
-def split_dots(parts, act: Act, t: Expr, runs: bool | int | str = False) -> list[Reduce]:
+def split_dots(parts, act: Act, t: Expr, runs: bool | int | str = False, spread: int = 1) -> list[Reduce]:
     """`split_row_dot` for several weight rows dotted with the same activation row: `parts` are (result name,
     format, weight buffer, row base, prefix, sub). Rows walked alike (same block size, lanes per block and runs)
     share one Reduce, whose body loads each activation word once for all of them (the same addresses: compilers
-    merge the loads); others get a Reduce each."""
+    merge the loads); others get a Reduce each.
+
+    `spread` > 1: each part stands for `spread` rows, and the Reduce's units cover them all, the row's units one
+    after the other: unit u works on row slot `u // units` (the variable `SLOT`, which a part's row base uses)
+    and yields a result per slot, `{name}_{slot}` (lanes on other slots add 0 to it). For rows with fewer units
+    than a group has lanes (the MoE experts' 768 columns: 6 units of a Q4_K row), which would leave lanes idle;
+    neighbouring rows lie next to each other, so the group's loads stay one contiguous sweep."""
     groups: dict[tuple, list] = {}
     for p in parts:
         fmt, sub = p[1], p[5]
         groups.setdefault((fmt_for(fmt).block_size, sub, use_runs(fmt, runs)), []).append(p)
     out = []
     for (bs, sub, _), ps in groups.items():
+        units = act.k // bs * sub
         u = Var(f"{ps[0][4]}u")
-        body, results = [], []
+        uu = Var(f"{ps[0][4]}uu") if spread > 1 else u
+        body = [Let(SLOT, u // units), Let(uu.name, u % units)] if spread > 1 else []
+        results = []
         for name, fmt, wbuf, row_base, prefix, _ in ps:
             acc = f"{prefix}acc"
             body += [Decl(acc, "f32", Const(0.0)),
-                     *block_dot(fmt, wbuf, row_base, u // sub, act, t, acc, prefix,
-                                split=(u % sub, sub, use_runs(fmt, runs)), word_loads=True)]
-            results.append((name, Var(acc)))
+                     *block_dot(fmt, wbuf, row_base, uu // sub, act, t, acc, prefix,
+                                split=(uu % sub, sub, use_runs(fmt, runs)), word_loads=True)]
+            if spread > 1:
+                results += [(f"{name}_{r}", Select(Var(SLOT).eq(r), Var(acc), Const(0.0))) for r in range(spread)]
+            else:
+                results.append((name, Var(acc)))
         (first, value), *more = results
-        out.append(Reduce(first, "+", u.name, Const(act.k // bs * sub), tuple(body), value, tuple(more)))
+        out.append(Reduce(first, "+", u.name, Const(units * spread), tuple(body), value, tuple(more)))
     return out
+
+
+SLOT = "slot"  # `split_dots` with spread: the row slot of a unit
+
+
+def spread_rows(fmts, k: int, subgroup: int, sub: int | str = "auto", runs: bool | int | str = False) -> int:
+    """Rows a group of `split_dots` spreads its lanes over (1: none): where a row has fewer units than a subgroup
+    has lanes, as many rows as make the units a whole number of subgroups, at most `SPREAD_MAX`."""
+    units = max(k // fmt_for(f).block_size * sub_lanes(f, sub, runs) for f in fmts)
+    w = max(32, subgroup)
+    if units >= w:
+        return 1
+    return min(SPREAD_MAX, w // math.gcd(units, w))
+
+
+SPREAD_MAX = 16
 
 
 SUB_MAX = 4  # "auto" sub, interleaved words: lanes per block up to this many (one word of each chunk per lane at most)
@@ -461,4 +491,6 @@ def _coef(e: Expr, i0: str) -> int | None:
         return 0 if a == 0 and b == 0 else None
     if isinstance(e, Load):
         return 0 if _coef(e.index, i0) == 0 else None
+    if isinstance(e, Call):  # min / max of row indices (clamped rows): constant in i0 when their arguments are
+        return 0 if all(_coef(a, i0) == 0 for a in e.args) else None
     return None

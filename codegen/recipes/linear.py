@@ -35,6 +35,7 @@ from polystrata.codegen.dequant import Decoder, block_stride, elements_per_row_b
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,
+    SLOT,
     Act,
     block_dot,
     code_word,
@@ -44,6 +45,7 @@ from polystrata.codegen.recipes._matvec import (
     runs_for_target,
     split_dots,
     split_lanes,
+    spread_rows,
     sub_lanes,
     use_int8,
     use_runs,
@@ -70,9 +72,9 @@ from polystrata.ir.kernel import (
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 MATMUL_KNOBS = (("rows", "auto"), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"), ("xq", "auto"),
-                ("sub", "auto"), ("runs", "auto"), ("lanes", "auto"))
+                ("sub", "auto"), ("runs", "auto"), ("lanes", "auto"), ("spread", "auto"))
 # Knobs of the two-launch GPU path only (`_launches`); the rest are `matmul_kernel`'s.
-GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows")
+GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread")
 
 
 def matmul_kernel_knobs(kn: dict) -> dict:
@@ -239,14 +241,19 @@ def _gpu_lanes(kn: dict, ctx: RecipeContext, fmts: Sequence[QuantFormat], k: int
     return int(kn["lanes"])
 
 
-def q8_rows(kn: dict, n: int, k: int) -> int:
-    """Rows a group of the int8 matvec (knob rows; "auto": 2 for matrices of at least 4096 rows of at least 4096
-    columns, else 1). Two rows share each activation load, but halve the groups. Measured on the H200:
-    llama3-8b shape decode 278 -> 310 tok/s with 2 (all its matvecs are that large); the qwen3-30b-a3b shape
-    (n_embd 2048) decoded faster with 1 in each of two back-to-back pairs of runs (922 / 779, 788 / 700 tok/s)."""
+def q8_rows(kn: dict, ctx: RecipeContext, fmts: Sequence[QuantFormat], n: int, k: int) -> tuple[int, bool]:
+    """(rows a group of the int8 matvec, whether its lanes spread over them) (knobs rows and spread, "auto": rows
+    with fewer units than a subgroup has lanes are spread, `_matvec.spread_rows` of them a group -- two Q4_K rows
+    of qwen3-30b-a3b's 2048 columns, each 16 units; else two rows for matrices of at least 4096 rows of at least
+    4096 columns, each lane sweeping both, sharing its activation loads, else one). Measured on the H200: the
+    llama3-8b shape decoded at 310 tok/s with two rows, 278 with one."""
+    spread_n = spread_rows(fmts, k, ctx.subgroup, kn["sub"], kn["runs"])
+    spread = spread_n > 1 if kn["spread"] == "auto" else bool(int(kn["spread"]))
     if kn["q8_rows"] != "auto":
-        return int(kn["q8_rows"])
-    return 2 if n >= 4096 and k >= 4096 else 1
+        return int(kn["q8_rows"]), spread
+    if spread:
+        return max(2, spread_n), True
+    return (2 if n >= 4096 and k >= 4096 else 1), False
 
 
 def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: RecipeContext, kn: dict, x: str,
@@ -256,8 +263,9 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
     if _int8_kernels(ctx, kn, fmts, k):
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)
+        rows, spread = q8_rows(kn, ctx, fmts, n, k)
         mk = matvec_q8_kernel(name + "_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"], runs=kn["runs"],
-                              rows=q8_rows(kn, n, k), epilogue=epilogue, lanes=_gpu_lanes(kn, ctx, fmts, k))
+                              rows=rows, spread=spread, epilogue=epilogue, lanes=_gpu_lanes(kn, ctx, fmts, k))
         return [ql, Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
     kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, **matmul_kernel_knobs(kn))
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
@@ -309,16 +317,25 @@ def quantize_staged(local: str, n: int, xq_word: Expr, xd_index: Expr) -> list:
     ))]
 
 
-def _row_sweeps(fmts: Sequence[QuantFormat], wnames: Sequence[str], rows: Sequence[Expr], k: int,
-                subs: Sequence[int], runs, prefix: str = "") -> list:
-    """The dot products `{prefix}s{j}_{r}` = dot(w_j[rows[r]], x[t]) from the packed int8 activations: weights and
-    rows walked alike share one Reduce and its activation loads (`_matvec.split_dots`)."""
+def _row_sweeps(fmts: Sequence[QuantFormat], wnames: Sequence[str], first: Expr, rows: int, n: int, k: int,
+                subs: Sequence[int], runs, spread: bool, prefix: str = "") -> tuple[list, list]:
+    """(statements leaving the dot products `{prefix}s{j}_{r}` = dot(w_j[first + r], x[t]) for the group's `rows`
+    rows from the packed int8 activations, the store guards of `_group_rows`). Weights and rows walked alike
+    share one Reduce and its activation loads (`_matvec.split_dots`); with `spread` the lanes spread over the
+    rows (`split_dots`' spread) rather than each lane sweeping all of them."""
     act = Act("xq", k, "xq", "xd", packed=True)
+    rws, guards = _group_rows(first, rows, n)
+    t = Var("t0") + Var("t")
+    if spread and rows > 1:
+        row = first + Var(SLOT) if n % rows == 0 else Call("min", first + Var(SLOT), Const(n - 1))
+        parts = [(f"{prefix}s{j}", f, w, row * elements_per_row_bytes(f, k), f"{prefix}w{j}_", subs[j])
+                 for j, (w, f) in enumerate(zip(wnames, fmts))]
+        return split_dots(parts, act, t, runs, spread=rows), guards
     # Each row index a name: the weight decoders need addresses affine in their element index.
-    lets = [Let(f"{prefix}row{r}", row) for r, row in enumerate(rows)]
+    lets = [Let(f"{prefix}row{r}", row) for r, row in enumerate(rws)]
     parts = [(f"{prefix}s{j}_{r}", f, w, Var(f"{prefix}row{r}") * elements_per_row_bytes(f, k), f"{prefix}w{j}r{r}_",
-              subs[j]) for j, (w, f) in enumerate(zip(wnames, fmts)) for r in range(len(rows))]
-    return [*lets, *split_dots(parts, act, Var("t0") + Var("t"), runs)]
+              subs[j]) for j, (w, f) in enumerate(zip(wnames, fmts)) for r in range(rows)]
+    return [*lets, *split_dots(parts, act, t, runs)], guards
 
 
 def _group_rows(first: Expr, rows: int, n: int) -> tuple[list[Expr], list]:
@@ -338,20 +355,22 @@ def _token_tile(tokens: int) -> tuple:
     return Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - Var("t0")))
 
 
-def _q8_knobs(fmts: Sequence[QuantFormat], tokens: int, subs: Sequence[int], runs, rows: int) -> tuple:
+def _q8_knobs(fmts: Sequence[QuantFormat], tokens: int, subs: Sequence[int], runs, rows: int, spread: bool) -> tuple:
     return (("tokens", tokens), ("int8", 1), ("xq", "kernel"), ("sub", ",".join(map(str, subs))),
-            ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)), ("rows", rows))
+            ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)), ("rows", rows),
+            ("spread", int(spread and rows > 1)))
 
 
 def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, tokens: int, lanes: int,
-                     sub: int | str = "auto", runs: bool | int | str = "auto", rows: int = 1,
+                     sub: int | str = "auto", runs: bool | int | str = "auto", rows: int = 1, spread: bool = False,
                      epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t])) from pre-quantized activations (`quantize_x_kernel`).
 
     Grid (ceil(n / rows), ceil(T / tokens)): `rows` weight rows per group, their dot products swept together by
     all its lanes (`_matvec.split_dots`: `sub` lanes per block, each taking interleaved words or with `runs` a run
-    of consecutive words of each chunk; each activation word loaded once for all the rows and weights). For each
-    token of the tile the rows are swept again (from cache).
+    of consecutive words of each chunk; each activation word loaded once for all the rows and weights), or with
+    `spread` the lanes spread over the rows (short rows). For each token of the tile the rows are swept again
+    (from cache).
     """
     subs = [sub_lanes(f, sub, runs) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
@@ -359,26 +378,25 @@ def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, 
               *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True), Scalar("T"))
     t = Var("t0") + Var("t")
     first = Var("g0") * rows if rows > 1 else Var("g0")
-    rws, guards = _group_rows(first, rows, n)
+    sweeps, guards = _row_sweeps(fmts, wnames, first, rows, n, k, subs, runs, spread)
     stores = []
     for r in range(rows):
         vals = [Var(f"s{j}_{r}") for j in range(len(fmts))]
         y = epilogue(vals) if epilogue else vals[0]
         stores.append(_guarded(guards[r], Store("y", t * n + first + r if r else t * n + first, y)))
-    body = (*_token_tile(tokens),
-            For("t", Const(0), Var("nt"), (*_row_sweeps(fmts, wnames, rws, k, subs, runs), *stores)))
+    body = (*_token_tile(tokens), For("t", Const(0), Var("nt"), (*sweeps, *stores)))
     grid = (Const(-(-n // rows)), (Var("T") + (tokens - 1)) // tokens)
-    return Kernel(name, params, grid, body, lanes=lanes, knobs=_q8_knobs(fmts, tokens, subs, runs, rows),
+    return Kernel(name, params, grid, body, lanes=lanes, knobs=_q8_knobs(fmts, tokens, subs, runs, rows, spread),
                   doc=f"matvec int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
 
 
 def stacked_matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], ns: Sequence[int], k: int, *, tokens: int,
                              lanes: int, sub: int | str = "auto", runs: bool | int | str = "auto",
-                             rows: int = 1) -> Kernel:
+                             rows: int = 1, spread: bool = False) -> Kernel:
     """y_j[t, r] = dot(w_j[r], x[t]) for several weights (rows `ns[j]`) reading the same activations, as if stacked
     into one weight: grid (sum(ceil(ns / rows)), ceil(T / tokens)), the first groups on w0, the next on w1, ...
-    (a group-uniform branch), `rows` rows a group. One launch where there were several, and small matvecs
-    (attention k and v: 1024 rows) fill the device together."""
+    (a group-uniform branch), `rows` rows a group (`spread`: see `matvec_q8_kernel`). One launch where there were
+    several, and small matvecs (attention k and v: 1024 rows) fill the device together."""
     subs = [sub_lanes(f, sub, runs) for f in fmts]
     m = len(fmts)
     params = (Buf("xq", "u32"), Buf("xd", "f32"), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
@@ -390,18 +408,17 @@ def stacked_matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], ns: Sequenc
     def part(j: int) -> tuple:
         g = g0 - starts[j] if starts[j] else g0
         first = g * rows if rows > 1 else g
-        rws, guards = _group_rows(first, rows, ns[j])
+        sweeps, guards = _row_sweeps([fmts[j]], [f"w{j}"], first, rows, ns[j], k, [subs[j]], runs, spread, f"p{j}")
         stores = [_guarded(guards[r], Store(f"y{j}", t * ns[j] + first + r if r else t * ns[j] + first,
                                             Var(f"p{j}s0_{r}"))) for r in range(rows)]
-        return (For("t", Const(0), Var("nt"), (*_row_sweeps([fmts[j]], [f"w{j}"], rws, k, [subs[j]], runs, f"p{j}"),
-                                                 *stores)),)
+        return (For("t", Const(0), Var("nt"), (*sweeps, *stores)),)
 
     # Flat Ifs, one a weight (PoCL mishandles the barriers of reductions inside a nested else-if).
     branches = [If((g0 >= starts[j]) & (g0 < starts[j] + groups[j]) if j else g0 < groups[0], part(j))
                 for j in range(m)]
     grid = (Const(sum(groups)), (Var("T") + (tokens - 1)) // tokens)
     return Kernel(name, params, grid, (*_token_tile(tokens), *branches), lanes=lanes,
-                  knobs=_q8_knobs(fmts, tokens, subs, runs, rows),
+                  knobs=_q8_knobs(fmts, tokens, subs, runs, rows, spread),
                   doc=f"stacked matvecs int8 {'+'.join(f.name for f in fmts)} [{'+'.join(map(str, ns))}x{k}]")
 
 
@@ -445,8 +462,9 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
         return [la for n in nodes for la in _lower_matmul([n], ctx)]
     ql, qb, db = quantize_launch(ctx, ctx.buf(x), k, token_binding(x))
     tag = "_".join(f"{f.name.lower()}{n}" for f, n in zip(fmts, ns))
+    rows, spread = q8_rows(kn, ctx, fmts, sum(ns), k)
     mk = stacked_matvec_q8_kernel(f"matmul_stack_{tag}x{k}_q8", fmts, ns, k, tokens=kn["tokens"], sub=kn["sub"],
-                                  runs=kn["runs"], rows=q8_rows(kn, sum(ns), k), lanes=_gpu_lanes(kn, ctx, fmts, k))
+                                  runs=kn["runs"], rows=rows, spread=spread, lanes=_gpu_lanes(kn, ctx, fmts, k))
     outs = tuple((f"y{j}", ctx.buf(n.output)) for j, n in enumerate(nodes))
     return [ql, Launch(mk, (("xq", qb), ("xd", db), *((f"w{j}", ctx.buf(w)) for j, w in enumerate(ws)), *outs),
                        (("T", token_binding(x)),))]

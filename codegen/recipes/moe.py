@@ -33,6 +33,7 @@ from polystrata.codegen.dequant import elements_per_row_bytes, weight_dtype
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,
+    SLOT,
     Act,
     block_dot,
     fmt_for,
@@ -40,6 +41,7 @@ from polystrata.codegen.recipes._matvec import (
     runs_for_target,
     split_dots,
     split_lanes,
+    spread_rows,
     sub_lanes,
     use_int8,
     use_runs,
@@ -102,7 +104,7 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int) -> Kernel:
     return Kernel(name, params, (Var("T"),), tuple(body), lanes=lanes, local=(LocalArray("p", "f32", e),))
 
 
-MOE_KNOBS = (("rows", 4), ("split", "auto"), ("xq", "auto"), ("sub", "auto"), ("runs", "auto"))
+MOE_KNOBS = (("rows", 4), ("split", "auto"), ("xq", "auto"), ("sub", "auto"), ("runs", "auto"), ("spread", "auto"))
 
 
 def list_words(n_exp: int, cap: int) -> int:
@@ -233,28 +235,39 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
 
 
 def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
-                     per_token: bool, sub: int | str, lanes: int, runs: bool | int | str = "auto",
+                     per_token: bool, sub: int | str, lanes: int, runs: bool | int | str = "auto", spread: int = 1,
                      epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
     """`expert_kernel` from int8 activations (`linear.quantize_x_kernel`'s buffers; GPU path): grid (experts
-    with entries, n), one weight row per group, its dot products swept together (`_matvec.split_dots`)."""
+    with entries, ceil(n / spread)), `spread` weight rows per group with the lanes spread over them (one row where
+    it has as many units as a subgroup has lanes), their dot products swept together (`_matvec.split_dots`)."""
     subs = [sub_lanes(f, sub, runs) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
     act = Act("xq", kd, "xq", "xd", packed=True)
-    ex, row, ent = Var("ex"), Var("g1"), Var("ent")
+    ex, ent = Var("ex"), Var("ent")
+    first = Var("g1") * spread if spread > 1 else Var("g1")
+    row = first + Var(SLOT) if spread > 1 else first
+    if n % spread:
+        row = Call("min", row, Const(n - 1))  # loads stay in bounds; the stores are guarded
     red = split_dots([(f"s{j}", f, w, (ex * n + row) * elements_per_row_bytes(f, kd), f"w{j}_", subs[j])
-                      for j, (w, f) in enumerate(zip(wnames, fmts))], act, Var("ta"), runs)
-    vals = [Var(f"s{j}") for j in range(len(fmts))]
+                      for j, (w, f) in enumerate(zip(wnames, fmts))], act, Var("ta"), runs, spread=spread)
+    stores = []
+    for r in range(spread):
+        vals = [Var(f"s{j}_{r}" if spread > 1 else f"s{j}") for j in range(len(fmts))]
+        st = Store("out", ent * n + first + r, epilogue(vals) if epilogue else vals[0])
+        stores.append(If(first + r < n, (st,)) if n % spread else st)
     body = [For("j", Const(0), Load("lst", ex), (
         Let("ent", Load("lst", Const(n_exp) + ex * cap + Var("j"))),
         Let("ta", ent // k if per_token else ent),
         *red,
-        Store("out", ent * n + row, epilogue(vals) if epilogue else vals[0]),
+        *stores,
     ))]
     params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("lst", "i32"),
               *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("out", "f32", out=True), Scalar("T"))
-    return Kernel(name, params, _active_grid(n_exp, k, Const(n)), tuple(_active_expert(n_exp, cap, body)),
-                  lanes=lanes, knobs=(("sub", ",".join(map(str, subs))),
-                                      ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)), ("xq", "kernel")),
+    return Kernel(name, params, _active_grid(n_exp, k, Const(-(-n // spread))),
+                  tuple(_active_expert(n_exp, cap, body)), lanes=lanes,
+                  knobs=(("sub", ",".join(map(str, subs))),
+                         ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)), ("xq", "kernel"),
+                         ("spread", spread)),
                   doc=f"moe expert matvec int8 {'+'.join(f.name for f in fmts)} [{n_exp}x{n}x{kd}]")
 
 
@@ -313,12 +326,18 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
         qb = ctx.scratch("xq", "u32", max(t_max * dm, cap * ff) // 4)
         xd = ctx.scratch("xd", "f32", max(t_max * dm, cap * ff) // QB)
         qbufs = (("xq", qb), ("xd", xd))
+        spread = ctx.knob("moe_ffn", "spread", "auto")
+
+        def spread_of(fmts, kd):
+            return spread_rows(fmts, kd, ctx.subgroup, sub, runs) if spread == "auto" else int(spread)
+
         kgu = expert_q8_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}_q8".lower(), [fg, fu], n_exp, ff, dm, k, cap,
-                               per_token=True, sub=sub, runs=runs,
+                               per_token=True, sub=sub, runs=runs, spread=spread_of([fg, fu], dm),
                                lanes=split_lanes([fg, fu], dm, ctx.subgroup, sub, runs),
                                epilogue=gateup)
         kd = expert_q8_kernel(f"moe_down_{fd.name}_{tag}_q8".lower(), [fd], n_exp, dm, ff, k, cap, per_token=False,
-                              sub=sub, runs=runs, lanes=split_lanes([fd], ff, ctx.subgroup, sub, runs))
+                              sub=sub, runs=runs, spread=spread_of([fd], ff),
+                              lanes=split_lanes([fd], ff, ctx.subgroup, sub, runs))
         return [
             group,
             Launch(quantize_x_kernel(f"quantize_x_{dm}", dm), (("x", ctx.buf(x)), *qbufs), (("T", tb),)),
