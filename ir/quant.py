@@ -34,6 +34,7 @@ f16 field directly or as f16 super-block field times a small integer code (anoth
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import operator
@@ -609,6 +610,31 @@ def by_name(name: str) -> QuantFormat:
         known = ", ".join([*FORMATS, *KV_FORMATS])
         raise UnsupportedError(f"unknown quantization format {name!r}; known formats: {known}")
     return fmt
+
+
+def padded(fmt: QuantFormat, align: int) -> QuantFormat:
+    """`fmt` with each block padded with zero bytes to a multiple of `align` bytes (itself where it already is): a
+    device storage layout, not a GGUF type, whose blocks, and so every field the format aligns, start aligned.
+    `repack` lays GGUF data out in it."""
+    nbytes = -(-fmt.block_bytes // align) * align
+    if nbytes == fmt.block_bytes:
+        return fmt
+    pad = Field("pad", fmt.block_bytes, "u8", nbytes - fmt.block_bytes)
+    return dataclasses.replace(fmt, name=f"{fmt.name}_A{align}", ggml_type=None, block_bytes=nbytes,
+                               fields=(*fmt.fields, pad))
+
+
+def repack(raw: np.ndarray, src: QuantFormat, dst: QuantFormat) -> np.ndarray:
+    """The blocks of `src` data (its raw bytes) laid out as `dst`, a `padded` form of `src`: each block's bytes,
+    then zeros."""
+    if dst.name == src.name:
+        return raw
+    if dst.fields[: len(src.fields)] != src.fields or dst.block_size != src.block_size:
+        raise ValueError(f"{dst.name} is not a padded layout of {src.name}")
+    blocks = np.asarray(raw).reshape(-1).view(np.uint8).reshape(-1, src.block_bytes)
+    out = np.zeros((blocks.shape[0], dst.block_bytes), np.uint8)
+    out[:, : src.block_bytes] = blocks
+    return out.reshape(-1)
 
 
 def row_bytes(fmt: QuantFormat, n: int) -> int:

@@ -55,7 +55,7 @@ def main() -> None:
     bufs = {name: rt.alloc((spec.count,), spec.dtype) for name, spec in plan.buffers.items() if spec.kind != "weight"}
     rt.write(bufs["tokens"], np.zeros(1, np.int32))
     bufs["table"] = rt.upload(xs)
-    weights = [rt.upload(r.reshape(-1)) for r in raws]
+    weights = [rt.upload(Q.repack(r, fmt, plan.buffers["w"].fmt)) for r in raws]  # in the layout the plan reads
     embed, *rest = plan.launches
     launches = []
     for c in range(a.copies):

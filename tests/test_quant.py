@@ -211,3 +211,18 @@ def test_format_metadata_for_codegen():
     assert Q.Q4_0.tables == {}
     assert Q.code_range(Q.Q3_K, "q") == (-4, 3) and Q.code_range(Q.Q6_K, "sc") == (-128, 127)
 
+
+
+def test_padded_layout_decodes_like_the_gguf_one():
+    """Q6_K padded to 16-byte blocks (a device layout): the repacked bytes decode to the same values, every block
+    starts 16-byte aligned, formats already aligned stay themselves, and repacking into an unrelated layout fails."""
+    q6 = Q.FORMATS["Q6_K"]
+    p16 = Q.padded(q6, 16)
+    assert (p16.block_bytes, p16.ggml_type, p16.block_size) == (224, None, 256)
+    assert Q.padded(Q.FORMATS["Q4_K"], 16) is Q.FORMATS["Q4_K"]
+    raw = Q.quantize(q6, _test_data(rows=3, cols=512))
+    packed = Q.repack(raw, q6, p16)
+    assert packed.size == 3 * 2 * 224 and not packed.reshape(-1, 224)[:, 210:].any()
+    np.testing.assert_array_equal(_bits(Q.dequantize(p16, packed, (3, 512))), _bits(Q.dequantize(q6, raw, (3, 512))))
+    with pytest.raises(ValueError, match="not a padded layout"):
+        Q.repack(raw, q6, Q.padded(Q.FORMATS["Q8_0"], 16))

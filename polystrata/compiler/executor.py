@@ -16,6 +16,7 @@ from polystrata.compiler.plan import Plan
 from polystrata.gguf import GGUFFile
 from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import STEP_SYMBOLS, Buf
+from polystrata.ir.quant import repack
 from polystrata.runtimes.base import CompiledKernel, Runtime, eval_int
 
 
@@ -74,7 +75,10 @@ class PlanExecutor:
                 if spec.kind in ("weight", "kv", "input") and name in self.handles:
                     continue
                 if spec.kind == "weight":
-                    data = file.dequantize(name) if spec.dtype == "f32" else np.asarray(file.raw(name))
+                    if spec.dtype == "f32":
+                        data = file.dequantize(name)
+                    else:  # in the layout the plan's kernels read
+                        data = repack(np.asarray(file.raw(name)), file.tensors[name].fmt, spec.fmt)
                     self.handles[name] = runtime.upload(data)
                 elif spec.kind == "activation":
                     self.handles[(id(plan), name)] = runtime.alloc((spec.count,), spec.dtype)

@@ -6,16 +6,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polystrata.ir.kernel import Launch, dump
+from polystrata.ir.quant import QuantFormat
 
 
 @dataclass(frozen=True)
 class BufferSpec:
-    """A plan buffer: `count` elements of IR dtype `dtype` (sized for the largest step, `t_max` tokens)."""
+    """A plan buffer: `count` elements of IR dtype `dtype` (sized for the largest step, `t_max` tokens); a quantized
+    weight's `fmt` is the layout its kernels read (`ir.quant.repack` turns the file's into it)."""
 
     name: str
     dtype: str
     count: int
     kind: str  # "activation", "input", "weight", "kv"
+    fmt: QuantFormat | None = None
 
 
 @dataclass
