@@ -272,18 +272,22 @@ def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int,
 
 
 def combine_kernel(name: str, dm: int, k: int, lanes: int) -> Kernel:
-    """y[t] = sum_s w(t, s) * d[t*k + s] (slot weights from the route buffer)."""
+    """y[t] = sum_s w(t, s) * d[t*k + s] (slot weights from the route buffer). Grid (T, ceil(dm / lanes)): a
+    group per `lanes` values of a token's row, so that at decode the row is many groups' work, not one's (one
+    group a row with one lane: the CPU)."""
+    chunk = lanes if lanes > 1 else dm
     t = Var("g0")
-    body = (LaneFor("r", Const(dm), (
+    r = Var("g1") * chunk + Var("r")
+    body = (LaneFor("r", Const(chunk), (If(r < dm, (
         Decl("acc", "f32", Const(0.0)),
         For("s", Const(0), Const(k), (
             Let("wt", Cast("f32", Load("route", Var("T") * k + t * k + Var("s"))) / Q30),
-            Assign("acc", Var("acc") + Var("wt") * Load("d", (t * k + Var("s")) * dm + Var("r"))),
+            Assign("acc", Var("acc") + Var("wt") * Load("d", (t * k + Var("s")) * dm + r)),
         )),
-        Store("y", t * dm + Var("r"), Var("acc")),
-    )),)
+        Store("y", t * dm + r, Var("acc")),
+    )),)),)
     params = (Buf("route", "i32"), Buf("d", "f32"), Buf("y", "f32", out=True), Scalar("T"))
-    return Kernel(name, params, (Var("T"),), body, lanes=lanes, doc=f"moe combine {dm}x{k}")
+    return Kernel(name, params, (Var("T"), Const(-(-dm // chunk))), body, lanes=lanes, doc=f"moe combine {dm}x{k}")
 
 
 def _lower_router(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
