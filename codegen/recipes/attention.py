@@ -29,7 +29,7 @@ from polystrata.codegen.dequant import Decoder, block_stride, chunk_len, finest_
 from polystrata.codegen.recipes import Recipe, RecipeContext, register
 from polystrata.codegen.recipes._matvec import QB, Act, block_dot, round_half_away
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
-from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged
+from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
 from polystrata.ir import quant as Q
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
@@ -298,7 +298,7 @@ def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: in
     if quant:
         body += tuple(quantize_staged("ol", dv, r * (dv // 4), r * (dv // QB)))
         params += (Buf("xq", "u32", out=True), Buf("xd", "f32", out=True))
-        local = (LocalArray("ol", "f32", dv + dv // QB),)
+        local = staged_locals("ol", dv)
     return Kernel(name, (*params, Scalar("T")), (Var("T"), Const(hq)), body, lanes=lanes, local=local,
                   doc=f"attention split-K combine x{splits}")
 

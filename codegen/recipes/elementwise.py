@@ -14,7 +14,13 @@ from collections.abc import Callable, Sequence
 
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import QB
-from polystrata.codegen.recipes.linear import ACTIVATIONS, quantize_staged, quantized_output, staged
+from polystrata.codegen.recipes.linear import (
+    ACTIVATIONS,
+    quantize_staged,
+    quantized_output,
+    staged,
+    staged_locals,
+)
 from polystrata.ir.graph import Node, Value
 from polystrata.ir.kernel import (
     Buf,
@@ -26,7 +32,6 @@ from polystrata.ir.kernel import (
     Launch,
     Let,
     Load,
-    LocalArray,
     Reduce,
     Scalar,
     Select,
@@ -119,41 +124,76 @@ def rms_inverse(name: str, var: str, d: int, x: Callable[[Expr], Expr], eps: flo
     """Group statements leaving in `name` the RMS norm's scale 1 / sqrt(mean(x(j)^2) + eps) of a row of `d` values
     (a Reduce over `var`), x(j) giving value j."""
     ss, v = f"{name}_ss", Var(f"{name}_x")
-    return [Reduce(ss, "+", var, Const(d), (Let(v.name, x(Var(var))),), v * v),
-            Let(name, Const(1.0) / Call("sqrt", Var(ss) / float(d) + float(eps)))]
+    return [Reduce(ss, "+", var, Const(d), (Let(v.name, x(Var(var))),), v * v), rms_scale(name, Var(ss), d, eps)]
+
+
+def rms_scale(name: str, sum_squares: Expr, d: int, eps: float) -> Let:
+    """`name` = 1 / sqrt(sum_squares / d + eps): the RMS norm's scale from the sum of a row's squares."""
+    return Let(name, Const(1.0) / Call("sqrt", sum_squares / float(d) + float(eps)))
 
 
 def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, quant: bool = False) -> Kernel:
     """Rows of length d (grid over rows): [s = x + r, stored to `sum`] then y = s / sqrt(mean(s^2) + eps) * w.
 
-    `quant`: also write y as the matmuls' int8 activations (`xq`, `xd`: what `linear.quantize_x_kernel` writes,
-    through a local copy: `linear.quantize_staged`), sparing them a launch."""
+    Each lane takes 4 neighbouring values at a time (16-byte loads where the target merges them), and the loads,
+    the add and the sum of squares are one pass: at decode a single group does the row, and each pass over
+    global memory is a round trip the step waits for. s stays in a local copy (where `norm_local_bytes` fits)
+    for the second pass. `quant`: also write y as the matmuls' int8 activations (`xq`, `xd`: what
+    `linear.quantize_x_kernel` writes, through the same local copy: `linear.quantize_staged`), sparing them a
+    launch."""
     row = Var("g0") * d
+    vw = 4 if d % 4 == 0 else 1  # values a lane takes at a time
+    keep = norm_local_bytes(d, quant) <= QUANT_LOCAL_BYTES  # s in the local copy, else re-read from global
+    q = Var("q")
+
+    def at(e: int) -> Expr:
+        return q * vw + e
+
+    def load(buf: str, base: Expr, e: int) -> Load:
+        return Load(buf, base + at(e), vw if e == 0 and vw > 1 else 1)
+
+    # Every load before any store: a store may alias a later load, and would keep it from being merged or hoisted.
+    first = [Let(f"x{e}", load("x", row, e)) for e in range(vw)]
     if fused_add:
-        def src(j: Expr) -> Expr:
-            return Load("sum", row + j)
-        pre = [LaneFor("j", Const(d), (Store("sum", row + Var("j"), Load("x", row + Var("j")) +
-                                             Load("r", row + Var("j"))),))]
-        params = [Buf("x", "f32"), Buf("r", "f32"), Buf("sum", "f32", out=True)]
-    else:
-        def src(j: Expr) -> Expr:
-            return Load("x", row + j)
-        pre, params = [], [Buf("x", "f32")]
-    j = Var("j")
-    out = [Store("y", row + j, Var("yv"))]
-    post, local = [], ()
+        first += [Let(f"r{e}", load("r", row, e)) for e in range(vw)]
+    first += [Let(f"s{e}", Var(f"x{e}") + Var(f"r{e}") if fused_add else Var(f"x{e}")) for e in range(vw)]
+    for e in range(vw):
+        if fused_add:
+            first.append(Store("sum", row + at(e), Var(f"s{e}")))
+        if keep:
+            first.append(Store("sl", staged(at(e)), Var(f"s{e}")))
+    squares = Var("s0") * Var("s0")
+    for e in range(1, vw):
+        squares = squares + Var(f"s{e}") * Var(f"s{e}")
+    body = [Reduce("ss", "+", q.name, Const(d // vw), tuple(first), squares),
+            rms_scale("inv", Var("ss"), d, eps)]
+    second = [Let(f"w{e}", load("w", Const(0), e)) for e in range(vw)]
+    for e in range(vw):
+        s_e = Load("sl", staged(at(e))) if keep else load("sum" if fused_add else "x", row, e)
+        second.append(Let(f"y{e}", s_e * Var("inv") * Var(f"w{e}")))
+    for e in range(vw):
+        second.append(Store("y", row + at(e), Var(f"y{e}")))
+        if quant:
+            second.append(Store("sl", staged(at(e)), Var(f"y{e}")))  # each lane overwrites only its own values
+    body.append(LaneFor(q.name, Const(d // vw), tuple(second)))
+    local: tuple = ()
     if quant:
-        out.append(Store("yl", staged(j), Var("yv")))
-        post = quantize_staged("yl", d, Var("g0") * (d // 4), Var("g0") * (d // QB))
-        local = (LocalArray("yl", "f32", d + d // QB),)
-    body = [*pre,
-            *rms_inverse("inv", "j", d, src, eps),
-            LaneFor("j", Const(d), (Let("yv", src(j) * Var("inv") * Load("w", j)), *out)),
-            *post]
+        body += quantize_staged("sl", d, Var("g0") * (d // 4), Var("g0") * (d // QB))
+        local = staged_locals("sl", d)
+    elif keep:
+        local = (staged_locals("sl", d)[0],)
+    params = [Buf("x", "f32")]
+    if fused_add:
+        params += [Buf("r", "f32"), Buf("sum", "f32", out=True)]
     params += [Buf("w", "f32"), Buf("y", "f32", out=True)]
     if quant:
         params += [Buf("xq", "u32", out=True), Buf("xd", "f32", out=True)]
     return Kernel(name, (*params, Scalar("R")), (Var("R"),), tuple(body), lanes=lanes, local=local)
+
+
+def norm_local_bytes(d: int, quant: bool) -> int:
+    """Local memory of `rms_norm_kernel` over rows of d keeping its row copy (`linear.staged_locals`)."""
+    return sum(a.size * 4 for a in staged_locals("sl", d)[: 2 if quant else 1])
 
 
 def _norm_rows(v: Value) -> tuple[str | int, int]:
@@ -171,7 +211,7 @@ def _norm_launch(node: Node, out: Value, ctx: RecipeContext, eps: float, fused: 
     d = int(x.type.shape[-1])
     tb, mid = _norm_rows(x)
     qbufs, provides = ((), ())
-    if mid == 1 and (d + d // QB) * 4 <= QUANT_LOCAL_BYTES:
+    if mid == 1 and d % QB == 0 and norm_local_bytes(d, True) <= QUANT_LOCAL_BYTES:
         qbufs, provides = quantized_output(ctx, ctx.buf(out), d, token_binding(out))
     kern = _rms_kernel_mid(d, mid, eps, fused, norm_lanes(ctx, d), bool(provides))
     return [Launch(kern, (*bufs, *qbufs), (("R", tb),), provides=provides)]
@@ -184,7 +224,7 @@ def _rms_kernel_mid(d: int, mid: int, eps: float, fused: bool, lanes: int, quant
     if mid == 1:
         return k
     # Rows = tokens * mid: scale the grid (R is bound to the token count).
-    return Kernel(k.name, k.params, (Var("R") * mid,), k.body, lanes=k.lanes)
+    return Kernel(k.name, k.params, (Var("R") * mid,), k.body, lanes=k.lanes, local=k.local)
 
 
 def norm_lanes(ctx: RecipeContext, d: int) -> int:

@@ -297,24 +297,41 @@ def staged(j: Expr) -> Expr:
     return j + j // QB
 
 
+def staged_locals(local: str, n: int) -> tuple[LocalArray, LocalArray]:
+    """The local arrays `quantize_staged` needs for n values staged in `local`: the padded copy itself and
+    `{local}_max` (the largest |value| of each 4, then of each 32)."""
+    return LocalArray(local, "f32", n + n // QB), LocalArray(f"{local}_max", "f32", n // 4 + n // QB)
+
+
 def quantize_staged(local: str, n: int, xq_word: Expr, xd_index: Expr) -> list:
-    """A LaneFor quantizing the n values staged in local array `local` (at `staged(j)`) as `quantize_x_kernel`
-    would: a lane per 32 values writes their scale to xd[xd_index + b] and codes to xq[xq_word + 8 b ...]. Lets a
-    kernel that produces a row (a norm, the attention combine) also write it as the next matmuls' activations."""
-    b, amax = Var("qs_b"), Var("qs_amax")
+    """LaneFors quantizing the n values staged in local array `local` (at `staged(j)`) as `quantize_x_kernel`
+    would: the scales of each 32 values to xd[xd_index + b], their codes to xq[xq_word + 8 b ...]. Lets a kernel
+    that produces a row (a norm, the attention combine) also write it as the next matmuls' activations. In three
+    short lane loops (the largest |value| of each 4 values, of each 32, then a lane per code word), not a lane per
+    32 values walking them one after another. Local arrays: `staged_locals`."""
+    mx, nw = f"{local}_max", n // 4
+    w, b = Var("qs_w"), Var("qs_b")
 
     def val(e: Expr) -> Expr:
-        return Load(local, b * (QB + 1) + e)
-    return [LaneFor(b.name, Const(n // QB), (
-        Decl(amax.name, "f32", Const(0.0)),
-        For("qs_e", Const(0), Const(QB), (Assign(amax.name, Call("max", amax, Call("abs", val(Var("qs_e"))))),)),
-        Let("qs_inv", Select(Var("qs_amax") > 0.0, Const(127.0) / Var("qs_amax"), Const(0.0))),
-        Store("xd", xd_index + b, Var("qs_amax") / 127.0),
-        For("qs_w", Const(0), Const(QB // 4), (
-            *code_word(lambda e: val(Var("qs_w") * 4 + e), Var("qs_inv"), "qs_word"),
-            Store("xq", xq_word + b * (QB // 4) + Var("qs_w"), Var("qs_word")),
+        return Load(local, staged(w * 4 + e))
+    quad_max = val(Const(0))
+    quad_max = Call("abs", quad_max)
+    for e in range(1, 4):
+        quad_max = Call("max", quad_max, Call("abs", val(Const(e))))
+    block_max = Load(mx, b * 8)
+    for i in range(1, 8):
+        block_max = Call("max", block_max, Load(mx, b * 8 + i))
+    amax = Load(mx, nw + w // 8)
+    return [
+        LaneFor(w.name, Const(nw), (Store(mx, w, quad_max),)),
+        LaneFor(b.name, Const(n // QB), (Let("qs_amax", block_max), Store(mx, nw + b, Var("qs_amax")),
+                                         Store("xd", xd_index + b, Var("qs_amax") / 127.0))),
+        LaneFor(w.name, Const(nw), (
+            Let("qs_inv", Select(amax > 0.0, Const(127.0) / amax, Const(0.0))),
+            *code_word(val, Var("qs_inv"), "qs_word"),
+            Store("xq", xq_word + w, Var("qs_word")),
         )),
-    ))]
+    ]
 
 
 def _row_sweeps(fmts: Sequence[QuantFormat], wnames: Sequence[str], first: Expr, rows: int, n: int, k: int,
