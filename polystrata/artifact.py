@@ -55,6 +55,7 @@ def write_artifact(
     with GGUFFile(model_path) as f:
         tensors = tensor_table(f)
         decode = build_graph(f.metadata, tensors, all_logits=False)
+        prefill = build_graph(f.metadata, tensors, all_logits=False)
         score = build_graph(f.metadata, tensors, all_logits=True)
         weight_bytes = sum(f.tensors[n].nbytes for n in decode.weights)
         meta = dict(decode.meta)
@@ -70,8 +71,10 @@ def write_artifact(
 
             rt = make_runtime(target, arch=arch)
             device = rt.device
-            plans = compile_plans(f, [decode, score], rt, n_ctx, kv_type)
-            for name, plan in (("decode", plans[id(decode)]), ("prefill", plans[id(score)])):
+            # As the engine runs them: one-token steps, prompt chunks (last logits), scoring (every token's).
+            plans = compile_plans(f, [decode, prefill, score], rt, n_ctx, kv_type, {id(decode): 1})
+            for name, plan in (("decode", plans[id(decode)]), ("prefill", plans[id(prefill)]),
+                               ("score", plans[id(score)])):
                 for entry in plan.kernel_summary():
                     kernels.append({"plan": name, **entry})
                 kernel_ir += f"# plan: {name}\n" + plan.dump_kernels()

@@ -61,6 +61,8 @@ class Engine:
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
         self.graph_all: Graph = build_graph(self.metadata, tensors, all_logits=True)
         self.graph_last: Graph = build_graph(self.metadata, tensors, all_logits=False)
+        # One-token steps (decode) run their own plan, compiled for steps of one token.
+        self.graph_step: Graph = build_graph(self.metadata, tensors, all_logits=False)
         self.n_ctx = n_ctx or min(self.hparams.n_ctx_train, DEFAULT_CTX)
         self.target = target
         self.kv_type = kv_type
@@ -76,7 +78,8 @@ class Engine:
         from polystrata.compiler import compile_plans
         from polystrata.compiler.executor import PlanExecutor
 
-        plans = compile_plans(self.file, [self.graph_all, self.graph_last], self.runtime, self.n_ctx, self.kv_type)
+        graphs = [self.graph_all, self.graph_last, self.graph_step]
+        plans = compile_plans(self.file, graphs, self.runtime, self.n_ctx, self.kv_type, {id(self.graph_step): 1})
         return PlanExecutor(self.runtime, self.file, plans, self.n_ctx)
 
     @property
@@ -105,7 +108,7 @@ class Engine:
             if all_logits:
                 outs.append(self.executor.forward(self.graph_all, chunk))
             else:
-                out = self.executor.forward(self.graph_last, chunk)
+                out = self.executor.forward(self.graph_step if len(chunk) == 1 else self.graph_last, chunk)
                 if last_chunk:
                     outs.append(out)
         return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)  # the runtime's array is a copy

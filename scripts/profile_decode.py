@@ -34,7 +34,7 @@ def main() -> None:
     ids = np.random.default_rng(0).integers(0, eng.hparams.n_vocab, a.prompt + 1)
     eng.forward(ids[:-1])
     ex, rt = eng.executor, eng.runtime
-    pid = id(eng.graph_last)
+    pid = id(eng.graph_step)
     step = {"T": 1, "n_past": ex.n_past, "n_kv": ex.n_past + 1}
     if a.trace:
         trace(eng, ids[-1], a.reps, a.top)
@@ -69,7 +69,7 @@ def trace(eng, tok: int, reps: int, top: int) -> None:
             eng.forward([int(tok)])
         eng.runtime.sync()
         wall = (time.perf_counter() - t0) / reps
-    names = sorted({b.ck.kernel.name for b in eng.executor.bound[id(eng.graph_last)]}, key=len, reverse=True)
+    names = sorted({b.ck.kernel.name for b in eng.executor.bound[id(eng.graph_step)]}, key=len, reverse=True)
     per: dict[str, list[float]] = defaultdict(list)
     for ev in prof.events():
         dt = ev.device_time_total

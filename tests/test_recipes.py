@@ -704,3 +704,28 @@ def test_moe_ffn_random_routes(rt, fmt_name, spread):
             int8 = any(la.kernel.name.startswith("quantize_x") for la in ml)
             ref = _moe_ref(xv, ids, w, deq, int8)
             np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4 * np.abs(ref).max(), err_msg=f"T={t}")
+
+
+@pytest.mark.parametrize("fmt_name", ["Q4_K", "Q8_0"])
+def test_moe_one_token_plan_router_writes_lists(rt, fmt_name):
+    """In a plan of one-token steps (t_max 1, decode) router + moe_ffn lower together: the router also writes the
+    expert lists, the list launch is gone, and the output is moe_ffn's (poisoned list buffer: every word read
+    must have been written)."""
+    e, dm, k = 8, 256, 2
+    for lanes in sorted({1, rt.lanes}):
+        g, ctx, _, _, weights, deq = _moe_case(rt, fmt_name, lanes, t_max=1)
+        ctx.scratch_buffers.clear()
+        launches = _recipe("router_moe").lower(g.nodes, ctx)
+        names = [la.kernel.name for la in launches]
+        assert names[0].endswith("_lists") and not any(n.startswith("moe_group") for n in names)
+        rng = np.random.default_rng(7)
+        for _ in range(3):
+            xv = rng.standard_normal((1, dm)).astype(np.float32)
+            lv = rng.standard_normal((1, e)).astype(np.float32)
+            sb, so = _moe_scratch(ctx)
+            out = _run_launches(rt, launches, {"x": xv.reshape(-1), "logits": lv.reshape(-1), **weights, **sb},
+                                {"T": 1}, {"o": ((1, dm), "f32"), "route": ((2 * k,), "i32"), **so})["o"]
+            ids, w = R._IMPLS["router"](None, g.nodes[0], [lv])
+            int8 = any(n.startswith("quantize_x") for n in names)
+            ref = _moe_ref(xv, ids, w, deq, int8)
+            np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4 * np.abs(ref).max())

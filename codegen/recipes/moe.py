@@ -72,10 +72,14 @@ from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 Q30 = float(1 << 30)
 
 
-def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int) -> Kernel:
+def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int, lists: int | None = None) -> Kernel:
     """Softmax over e logits, top-k by repeated argmax (lowest index wins ties), optional renormalisation; grid
     (T,). Each argmax is two group reductions (the largest probability, then the lowest index holding it), so
-    with a warp of lanes the whole top-k takes no barrier but the one after marking each pick taken."""
+    with a warp of lanes the whole top-k takes no barrier but the one after marking each pick taken.
+
+    `lists` (a plan of one-token steps; the list capacity, k): also write the expert lists `group_kernel` would
+    (`lst`), for the one token: each picked expert has one entry, and the experts with entries are the picks.
+    Only what the expert kernels read is written (other experts' counts are not)."""
     t, j = Var("g0"), Var("j")
     p = Load("p", j)
     body = [
@@ -100,8 +104,16 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int) -> Kernel:
             w = w / Var("tot")
         body += [Store("route", t * k + s, Var(f"bi{s}")),
                  Store("route", Var("T") * k + t * k + s, Cast("i32", w * Q30 + 0.5))]
-    params = (Buf("x", "f32"), Buf("route", "i32", out=True), Scalar("T"))
-    return Kernel(name, params, (Var("T"),), tuple(body), lanes=lanes, local=(LocalArray("p", "f32", e),))
+    params = (Buf("x", "f32"), Buf("route", "i32", out=True))
+    if lists is not None:
+        a = e * (1 + lists)
+        for s in range(k):  # the token's entry s is route word s
+            body += [Store("lst", Var(f"bi{s}"), Const(1)), Store("lst", Const(e) + Var(f"bi{s}") * lists, Const(s)),
+                     Store("lst", Const(a + 1 + s), Var(f"bi{s}"))]
+        body.append(Store("lst", Const(a), Const(k)))
+        params += (Buf("lst", "i32", out=True),)
+    return Kernel(name, (*params, Scalar("T")), (Var("T"),), tuple(body), lanes=lanes,
+                  local=(LocalArray("p", "f32", e),))
 
 
 MOE_KNOBS = (("rows", 4), ("split", "auto"), ("xq", "auto"), ("sub", "auto"), ("runs", "auto"), ("spread", "auto"))
@@ -290,16 +302,48 @@ def combine_kernel(name: str, dm: int, k: int, lanes: int) -> Kernel:
     return Kernel(name, params, (Var("T"), Const(-(-dm // chunk))), body, lanes=lanes, doc=f"moe combine {dm}x{k}")
 
 
-def _lower_router(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+def _lower_router(nodes: Sequence[Node], ctx: RecipeContext, lst: tuple[str, int] | None = None) -> list[Launch]:
+    """The router's launch; `lst` = (list buffer, capacity): it also writes the MoE lists (one-token plans)."""
     (node,) = nodes
     (x,) = node.inputs
     e, k, norm = int(x.type.shape[1]), int(node.attrs["k"]), bool(node.attrs["norm"])
     # One warp (subgroup reductions, no barriers between them) on GPUs.
-    kern = router_kernel(f"router_{e}_{k}_{int(norm)}", e, k, norm, min(ctx.lanes, max(ctx.subgroup, 32)))
-    return [Launch(kern, (("x", ctx.buf(x)), ("route", ctx.buf(node.output))), (("T", "T"),))]
+    kern = router_kernel(f"router_{e}_{k}_{int(norm)}{'_lists' if lst else ''}", e, k, norm,
+                         min(ctx.lanes, max(ctx.subgroup, 32)), lists=lst[1] if lst else None)
+    bufs = (("x", ctx.buf(x)), ("route", ctx.buf(node.output))) + ((("lst", lst[0]),) if lst else ())
+    return [Launch(kern, bufs, (("T", "T"),))]
 
 
-def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+def _lower_router_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """Router then moe_ffn. In a plan of one-token steps the router writes the expert lists and the list launch
+    goes (at decode it was a launch of its own a layer, for a list the router already knows)."""
+    router, moe = nodes
+    if ctx.t_max != 1:
+        return _lower_router([router], ctx) + _lower_moe([moe], ctx)
+    launches = _lower_moe([moe], ctx, lists_given=True)
+    cap = _moe_cap(moe, ctx)
+    return _lower_router([router], ctx, (_moe_lists(moe, ctx, cap), cap)) + launches
+
+
+def _match_router_moe(nodes: Sequence[Node]) -> bool:
+    router, moe = nodes
+    return moe.inputs[1] is router.output
+
+
+def _moe_cap(node: Node, ctx: RecipeContext) -> int:
+    """Entries an expert's list holds: every (token, slot) of the largest step."""
+    tb = token_binding(node.inputs[0])
+    return (tb if isinstance(tb, int) else ctx.t_max) * int(node.inputs[1].type.shape[1])
+
+
+def _moe_lists(node: Node, ctx: RecipeContext, cap: int) -> str:
+    """The plan buffer of a moe_ffn's expert lists (`group_kernel`'s layout)."""
+    n_exp = int(node.inputs[2].type.shape[0])
+    return ctx.scratch("moe_list", "i32", list_words(n_exp, cap))
+
+
+def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = False) -> list[Launch]:
+    """moe_ffn's launches (the list launch first, unless `lists_given`: the router writes them)."""
     (node,) = nodes
     x, route, g, u, d = node.inputs
     n_exp, ff, dm = (int(s) for s in g.type.shape)
@@ -307,18 +351,18 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     fg, fu, fd = (ctx.weight_formats[w.weight] for w in (g, u, d))
     tb = token_binding(x)
     t_max = tb if isinstance(tb, int) else ctx.t_max
-    cap = t_max * k
+    cap = _moe_cap(node, ctx)
     rows = int(ctx.knob("moe_ffn", "rows", 4))
     split = ctx.knob("moe_ffn", "split", "auto")
     if split == "auto":
         split = "rows" if ctx.lanes == 1 else "blocks"
-    lst = ctx.scratch("moe_list", "i32", list_words(n_exp, cap))
+    lst = _moe_lists(node, ctx, cap)
     hb = ctx.scratch("moe_h", "f32", cap * ff)
     db = ctx.scratch("moe_d", "f32", cap * dm)
     tag = f"{n_exp}_{dm}_{ff}_{k}_{cap}"
     kg = group_kernel(f"moe_group_{tag}", n_exp, k, cap, ctx.lanes)
     kc = combine_kernel(f"moe_combine_{dm}_{k}", dm, k, ctx.lanes)
-    group = Launch(kg, (("route", ctx.buf(route)), ("lst", lst)), (("T", tb),))
+    group = [] if lists_given else [Launch(kg, (("route", ctx.buf(route)), ("lst", lst)), (("T", tb),))]
     combine = Launch(kc, (("route", ctx.buf(route)), ("d", db), ("y", ctx.buf(node.output))), (("T", tb),))
     gateup = lambda v: silu(v[0]) * v[1]  # noqa: E731
     xq = ctx.knob("moe_ffn", "xq", "auto")
@@ -343,7 +387,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
                               sub=sub, runs=runs, spread=spread_of([fd], ff),
                               lanes=split_lanes([fd], ff, ctx.subgroup, sub, runs))
         return [
-            group,
+            *group,
             Launch(quantize_x_kernel(f"quantize_x_{dm}", dm), (("x", ctx.buf(x)), *qbufs), (("T", tb),)),
             Launch(kgu, (*qbufs, ("lst", lst), ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)), (("T", tb),)),
             Launch(quantize_x_kernel(f"quantize_x_{ff}_{k}", ff, rows_per_t=k), (("x", hb), *qbufs),
@@ -356,7 +400,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     kd = expert_kernel(f"moe_down_{fd.name}_{tag}".lower(), [fd], n_exp, dm, ff, k, cap, act="h", per_token=False,
                        rows=rows, split=split, lanes=ctx.lanes)
     return [
-        group,
+        *group,
         Launch(kgu, (("x", ctx.buf(x)), ("lst", lst), ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)),
                (("T", tb),)),
         Launch(kd, (("h", hb), ("lst", lst), ("w0", ctx.buf(d)), ("out", db)), (("T", tb),)),
@@ -365,4 +409,5 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
 
 
 register(Recipe("router", ("router",), _lower_router, None))
+register(Recipe("router_moe", ("router", "moe_ffn"), _lower_router_moe, _match_router_moe))
 register(Recipe("moe_ffn", ("moe_ffn",), _lower_moe, None, MOE_KNOBS))
