@@ -66,9 +66,11 @@ if [[ " $STAGES " == *" bench "* ]]; then
     [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
     [ -f "$M/qwen3moe-8l-q4km.gguf" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b --layers 8 --type Q4_K_M -o "$M/qwen3moe-8l-q4km.gguf"
     for t in cuda hip opencl; do python3 scripts/matvec_bench.py --target "$t" 2>&1 | tee -a "$LOG" | tail -2; done
+    # Q6_K in the qwen3-30b-a3b output head's shape (cuda keeps Q6_K in 224-byte blocks: ir.quant.padded).
+    python3 scripts/matvec_bench.py --target cuda --format Q6_K --rows 49152 --cols 2048 2>&1 | tee -a "$LOG" | tail -2
     # MATVEC_KNOBS: extra cuda runs with knob overrides, e.g. "matmul.sub=1 matmul.sub=2".
     for kn in ${MATVEC_KNOBS:-}; do python3 scripts/matvec_bench.py --target cuda --knob "$kn" 2>&1 | tee -a "$LOG" | tail -1; done
-    grep -E '^matvec' "$LOG" | while read -r line; do row "Q4_K matvec" "${line#*on }"; done
+    grep -E '^matvec' "$LOG" | while read -r line; do row "${line%% on *}" "${line#*on }"; done
     for m in llama3-8b-q4km qwen3moe-8l-q4km; do
         # --trace (device times of graph-replayed steps) where torch's CUPTI profiler is there; else timed launches.
         TRACE=$(python3 -c "import torch" 2>/dev/null && [ "${BENCH_TARGET:-cuda}" = cuda ] && echo --trace)

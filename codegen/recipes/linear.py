@@ -9,7 +9,8 @@ and reuses them (from cache) for the whole token tile.
 GPU path (knob xq="kernel", the default with lanes > 1, for formats of the int8 path): two launches. A small
 kernel quantizes x once per matmul into scratch buffers (`quantize_x_kernel`: int8 codes packed 4 per u32 word,
 a scale per 32 values; a norm or the attention combine before the matmul may write them instead, see
-`quantize_launch`), then `matvec_q8_kernel`: `q8_rows` weight rows per group, swept by all its lanes
+`quantize_launch`), then `matvec_q8_kernel`: `q8_rows` weight rows per group (rows shorter than a subgroup
+has lanes: the lanes spread over them, knob spread), swept by all its lanes
 (`_matvec.split_dots`: `sub` lanes per block, neighbouring lanes on neighbouring words, or on targets with
 wide loads each lane a run of 4 consecutive words, loaded 16 bytes at a time; weights and rows walked alike in
 one Reduce, loading each activation word once), each lane accumulating `dot4_i8(level word, code word)` per 4
@@ -314,8 +315,7 @@ def quantize_staged(local: str, n: int, xq_word: Expr, xd_index: Expr) -> list:
 
     def val(e: Expr) -> Expr:
         return Load(local, staged(w * 4 + e))
-    quad_max = val(Const(0))
-    quad_max = Call("abs", quad_max)
+    quad_max = Call("abs", val(Const(0)))
     for e in range(1, 4):
         quad_max = Call("max", quad_max, Call("abs", val(Const(e))))
     block_max = Load(mx, b * 8)

@@ -1,4 +1,4 @@
-"""MoE recipes: `router` and `moe_ffn`.
+"""MoE recipes: `router`, `moe_ffn`, and `router_moe` (the two together).
 
 Route buffer convention (i32, 2 * T * k words, as the compiler sizes it): words [0, T*k) hold the expert ids of
 (token t, slot s) at t*k + s; words [T*k, 2*T*k) hold the slot weights as Q30 fixed point, round(w * 2^30)
@@ -14,15 +14,18 @@ tokens, weighted combine back), in launches over plan scratch buffers sized for 
    active experts exit): h[entry, f] = silu(gate_e x_t) * (up_e x_t) for every listed entry (t = entry // k),
    each weight row read once for all the expert's tokens.
 3. `down` (the same grid): d[entry, r] = down_e h[entry].
-4. `combine` (grid T): y[t] = sum_s w(t, s) * d[t*k + s]; each group owns its token's row: no atomics.
+4. `combine` (grid T x row pieces): y[t] = sum_s w(t, s) * d[t*k + s]; each group owns a piece of its
+   token's row: no atomics.
 
 Expert e's matrix starts at byte e * rows * row_bytes of the 3-D weight tensor. With one lane (the CPU) dot
 products come from `_matvec.block_dot` on f32 activations, lanes taking rows and walking the expert's tokens,
 with per-element partial sums, non-negative index masks and arithmetic f16 decoding as `linear` does. With more
 lanes (GPUs) and int8-path formats (knob xq), x and then h are quantized to int8 once (`linear.quantize_x_kernel`,
 two more launches) and each group sweeps one expert row with `_matvec.split_row_dot` (knobs sub: lanes per
-block, runs: consecutive words per lane, see `_matvec.use_runs`); other formats take a Reduce over each row's
-blocks on f32 activations. Knobs: rows, split, xq, sub, runs.
+block, runs: consecutive words per lane, see `_matvec.use_runs`; spread: rows a group whose lanes spread over
+them, "auto" `_matvec.spread_rows`: 16 Q4_K rows of 768 columns); other formats take a Reduce over each row's
+blocks on f32 activations. Knobs: rows, split, xq, sub, runs, spread. In a plan of one-token steps (decode)
+the router writes the lists itself (recipe `router_moe`) and the `group` launch goes.
 """
 
 from __future__ import annotations
