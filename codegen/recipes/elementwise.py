@@ -40,7 +40,7 @@ from polystrata.ir.kernel import (
 from polystrata.ir.quant import Const, Expr, Var
 
 CHUNK = 256
-QUANT_LOCAL_BYTES = 40 * 1024  # the most local memory a norm's int8 output may stage through (of 48 KB)
+QUANT_LOCAL_BYTES = 40 * 1024  # the most local memory a norm may keep its row (and int8 output) in (of 48 KB)
 
 
 def _rows(v: Value) -> tuple[Expr, str | int, int]:
