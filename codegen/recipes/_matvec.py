@@ -278,6 +278,27 @@ def split_dots(parts, act: Act, t: Expr, runs: bool | int | str = False, spread:
 SLOT = "slot"  # `split_dots` with spread: the row slot of a unit
 
 
+def group_rows(first: Expr, rows: int, n: int) -> tuple[list[Expr], list]:
+    """(row index of each of a group's `rows` rows starting at `first`, clamped to the last row so that loads stay
+    in bounds; the store guards: conditions under which row r exists, None when it always does)."""
+    if n % rows == 0:
+        return [first + r if r else first for r in range(rows)], [None] * rows
+    return ([first] + [Call("min", first + r, Const(n - 1)) for r in range(1, rows)],
+            [None] + [first + r < n for r in range(1, rows)])
+
+
+def slot_row(first: Expr, rows: int, n: int) -> Expr:
+    """With `split_dots`' spread over the `rows` rows from `first`: the row of a unit's slot, clamped as
+    `group_rows` clamps (its store guards apply)."""
+    row = first + Var(SLOT)
+    return row if n % rows == 0 else Call("min", row, Const(n - 1))
+
+
+def guarded(cond, st):
+    """`st`, under `cond` unless that is None (`group_rows`' store guards)."""
+    return st if cond is None else If(cond, (st,))
+
+
 def spread_rows(fmts, k: int, subgroup: int, sub: int | str = "auto", runs: bool | int | str = False) -> int:
     """Rows a group of `split_dots` spreads its lanes over (1: none): where a row has fewer units than a subgroup
     has lanes, as many rows as make the units a whole number of subgroups, at most `SPREAD_MAX`."""

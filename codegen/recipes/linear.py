@@ -36,14 +36,16 @@ from polystrata.codegen.dequant import Decoder, block_stride, elements_per_row_b
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,
-    SLOT,
     Act,
     block_dot,
     code_word,
     fmt_for,
+    group_rows,
+    guarded,
     nonneg_mask,
     quantize_x,
     runs_for_target,
+    slot_row,
     split_dots,
     split_lanes,
     spread_rows,
@@ -337,14 +339,14 @@ def quantize_staged(local: str, n: int, xq_word: Expr, xd_index: Expr) -> list:
 def _row_sweeps(fmts: Sequence[QuantFormat], wnames: Sequence[str], first: Expr, rows: int, n: int, k: int,
                 subs: Sequence[int], runs, spread: bool, prefix: str = "") -> tuple[list, list]:
     """(statements leaving the dot products `{prefix}s{j}_{r}` = dot(w_j[first + r], x[t]) for the group's `rows`
-    rows from the packed int8 activations, the store guards of `_group_rows`). Weights and rows walked alike
+    rows from the packed int8 activations, the store guards of `_matvec.group_rows`). Weights and rows walked alike
     share one Reduce and its activation loads (`_matvec.split_dots`); with `spread` the lanes spread over the
     rows (`split_dots`' spread) rather than each lane sweeping all of them."""
     act = Act("xq", k, "xq", "xd", packed=True)
-    rws, guards = _group_rows(first, rows, n)
+    rws, guards = group_rows(first, rows, n)
     t = Var("t0") + Var("t")
     if spread and rows > 1:
-        row = first + Var(SLOT) if n % rows == 0 else Call("min", first + Var(SLOT), Const(n - 1))
+        row = slot_row(first, rows, n)
         parts = [(f"{prefix}s{j}", f, w, row * elements_per_row_bytes(f, k), f"{prefix}w{j}_", subs[j])
                  for j, (w, f) in enumerate(zip(wnames, fmts))]
         return split_dots(parts, act, t, runs, spread=rows), guards
@@ -353,19 +355,6 @@ def _row_sweeps(fmts: Sequence[QuantFormat], wnames: Sequence[str], first: Expr,
     parts = [(f"{prefix}s{j}_{r}", f, w, Var(f"{prefix}row{r}") * elements_per_row_bytes(f, k), f"{prefix}w{j}r{r}_",
               subs[j]) for j, (w, f) in enumerate(zip(wnames, fmts)) for r in range(rows)]
     return [*lets, *split_dots(parts, act, t, runs)], guards
-
-
-def _group_rows(first: Expr, rows: int, n: int) -> tuple[list[Expr], list]:
-    """(row index of each of a group's `rows` rows starting at `first`, clamped to the last row so that loads stay
-    in bounds; the store guards: conditions under which row r exists, None when it always does)."""
-    if n % rows == 0:
-        return [first + r if r else first for r in range(rows)], [None] * rows
-    return ([first] + [Call("min", first + r, Const(n - 1)) for r in range(1, rows)],
-            [None] + [first + r < n for r in range(1, rows)])
-
-
-def _guarded(cond, st):
-    return st if cond is None else If(cond, (st,))
 
 
 def _token_tile(tokens: int) -> tuple:
@@ -400,7 +389,7 @@ def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, 
     for r in range(rows):
         vals = [Var(f"s{j}_{r}") for j in range(len(fmts))]
         y = epilogue(vals) if epilogue else vals[0]
-        stores.append(_guarded(guards[r], Store("y", t * n + first + r if r else t * n + first, y)))
+        stores.append(guarded(guards[r], Store("y", t * n + first + r if r else t * n + first, y)))
     body = (*_token_tile(tokens), For("t", Const(0), Var("nt"), (*sweeps, *stores)))
     grid = (Const(-(-n // rows)), (Var("T") + (tokens - 1)) // tokens)
     return Kernel(name, params, grid, body, lanes=lanes, knobs=_q8_knobs(fmts, tokens, subs, runs, rows, spread),
@@ -426,7 +415,7 @@ def stacked_matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], ns: Sequenc
         g = g0 - starts[j] if starts[j] else g0
         first = g * rows if rows > 1 else g
         sweeps, guards = _row_sweeps([fmts[j]], [f"w{j}"], first, rows, ns[j], k, [subs[j]], runs, spread, f"p{j}")
-        stores = [_guarded(guards[r], Store(f"y{j}", t * ns[j] + first + r if r else t * ns[j] + first,
+        stores = [guarded(guards[r], Store(f"y{j}", t * ns[j] + first + r if r else t * ns[j] + first,
                                             Var(f"p{j}s0_{r}"))) for r in range(rows)]
         return (For("t", Const(0), Var("nt"), (*sweeps, *stores)),)
 

@@ -36,12 +36,14 @@ from polystrata.codegen.dequant import elements_per_row_bytes, weight_dtype
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,
-    SLOT,
     Act,
     block_dot,
     fmt_for,
+    group_rows,
+    guarded,
     nonneg_mask,
     runs_for_target,
+    slot_row,
     split_dots,
     split_lanes,
     spread_rows,
@@ -260,16 +262,15 @@ def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int,
     act = Act("xq", kd, "xq", "xd", packed=True)
     ex, ent = Var("ex"), Var("ent")
     first = Var("g1") * spread if spread > 1 else Var("g1")
-    row = first + Var(SLOT) if spread > 1 else first
-    if n % spread:
-        row = Call("min", row, Const(n - 1))  # loads stay in bounds; the stores are guarded
+    row = slot_row(first, spread, n) if spread > 1 else first
     red = split_dots([(f"s{j}", f, w, (ex * n + row) * elements_per_row_bytes(f, kd), f"w{j}_", subs[j])
                       for j, (w, f) in enumerate(zip(wnames, fmts))], act, Var("ta"), runs, spread=spread)
+    guards = group_rows(first, spread, n)[1]
     stores = []
     for r in range(spread):
         vals = [Var(f"s{j}_{r}" if spread > 1 else f"s{j}") for j in range(len(fmts))]
-        st = Store("out", ent * n + first + r, epilogue(vals) if epilogue else vals[0])
-        stores.append(If(first + r < n, (st,)) if n % spread else st)
+        stores.append(guarded(guards[r], Store("out", ent * n + first + r if r else ent * n + first,
+                                               epilogue(vals) if epilogue else vals[0])))
     body = [For("j", Const(0), Load("lst", ex), (
         Let("ent", Load("lst", Const(n_exp) + ex * cap + Var("j"))),
         Let("ta", ent // k if per_token else ent),
