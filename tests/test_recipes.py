@@ -103,7 +103,8 @@ def test_matmul_formats(rt, fmt_name):
 
 
 @pytest.mark.parametrize("fmt_name,split,int8,rows", [("Q4_K", "blocks", True, 3), ("Q5_1", "blocks", False, 1),
-                                                      ("F16", "blocks", False, 2), ("Q6_K", "rows", False, 5)])
+                                                      ("F16", "blocks", False, 2), ("F32", "blocks", False, 1),
+                                                      ("Q6_K", "rows", False, 5)])
 def test_matmul_schedules(rt, fmt_name, split, int8, rows):
     n, k = 3, 512
     fmt, wb, wd = _weight(fmt_name, n, k, 2)
@@ -644,6 +645,50 @@ def test_moe_ffn(rt, fmt_name):
             ref = R._IMPLS["moe_ffn"](None, g.nodes[1], [xv, r, *deq])
             tol = 3e-2 if any(la.kernel.name.startswith("quantize_x") for la in ml) else 1e-3
             np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max(), err_msg=f"T={t}")
+
+
+@pytest.mark.parametrize("fmt_name", ["Q4_K", "Q8_0"])
+def test_moe_residual_norm_sums_the_experts(rt, fmt_name):
+    """router + moe_ffn + the residual add + the next RMS norm lower together: no combine launch, the norm kernel
+    sums the experts' outputs with the route weights itself. The residual stream (`s`) and the normed row (`y`)
+    match the separate recipes' oracle, in one-token plans (router lists) and prefill plans (T = 9)."""
+    e, dm, ff, k = 8, 256, 256, 2
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", dm))
+    res = g.input("res", "f32", ("T", dm))
+    logits = g.input("logits", "f32", ("T", e))
+    route = g.op("router", logits, k=k, norm=True, name="route")
+    ws = [g.weight(n, fmt_name, shape) for n, shape in (("g", (e, ff, dm)), ("u", (e, ff, dm)), ("d", (e, dm, ff)))]
+    o = g.op("moe_ffn", x, route, *ws, name="o")
+    sv = g.op("add", res, o, name="s")
+    nw = g.input("nw", "f32", (dm,))
+    g.op("rms_norm", sv, nw, eps=1e-5, name="y")
+    (_, bg, dg), (_, bu, du), (_, bd, dd) = (_weight(fmt_name, e * a, b, seed) for a, b, seed in
+                                            ((ff, dm, 1), (ff, dm, 2), (dm, ff, 3)))
+    deq = (dg.reshape(e, ff, dm), du.reshape(e, ff, dm), dd.reshape(e, dm, ff))
+    rng = np.random.default_rng(13)
+    nwv = rng.uniform(0.5, 1.5, dm).astype(np.float32)
+    for lanes in sorted({1, rt.lanes}):
+        for t_max, t in ((1, 1), (16, 9)):
+            ctx = _ctx(g, formats={n: Q.FORMATS[fmt_name] for n in "gud"})
+            ctx.lanes, ctx.t_max = lanes, t_max
+            launches = _recipe("router_moe_add_rms_norm").lower(g.nodes, ctx)
+            names = [la.kernel.name for la in launches]
+            assert not any(n.startswith("moe_combine") for n in names) and "_moe2" in names[-1], names
+            xv, resv = (rng.standard_normal((t, dm)).astype(np.float32) for _ in range(2))
+            lv = rng.standard_normal((t, e)).astype(np.float32)
+            sb, so = _moe_scratch(ctx)
+            got = _run_launches(rt, launches, {"x": xv.reshape(-1), "res": resv.reshape(-1), "nw": nwv,
+                                               "logits": lv.reshape(-1), "g": bg, "u": bu, "d": bd, **sb},
+                                {"T": t}, {"s": ((t, dm), "f32"), "y": ((t, dm), "f32"),
+                                           "route": ((2 * t * k,), "i32"), **so})
+            ids, w = R._IMPLS["router"](None, g.nodes[0], [lv])
+            int8 = any(n.startswith("quantize_x") for n in names)
+            want_s = resv + _moe_ref(xv, ids, w, deq, int8)
+            tol = 1e-3 * np.abs(want_s).max()
+            np.testing.assert_allclose(got["s"], want_s, rtol=1e-3, atol=tol, err_msg=f"lanes={lanes} T={t}")
+            want_y = R._IMPLS["rms_norm"](None, g.nodes[-1], [got["s"], nwv])
+            np.testing.assert_allclose(got["y"], want_y, rtol=1e-4, atol=1e-4, err_msg=f"lanes={lanes} T={t}")
 
 
 def test_moe_group_lists(rt):

@@ -132,7 +132,13 @@ def rms_scale(name: str, sum_squares: Expr, d: int, eps: float) -> Let:
     return Let(name, Const(1.0) / Call("sqrt", sum_squares / float(d) + float(eps)))
 
 
-def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, quant: bool = False) -> Kernel:
+# A norm's second addend computed in the kernel: (the buffers it reads, its value at (row, element index, the
+# alignment in elements that index has)). The MoE recipe sums the experts' outputs this way (`moe.combine_addend`).
+Addend = tuple[tuple[Buf, ...], Callable[[Expr, Expr, int], Expr]]
+
+
+def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, quant: bool = False,
+                    addend: Addend | None = None) -> Kernel:
     """Rows of length d (grid over rows): [s = x + r, stored to `sum`] then y = s / sqrt(mean(s^2) + eps) * w.
 
     Each lane takes 4 neighbouring values at a time (16-byte loads where the target merges them), and the loads,
@@ -140,7 +146,7 @@ def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, 
     global memory is a round trip the step waits for. s stays in a local copy (where `norm_local_bytes` fits)
     for the second pass. `quant`: also write y as the matmuls' int8 activations (`xq`, `xd`: what
     `linear.quantize_x_kernel` writes, through the same local copy: `linear.quantize_staged`), sparing them a
-    launch."""
+    launch. `addend` (with `fused_add`): r is not read from a buffer but computed (`Addend`)."""
     row = Var("g0") * d
     vw = 4 if d % 4 == 0 else 1  # values a lane takes at a time
     keep = norm_local_bytes(d, quant) <= QUANT_LOCAL_BYTES  # s in the local copy, else re-read from global
@@ -154,7 +160,9 @@ def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, 
 
     # Every load before any store: a store may alias a later load, and would keep it from being merged or hoisted.
     first = [Let(f"x{e}", load("x", row, e)) for e in range(vw)]
-    if fused_add:
+    if addend is not None:
+        first += [Let(f"r{e}", addend[1](Var("g0"), at(e), vw if e == 0 else 1)) for e in range(vw)]
+    elif fused_add:
         first += [Let(f"r{e}", load("r", row, e)) for e in range(vw)]
     first += [Let(f"s{e}", Var(f"x{e}") + Var(f"r{e}") if fused_add else Var(f"x{e}")) for e in range(vw)]
     for e in range(vw):
@@ -184,7 +192,7 @@ def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, 
         local = (staged_locals("sl", d)[0],)
     params = [Buf("x", "f32")]
     if fused_add:
-        params += [Buf("r", "f32"), Buf("sum", "f32", out=True)]
+        params += [*(addend[0] if addend else (Buf("r", "f32"),)), Buf("sum", "f32", out=True)]
     params += [Buf("w", "f32"), Buf("y", "f32", out=True)]
     if quant:
         params += [Buf("xq", "u32", out=True), Buf("xd", "f32", out=True)]
@@ -203,24 +211,28 @@ def _norm_rows(v: Value) -> tuple[str | int, int]:
     return token_binding(v), mid
 
 
-def _norm_launch(node: Node, out: Value, ctx: RecipeContext, eps: float, fused: bool,
-                 bufs: list[tuple[str, str]]) -> list[Launch]:
+def norm_launch(node: Node, out: Value, ctx: RecipeContext, eps: float, fused: bool,
+                bufs: list[tuple[str, str]], addend: tuple[str, Addend] | None = None) -> list[Launch]:
     """The norm's launch over rows of its input's last dim; where the next matmuls read quantized activations and
-    the row fits the local copy, it writes them too (`linear.quantized_output`)."""
+    the row fits the local copy, it writes them too (`linear.quantized_output`). `addend`: (a name tag for the
+    kernel, the `Addend` computing r), rows of one token each only."""
     x = node.inputs[0]
     d = int(x.type.shape[-1])
     tb, mid = _norm_rows(x)
+    if addend is not None and mid != 1:
+        raise ValueError("a computed addend needs a norm over rows of one token")
     qbufs, provides = ((), ())
     if mid == 1 and d % QB == 0 and norm_local_bytes(d, True) <= QUANT_LOCAL_BYTES:
         qbufs, provides = quantized_output(ctx, ctx.buf(out), d, token_binding(out))
-    kern = _rms_kernel_mid(d, mid, eps, fused, norm_lanes(ctx, d), bool(provides))
+    kern = _rms_kernel_mid(d, mid, eps, fused, norm_lanes(ctx, d), bool(provides), addend)
     return [Launch(kern, (*bufs, *qbufs), (("R", tb),), provides=provides)]
 
 
-def _rms_kernel_mid(d: int, mid: int, eps: float, fused: bool, lanes: int, quant: bool) -> Kernel:
-    tag = f"{'_add' if fused else ''}{'_q8' if quant else ''}"
+def _rms_kernel_mid(d: int, mid: int, eps: float, fused: bool, lanes: int, quant: bool,
+                    addend: tuple[str, Addend] | None = None) -> Kernel:
+    tag = f"{'_add' if fused else ''}{addend[0] if addend else ''}{'_q8' if quant else ''}"
     k = rms_norm_kernel(f"rms_norm{tag}_{d}x{mid}_{str(eps).replace('.', 'p').replace('-', 'm')}",
-                        d, eps, fused, lanes, quant)
+                        d, eps, fused, lanes, quant, addend[1] if addend else None)
     if mid == 1:
         return k
     # Rows = tokens * mid: scale the grid (R is bound to the token count).
@@ -238,7 +250,7 @@ def norm_lanes(ctx: RecipeContext, d: int) -> int:
 def _lower_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     x, w = node.inputs
-    return _norm_launch(node, node.output, ctx, float(node.attrs["eps"]), False,
+    return norm_launch(node, node.output, ctx, float(node.attrs["eps"]), False,
                         [("x", ctx.buf(x)), ("w", ctx.buf(w)), ("y", ctx.buf(node.output))])
 
 
@@ -246,12 +258,12 @@ def _lower_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     add, norm = nodes
     x, r = add.inputs
     w = norm.inputs[1]
-    return _norm_launch(add, norm.output, ctx, float(norm.attrs["eps"]), True,
+    return norm_launch(add, norm.output, ctx, float(norm.attrs["eps"]), True,
                         [("x", ctx.buf(x)), ("r", ctx.buf(r)), ("sum", ctx.buf(add.output)), ("w", ctx.buf(w)),
                          ("y", ctx.buf(norm.output))])
 
 
-def _match_add_rms(nodes: Sequence[Node]) -> bool:
+def match_add_rms(nodes: Sequence[Node]) -> bool:
     add, norm = nodes
     x, r = add.inputs
     return norm.inputs[0] is add.output and x.type.shape == r.type.shape and _f32_weight(norm)
@@ -305,7 +317,7 @@ def _lower_rope(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
                    (("T", "T"),))]
 
 
-register(Recipe("add_rms_norm", ("add", "rms_norm"), _lower_add_rms, _match_add_rms))
+register(Recipe("add_rms_norm", ("add", "rms_norm"), _lower_add_rms, match_add_rms))
 for _op in _FNS:
     register(Recipe(_op, (_op,), _lower_elementwise, None, (("chunk", CHUNK),)))
 register(Recipe("last_row", ("last_row",), _lower_last_row, None, (("chunk", CHUNK),)))

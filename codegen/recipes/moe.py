@@ -30,6 +30,7 @@ the router writes the lists itself (recipe `router_moe`) and the `group` launch 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import elements_per_row_bytes, weight_dtype
@@ -51,6 +52,7 @@ from polystrata.codegen.recipes._matvec import (
     use_int8,
     use_runs,
 )
+from polystrata.codegen.recipes.elementwise import Addend, match_add_rms, norm_launch
 from polystrata.codegen.recipes.linear import quantize_x_kernel, silu
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
@@ -306,6 +308,16 @@ def combine_kernel(name: str, dm: int, k: int, lanes: int) -> Kernel:
     return Kernel(name, params, (Var("T"), Const(-(-dm // chunk))), body, lanes=lanes, doc=f"moe combine {dm}x{k}")
 
 
+def combine_addend(k: int, dm: int) -> Addend:
+    """What `combine_kernel` computes, as the second addend of an add + RMS norm (`elementwise.Addend`): the
+    residual add after the experts sums their outputs itself, and the combine launch goes."""
+    def value(t: Expr, i: Expr, align: int) -> Expr:
+        terms = [Cast("f32", Load("route", Var("R") * k + t * k + s)) / Q30 * Load("d", (t * k + s) * dm + i, align)
+                 for s in range(k)]
+        return functools.reduce(lambda a, b: a + b, terms)
+    return (Buf("route", "i32"), Buf("d", "f32")), value
+
+
 def _lower_router(nodes: Sequence[Node], ctx: RecipeContext, lst: tuple[str, int] | None = None) -> list[Launch]:
     """The router's launch; `lst` = (list buffer, capacity): it also writes the MoE lists (one-token plans)."""
     (node,) = nodes
@@ -332,6 +344,26 @@ def _lower_router_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]
 def _match_router_moe(nodes: Sequence[Node]) -> bool:
     router, moe = nodes
     return moe.inputs[1] is router.output
+
+
+def _lower_router_moe_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """Router, moe_ffn, then the residual add and the next RMS norm: the norm kernel sums the experts' outputs
+    (`combine_addend`) in place of the combine launch, one launch a layer fewer."""
+    router, moe, add, norm = nodes
+    *launches, combine = _lower_router_moe([router, moe], ctx)
+    bound = dict(combine.buffers)
+    residual = add.inputs[1] if add.inputs[0] is moe.output else add.inputs[0]
+    k, dm = int(moe.inputs[1].type.shape[1]), int(moe.output.type.shape[-1])
+    return launches + norm_launch(
+        add, norm.output, ctx, float(norm.attrs["eps"]), True,
+        [("x", ctx.buf(residual)), ("route", bound["route"]), ("d", bound["d"]), ("sum", ctx.buf(add.output)),
+         ("w", ctx.buf(norm.inputs[1])), ("y", ctx.buf(norm.output))], (f"_moe{k}", combine_addend(k, dm)))
+
+
+def _match_router_moe_add_rms(nodes: Sequence[Node]) -> bool:
+    router, moe, add, norm = nodes
+    return (_match_router_moe([router, moe]) and moe.output in add.inputs and match_add_rms([add, norm])
+            and len(moe.output.type.shape) == 2)
 
 
 def _moe_cap(node: Node, ctx: RecipeContext) -> int:
@@ -415,3 +447,5 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
 register(Recipe("router", ("router",), _lower_router, None))
 register(Recipe("router_moe", ("router", "moe_ffn"), _lower_router_moe, _match_router_moe))
 register(Recipe("moe_ffn", ("moe_ffn",), _lower_moe, None, MOE_KNOBS))
+register(Recipe("router_moe_add_rms_norm", ("router", "moe_ffn", "add", "rms_norm"), _lower_router_moe_add_rms,
+                _match_router_moe_add_rms))
