@@ -288,7 +288,7 @@ def _mib(n: float) -> str:
 
 
 def format_table(r: dict) -> str:
-    """llama-bench-style markdown table, then the roofline line."""
+    """llama-bench-style markdown table, then the roofline line and, where measured, the host time a token."""
     head = ["model", "size", "params", "target", "device", "threads", "test", "t/s"]
     rows = []
     for test in ("pp", "tg"):
@@ -328,6 +328,8 @@ def format_table(r: dict) -> str:
     else:
         mem += f"; bandwidth of this device unknown (set {BANDWIDTH_ENV} in bytes/s for a roofline)"
     out.append(mem)
+    if r.get("host_ms_per_token") is not None:
+        out.append(f"host time per decoded token: {r['host_ms_per_token']:.3f} ms (step wall time less device time)")
     return "\n".join(out)
 
 

@@ -140,3 +140,5 @@ def test_host_time_is_step_wall_less_device_time(tiny_model, capsys, monkeypatch
     r = json.loads(_run(capsys, str(tiny_model), "--target", "cpu", "-p", "0", "-n", "3", "-r", "1", "--json"))
     step_ms = 1e3 / r["tg"]["tok_s_mean"]
     assert 0 < r["host_ms_per_token"] < step_ms
+    text = _run(capsys, str(tiny_model), "--target", "cpu", "-p", "0", "-n", "3", "-r", "1")
+    assert "host time per decoded token:" in text
