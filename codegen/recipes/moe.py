@@ -1,4 +1,5 @@
-"""MoE recipes: `router`, `moe_ffn`, and `router_moe` (the two together).
+"""MoE recipes: `router`, `moe_ffn`, `router_moe` (the two together) and `router_moe_add_rms_norm` (with the
+residual add and the next RMS norm, whose kernel does the combine).
 
 Route buffer convention (i32, 2 * T * k words, as the compiler sizes it): words [0, T*k) hold the expert ids of
 (token t, slot s) at t*k + s; words [T*k, 2*T*k) hold the slot weights as Q30 fixed point, round(w * 2^30)
@@ -25,7 +26,9 @@ two more launches) and each group sweeps one expert row with `_matvec.split_row_
 block, runs: consecutive words per lane, see `_matvec.use_runs`; spread: rows a group whose lanes spread over
 them, "auto" `_matvec.spread_rows`: 16 Q4_K rows of 768 columns); other formats take a Reduce over each row's
 blocks on f32 activations. Knobs: rows, split, xq, sub, runs, spread. In a plan of one-token steps (decode)
-the router writes the lists itself (recipe `router_moe`) and the `group` launch goes.
+the router writes the lists itself (recipe `router_moe`) and the `group` launch goes. Where the residual add and
+an RMS norm follow (every layer but the last), the norm's kernel sums the experts' outputs (`combine_addend`)
+and the `combine` launch goes.
 """
 
 from __future__ import annotations
