@@ -133,7 +133,8 @@ def rms_scale(name: str, sum_squares: Expr, d: int, eps: float) -> Let:
 
 
 # A norm's second addend computed in the kernel: (the buffers it reads, its value at (row, element index, the
-# alignment in elements that index has)). The MoE recipe sums the experts' outputs this way (`moe.combine_addend`).
+# alignment in elements that index has)); the expression may use the kernel's scalar R, its row count (tokens).
+# The MoE recipe sums the experts' outputs this way (`moe.combine_addend`).
 Addend = tuple[tuple[Buf, ...], Callable[[Expr, Expr, int], Expr]]
 
 
@@ -251,7 +252,7 @@ def _lower_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     x, w = node.inputs
     return norm_launch(node, node.output, ctx, float(node.attrs["eps"]), False,
-                        [("x", ctx.buf(x)), ("w", ctx.buf(w)), ("y", ctx.buf(node.output))])
+                       [("x", ctx.buf(x)), ("w", ctx.buf(w)), ("y", ctx.buf(node.output))])
 
 
 def _lower_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -259,8 +260,8 @@ def _lower_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     x, r = add.inputs
     w = norm.inputs[1]
     return norm_launch(add, norm.output, ctx, float(norm.attrs["eps"]), True,
-                        [("x", ctx.buf(x)), ("r", ctx.buf(r)), ("sum", ctx.buf(add.output)), ("w", ctx.buf(w)),
-                         ("y", ctx.buf(norm.output))])
+                       [("x", ctx.buf(x)), ("r", ctx.buf(r)), ("sum", ctx.buf(add.output)), ("w", ctx.buf(w)),
+                        ("y", ctx.buf(norm.output))])
 
 
 def match_add_rms(nodes: Sequence[Node]) -> bool:

@@ -364,9 +364,11 @@ def _lower_router_moe_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list
 
 
 def _match_router_moe_add_rms(nodes: Sequence[Node]) -> bool:
+    # As with the other fused chains, the intermediate (the experts' sum) is taken to have no reader but the add:
+    # the model builders emit it so, and no launch writes it here.
     router, moe, add, norm = nodes
-    return (_match_router_moe([router, moe]) and moe.output in add.inputs and match_add_rms([add, norm])
-            and len(moe.output.type.shape) == 2)
+    return (_match_router_moe([router, moe]) and any(v is moe.output for v in add.inputs)
+            and match_add_rms([add, norm]) and len(moe.output.type.shape) == 2)
 
 
 def _moe_cap(node: Node, ctx: RecipeContext) -> int:
