@@ -68,8 +68,12 @@ if [[ " $STAGES " == *" bench "* ]]; then
     for t in cuda hip opencl; do python3 scripts/matvec_bench.py --target "$t" 2>&1 | tee -a "$LOG" | tail -2; done
     # Q6_K in the qwen3-30b-a3b output head's shape (cuda keeps Q6_K in 224-byte blocks: ir.quant.padded).
     python3 scripts/matvec_bench.py --target cuda --format Q6_K --rows 49152 --cols 2048 2>&1 | tee -a "$LOG" | tail -2
-    # MATVEC_KNOBS: extra cuda runs with knob overrides, e.g. "matmul.sub=1 matmul.sub=2".
-    for kn in ${MATVEC_KNOBS:-}; do python3 scripts/matvec_bench.py --target cuda --knob "$kn" 2>&1 | tee -a "$LOG" | tail -1; done
+    # MATVEC_KNOBS: extra cuda runs with knob overrides, one run per space-separated item, several knobs of a run
+    # joined by commas, e.g. "matmul.rows=4 matmul.sub=8,matmul.lanes=448".
+    for kn in ${MATVEC_KNOBS:-}; do
+        args=(); IFS=, read -ra ks <<< "$kn"; for k in "${ks[@]}"; do args+=(--knob "$k"); done
+        python3 scripts/matvec_bench.py --target cuda "${args[@]}" 2>&1 | tee -a "$LOG" | grep '^matvec'
+    done
     grep -E '^matvec' "$LOG" | while read -r line; do row "${line%% on *}" "${line#*on }"; done
     for m in llama3-8b-q4km qwen3moe-8l-q4km; do
         # --trace (device times of graph-replayed steps) where torch's CUPTI profiler is there; else timed launches.
