@@ -1,4 +1,4 @@
-"""CUDA target self-test on a real GPU: every hand-built kernel of tests/test_target_cuda.py with warp shuffles
+"""CUDA target self-test on a real GPU: the conformance cases of tests/ir_constructs.py with warp shuffles
 and the driver launch path, compared with numpy and the CPU target; then launch overheads.
 
     python scripts/cuda_selftest.py [--scale N] [--no-cpu]
@@ -28,7 +28,7 @@ except ImportError:  # a bare checkout: map polystrata.ir / .codegen / .runtimes
 
     polystrata.__path__.append(str(ROOT))
 
-import test_target_cuda as t  # noqa: E402
+import ir_constructs as t  # noqa: E402
 
 from polystrata.ir.kernel import Buf, Const, Kernel, Scalar, Store  # noqa: E402
 from polystrata.runtimes.cuda import CUDARuntime  # noqa: E402

@@ -1,4 +1,4 @@
-"""HIP target: hand-built kernels covering every IR construct, rendered to HIP C++ and compiled by hiprtc into
+"""HIP target: the `ir_constructs` kernels (every IR construct), rendered to HIP C++ and compiled by hiprtc into
 AMD code objects for gfx1030 (wave32) and gfx90a (wave64); the compile-only runtime's errors; the same source as
 CUDA behind `cuda_prelude()` where nvcc exists, and through NVRTC (`HIPRuntime("sm_90")`, runtimes/hip_nvrtc.py)
 where libnvrtc loads. hiprtc tests skip where libamdhip64 is absent (CI installs libamdhip64-5 and
@@ -14,32 +14,25 @@ import sys
 
 import numpy as np
 import pytest
+from ir_constructs import (
+    cases,
+    check_case,
+    f16_kernel,
+    f16_local_kernel,
+    grid_kernel,
+    int_kernel,
+    intrinsics_kernel,
+    math_kernel,
+    reduce_kernel,
+    run,
+    shared_kernel,
+    table_kernel,
+)
 
 from polystrata.codegen import hip as hipgen
 from polystrata.codegen.hip import cuda_prelude, render, wave_of
 from polystrata.errors import PolystrataError
-from polystrata.ir.kernel import (
-    Assign,
-    Buf,
-    Call,
-    Cast,
-    Const,
-    Decl,
-    For,
-    If,
-    Kernel,
-    LaneFor,
-    Let,
-    Load,
-    LocalArray,
-    Reduce,
-    Scalar,
-    Select,
-    Store,
-    ToF32,
-    Var,
-)
-from polystrata.ir.quant import Table
+from polystrata.ir.kernel import Buf, Call, Const, Kernel, Store
 
 hiprt = pytest.importorskip("polystrata.runtimes.hip")
 hipnv = pytest.importorskip("polystrata.runtimes.hip_nvrtc")
@@ -55,7 +48,6 @@ nv = pytest.mark.skipif(NVRTC is None, reason="NVRTC not loadable (pip install c
 NV_GPU = NVRTC is not None and hipnv.gpu_count() > 0 and not (AMD and hiprt._gpu_count() > 0)
 nv_gpu = pytest.mark.skipif(not NV_GPU, reason="no NVIDIA GPU (or no NVRTC, or an AMD GPU takes precedence)")
 
-g0, g1, g2, n, j, k = (Var(v) for v in ("g0", "g1", "g2", "n", "j", "k"))
 ARCHS = ("gfx1030", "gfx90a")  # wave32 RDNA2, wave64 CDNA2
 OLD_ROCM = AMD and hiprt.supported_archs() is not None  # ROCm <= 5.2: the refusal list applies
 
@@ -81,107 +73,11 @@ def runtimes():
     return get
 
 
-# --- kernels ----------------------------------------------------------------------------------------------
-
-
-def reduce_kernel(lanes: int) -> Kernel:
-    """Per row g0: s = sum of x, m = max of 2x; uniform stores of the Reduce results."""
-    row = g0 * n
-    return Kernel(f"red{lanes}", (Buf("x", "f32"), Buf("s", "f32", True), Buf("m", "f32", True), Scalar("n")),
-                  (Var("n"),), (
-        Reduce("sum", "+", "j", n, (Let("v", Load("x", row + j)),), Var("v")),
-        Reduce("mx", "max", "j", n, (), Load("x", row + j) * 2.0),
-        Store("s", g0, Var("sum")),
-        Store("m", g0, Var("mx")),
-    ), lanes=lanes)
-
-
-def shared_kernel(lanes: int) -> Kernel:
-    """LaneFor fills a local array (nested For), a Reduce reads it, a uniform local store is read back."""
-    row = g0 * n
-    return Kernel(f"shared{lanes}", (Buf("x", "f32"), Buf("y", "f32", True), Buf("tot", "f32", True), Scalar("n")),
-                  (Var("n"),), (
-        LaneFor("j", n, (
-            Decl("acc", "f32", Const(0.0)),
-            For("k", Const(0), Const(3), (Assign("acc", Var("acc") + Load("x", row + j) * ToF32(k + 1)),), unroll=3),
-            Store("t", j, Var("acc")),
-        )),
-        Reduce("s", "+", "j", n, (), Load("t", j)),
-        Store("u", Const(0), Var("s") + 1.0),
-        Let("inv", 1.0 / Load("u", 0)),
-        LaneFor("j", n, (Store("y", row + j, Load("t", j) * Var("inv")),)),
-        Store("tot", g0, Load("u", 0)),
-    ), lanes=lanes, local=(LocalArray("t", "f32", 300), LocalArray("u", "f32", 1)))
-
-
-def int_kernel() -> Kernel:
-    """Integer ops, narrow loads, If / Select / Cast, int abs / max / min."""
-    a, b, c, h, s, w = (Load(name, j) for name in ("a", "b", "c", "h", "s", "w"))
-    body = (
-        Let("q", a // 7 + (a % 7) * 100),
-        Let("bits", ((b >> 3) & 0xF) | (c << 2)),
-        Decl("r", "i32", Const(0)),
-        If(a < 50, (Assign("r", Var("q")),), (Assign("r", Var("bits") - s),)),
-        Store("o", j * 4, Var("r")),
-        Store("o", j * 4 + 1, Select(h.eq(7), -1, h * 3 + b)),
-        Store("o", j * 4 + 2, Cast("i32", ToF32(s) * 0.5) + Call("abs", s) + Call("max", a, c) - Call("min", b, s)),
-        Store("u", j, ((w >> 4) & 0xFFFFFFF) | (w << 28)),
-    )
-    params = (Buf("a", "i32"), Buf("b", "u8"), Buf("c", "i8"), Buf("h", "u16"), Buf("s", "i16"), Buf("w", "u32"),
-              Buf("o", "i32", True), Buf("u", "u32", True), Scalar("n"))
-    return Kernel("ints", params, (1,), (LaneFor("j", n, body),), lanes=64)
-
-
-def math_kernel() -> Kernel:
-    """Every math function, float division, and f32 scalars."""
-    x = Load("x", j) * Var("scale")
-    fns = [Call("exp", x), Call("tanh", x), Call("sqrt", Call("abs", x)), Call("rsqrt", Call("abs", x) + 1.0),
-           Call("cos", x), Call("sin", x), Call("log", Call("abs", x) + 0.5), Call("pow", Call("abs", x), 1.5),
-           Call("max", x, 0.25), Call("min", x, 0.25), x / 3.0, Const(float("inf")) * x, Const(float("nan"))]
-    body = tuple(Store("y", j * len(fns) + i, f) for i, f in enumerate(fns))
-    return Kernel("mathf", (Buf("x", "f32"), Buf("y", "f32", True), Scalar("n"), Scalar("scale", "f32")), (1,),
-                  (LaneFor("j", n, body),), lanes=64)
-
-
-def grid_kernel() -> Kernel:
-    """A three-dimensional grid."""
-    idx = (g2 * 4 + g1) * 3 + g0
-    return Kernel("grid3", (Buf("y", "i32", True),), (Const(3), Const(4), Const(5)), (
-        LaneFor("j", Const(10), (Store("y", idx * 10 + j, g0 * 10000 + g1 * 1000 + g2 * 100 + j),)),
-    ), lanes=64)
-
-
-def f16_kernel() -> Kernel:
-    """f16 buffer loads / stores, an f16 local array, a uniform f16 store, a Table lookup."""
-    return Kernel("f16io", (Buf("h", "f16"), Buf("q", "u8"), Buf("y", "f32", True), Buf("o", "f16", True),
-                            Scalar("n")), (1,), (
-        LaneFor("j", n, (Store("t", j, Load("h", j) * 2.0),)),
-        LaneFor("j", n, (
-            Store("y", j, Load("t", j) + ToF32(Table("iq4nl", Load("q", j) & 15))),
-            Store("o", j, Load("h", j) * 0.5),
-        )),
-        Store("o", Const(0), Load("t", 1)),
-    ), lanes=64, local=(LocalArray("t", "f16", 256),))
-
-
-def intrinsics_kernel() -> Kernel:
-    """Each intrinsic: f16 bit conversions, dot4_i8, load_u32."""
-    x = Load("x", j)
-    return Kernel("intr", (Buf("x", "f32"), Buf("a", "i32"), Buf("b", "u32"), Buf("raw", "u8"),
-                           Buf("o", "i32", True), Buf("u", "u32", True), Buf("y", "f32", True), Buf("w", "u32", True),
-                           Scalar("n")), (1,), (
-        LaneFor("j", n, (
-            Store("u", j, Call("f32_to_f16_bits", x)),
-            Store("y", j, Call("f16_bits_to_f32", Call("f32_to_f16_bits", x))),
-            Store("o", j, Call("dot4_i8", Load("a", j), Load("b", j), j - 50)),
-            *(Store("w", j * 3 + s, Call("load_u32", Var("raw"), j * al, al)) for s, al in enumerate((1, 2, 4))),
-        )),
-    ), lanes=64)
-
-
 LANES = (1, 32, 64, 128)
-OTHERS = {"ints": int_kernel, "math": math_kernel, "grid": grid_kernel, "f16": f16_kernel,
-          "intrinsics": intrinsics_kernel}
+# The other constructs, at the hip target's group size (64 lanes: a wave64 wave, two wave32 ones).
+OTHERS = {"ints": lambda: int_kernel(64), "math": lambda: math_kernel(64), "grid": lambda: grid_kernel(64),
+          "table": lambda: table_kernel(64), "f16": lambda: f16_kernel(64), "f16local": lambda: f16_local_kernel(64),
+          "intrinsics": lambda: intrinsics_kernel(64)}
 
 
 def _is_code_object(code: bytes, arch: str) -> None:
@@ -220,7 +116,7 @@ def test_every_construct_compiles(runtimes, arch, name):
 
 
 def test_render_spellings():
-    src = render(intrinsics_kernel(), "gfx90a")
+    src = render(intrinsics_kernel(64), "gfx90a")
     assert 'extern "C" __global__ void __launch_bounds__(64)' in src
     assert "__builtin_amdgcn_sdot4" in src and "ps_dot4_i8" not in src
     assert "#pragma clang fp contract(off)" in src
@@ -228,10 +124,10 @@ def test_render_spellings():
     for arch in ("gfx803", "gfx1010"):
         src = render(intrinsics_kernel(), arch)
         assert "__builtin_amdgcn_sdot4" not in src and "int ps_dot4_i8(" in src
-    f16 = render(f16_kernel(), "gfx1030")
+    f16 = render(f16_local_kernel(), "gfx1030")
     assert "const __half* h" in f16 and "__half2float(h[" in f16 and "__float2half_rn(" in f16
     assert "__syncthreads();" in f16 and "__shared__ unsigned short t[256];" in f16
-    portable = render(f16_kernel(), "gfx1030", native_f16=False)
+    portable = render(f16_local_kernel(), "gfx1030", native_f16=False)
     assert "__half" not in portable and "ps_f32_to_f16_bits" in portable
     # Wave override: an RDNA part in wave64 mode.
     assert "ps_lid % 64" in render(reduce_kernel(128), "gfx1030", wave=64)
@@ -459,24 +355,6 @@ def test_nvrtc_cubin_cache_hit_in_fresh_runtime():
 
 # --- on an NVIDIA GPU: HIPRuntime() through NVRTC and the CUDA driver -----------------------------------------------
 
-_BYTES = {"f32": 4, "f16": 2, "i32": 4, "u32": 4, "i16": 2, "u16": 2, "i8": 1, "u8": 1}
-
-
-def _run(r, kernel, inputs, outputs, scalars=None, grid=(1,)):
-    """Launch `kernel` on runtime `r`; outputs (name -> (size, dtype)) start poisoned (NaN / all-ones bytes);
-    returns their contents (f16 as raw u16 bits)."""
-    from polystrata.codegen.cpu import NUMPY_DTYPES
-
-    bufs = {name: r.upload(np.ascontiguousarray(a)) for name, a in inputs.items()}
-    for name, (size, dt) in outputs.items():
-        fill = np.full(size, np.nan, np.float32) if dt == "f32" else \
-            np.full(size * _BYTES[dt], 0xFF, np.uint8).view(NUMPY_DTYPES[dt])
-        bufs[name] = r.upload(fill)
-    r.launch(r.compile(kernel), r.args_for(kernel, bufs, scalars or {}), grid)
-    r.sync()
-    return {name: r.download(bufs[name], (size,), "u16" if dt == "f16" else dt) for name, (size, dt) in outputs.items()}
-
-
 @pytest.fixture(scope="module")
 def nvrt():
     if not NV_GPU:
@@ -510,67 +388,19 @@ def test_nvidia_runtime_is_nvrtc(nvrt):
 def test_nvidia_reductions_vs_numpy(nvrt, lanes):
     n_ = 77
     x = np.random.default_rng(lanes).standard_normal(n_ * n_).astype(np.float32)
-    out = _run(nvrt, reduce_kernel(lanes), {"x": x}, {"s": (n_, "f32"), "m": (n_, "f32")}, {"n": n_}, (n_,))
+    out = run(nvrt, reduce_kernel(lanes), {"x": x}, {"s": (n_, "f32"), "m": (n_, "f32")}, {"n": n_}, (n_,))
     np.testing.assert_allclose(out["s"], x.reshape(n_, n_).sum(1), rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(out["m"], 2 * x.reshape(n_, n_).max(1))
 
 
-def _cases():
-    rng = np.random.default_rng(7)
-    n_ = 200
-    # a >= 0: `//` and `%` of negatives differ between the targets (C truncates, the CPU target floors).
-    ints = {"a": rng.integers(0, 1000, n_, dtype=np.int32), "b": rng.integers(0, 256, n_, dtype=np.uint8),
-            "c": rng.integers(-128, 128, n_, dtype=np.int8), "h": rng.integers(0, 12, n_, dtype=np.uint16),
-            "s": rng.integers(-3000, 3000, n_, dtype=np.int16),
-            "w": rng.integers(0, 2**32, n_, dtype=np.uint64).astype(np.uint32)}
-    x = rng.standard_normal(n_).astype(np.float32) * 3
-    h16 = (rng.standard_normal(n_) * 4).astype(np.float16).view(np.uint16)
-    return {
-        "ints": (int_kernel(), ints, {"o": (4 * n_, "i32"), "u": (n_, "u32")}, {"n": n_}, (1,)),
-        "math": (math_kernel(), {"x": x}, {"y": (13 * n_, "f32")}, {"n": n_, "scale": 0.75}, (1,)),
-        "grid": (grid_kernel(), {}, {"y": (600, "i32")}, {}, (3, 4, 5)),
-        "f16": (f16_kernel(), {"h": h16, "q": rng.integers(0, 256, n_, dtype=np.uint8)},
-                {"y": (n_, "f32"), "o": (n_, "f16")}, {"n": n_}, (1,)),
-        "intrinsics": (intrinsics_kernel(), {"x": x, "a": rng.integers(-2**31, 2**31, n_, dtype=np.int64)
-                                             .astype(np.int32), "b": rng.integers(0, 2**32, n_, dtype=np.uint64)
-                                             .astype(np.uint32), "raw": rng.integers(0, 256, 4 * n_ + 4,
-                                                                                     dtype=np.uint8)},
-                       {"o": (n_, "i32"), "u": (n_, "u32"), "y": (n_, "f32"), "w": (3 * n_, "u32")}, {"n": n_},
-                       (1,)),
-        "shared32": (shared_kernel(32), {"x": x[:150].copy()}, {"y": (150, "f32"), "tot": (3, "f32")}, {"n": 50},
-                     (3,)),
-        "shared96": (shared_kernel(96), {"x": np.tile(x, 3)}, {"y": (600, "f32"), "tot": (3, "f32")}, {"n": 200},
-                     (3,)),
-    }
-
-
 @nv_gpu
-@pytest.mark.parametrize("case", ["ints", "grid", "f16", "intrinsics", "shared32", "shared96"])
-def test_nvidia_matches_cpu_target(nvrt, case):
-    """Every construct on the GPU against the CPU target: exact where no rounding order differs."""
+@pytest.mark.parametrize("case", cases(), ids=lambda c: c[0])
+def test_nvidia_matches_numpy_and_cpu(nvrt, case):
+    """Every construct on the GPU against numpy (CUDA's math functions are within a few ulp: 2e-5 relative) and,
+    but for math, the CPU target."""
     cpu = pytest.importorskip("polystrata.runtimes.cpu")  # Numba
-    kern, inputs, outputs, scalars, grid = _cases()[case]
-    got = _run(nvrt, kern, inputs, outputs, scalars, grid)
-    want = _run(cpu.CPURuntime(), kern, inputs, outputs, scalars, grid)
-    for name in outputs:
-        g, w = got[name], want[name]
-        if case.startswith("shared"):  # reduction order
-            np.testing.assert_array_equal(np.isnan(g), np.isnan(w), err_msg=name)
-            np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6, err_msg=name)
-        else:
-            np.testing.assert_array_equal(g, w, err_msg=f"{case}: {name}")
-
-
-@nv_gpu
-def test_nvidia_math_vs_numpy(nvrt):
-    """Every math function against numpy (CUDA's are within a few ulp; inf * 0 and NaN stay NaN)."""
-    kern, inputs, outputs, scalars, grid = _cases()["math"]
-    got = _run(nvrt, kern, inputs, outputs, scalars, grid)["y"].reshape(-1, 13)
-    x = inputs["x"] * np.float32(0.75)
-    ax = np.abs(x)
-    with np.errstate(invalid="ignore"):
-        want = np.stack([np.exp(x), np.tanh(x), np.sqrt(ax), 1 / np.sqrt(ax + 1), np.cos(x), np.sin(x),
-                         np.log(ax + 0.5), ax ** 1.5, np.maximum(x, 0.25), np.minimum(x, 0.25), x / 3,
-                         np.float32(np.inf) * x, np.full_like(x, np.nan)], 1).astype(np.float32)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+    label, kern, inputs, outputs, scalars, grid, ref = case
+    got = run(nvrt, kern, inputs, outputs, scalars, grid)
+    check_case(got, ref, outputs, label, tol=2e-5)
+    if kern.name != "mathf":
+        check_case(got, run(cpu.CPURuntime(), kern, inputs, outputs, scalars, grid), outputs, label + " vs cpu")

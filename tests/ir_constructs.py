@@ -1,0 +1,314 @@
+"""Hand-built kernels covering every kernel-IR construct, with numpy references: the conformance cases every
+kernel target runs (tests/test_target_cuda.py in numba-cuda's simulator, test_target_opencl.py on PoCL,
+test_target_hip.py compiled for AMD architectures and run through NVRTC on an NVIDIA GPU, and
+scripts/cuda_selftest.py on a real GPU), so that each target is held to the same kernels and the same answers.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from polystrata.codegen.pyfamily import NUMPY_DTYPES
+from polystrata.ir.kernel import (
+    Assign,
+    Buf,
+    Call,
+    Cast,
+    Const,
+    Decl,
+    For,
+    If,
+    Kernel,
+    LaneFor,
+    Let,
+    Load,
+    LocalArray,
+    Reduce,
+    Scalar,
+    Select,
+    Store,
+    ToF32,
+    Var,
+)
+from polystrata.ir.quant import TABLES, Table
+
+g0, g1, g2, n, j, k = (Var(v) for v in ("g0", "g1", "g2", "n", "j", "k"))
+ROWS = Scalar("rows")
+ELEMENT_BYTES = {"f32": 4, "f16": 2, "i32": 4, "u32": 4, "i16": 2, "u16": 2, "i8": 1, "u8": 1}
+MATH_FUNCTIONS = 13  # outputs of `math_kernel` per value
+
+
+# --- kernels ---------------------------------------------------------------------------------------------------
+
+
+def reduce_kernel(lanes: int) -> Kernel:
+    """Per row g0 of x[rows, n]: s = sum of x, m = max of 2x (uniform stores of Reduce results)."""
+    row = g0 * n
+    return Kernel(f"red{lanes}", (Buf("x", "f32"), Buf("s", "f32", True), Buf("m", "f32", True), Scalar("n"), ROWS),
+                  (Var("rows"),), (
+        Reduce("sum", "+", "j", n, (Let("v", Load("x", row + j)),), Var("v")),
+        Reduce("mx", "max", "j", n, (), Load("x", row + j) * 2.0),
+        Store("s", g0, Var("sum")),
+        Store("m", g0, Var("mx")),
+    ), lanes=lanes)
+
+
+def shared_kernel(lanes: int) -> Kernel:
+    """Rows of up to 300 values: a LaneFor fills a local array (an unrolled For inside), a Reduce reads it, a
+    uniform local store is read by every lane, a LaneFor reads the array, and a last LaneFor rewrites it (each lane
+    only its own values, read by no uniform code after: no barrier is needed before it)."""
+    row = g0 * n
+    return Kernel(f"shared{lanes}", (Buf("x", "f32"), Buf("y", "f32", True), Buf("tot", "f32", True), Scalar("n"),
+                                     ROWS), (Var("rows"),), (
+        LaneFor("j", n, (
+            Decl("acc", "f32", Const(0.0)),
+            For("k", Const(0), Const(3), (Assign("acc", Var("acc") + Load("x", row + j) * ToF32(k + 1)),), unroll=3),
+            Store("t", j, Var("acc")),
+        )),
+        Reduce("s", "+", "j", n, (), Load("t", j)),
+        Store("u", Const(0), Var("s") + 1.0),
+        Let("inv", 1.0 / Load("u", 0)),
+        LaneFor("j", n, (Store("y", row + j, Load("t", j) * Var("inv")),)),
+        Store("tot", g0, Load("u", 0)),
+        LaneFor("j", n, (Store("t", j, Const(0.0)),)),
+    ), lanes=lanes, local=(LocalArray("t", "f32", 300), LocalArray("u", "f32", 1)))
+
+
+def shared_ref(x: np.ndarray, rows: int, n_: int) -> tuple[np.ndarray, np.ndarray]:
+    """`shared_kernel`'s y and tot (float64)."""
+    t = x.reshape(rows, n_).astype(np.float64) * 6
+    u = t.sum(1) + 1
+    return (t / u[:, None]).reshape(-1), u
+
+
+def int_kernel(lanes: int = 16) -> Kernel:
+    """Integer ops on every narrow load type, If (on a Call) / Select / Cast, int abs / max / min; 4 outputs a value."""
+    a, b, c, h, s, w = (Load(name, j) for name in ("a", "b", "c", "h", "s", "w"))
+    body = (
+        Let("q", a // 7 + (a % 7) * 100),
+        Let("bits", ((b >> 3) & 0xF) | (c << 2)),
+        Decl("r", "i32", Const(0)),
+        If(a < 50, (Assign("r", Var("q")),), (Assign("r", Var("bits") - s),)),
+        Store("o", j * 4, Var("r")),
+        Store("o", j * 4 + 1, Select(h.eq(7), -1, h * 3 + b)),
+        Store("o", j * 4 + 2, Cast("i32", ToF32(s) * 0.5) + Call("abs", s) + Call("max", a, c) - Call("min", b, s)),
+        Store("u", j, ((w >> 4) & 0xFFFFFFF) | (w << 28)),
+        If(Call("min", b, 3).ne(3), (Store("o", j * 4 + 3, Const(1)),), (Store("o", j * 4 + 3, Const(2)),)),
+    )
+    params = (Buf("a", "i32"), Buf("b", "u8"), Buf("c", "i8"), Buf("h", "u16"), Buf("s", "i16"), Buf("w", "u32"),
+              Buf("o", "i32", True), Buf("u", "u32", True), Scalar("n"))
+    return Kernel("ints", params, (1,), (LaneFor("j", n, body),), lanes=lanes)
+
+
+def math_kernel(lanes: int = 32) -> Kernel:
+    """Every math function, float division, an f32 scalar, and inf / NaN constants."""
+    x = Load("x", j) * Var("scale")
+    fns = [Call("exp", x), Call("tanh", x), Call("sqrt", Call("abs", x)), Call("rsqrt", Call("abs", x) + 1.0),
+           Call("cos", x), Call("sin", x), Call("log", Call("abs", x) + 0.5), Call("pow", Call("abs", x), 1.5),
+           Call("max", x, 0.25), Call("min", x, 0.25), x / 3.0, Const(float("inf")) * x, Const(float("nan"))]
+    assert len(fns) == MATH_FUNCTIONS
+    body = tuple(Store("y", j * MATH_FUNCTIONS + i, f) for i, f in enumerate(fns))
+    return Kernel("mathf", (Buf("x", "f32"), Buf("y", "f32", True), Scalar("n"), Scalar("scale", "f32")), (1,),
+                  (LaneFor("j", n, body),), lanes=lanes)
+
+
+GRID = (3, 4, 5)
+
+
+def grid_kernel(lanes: int = 8) -> Kernel:
+    """A three-dimensional grid (`GRID`), 10 values a group."""
+    idx = (g2 * GRID[1] + g1) * GRID[0] + g0
+    return Kernel("grid3", (Buf("y", "i32", True),), tuple(Const(d) for d in GRID), (
+        LaneFor("j", Const(10), (Store("y", idx * 10 + j, g0 * 10000 + g1 * 1000 + g2 * 100 + j),)),
+    ), lanes=lanes)
+
+
+def table_kernel(lanes: int = 16) -> Kernel:
+    """A Table lookup (iq4nl)."""
+    return Kernel("table", (Buf("q", "u8"), Buf("y", "f32", True), Scalar("n")), (1,), (
+        LaneFor("j", n, (Store("y", j, ToF32(Table("iq4nl", Load("q", j) & 15)) * 0.5),)),
+    ), lanes=lanes)
+
+
+def f16_kernel(lanes: int = 64) -> Kernel:
+    """f16 buffer loads and stores, the f16 bit intrinsics, and a uniform store into an f16 local array read back."""
+    return Kernel("f16io", (Buf("h", "f16"), Buf("x", "f32"), Buf("y", "f32", True), Buf("o", "f16", True),
+                            Buf("p", "u32", True), Buf("z", "f32", True), Scalar("n")), (1,), (
+        LaneFor("j", n, (
+            Store("y", j, Load("h", j)),
+            Store("o", j, Load("x", j)),
+            Store("p", j, Call("f32_to_f16_bits", Call("f16_bits_to_f32", Call("f32_to_f16_bits", Load("x", j))))),
+        )),
+        Store("hl", Const(0), Const(1.0) / 3.0),
+        Store("z", Const(0), Load("hl", Const(0))),
+    ), lanes=lanes, local=(LocalArray("hl", "f16", 2),))
+
+
+def f16_local_kernel(lanes: int = 64) -> Kernel:
+    """An f16 local array of up to 256 values written by the lanes and read by others, a Table lookup, and a
+    uniform f16 store into a buffer after a LaneFor wrote it."""
+    return Kernel("f16local", (Buf("h", "f16"), Buf("q", "u8"), Buf("y", "f32", True), Buf("o", "f16", True),
+                               Scalar("n")), (1,), (
+        LaneFor("j", n, (Store("t", j, Load("h", j) * 2.0),)),
+        LaneFor("j", n, (
+            Store("y", j, Load("t", n - 1 - j) + ToF32(Table("iq4nl", Load("q", j) & 15))),
+            Store("o", j, Load("h", j) * 0.5),
+        )),
+        Store("o", Const(0), Load("t", 1)),
+    ), lanes=lanes, local=(LocalArray("t", "f16", 256),))
+
+
+def intrinsics_kernel(lanes: int = 32) -> Kernel:
+    """Each intrinsic: dot4_i8, load_u32 at offsets aligned to 1, 2 and 4 bytes, the f16 bit conversions, and an
+    iq4nl Table lookup."""
+    x = Load("x", j)
+    return Kernel("intr", (Buf("x", "f32"), Buf("a", "i32"), Buf("b", "u32"), Buf("q", "u8"), Buf("o", "i32", True),
+                           Buf("w", "u32", True), Buf("t", "f32", True), Buf("u", "u32", True),
+                           Buf("y", "f32", True), Scalar("n")), (1,), (
+        LaneFor("j", n, (
+            Store("o", j, Call("dot4_i8", Load("a", j), Load("b", j), j - 50)),
+            *(Store("w", j * 3 + s, Call("load_u32", Var("q"), j * al, al)) for s, al in enumerate((1, 2, 4))),
+            Store("t", j, ToF32(Table("iq4nl", Load("q", j) & 15)) * 0.5),
+            Store("u", j, Call("f32_to_f16_bits", x)),
+            Store("y", j, Call("f16_bits_to_f32", Call("f32_to_f16_bits", x))),
+        )),
+    ), lanes=lanes)
+
+
+# --- cases: kernels with inputs and numpy references -------------------------------------------------------------
+
+
+def f16_values(count: int = 300) -> np.ndarray:
+    """Edge cases of f32 -> f16 rounding, random bit patterns and values near f16 ties (no NaNs)."""
+    edge = [0.0, -0.0, 1.0, 65504.0, 65519.99, 65520.0, 1e6, -1e6, np.inf, -np.inf, 6.1e-5, 5.96e-8, 2.98e-8,
+            2.9802322e-08, 2.9802326e-08, 8.9406967e-08, 1e-10, -3e-6, 0.1, 1 / 3, 6.103515625e-05, 6.1e-05]
+    rng = np.random.default_rng(6)
+    rand = rng.integers(0, 2**32, count, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    near = (rng.integers(0, 2**16, count).astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+            + rng.integers(-4096, 4097, count).astype(np.uint32)).view(np.float32)
+    x = np.concatenate([np.array(edge, np.float32), rand, near]).astype(np.float32)
+    return x[~np.isnan(x)]
+
+
+def _f16_bits(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return x.astype(np.float16).view(np.uint16)
+
+
+def cases(scale: int = 1) -> list[tuple]:
+    """(label, kernel, inputs, outputs {name: (size, dtype)}, scalars, grid, reference {name: array}).
+
+    f16 outputs are compared as raw bits; `scale` grows the sizes (the GPU selftest)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for lanes in (1, 16, 32, 64, 128, 24):
+        for n_ in sorted({0, 1, 5, max(lanes - 1, 1), lanes, lanes + 3, 3 * lanes + 7}):
+            x = rng.standard_normal(3 * n_ * scale).astype(np.float32)
+            xr = x.reshape(3, -1)
+            mx = (2 * xr).max(1) if xr.size else np.full(3, -np.inf, np.float32)
+            out.append((f"reduce lanes={lanes} n={n_ * scale}", reduce_kernel(lanes), {"x": x},
+                        {"s": (3, "f32"), "m": (3, "f32")}, {"n": n_ * scale, "rows": 3}, (3,),
+                        {"s": xr.sum(1), "m": mx}))
+    for lanes, n_ in ((1, 50), (16, 150), (64, 50), (96, 300)):
+        x = rng.random(3 * n_).astype(np.float32)
+        y, u = shared_ref(x, 3, n_)
+        out.append((f"local+lanefor lanes={lanes} n={n_}", shared_kernel(lanes), {"x": x},
+                    {"y": (3 * n_, "f32"), "tot": (3, "f32")}, {"n": n_, "rows": 3}, (3,), {"y": y, "tot": u}))
+    m = 100 * scale
+    ins = {"a": rng.integers(0, 100, m, dtype=np.int32), "b": rng.integers(0, 256, m).astype(np.uint8),
+           "c": rng.integers(-128, 128, m).astype(np.int8), "h": rng.integers(0, 12, m).astype(np.uint16),
+           "s": rng.integers(-30000, 30000, m).astype(np.int16),
+           "w": rng.integers(0, 2**32, m, dtype=np.uint64).astype(np.uint32)}
+    A, B, C, S = (ins[v].astype(np.int64) for v in "abcs")  # a >= 0: `//` and `%` of negatives differ (C, Python)
+    o = np.zeros((m, 4), np.int64)
+    o[:, 0] = np.where(A < 50, A // 7 + (A % 7) * 100, (((B >> 3) & 0xF) | (C << 2)) - S)
+    o[:, 1] = np.where(ins["h"] == 7, -1, ins["h"].astype(np.int64) * 3 + B)
+    o[:, 2] = (S * 0.5).astype(np.int64) + np.abs(S) + np.maximum(A, C) - np.minimum(B, S)
+    o[:, 3] = np.where(B < 3, 1, 2)
+    w = ins["w"]
+    out.append(("ints/select/if", int_kernel(), ins, {"o": (4 * m, "i32"), "u": (m, "u32")}, {"n": m}, (1,),
+                {"o": o.reshape(-1), "u": ((w >> 4) & 0xFFFFFFF) | (w << 28)}))
+    x = rng.uniform(-4, 4, m).astype(np.float32)
+    xs = (x * np.float32(0.75)).astype(np.float64)
+    ax = np.abs(xs)
+    with np.errstate(invalid="ignore"):
+        ref = np.stack([np.exp(xs), np.tanh(xs), np.sqrt(ax), 1 / np.sqrt(ax + 1), np.cos(xs), np.sin(xs),
+                        np.log(ax + 0.5), ax ** 1.5, np.maximum(xs, 0.25), np.minimum(xs, 0.25), xs / 3,
+                        np.inf * xs, np.full_like(xs, np.nan)], 1)
+    out.append(("math", math_kernel(), {"x": x}, {"y": (MATH_FUNCTIONS * m, "f32")}, {"n": m, "scale": 0.75},
+                (1,), {"y": ref.reshape(-1)}))
+    G0, G1, G2, J = np.meshgrid(*(range(d) for d in GRID), range(10), indexing="ij")
+    want = np.zeros(10 * np.prod(GRID), np.int64)
+    want[((G2 * GRID[1] + G1) * GRID[0] + G0) * 10 + J] = G0 * 10000 + G1 * 1000 + G2 * 100 + J
+    out.append(("grid 3x4x5", grid_kernel(), {}, {"y": (want.size, "i32")}, {}, GRID, {"y": want}))
+    q = rng.integers(0, 256, m).astype(np.uint8)
+    iq4nl = np.array(TABLES["iq4nl"], np.float32)
+    out.append(("table", table_kernel(), {"q": q}, {"y": (m, "f32")}, {"n": m}, (1,), {"y": iq4nl[q & 15] * 0.5}))
+    xv = f16_values(300 * scale)
+    hb = rng.integers(0, 2**16, xv.size).astype(np.uint16)
+    want16 = _f16_bits(xv)
+    out.append(("f16 load/store/intrinsics", f16_kernel(), {"h": hb, "x": xv},
+                {"y": (xv.size, "f32"), "o": (xv.size, "f16"), "p": (xv.size, "u32"), "z": (1, "f32")},
+                {"n": xv.size}, (1,), {"y": hb.view(np.float16).astype(np.float32), "o": want16, "p": want16,
+                                       "z": np.float32(np.float16(1 / 3))}))
+    n_ = 200
+    h16 = (rng.standard_normal(n_) * 4).astype(np.float16)
+    t16 = (h16.astype(np.float32) * 2).astype(np.float16)
+    o16 = (h16.astype(np.float32) * 0.5).astype(np.float16)
+    o16[0] = t16[1]
+    q = rng.integers(0, 256, n_).astype(np.uint8)
+    out.append(("f16 local array/table", f16_local_kernel(), {"h": h16.view(np.uint16), "q": q},
+                {"y": (n_, "f32"), "o": (n_, "f16")}, {"n": n_}, (1,),
+                {"y": t16[::-1].astype(np.float32) + iq4nl[q & 15], "o": o16.view(np.uint16)}))
+    a = rng.integers(-(2**31), 2**31, m, dtype=np.int64).astype(np.int32)
+    b = rng.integers(0, 2**32, m, dtype=np.uint64).astype(np.uint32)
+    q = rng.integers(0, 256, 4 * m + 4).astype(np.uint8)
+    x = (rng.standard_normal(m) * 3).astype(np.float32)
+    dot = (a.view(np.int8).reshape(-1, 4).astype(np.int64) * b.view(np.int8).reshape(-1, 4)).sum(1)
+    out.append(("dot4/load_u32/table/f16 bits", intrinsics_kernel(), {"x": x, "a": a, "b": b, "q": q},
+                {"o": (m, "i32"), "w": (3 * m, "u32"), "t": (m, "f32"), "u": (m, "u32"), "y": (m, "f32")},
+                {"n": m}, (1,),
+                {"o": dot + np.arange(m) - 50,
+                 "w": np.array([q[i * al:i * al + 4].view("<u4")[0] for i in range(m) for al in (1, 2, 4)]),
+                 "t": iq4nl[q[:m] & 15] * 0.5, "u": _f16_bits(x), "y": x.astype(np.float16).astype(np.float32)}))
+    return out
+
+
+# --- running and comparing ---------------------------------------------------------------------------------------
+
+
+def run(r, kernel, inputs, outputs, scalars=None, grid=(1,), **compile_kw) -> dict[str, np.ndarray]:
+    """Launch `kernel` on runtime `r` with poisoned outputs (NaN floats, all-ones bytes otherwise, in the storage
+    dtype); returns their contents (f16 as raw u16 bits). `compile_kw` goes to `r.compile`."""
+    ck = r.compile(kernel, **compile_kw)
+    bufs = {name: r.upload(np.ascontiguousarray(a)) for name, a in inputs.items()}
+    for name, (size, dt) in outputs.items():
+        fill = np.full(size, np.nan, np.float32) if dt == "f32" else \
+            np.full(size * ELEMENT_BYTES[dt], 0xFF, np.uint8).view(NUMPY_DTYPES[dt])
+        bufs[name] = r.upload(fill)
+    r.launch(ck, r.args_for(kernel, bufs, scalars or {}), grid)
+    r.sync()
+    return {name: r.download(bufs[name], (size,), "u16" if dt == "f16" else dt) for name, (size, dt) in outputs.items()}
+
+
+def max_error(got: np.ndarray, want, dtype: str) -> float:
+    """Largest relative error (floats; NaN where exactly one is NaN) or count of differing values (ints)."""
+    got, want = np.asarray(got), np.asarray(want).reshape(np.shape(got))
+    if dtype != "f32":
+        return float((got.astype(np.int64) != want.astype(np.int64)).sum())
+    with np.errstate(invalid="ignore"):  # signalling NaNs (random f16 bit patterns) raise the flag
+        g, w = got.astype(np.float64), want.astype(np.float64)
+    if (np.isnan(g) != np.isnan(w)).any():
+        return float("nan")
+    inf = np.isinf(w)
+    if (g[inf] != w[inf]).any():  # infinities must match exactly
+        return float("inf")
+    ok = np.isfinite(w)
+    return float((np.abs(g[ok] - w[ok]) / np.maximum(np.abs(w[ok]), 1e-6)).max(initial=0.0))
+
+
+def check_case(got: dict, want: dict, outputs: dict, label: str, tol: float = 1e-5) -> None:
+    """Assert every output of a case is within `tol` (relative, f32) or exact (integers, f16 bits) of `want`."""
+    for name, (_, dt) in outputs.items():
+        err = max_error(got[name], want[name], dt)
+        assert err <= (tol if dt == "f32" else 0), (label, name, err)
