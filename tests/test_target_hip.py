@@ -222,7 +222,7 @@ def test_runs_on_gpu():
         n_ = 77
         x = np.random.default_rng(lanes).standard_normal(n_ * n_).astype(np.float32)
         bufs = {"x": rt.upload(x), "s": rt.alloc((n_,), "f32"), "m": rt.alloc((n_,), "f32")}
-        rt.launch(rt.compile(kern), rt.args_for(kern, bufs, {"n": n_}), (n_,))
+        rt.launch(rt.compile(kern), rt.args_for(kern, bufs, {"n": n_, "rows": n_}), (n_,))
         rt.sync()
         np.testing.assert_allclose(rt.download(bufs["s"], (n_,), "f32"), x.reshape(n_, n_).sum(1), rtol=1e-4,
                                    atol=1e-4)
@@ -388,7 +388,7 @@ def test_nvidia_runtime_is_nvrtc(nvrt):
 def test_nvidia_reductions_vs_numpy(nvrt, lanes):
     n_ = 77
     x = np.random.default_rng(lanes).standard_normal(n_ * n_).astype(np.float32)
-    out = run(nvrt, reduce_kernel(lanes), {"x": x}, {"s": (n_, "f32"), "m": (n_, "f32")}, {"n": n_}, (n_,))
+    out = run(nvrt, reduce_kernel(lanes), {"x": x}, {"s": (n_, "f32"), "m": (n_, "f32")}, {"n": n_, "rows": n_}, (n_,))
     np.testing.assert_allclose(out["s"], x.reshape(n_, n_).sum(1), rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(out["m"], 2 * x.reshape(n_, n_).max(1))
 
