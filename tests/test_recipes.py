@@ -579,12 +579,15 @@ def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=Non
     ctx.knobs = {"moe_ffn": knobs or {}}
     rl = _recipe("router").lower(g.nodes[:1], ctx)
     ml = _recipe("moe_ffn").lower(g.nodes[1:], ctx)
+    return g, ctx, rl, ml, *_moe_weights(fmt_name, e, dm, ff)
+
+
+def _moe_weights(fmt_name, e, dm, ff):
+    """Random expert weights "g", "u" [e, ff, dm] and "d" [e, dm, ff]: (raw buffers by name, dequantized)."""
     _, bg, dg = _weight(fmt_name, e * ff, dm, 1)
     _, bu, du = _weight(fmt_name, e * ff, dm, 2)
     _, bd, dd = _weight(fmt_name, e * dm, ff, 3)
-    weights = {"g": bg, "u": bu, "d": bd}
-    deq = (dg.reshape(e, ff, dm), du.reshape(e, ff, dm), dd.reshape(e, dm, ff))
-    return g, ctx, rl, ml, weights, deq
+    return {"g": bg, "u": bu, "d": bd}, (dg.reshape(e, ff, dm), du.reshape(e, ff, dm), dd.reshape(e, dm, ff))
 
 
 def _q8(x: np.ndarray) -> np.ndarray:
@@ -663,9 +666,7 @@ def test_moe_residual_norm_sums_the_experts(rt, fmt_name):
     sv = g.op("add", res, o, name="s")
     nw = g.input("nw", "f32", (dm,))
     g.op("rms_norm", sv, nw, eps=1e-5, name="y")
-    (_, bg, dg), (_, bu, du), (_, bd, dd) = (_weight(fmt_name, e * a, b, seed) for a, b, seed in
-                                            ((ff, dm, 1), (ff, dm, 2), (dm, ff, 3)))
-    deq = (dg.reshape(e, ff, dm), du.reshape(e, ff, dm), dd.reshape(e, dm, ff))
+    weights, deq = _moe_weights(fmt_name, e, dm, ff)
     rng = np.random.default_rng(13)
     nwv = rng.uniform(0.5, 1.5, dm).astype(np.float32)
     for lanes in sorted({1, rt.lanes}):
@@ -679,7 +680,7 @@ def test_moe_residual_norm_sums_the_experts(rt, fmt_name):
             lv = rng.standard_normal((t, e)).astype(np.float32)
             sb, so = _moe_scratch(ctx)
             got = _run_launches(rt, launches, {"x": xv.reshape(-1), "res": resv.reshape(-1), "nw": nwv,
-                                               "logits": lv.reshape(-1), "g": bg, "u": bu, "d": bd, **sb},
+                                               "logits": lv.reshape(-1), **weights, **sb},
                                 {"T": t}, {"s": ((t, dm), "f32"), "y": ((t, dm), "f32"),
                                            "route": ((2 * t * k,), "i32"), **so})
             ids, w = R._IMPLS["router"](None, g.nodes[0], [lv])

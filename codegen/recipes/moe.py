@@ -292,6 +292,17 @@ def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int,
                   doc=f"moe expert matvec int8 {'+'.join(f.name for f in fmts)} [{n_exp}x{n}x{kd}]")
 
 
+def _expert_sum(k: int, dm: int, tokens: Expr) -> Callable[[Expr, Expr, int], Expr]:
+    """sum_s w(t, s) * d[(t*k + s) * dm + i] as an expression of (token t, element i, the alignment in elements i
+    has): the experts' outputs weighted by the route's slot weights (`tokens`: the kernel's token count, which
+    places the weights in the route buffer)."""
+    def value(t: Expr, i: Expr, align: int) -> Expr:
+        terms = [Cast("f32", Load("route", tokens * k + t * k + s)) / Q30 * Load("d", (t * k + s) * dm + i, align)
+                 for s in range(k)]
+        return functools.reduce(lambda a, b: a + b, terms)
+    return value
+
+
 def combine_kernel(name: str, dm: int, k: int, lanes: int) -> Kernel:
     """y[t] = sum_s w(t, s) * d[t*k + s] (slot weights from the route buffer). Grid (T, ceil(dm / lanes)): a
     group per `lanes` values of a token's row, so that at decode the row is many groups' work, not one's (one
@@ -299,14 +310,8 @@ def combine_kernel(name: str, dm: int, k: int, lanes: int) -> Kernel:
     chunk = lanes if lanes > 1 else dm
     t = Var("g0")
     r = Var("g1") * chunk + Var("r")
-    body = (LaneFor("r", Const(chunk), (If(r < dm, (
-        Decl("acc", "f32", Const(0.0)),
-        For("s", Const(0), Const(k), (
-            Let("wt", Cast("f32", Load("route", Var("T") * k + t * k + Var("s"))) / Q30),
-            Assign("acc", Var("acc") + Var("wt") * Load("d", (t * k + Var("s")) * dm + r)),
-        )),
-        Store("y", t * dm + r, Var("acc")),
-    )),)),)
+    value = _expert_sum(k, dm, Var("T"))
+    body = (LaneFor("r", Const(chunk), (If(r < dm, (Store("y", t * dm + r, value(t, r, 1)),)),)),)
     params = (Buf("route", "i32"), Buf("d", "f32"), Buf("y", "f32", out=True), Scalar("T"))
     return Kernel(name, params, (Var("T"), Const(-(-dm // chunk))), body, lanes=lanes, doc=f"moe combine {dm}x{k}")
 
@@ -314,11 +319,7 @@ def combine_kernel(name: str, dm: int, k: int, lanes: int) -> Kernel:
 def combine_addend(k: int, dm: int) -> Addend:
     """What `combine_kernel` computes, as the second addend of an add + RMS norm (`elementwise.Addend`): the
     residual add after the experts sums their outputs itself, and the combine launch goes."""
-    def value(t: Expr, i: Expr, align: int) -> Expr:
-        terms = [Cast("f32", Load("route", Var("R") * k + t * k + s)) / Q30 * Load("d", (t * k + s) * dm + i, align)
-                 for s in range(k)]
-        return functools.reduce(lambda a, b: a + b, terms)
-    return (Buf("route", "i32"), Buf("d", "f32")), value
+    return (Buf("route", "i32"), Buf("d", "f32")), _expert_sum(k, dm, Var("R"))
 
 
 def _lower_router(nodes: Sequence[Node], ctx: RecipeContext, lst: tuple[str, int] | None = None) -> list[Launch]:
