@@ -13,8 +13,13 @@ LOG="$OUT/device_check.log"
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 POLYSTRATA_HOME=/tmp/ps_home NCCL_NVLS_ENABLE=0
 
 # numpy 2.5 breaks numba-cuda (np.row_stack is gone): the carried 2.4 wheel goes first on the path.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
+# A warm machine keeps /tmp/site between calls, so a later call (one carrying model parts) may leave .whl behind.
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheel install failed"; exit 1; }
+elif [ ! -f /tmp/site/numpy/__init__.py ]; then
+    echo "no wheels in .whl/ and none installed in /tmp/site"; exit 1
+fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . > /dev/null \
     || { echo "project install failed"; exit 1; }
 export PYTHONPATH=/tmp/site
