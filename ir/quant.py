@@ -624,61 +624,16 @@ def padded(fmt: QuantFormat, align: int) -> QuantFormat:
                                fields=(*fmt.fields, pad))
 
 
-def paired(fmt: QuantFormat, k: int = 2) -> QuantFormat:
-    """`k` consecutive blocks of `fmt` as one block holding each field's `k` copies side by side, in the fields'
-    order: a device storage layout (no padding) for formats whose block size is an odd multiple of 16 bytes.
-    Q4_K's 144-byte blocks leave every other block's quants straddling 32-byte sectors; two of them make 288
-    bytes (d[2], dmin[2], scales[24], then qs[256] at offset 32), so every block and its quants start
-    sector-aligned. Element i of the new block is element i % bs of copy i // bs; `repack` lays GGUF data out in
-    it. A row must hold a multiple of `k` blocks (`pairs_row`)."""
-    if k == 1:
-        return fmt
-    bs = fmt.block_size
-    copy, elem = Bin("//", Var("i"), Const(bs)), Bin("%", Var("i"), Const(bs))
-
-    def rebase(e: Expr) -> Expr:
-        if isinstance(e, Var) and e.name == "i":
-            return elem
-        if isinstance(e, Load):
-            return Load(e.field, copy * fmt.field(e.field).count + rebase(e.index))
-        if isinstance(e, Bin):
-            return Bin(e.op, rebase(e.a), rebase(e.b))
-        if isinstance(e, Select):
-            return Select(rebase(e.cond), rebase(e.a), rebase(e.b))
-        if isinstance(e, ToF32):
-            return ToF32(rebase(e.a))
-        if isinstance(e, Table):
-            return Table(e.name, rebase(e.index))
-        return e
-
-    lay = _layout(*((f.name, f.dtype, f.count * k) for f in fmt.fields))
-    return dataclasses.replace(
-        fmt, name=f"{fmt.name}_X{k}", ggml_type=None, block_size=bs * k, **lay,
-        lets=tuple(dataclasses.replace(lt, expr=rebase(lt.expr)) for lt in fmt.lets),
-        value=None if fmt.value is None else rebase(fmt.value))
-
-
-def pairs_row(fmt: QuantFormat, k: int, n: int) -> bool:
-    """Whether a row of `n` elements of `fmt` can be stored `paired(fmt, k)`: a whole number of k-block groups."""
-    return n % (fmt.block_size * k) == 0
-
-
 def repack(raw: np.ndarray, src: QuantFormat, dst: QuantFormat) -> np.ndarray:
-    """The blocks of `src` data (its raw bytes) laid out as `dst`, a `padded` or `paired` form of `src`: each
-    field's bytes where `dst` keeps them (the k copies of a paired block one after the other), padding zero."""
+    """The blocks of `src` data (its raw bytes) laid out as `dst`, a `padded` form of `src`: each block's bytes,
+    then zeros."""
     if dst.name == src.name:
         return raw
-    k, rem = divmod(dst.block_size, src.block_size)
-    src_names, dst_names = {f.name for f in src.fields}, {f.name for f in dst.fields}
-    ok = rem == 0 and src_names <= dst_names and dst_names - src_names <= {"pad"} and all(
-        dst.field(f.name).dtype == f.dtype and dst.field(f.name).count == k * f.count for f in src.fields)
-    if not ok:
-        raise ValueError(f"{dst.name} is not a padded or paired layout of {src.name}")
-    blocks = np.asarray(raw).reshape(-1).view(np.uint8).reshape(-1, k, src.block_bytes)
+    if dst.fields[: len(src.fields)] != src.fields or dst.block_size != src.block_size:
+        raise ValueError(f"{dst.name} is not a padded layout of {src.name}")
+    blocks = np.asarray(raw).reshape(-1).view(np.uint8).reshape(-1, src.block_bytes)
     out = np.zeros((blocks.shape[0], dst.block_bytes), np.uint8)
-    for f in src.fields:
-        d = dst.field(f.name)
-        out[:, d.offset: d.offset + d.nbytes] = blocks[:, :, f.offset: f.offset + f.nbytes].reshape(len(out), -1)
+    out[:, : src.block_bytes] = blocks
     return out.reshape(-1)
 
 

@@ -6,7 +6,6 @@ from polystrata.compiler.passes import build_plan, drop_repeated_launches
 from polystrata.engine import tensor_table
 from polystrata.gguf import GGUFFile
 from polystrata.ir import quant as Q
-from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import Buf, Kernel, LaneFor, Launch, Load, Scalar, Store, Var
 from polystrata.models import build_graph
 from polystrata.synth import synth_model
@@ -91,22 +90,3 @@ def test_runs_layout_only_on_wide_load_targets(tmp_path):
         runs = {r for la in plan.launches if la.kernel.name.endswith("_q8")
                 for r in la.kernel.knob_dict["runs"].split(",")}  # one per weight (gate+up: two)
         assert runs == {str(int(wide))}, (wide, runs)
-
-
-def test_wide_load_targets_store_k_quants_in_aligned_layouts():
-    """Where a target merges aligned loads, Q6_K weights are padded to 16-byte blocks and Q4_K weights whose rows
-    hold whole pairs of blocks are paired (sector-aligned quants); other rows and other targets keep the GGUF
-    layout."""
-    g = Graph(arch="t")
-    x = g.input("x", "f32", ("T", 512))
-    g.input("positions", "i32", ("T",))
-    shapes = {"a": ("Q4_K", 512), "b": ("Q6_K", 512), "c": ("Q8_0", 512)}
-    for name, (fmt, k) in shapes.items():
-        g.outputs.append(g.op("matmul", x, g.weight(name, fmt, (64, k))))
-    h = g.op("matmul", x, g.weight("d", "F32", (768, 512)))
-    g.outputs.append(g.op("matmul", h, g.weight("e", "Q4_K", (64, 768))))
-    formats = {n: Q.FORMATS[f] for n, (f, _) in shapes.items()} | {"d": Q.FORMATS["F32"], "e": Q.FORMATS["Q4_K"]}
-    for wide, want in ((False, ["Q4_K", "Q6_K", "Q8_0", "F32", "Q4_K"]),
-                       (True, ["Q4_K_X2", "Q6_K_A16", "Q8_0", "F32", "Q4_K"])):
-        plan = build_plan(g, formats, Q.KV_FORMATS["f16"], 16, 4, 128, 32, wide_loads=wide)
-        assert [plan.buffers[n].fmt.name if plan.buffers[n].fmt else "F32" for n in "abcde"] == want

@@ -224,26 +224,5 @@ def test_padded_layout_decodes_like_the_gguf_one():
     packed = Q.repack(raw, q6, p16)
     assert packed.size == 3 * 2 * 224 and not packed.reshape(-1, 224)[:, 210:].any()
     np.testing.assert_array_equal(_bits(Q.dequantize(p16, packed, (3, 512))), _bits(Q.dequantize(q6, raw, (3, 512))))
-    with pytest.raises(ValueError, match="not a padded or paired layout"):
+    with pytest.raises(ValueError, match="not a padded layout"):
         Q.repack(raw, q6, Q.padded(Q.FORMATS["Q8_0"], 16))
-
-
-@pytest.mark.parametrize("name", ["Q4_K", "Q5_K", "Q8_0"])
-def test_paired_layout_decodes_like_the_gguf_one(name):
-    """Two blocks as one (a device layout): each field's two copies side by side, no padding, every field's data
-    moved from the GGUF blocks; the repacked bytes decode bit-identically, and Q4_K's quants start 32 bytes into
-    each 288-byte block (sector-aligned)."""
-    fmt = Q.FORMATS[name]
-    x2 = Q.paired(fmt)
-    assert (x2.block_size, x2.block_bytes, x2.ggml_type) == (2 * fmt.block_size, 2 * fmt.block_bytes, None)
-    assert Q.paired(fmt, 1) is fmt
-    assert Q.pairs_row(fmt, 2, 4 * fmt.block_size) and not Q.pairs_row(fmt, 2, 3 * fmt.block_size)
-    raw = Q.quantize(fmt, _test_data(rows=3, cols=4 * fmt.block_size))
-    packed = Q.repack(raw, fmt, x2)
-    assert packed.size == raw.size and not np.array_equal(packed, raw)
-    np.testing.assert_array_equal(_bits(Q.dequantize(x2, packed, (3, 4 * fmt.block_size))),
-                                  _bits(Q.dequantize(fmt, raw, (3, 4 * fmt.block_size))))
-    if name == "Q4_K":
-        assert x2.field("qs").offset == 32 and x2.block_bytes == 288
-    with pytest.raises(ValueError, match="not a padded or paired layout"):
-        Q.repack(raw, fmt, Q.paired(Q.FORMATS["Q6_K"]))

@@ -59,18 +59,14 @@ def run(rt, kernel, buffers: dict[str, np.ndarray], scalars: dict, outs: dict[st
 
 
 def _weight_format(fmt_name: str) -> Q.QuantFormat:
-    """A GGUF format by name, or a device layout of one: NAME_A16, its blocks padded to 16 bytes (`Q.padded`), or
-    NAME_X2, its blocks two at a time (`Q.paired`)."""
-    base, _, layout = fmt_name.rpartition("_")
-    if fmt_name in Q.FORMATS:
-        return Q.FORMATS[fmt_name]
-    layout_of = Q.padded if layout[0] == "A" else Q.paired
-    return layout_of(Q.FORMATS[base], int(layout[1:]))
+    """A GGUF format by name, or NAME_A16: its blocks padded to 16 bytes (`Q.padded`, a device layout)."""
+    base, _, align = fmt_name.partition("_A")
+    return Q.padded(Q.FORMATS[base], int(align)) if align else Q.FORMATS[fmt_name]
 
 
 def _weight(fmt_name: str, rows: int, cols: int, seed: int = 0):
     fmt = _weight_format(fmt_name)
-    base = Q.FORMATS[fmt_name.rpartition("_")[0]] if fmt.ggml_type is None else fmt
+    base = Q.FORMATS[fmt_name.partition("_A")[0]]
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     raw = Q.repack(Q.quantize(base, w), base, fmt)
     deq = Q.dequantize(base, Q.quantize(base, w), (rows, cols))
@@ -178,7 +174,7 @@ def _run_launches(rt, launches, bufs: dict[str, np.ndarray], scal: dict, outs: d
     return {n: rt.download(dev[n], sh, dt) for n, (sh, dt) in outs.items()}
 
 
-@pytest.mark.parametrize("fmt_name", [f for f in FORMATS if use_int8(Q.FORMATS[f], True)] + ["Q6_K_A16", "Q4_K_X2"])
+@pytest.mark.parametrize("fmt_name", [f for f in FORMATS if use_int8(Q.FORMATS[f], True)] + ["Q6_K_A16"])
 def test_matvec_q8_formats(rt, fmt_name):
     """The GPU matvec (quantize kernel + one row per group, `sub` lanes per block, interleaved words or runs) on every
     int8-path format, against a float64 product with x rounded as the quantize kernel rounds it: only float error
@@ -262,7 +258,7 @@ def test_stacked_matvecs(rt):
 
 @pytest.mark.parametrize("fmt_name,sub,spread", [("Q4_K", "auto", 0), ("Q5_K", "auto", 0), ("Q8_0", "auto", 0),
                                                    ("Q4_1", "auto", 0), ("Q4_K", "auto", 1), ("Q6_K_A16", 1, 1),
-                                                   ("Q6_K_A16", "auto", 0), ("Q4_K_X2", "auto", 0)])
+                                                   ("Q6_K_A16", "auto", 0)])
 def test_runs_alignment_promises_hold(fmt_name, sub, spread):
     """Every alignment a runs-layout matvec promises (`load_u32` on the weights, `Load.align` on the codes) divides
     the address at every lane, block and row tried, also with the lanes spread over rows and on Q6_K padded to

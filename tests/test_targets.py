@@ -82,31 +82,6 @@ def test_quantized_kv_cache_stays_close(head64_model, target, kv_type):
     _close(have, f16)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("target", [t for t in TARGETS if t in ("cuda", "opencl")])
-def test_paired_q4_k_layout_on_a_model(head64_q4k_model, target, monkeypatch):
-    """Wide-load targets keep Q4_K weights whose rows hold whole pairs of blocks paired (`ir.quant.paired`): at
-    SmolLM2's shape the FFN down projection (1536 columns). The engine repacks them at upload and the model still
-    agrees with the reference. On OpenCL the wide-load plan is forced, so CI without a GPU checks it too."""
-    if target == "opencl":
-        from polystrata.runtimes.opencl import OpenCLRuntime
-
-        monkeypatch.setattr(OpenCLRuntime, "wide_loads", True)
-    ids = _prompt(12, seed=4)
-    eng = Engine(head64_q4k_model, target=target, n_ctx=32)
-    layouts = {s.fmt.name for plan in eng.executor.plans.values() for s in plan.buffers.values()
-               if s.kind == "weight" and s.fmt is not None}
-    assert "Q4_K_X2" in layouts and "Q4_K" not in layouts, layouts
-    _close(eng.score(ids), Engine(head64_q4k_model, target="reference", n_ctx=32).score(ids))
-
-
-@pytest.fixture(scope="module")
-def head64_q4k_model(tmp_path_factory):
-    """Two layers at SmolLM2's shape in Q4_K (rows of 576 fall back to Q5_0; rows of 1536 stay Q4_K)."""
-    path = tmp_path_factory.mktemp("h64q4k") / "m.gguf"
-    return synth_model("llama", path, preset="smollm2-135m", qtype="Q4_K", seed=3, n_layer=2)
-
-
 def test_kv_type_must_fit_the_heads(tiny_models):
     with pytest.raises(PolystrataError, match="q8_g64 stores blocks of 64 values"):
         Engine(tiny_models("llama", "Q8_0"), target="cpu", n_ctx=64, kv_type="q8_g64")

@@ -21,7 +21,7 @@ from polystrata.compiler.plan import BufferSpec, Plan
 from polystrata.errors import UnsupportedError
 from polystrata.ir.graph import Graph, Node, Value
 from polystrata.ir.kernel import Buf, Launch, buffers_read
-from polystrata.ir.quant import QuantFormat, padded, paired, pairs_row, row_bytes
+from polystrata.ir.quant import QuantFormat, padded, row_bytes
 
 
 @dataclass
@@ -66,19 +66,11 @@ def value_storage(v: Value, t_max: int) -> tuple[str, int]:
 # Formats whose blocks a target with wide loads reads padded to 16 bytes (`ir.quant.padded`): Q6_K's 210-byte
 # blocks are only 2-byte aligned, so each of their loads was a 2-byte one. Costs 14 bytes a block (6.7 %).
 PADDED_ON_WIDE_LOADS = ("Q6_K",)
-# Formats whose blocks such a target reads two at a time (`ir.quant.paired`), in rows of a whole number of pairs:
-# Q4_K's 144-byte blocks put every other block's quants across 32-byte sectors; paired, none (no extra bytes).
-PAIRED_ON_WIDE_LOADS = ("Q4_K",)
 
 
-def storage_format(fmt: QuantFormat, cols: int) -> QuantFormat:
-    """The layout a wide-load target keeps a weight of format `fmt` with rows of `cols` elements in (`fmt`
-    itself, or a padded or paired form)."""
-    if fmt.name in PADDED_ON_WIDE_LOADS:
-        return padded(fmt, 16)
-    if fmt.name in PAIRED_ON_WIDE_LOADS and pairs_row(fmt, 2, cols):
-        return paired(fmt, 2)
-    return fmt
+def storage_format(fmt: QuantFormat) -> QuantFormat:
+    """The layout a wide-load target keeps a weight of format `fmt` in (`fmt` itself, or a padded form)."""
+    return padded(fmt, 16) if fmt.name in PADDED_ON_WIDE_LOADS else fmt
 
 
 def build_plan(
@@ -95,8 +87,7 @@ def build_plan(
     """Compile `graph` into a plan for a target with `lanes` work-items per group (`wide_loads`: see
     `Runtime.wide_loads`; such a target also reads `PADDED_ON_WIDE_LOADS` formats padded)."""
     if wide_loads:
-        weight_formats = {name: storage_format(f, int(graph.weights[name].type.shape[-1])) if name in graph.weights
-                          else f for name, f in weight_formats.items()}
+        weight_formats = {name: storage_format(f) for name, f in weight_formats.items()}
     items = match_recipes(graph)
     # Aliases: a reshape's output lives in its input's buffer.
     root: dict[int, Value] = {}
