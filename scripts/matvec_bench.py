@@ -85,27 +85,36 @@ def main() -> None:
     rt.sync()
     # Where the runtime captures graphs, the timed launches are replayed from one: device time, not the host's
     # per-launch cost (which a decode step does not pay either).
-    graph = None
-    if hasattr(rt, "begin_capture"):
-        rt.begin_capture()
-        for i in range(a.iters):
-            run(i % a.copies)
-        graph = rt.end_capture()
-        rt.replay(graph)  # the first replay uploads the graph
+
+    def timed(first: int) -> tuple[float, bool]:
+        """Seconds per step of launches[first:]: replayed from one captured graph where the runtime captures."""
+        graph = None
+        if hasattr(rt, "begin_capture"):
+            rt.begin_capture()
+            for i in range(a.iters):
+                run(i % a.copies, first)
+            graph = rt.end_capture()
+            rt.replay(graph)  # the first replay uploads the graph
+            rt.sync()
+        t0 = time.perf_counter()
+        if graph is not None:
+            rt.replay(graph)
+        else:
+            for i in range(a.iters):
+                run(i % a.copies, first)
         rt.sync()
-    t0 = time.perf_counter()
-    if graph is not None:
-        rt.replay(graph)
-    else:
-        for i in range(a.iters):
-            run(i % a.copies)
-    rt.sync()
-    dt = (time.perf_counter() - t0) / a.iters
+        return (time.perf_counter() - t0) / a.iters, graph is not None
+
+    dt, graphed = timed(1)
     nbytes = raw.nbytes
     bw = nbytes / dt
     print(f"matvec {a.format} {a.rows}x{a.cols} on {rt.device}: {dt * 1e6:.1f} us, {bw / 1e9:.0f} GB/s = "
           f"{100 * bw / a.bandwidth:.0f}% of {a.bandwidth / 1e12:.2f} TB/s, rel. error {err:.1e}, "
-          f"{len(rest)} launch(es){' (graph)' if graph else ''}{' ' + ' '.join(a.knob) if a.knob else ''}")
+          f"{len(rest)} launch(es){' (graph)' if graphed else ''}{' ' + ' '.join(a.knob) if a.knob else ''}")
+    if len(rest) > 1:  # the activations quantized once, before: the matvec kernel on its own
+        alone, _ = timed(len(rest))
+        print(f"  {rest[-1].kernel.name} alone: {alone * 1e6:.1f} us, {100 * nbytes / alone / a.bandwidth:.0f}% "
+              f"(the quantize launch before it: {(dt - alone) * 1e6:.1f} us)")
     if hasattr(rt, "kernel_resources"):
         for la in rest:
             print(f"  {la.kernel.name}: lanes {la.kernel.lanes}, {rt.kernel_resources(rt.compile(la.kernel))}")
