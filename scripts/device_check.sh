@@ -3,7 +3,7 @@
 # the benchmarks, and print a short table last. Run from the repository root with the wheels in .whl/:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl numpy==2.4.4 \
 #       pyopencl pytools platformdirs siphash24 gguf   (see docs/benchmarks.md)
-# Stages (default: all): selftest tests parity bench. Example: scripts/device_check.sh bench
+# Stages (default: all but receive): receive selftest tests parity bench. Example: scripts/device_check.sh bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES="${*:-selftest tests parity bench}"
@@ -32,6 +32,13 @@ python3 -c "from polystrata.targets import available_kernel_targets as a; print(
 SUMMARY="$OUT/summary.txt"; : > "$SUMMARY"
 row() { printf '%-34s %s\n' "$1" "$2" | tee -a "$SUMMARY"; }
 
+# Model parts (scripts/device_models.sh) are kept outside the checkout: a later call's carry replaces .models/.
+PARTS=/tmp/model_parts
+if [[ " $STAGES " == *" receive "* ]]; then
+    mkdir -p "$PARTS" && cp .models/* "$PARTS"/ 2>/dev/null
+    echo "received: $(cd "$PARTS" && ls | tr '\n' ' ')" | tee -a "$LOG"
+fi
+
 if [[ " $STAGES " == *" selftest "* ]]; then
     python3 scripts/cuda_selftest.py 2>&1 | tee -a "$LOG" | tail -25
     row "cuda selftest" "exit ${PIPESTATUS[0]}"
@@ -46,14 +53,19 @@ if [[ " $STAGES " == *" tests "* ]]; then
 fi
 
 if [[ " $STAGES " == *" parity "* ]]; then
-    # Real models travel in .models/, whole or split into parts (FILE.part-00, -01, ...) carried over consecutive
-    # calls to the warm machine (see docs/benchmarks.md). They go into the zoo's cache, where the zoo checks their
-    # pinned sha256 before use; llama.cpp's fixtures are in the repo.
+    # The real models travel as parts of one stream (scripts/device_models.sh, then the receive stage over
+    # consecutive calls); `layout` names the files the stream holds, back to back, and their sizes. They go into
+    # the zoo's cache, where the zoo checks their pinned sha256 before use; llama.cpp's fixtures are in the repo.
     mkdir -p "$POLYSTRATA_HOME/models"
-    for f in SmolLM2-135M-Instruct.Q4_1.gguf gemma-3-270m-q4_k_m.gguf; do
-        if [ -f ".models/$f" ]; then cp ".models/$f" "$POLYSTRATA_HOME/models/$f"
-        elif compgen -G ".models/$f.part-*" > /dev/null; then cat ".models/$f".part-* > "$POLYSTRATA_HOME/models/$f"; fi
-    done
+    if [ -f "$PARTS/layout" ] && compgen -G "$PARTS/part-*" > /dev/null; then
+        cat "$PARTS"/part-* > /tmp/models.stream
+        off=0
+        while read -r f size; do
+            tail -c +$((off + 1)) /tmp/models.stream | head -c "$size" > "$POLYSTRATA_HOME/models/$f"
+            off=$((off + size))
+        done < "$PARTS/layout"
+        rm -f /tmp/models.stream
+    fi
     for entry in smollm2-135m:smollm2 gemma3-270m:gemma3; do
         name=${entry%%:*}
         python3 -c "import sys; from polystrata.zoo import is_cached; sys.exit(not is_cached('$name'))" 2>/dev/null \
