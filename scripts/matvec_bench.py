@@ -83,11 +83,11 @@ def main() -> None:
     for c in range(a.copies):
         run(c)
     rt.sync()
-    # Where the runtime captures graphs, the timed launches are replayed from one: device time, not the host's
-    # per-launch cost (which a decode step does not pay either).
 
     def timed(first: int) -> tuple[float, bool]:
-        """Seconds per step of launches[first:]: replayed from one captured graph where the runtime captures."""
+        """Seconds per step of launches[first:], and whether they were replayed from one captured graph: where the
+        runtime captures graphs they are, so the time is the device's, not the host's per-launch cost (which a
+        decode step does not pay either)."""
         graph = None
         if hasattr(rt, "begin_capture"):
             rt.begin_capture()
