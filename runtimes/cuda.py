@@ -21,6 +21,7 @@ import os
 import sys
 import tempfile
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,6 +68,49 @@ def _destroy_graph(driver, graph, exe) -> None:
     driver.cuGraphDestroy(graph)
 
 
+def _singly_assigned_in_one_pass(lower) -> None:
+    """numba-cuda's `Lower._find_singly_assigned_variable` (the variables defined once, in one block, and used
+    only there, which lowering keeps in registers rather than stack slots), computed with one count of each
+    block's assignments. numba-cuda 0.30 rescans a variable's whole block for each variable, quadratic in the
+    block's length; generated kernels are long single blocks (unrolled chunks), and on the Q4_K matvec with two
+    rows a group that scan was most of a 48 s compile (15 s with this). Numba fixed the same scan upstream."""
+    from numba.cuda import lowering as lw
+
+    blocks = lower.func_ir.blocks
+    found: set[str] = set()
+    if not lower.func_ir.func_id.is_generator:
+        use_defs = lw.compute_use_defs(blocks)
+        on_stack = lw.must_use_alloca(blocks)
+        defined_in: dict[str, set] = {}
+        for label, names in use_defs.defmap.items():
+            for var in names:
+                defined_in.setdefault(var, set()).add(label)
+        used_across = {var for names in use_defs.usemap.values() for var in names}  # used before defined in a block
+        counts: dict = {}
+        for var, labels in defined_in.items():
+            if var in on_stack or var in used_across or len(labels) != 1:
+                continue
+            (label,) = labels
+            if label not in counts:
+                counts[label] = Counter(st.target.name for st in lower.blocks[label].find_insts(lw.ir.assign_types))
+            if counts[label][var] == 1:
+                found.add(var)
+    lower._singly_assigned_vars = found
+    lower._blk_local_varmap = {}
+
+
+def _linear_lowering_scan() -> None:
+    """Put `_singly_assigned_in_one_pass` in place of numba-cuda's scan (once; left alone where numba-cuda's
+    lowering has another shape)."""
+    try:
+        from numba.cuda import lowering as lw
+    except ImportError:  # pragma: no cover - older numba-cuda
+        return
+    if all(hasattr(lw, n) for n in ("compute_use_defs", "must_use_alloca", "ir")) and hasattr(
+            lw.Lower, "_find_singly_assigned_variable"):
+        lw.Lower._find_singly_assigned_variable = _singly_assigned_in_one_pass
+
+
 class CUDARuntime(Runtime):
     """One NVIDIA GPU (the current numba-cuda device) with one stream, or numba-cuda's simulator."""
 
@@ -90,6 +134,7 @@ class CUDARuntime(Runtime):
             self.device = "numba-cuda simulator"
             self.driver = None
         else:
+            _linear_lowering_scan()
             try:
                 cuda.current_context()  # initialises the driver and the primary context
                 dev = cuda.get_current_device()
