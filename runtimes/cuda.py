@@ -73,7 +73,7 @@ def _singly_assigned_in_one_pass(lower) -> None:
     only there, which lowering keeps in registers rather than stack slots), computed with one count of each
     block's assignments. numba-cuda 0.30 rescans a variable's whole block for each variable, quadratic in the
     block's length; generated kernels are long single blocks (unrolled chunks), and on the Q4_K matvec with two
-    rows a group that scan was most of a 48 s compile (15 s with this). Numba fixed the same scan upstream."""
+    rows a group that scan was most of a 51 s compile (17 s with this). Numba fixed the same scan upstream."""
     from numba.cuda import lowering as lw
 
     blocks = lower.func_ir.blocks
@@ -85,10 +85,10 @@ def _singly_assigned_in_one_pass(lower) -> None:
         for label, names in use_defs.defmap.items():
             for var in names:
                 defined_in.setdefault(var, set()).add(label)
-        used_across = {var for names in use_defs.usemap.values() for var in names}  # used before defined in a block
+        live_in = {var for names in use_defs.usemap.values() for var in names}  # read in a block before any write
         counts: dict = {}
         for var, labels in defined_in.items():
-            if var in on_stack or var in used_across or len(labels) != 1:
+            if var in on_stack or var in live_in or len(labels) != 1:
                 continue
             (label,) = labels
             if label not in counts:
@@ -99,15 +99,22 @@ def _singly_assigned_in_one_pass(lower) -> None:
     lower._blk_local_varmap = {}
 
 
+_numba_cuda_scan = None  # numba-cuda's own scan, once replaced (tests compare the two)
+
+
 def _linear_lowering_scan() -> None:
     """Put `_singly_assigned_in_one_pass` in place of numba-cuda's scan (once; left alone where numba-cuda's
     lowering has another shape)."""
+    global _numba_cuda_scan
     try:
         from numba.cuda import lowering as lw
     except ImportError:  # pragma: no cover - older numba-cuda
         return
-    if all(hasattr(lw, n) for n in ("compute_use_defs", "must_use_alloca", "ir")) and hasattr(
-            lw.Lower, "_find_singly_assigned_variable"):
+    scan = getattr(lw.Lower, "_find_singly_assigned_variable", None)
+    if scan is None or scan is _singly_assigned_in_one_pass:
+        return
+    if all(hasattr(lw, n) for n in ("compute_use_defs", "must_use_alloca", "ir")):
+        _numba_cuda_scan = scan
         lw.Lower._find_singly_assigned_variable = _singly_assigned_in_one_pass
 
 
