@@ -12,13 +12,13 @@ CACHE="${POLYSTRATA_HOME:-$HOME/.cache/polystrata}/models"
 PART=64000000                                    # bytes a call; the checkout itself is about 1 MB
 WHEELS=$(cat .whl/*.whl 2>/dev/null | wc -c)
 rm -rf .models && mkdir -p .models
-: > .models/layout
+: > .models/layout; : > .models/stream
 for f in SmolLM2-135M-Instruct.Q4_1.gguf gemma-3-270m-q4_k_m.gguf; do
     [ -f "$CACHE/$f" ] || { echo "missing $CACHE/$f: run polystrata pull first" >&2; exit 1; }
     echo "$f $(wc -c < "$CACHE/$f")" >> .models/layout
+    cat "$CACHE/$f" >> .models/stream
 done
 FIRST=$((PART - WHEELS))
-cat "$CACHE/SmolLM2-135M-Instruct.Q4_1.gguf" "$CACHE/gemma-3-270m-q4_k_m.gguf" > .models/stream
 head -c "$FIRST" .models/stream > .models/part-00
 tail -c +$((FIRST + 1)) .models/stream | split -b "$PART" -d -a 2 --numeric-suffixes=1 - .models/part-
 rm .models/stream
