@@ -92,7 +92,7 @@ def _singly_assigned_in_one_pass(lower) -> None:
                 continue
             (label,) = labels
             if label not in counts:
-                counts[label] = Counter(st.target.name for st in lower.blocks[label].find_insts(lw.ir.assign_types))
+                counts[label] = Counter(st.target.name for st in blocks[label].find_insts(lw.ir.assign_types))
             if counts[label][var] == 1:
                 found.add(var)
     lower._singly_assigned_vars = found
