@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from polystrata.ir import quant as Q
-from polystrata.ir.kernel import Call, Cast, Decl, For, Let, Load, Select, substitute
+from polystrata.ir.kernel import Call, Cast, Decl, For, Let, Load, Select, rewrite, substitute
 from polystrata.ir.quant import Bin, Const, Expr, QuantFormat, Table, ToF32, Var
 
 _SIZES = {"u8": 1, "i8": 1, "u16": 2, "bf16": 2, "f16": 2, "u32": 4, "i32": 4, "f32": 4}
@@ -41,8 +41,71 @@ def elements_per_row_bytes(fmt: QuantFormat, cols: int) -> int:
 
 
 def block_stride(fmt: QuantFormat) -> int:
-    """Buffer elements per block."""
-    return fmt.block_size if weight_dtype(fmt) == "f32" else fmt.block_bytes
+    """Buffer elements from one block's start to the next's: the block's size, or in a `sliced` layout one slice
+    (the blocks' first slices lie side by side)."""
+    if weight_dtype(fmt) == "f32":
+        return fmt.block_size
+    return Q.SLICE if fmt.row_blocks else fmt.block_bytes
+
+
+def place_slices(stmts, buf: str, base: Expr, fmt: QuantFormat):
+    """`stmts` with each load of `buf` at `base + off` (`off` a byte offset inside a block of `fmt`, as the
+    decoders address fields) moved to where a `sliced` layout keeps that byte: `base + (off // 16) * S + off % 16`
+    for a row of S / 16 blocks (`base` is then the block's first slice). Where `off` is a constant plus multiples
+    of 16 (a lane's run starting on a slice) the result is folded to the same form, so addresses stay a base plus
+    constants and lane terms (what wide loads and alignment proofs need); otherwise it is computed at run time.
+    Unsliced formats: `stmts` as they are."""
+    if not fmt.row_blocks:
+        return stmts
+    stride = fmt.row_blocks * Q.SLICE
+
+    def place(off: Expr) -> Expr:
+        lin = _linear(off)
+        if lin is not None and all(c % Q.SLICE == 0 for c in lin[1].values()):
+            k, terms = lin
+            out: Expr = Const(k // Q.SLICE * stride + k % Q.SLICE)
+            for t, c in terms.items():
+                out = out + t * (c // Q.SLICE * stride)
+            return out
+        return (off // Q.SLICE) * stride + off % Q.SLICE
+
+    def addr(a: Expr) -> Expr:
+        if a == base:
+            return a
+        if isinstance(a, Bin) and a.op == "+" and a.a == base:
+            return base + place(a.b)
+        raise ValueError(f"{fmt.name}: a load of {buf} at {a!r}, not at the block base plus an offset")
+
+    def fn(e):
+        if isinstance(e, Load) and e.buf == buf:
+            return Load(buf, addr(e.index), e.align)
+        if isinstance(e, Call) and e.fn == "load_u32" and e.args[0] == Var(buf):
+            return Call("load_u32", e.args[0], addr(e.args[1]), e.args[2])
+        return e
+
+    return rewrite(stmts, fn)
+
+
+def _linear(e: Expr) -> tuple[int, dict] | None:
+    """`e` as (constant, {term: coefficient}): a sum of integer multiples of subexpressions taken whole (any but
+    sums, differences and products with a constant); None where a constant in it is not an integer."""
+    if isinstance(e, Const):
+        return (e.value, {}) if isinstance(e.value, int) and not isinstance(e.value, bool) else None
+    if isinstance(e, Bin) and e.op in ("+", "-"):
+        a, b = _linear(e.a), _linear(e.b)
+        if a is None or b is None:
+            return None
+        sign = 1 if e.op == "+" else -1
+        terms = dict(a[1])
+        for t, c in b[1].items():
+            terms[t] = terms.get(t, 0) + sign * c
+        return a[0] + sign * b[0], {t: c for t, c in terms.items() if c}
+    if isinstance(e, Bin) and e.op == "*":
+        for x, y in ((e.a, e.b), (e.b, e.a)):
+            if isinstance(y, Const) and isinstance(y.value, int) and not isinstance(y.value, bool):
+                lin = _linear(x)
+                return None if lin is None else (lin[0] * y.value, {t: c * y.value for t, c in lin[1].items()})
+    return 0, {e: 1}
 
 
 # --- symbolic index values: ints, affine forms a*i0 + b (0 <= i0 < L), or opaque kernel expressions ---------
@@ -140,10 +203,10 @@ class _Lowerer:
         if weight_dtype(self.fmt) == "f32":  # F32 format: the buffer holds floats (base counts elements)
             return Load(self.buf, self.base + self.to_expr(idx) if idx != 0 else self.base)
         off = _add(_mul(idx, size), f.offset)
-        addr = self.base + self.to_expr(off) if off != 0 else self.base
 
-        def byte(k: int) -> Expr:
-            return Load(self.buf, addr + k if k else addr)
+        def byte(k: int) -> Expr:  # the block base plus one offset (what `place_slices` moves)
+            at = _add(off, k)
+            return Load(self.buf, self.base + self.to_expr(at) if at != 0 else self.base)
 
         if f.dtype == "f32":
             raise NotImplementedError(f"{self.fmt.name}: f32 fields inside byte blocks need a bit-cast")
@@ -394,6 +457,10 @@ class Decoder:
         """
         if fuse:
             return self._walk_fused(emit_chunk, lo, self.fmt.block_size if hi is None else hi)
+        return place_slices(self._walk(emit_group, emit_chunk, lo, hi, wide, split), self.buf, self.base, self.fmt)
+
+    def _walk(self, emit_group: Callable, emit_chunk: Callable, lo: int, hi: int | None, wide: int,
+              split: tuple | None) -> list:
         hi = self.fmt.block_size if hi is None else hi
         gs = groups(self.fmt)
         finest = finest_group(self.fmt)
@@ -473,7 +540,7 @@ class Decoder:
                 rec(level + 1, s, sub)
 
         rec(0, 0, self.fmt.block_size)
-        return [*lets, For(i0, Const(0), Const(L), tuple(body))]
+        return place_slices([*lets, For(i0, Const(0), Const(L), tuple(body))], self.buf, self.base, self.fmt)
 
     def group_expr(self, e: Expr, start: int, env: dict[str, Expr]) -> Expr:
         """A group-level format expression (scale, offset) as kernel IR, at group start `start`."""

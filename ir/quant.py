@@ -288,6 +288,8 @@ class QuantFormat:
     lets: tuple[Let, ...] = ()
     value: Expr | None = None
     scheme: Scheme | None = None
+    # Blocks per row of a `sliced` device layout (0: blocks stored whole, as GGUF keeps them).
+    row_blocks: int = 0
 
     def __post_init__(self):
         _validate(self)
@@ -384,6 +386,8 @@ def _validate(fmt: QuantFormat) -> None:
         end = f.offset + f.nbytes
     if end != fmt.block_bytes:
         raise ValueError(f"{fmt.name}: fields cover {end} bytes, block has {fmt.block_bytes}")
+    if fmt.row_blocks and (fmt.block_bytes % SLICE or fmt.row_blocks < 1):
+        raise ValueError(f"{fmt.name}: {fmt.block_bytes}-byte blocks cannot be cut into {SLICE}-byte slices")
     env: dict[str, tuple[str, int]] = {}
     for lt in fmt.lets:
         if fmt.block_size % lt.group:
@@ -624,9 +628,42 @@ def padded(fmt: QuantFormat, align: int) -> QuantFormat:
                                fields=(*fmt.fields, pad))
 
 
+SLICE = 16  # bytes: the slices of a `sliced` layout (the widest load a GPU target makes)
+
+
+def sliced(fmt: QuantFormat, cols: int) -> QuantFormat:
+    """`fmt` in rows of `cols` elements, each row's blocks cut into 16-byte slices and the slices transposed: slice
+    s of block b at row offset (s * blocks + b) * 16. A device storage layout for formats whose blocks are whole
+    slices (Q4_K: the header, then 8 slices of quants): where neighbouring lanes work on neighbouring blocks, the
+    same slice of each lies side by side, so a warp's 16-byte loads cover whole cache lines (in the GGUF layout
+    they touch a line per block). Rows keep their size and place; `repack` lays GGUF data out in it."""
+    nb = cols // fmt.block_size
+    if fmt.row_blocks or cols % fmt.block_size or fmt.block_bytes % SLICE:
+        raise ValueError(f"{fmt.name} rows of {cols} cannot be sliced")
+    return dataclasses.replace(fmt, name=f"{fmt.name}_S{nb}", ggml_type=None, row_blocks=nb)
+
+
+def _unsliced(fmt: QuantFormat) -> QuantFormat:
+    """The layout a `sliced` format slices (itself when not sliced)."""
+    if not fmt.row_blocks:
+        return fmt
+    return dataclasses.replace(fmt, name=fmt.name.rsplit("_S", 1)[0], row_blocks=0)
+
+
+def _slice_rows(raw: np.ndarray, fmt: QuantFormat, inverse: bool = False) -> np.ndarray:
+    """Bytes of whole rows of sliced `fmt` from its unsliced layout (`inverse`: back)."""
+    shape = (-1, fmt.row_blocks, fmt.block_bytes // SLICE, SLICE)
+    if inverse:
+        shape = (shape[0], shape[2], shape[1], shape[3])
+    rows = np.asarray(raw).reshape(-1).view(np.uint8).reshape(shape)
+    return np.ascontiguousarray(rows.transpose(0, 2, 1, 3)).reshape(-1)
+
+
 def repack(raw: np.ndarray, src: QuantFormat, dst: QuantFormat) -> np.ndarray:
-    """The blocks of `src` data (its raw bytes) laid out as `dst`, a `padded` form of `src`: each block's bytes,
-    then zeros."""
+    """The blocks of `src` data (its raw bytes) laid out as `dst`, a `padded` and/or `sliced` form of `src`: each
+    block's bytes, then zeros; then, where sliced, each row's slices transposed."""
+    if dst.row_blocks:
+        return _slice_rows(repack(raw, src, _unsliced(dst)), dst)
     if dst.name == src.name:
         return raw
     if dst.fields[: len(src.fields)] != src.fields or dst.block_size != src.block_size:
@@ -757,6 +794,8 @@ def _blocks_of(fmt: QuantFormat, raw: np.ndarray, shape) -> tuple[np.ndarray, tu
     want = tensor_bytes(fmt, shape)
     if raw.size != want:
         raise GGUFError(f"{fmt.name} tensor of shape {shape} needs {want} bytes, got {raw.size}")
+    if fmt.row_blocks:
+        raw = _slice_rows(raw, fmt, inverse=True)
     return raw.reshape(-1, fmt.block_bytes), shape
 
 

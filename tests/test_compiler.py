@@ -6,6 +6,7 @@ from polystrata.compiler.passes import build_plan, drop_repeated_launches
 from polystrata.engine import tensor_table
 from polystrata.gguf import GGUFFile
 from polystrata.ir import quant as Q
+from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import Buf, Kernel, LaneFor, Launch, Load, Scalar, Store, Var
 from polystrata.models import build_graph
 from polystrata.synth import synth_model
@@ -90,3 +91,25 @@ def test_runs_layout_only_on_wide_load_targets(tmp_path):
         runs = {r for la in plan.launches if la.kernel.name.endswith("_q8")
                 for r in la.kernel.knob_dict["runs"].split(",")}  # one per weight (gate+up: two)
         assert runs == {str(int(wide))}, (wide, runs)
+
+
+def test_q4_k_rows_sliced_only_on_wide_load_targets():
+    """A target with wide loads keeps Q4_K weights whose rows hold several blocks sliced (`ir.quant.sliced`, per
+    row length) and Q6_K ones padded; any other target reads the file's layouts."""
+    g = Graph(arch="t")
+    tok = g.input("tokens", "i32", ("T",))
+    g.input("positions", "i32", ("T",))
+    x = g.op("embed", g.weight("table", "F32", (4, 512)), tok)
+    shapes = {"wide": ("Q4_K", (256, 512)), "one_block": ("Q4_K", (512, 256)), "q6": ("Q6_K", (8, 512))}
+    for name, (fmt_name, shape) in shapes.items():
+        x = g.op("matmul", x, g.weight(name, fmt_name, shape))
+    g.outputs.append(x)
+    formats = {"table": Q.FORMATS["F32"], **{n: Q.FORMATS[f] for n, (f, _) in shapes.items()}}
+    for wide in (False, True):
+        fmts = {n: build_plan(g, formats, Q.KV_FORMATS["f16"], 16, 1, 128, 32, wide_loads=wide).buffers[n].fmt
+                for n in shapes}
+        if wide:
+            assert fmts == {"wide": Q.sliced(Q.FORMATS["Q4_K"], 512), "one_block": Q.FORMATS["Q4_K"],
+                            "q6": Q.padded(Q.FORMATS["Q6_K"], 16)}
+        else:
+            assert fmts == {n: Q.FORMATS[f] for n, (f, _) in shapes.items()}

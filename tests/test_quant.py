@@ -226,3 +226,30 @@ def test_padded_layout_decodes_like_the_gguf_one():
     np.testing.assert_array_equal(_bits(Q.dequantize(p16, packed, (3, 512))), _bits(Q.dequantize(q6, raw, (3, 512))))
     with pytest.raises(ValueError, match="not a padded layout"):
         Q.repack(raw, q6, Q.padded(Q.FORMATS["Q8_0"], 16))
+
+
+def test_sliced_layout_moves_slices_and_decodes_like_the_gguf_one():
+    """Q4_K rows sliced (a device layout): slice s of block b of a row lands at (s * blocks + b) * 16 in that row,
+    rows keep their place, the bytes decode to the same values, and formats or rows that do not cut into whole
+    16-byte slices are refused."""
+    q4 = Q.FORMATS["Q4_K"]
+    rows, cols = 3, 1024
+    s4 = Q.sliced(q4, cols)
+    assert (s4.name, s4.row_blocks, s4.block_bytes, s4.ggml_type) == ("Q4_K_S4", 4, 144, None)
+    raw = Q.quantize(q4, _test_data(rows=rows, cols=cols))
+    packed = Q.repack(raw, q4, s4)
+    src = np.asarray(raw).reshape(rows, 4, 9, 16)
+    dst = packed.reshape(rows, 9, 4, 16)
+    for r, b, s in ((0, 0, 0), (1, 3, 8), (2, 1, 5)):
+        np.testing.assert_array_equal(dst[r, s, b], src[r, b, s])
+    np.testing.assert_array_equal(_bits(Q.dequantize(s4, packed, (rows, cols))),
+                                  _bits(Q.dequantize(q4, raw, (rows, cols))))
+    # Padded, then sliced: Q6_K in 224-byte blocks.
+    q6 = Q.FORMATS["Q6_K"]
+    s6 = Q.sliced(Q.padded(q6, 16), 512)
+    raw6 = Q.quantize(q6, _test_data(rows=2, cols=512))
+    np.testing.assert_array_equal(_bits(Q.dequantize(s6, Q.repack(raw6, q6, s6), (2, 512))),
+                                  _bits(Q.dequantize(q6, raw6, (2, 512))))
+    for fmt, n in ((q6, 512), (Q.FORMATS["Q8_0"], 64), (q4, 1000), (s4, 1024)):
+        with pytest.raises(ValueError, match="cannot be sliced"):
+            Q.sliced(fmt, n)

@@ -58,15 +58,18 @@ def run(rt, kernel, buffers: dict[str, np.ndarray], scalars: dict, outs: dict[st
     return {n: rt.download(dev[n], s, d) for n, (s, d) in outs.items()}
 
 
-def _weight_format(fmt_name: str) -> Q.QuantFormat:
-    """A GGUF format by name, or NAME_A16: its blocks padded to 16 bytes (`Q.padded`, a device layout)."""
-    base, _, align = fmt_name.partition("_A")
-    return Q.padded(Q.FORMATS[base], int(align)) if align else Q.FORMATS[fmt_name]
+def _weight_format(fmt_name: str, cols: int = 0) -> Q.QuantFormat:
+    """A GGUF format by name, or device layouts of one: NAME_A16, its blocks padded to 16 bytes (`Q.padded`);
+    NAME_S, its rows of `cols` sliced (`Q.sliced`)."""
+    name = fmt_name.removesuffix("_S")
+    base, _, align = name.partition("_A")
+    fmt = Q.padded(Q.FORMATS[base], int(align)) if align else Q.FORMATS[name]
+    return Q.sliced(fmt, cols) if name != fmt_name else fmt
 
 
 def _weight(fmt_name: str, rows: int, cols: int, seed: int = 0):
-    fmt = _weight_format(fmt_name)
-    base = Q.FORMATS[fmt_name.partition("_A")[0]]
+    fmt = _weight_format(fmt_name, cols)
+    base = Q.FORMATS[fmt_name.removesuffix("_S").partition("_A")[0]]
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
     raw = Q.repack(Q.quantize(base, w), base, fmt)
     deq = Q.dequantize(base, Q.quantize(base, w), (rows, cols))
@@ -174,11 +177,12 @@ def _run_launches(rt, launches, bufs: dict[str, np.ndarray], scal: dict, outs: d
     return {n: rt.download(dev[n], sh, dt) for n, (sh, dt) in outs.items()}
 
 
-@pytest.mark.parametrize("fmt_name", [f for f in FORMATS if use_int8(Q.FORMATS[f], True)] + ["Q6_K_A16"])
+@pytest.mark.parametrize("fmt_name", [f for f in FORMATS if use_int8(Q.FORMATS[f], True)] + ["Q6_K_A16", "Q4_K_S"])
 def test_matvec_q8_formats(rt, fmt_name):
     """The GPU matvec (quantize kernel + one row per group, `sub` lanes per block, interleaved words or runs) on every
     int8-path format, against a float64 product with x rounded as the quantize kernel rounds it: only float error
-    may remain."""
+    may remain (Q4_K_S: sliced rows, runs of words folded to slice addresses, interleaved words at addresses
+    computed at run time)."""
     if rt.lanes == 1:
         pytest.skip("GPU-shaped kernels (the CPU takes matmul_kernel)")
     n, k = 37, 512
@@ -258,7 +262,8 @@ def test_stacked_matvecs(rt):
 
 @pytest.mark.parametrize("fmt_name,sub,spread", [("Q4_K", "auto", 0), ("Q5_K", "auto", 0), ("Q8_0", "auto", 0),
                                                    ("Q4_1", "auto", 0), ("Q4_K", "auto", 1), ("Q6_K_A16", 1, 1),
-                                                   ("Q6_K_A16", "auto", 0)])
+                                                   ("Q6_K_A16", "auto", 0), ("Q4_K_S", "auto", 0),
+                                                   ("Q4_K_S", "auto", 1)])
 def test_runs_alignment_promises_hold(fmt_name, sub, spread):
     """Every alignment a runs-layout matvec promises (`load_u32` on the weights, `Load.align` on the codes) divides
     the address at every lane, block and row tried, also with the lanes spread over rows and on Q6_K padded to
@@ -266,7 +271,7 @@ def test_runs_alignment_promises_hold(fmt_name, sub, spread):
     from polystrata.ir.kernel import Call, Let, Load, Reduce, expr_nodes, stmt_exprs, walk
 
     n, k = 64, 1024
-    kern = matvec_q8_kernel("t_runs", [_weight_format(fmt_name)], n, k, tokens=1, lanes=32, runs=1, sub=sub,
+    kern = matvec_q8_kernel("t_runs", [_weight_format(fmt_name, k)], n, k, tokens=1, lanes=32, runs=1, sub=sub,
                             rows=4 if spread else 2, spread=bool(spread))
     red = next(s for s in walk(kern.body) if isinstance(s, Reduce))
     rng = np.random.default_rng(0)
@@ -290,7 +295,7 @@ def test_runs_alignment_promises_hold(fmt_name, sub, spread):
                     assert addr % align == 0, (fmt_name, addr, align)
                     promised.add(align)
     assert 16 in promised
-    if fmt_name == "Q4_K" and not spread:
+    if fmt_name.startswith("Q4_K") and not spread:
         words = [x for s in walk(red.body) for e in stmt_exprs(s) for x in expr_nodes(e)
                  if isinstance(x, Call) and x.fn == "load_u32" and x.args[2].value == 16]
         assert len({str(w.args[1]) for w in words}) == 10  # per row: the header and one per 32-byte piece of quants
