@@ -87,7 +87,7 @@ def _int8_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 # --- matmul: every format, odd row counts, several T on one compiled kernel ---------------------------------
 
 
-@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("fmt_name", [*FORMATS, "Q4_K_S"])
 def test_matmul_formats(rt, fmt_name):
     n, k = 37, 256
     fmt, wb, wd = _weight(fmt_name, n, k)
@@ -124,8 +124,9 @@ def test_matmul_schedules(rt, fmt_name, split, int8, rows):
             np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt_name", FORMATS)
+@pytest.mark.parametrize("fmt_name", [*FORMATS, "Q4_K_S"])
 def test_embed(rt, fmt_name):
+    """Rows of every format decoded whole (Q4_K_S: sliced rows, each byte's address computed at run time)."""
     vocab, cols = 7, 512
     fmt, wb, wd = _weight(fmt_name, vocab, cols, 4)
     kern = embed_kernel(f"t_embed_{fmt_name.lower()}", fmt, cols, 3, rt.lanes)
