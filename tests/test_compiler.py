@@ -93,14 +93,15 @@ def test_runs_layout_only_on_wide_load_targets(tmp_path):
         assert runs == {str(int(wide))}, (wide, runs)
 
 
-def test_q4_k_rows_sliced_only_on_wide_load_targets():
-    """A target with wide loads keeps Q4_K weights whose rows hold several blocks sliced (`ir.quant.sliced`, per
-    row length) and Q6_K ones padded; any other target reads the file's layouts."""
+def test_q4_k_q5_k_rows_sliced_only_on_wide_load_targets():
+    """A target with wide loads keeps Q4_K and Q5_K weights whose rows hold several blocks sliced
+    (`ir.quant.sliced`, per row length) and Q6_K ones padded; any other target reads the file's layouts."""
     g = Graph(arch="t")
     tok = g.input("tokens", "i32", ("T",))
     g.input("positions", "i32", ("T",))
     x = g.op("embed", g.weight("table", "F32", (4, 512)), tok)
-    shapes = {"wide": ("Q4_K", (256, 512)), "one_block": ("Q4_K", (512, 256)), "q6": ("Q6_K", (8, 512))}
+    shapes = {"wide": ("Q4_K", (256, 512)), "one_block": ("Q4_K", (512, 256)), "q5": ("Q5_K", (512, 512)),
+              "q6": ("Q6_K", (8, 512))}
     for name, (fmt_name, shape) in shapes.items():
         x = g.op("matmul", x, g.weight(name, fmt_name, shape))
     g.outputs.append(x)
@@ -110,6 +111,6 @@ def test_q4_k_rows_sliced_only_on_wide_load_targets():
                 for n in shapes}
         if wide:
             assert fmts == {"wide": Q.sliced(Q.FORMATS["Q4_K"], 512), "one_block": Q.FORMATS["Q4_K"],
-                            "q6": Q.padded(Q.FORMATS["Q6_K"], 16)}
+                            "q5": Q.sliced(Q.FORMATS["Q5_K"], 512), "q6": Q.padded(Q.FORMATS["Q6_K"], 16)}
         else:
             assert fmts == {n: Q.FORMATS[f] for n, (f, _) in shapes.items()}

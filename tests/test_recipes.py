@@ -87,7 +87,7 @@ def _int8_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 # --- matmul: every format, odd row counts, several T on one compiled kernel ---------------------------------
 
 
-@pytest.mark.parametrize("fmt_name", [*FORMATS, "Q4_K_S"])
+@pytest.mark.parametrize("fmt_name", [*FORMATS, "Q4_K_S", "Q5_K_S"])
 def test_matmul_formats(rt, fmt_name):
     n, k = 37, 256
     fmt, wb, wd = _weight(fmt_name, n, k)
@@ -124,9 +124,9 @@ def test_matmul_schedules(rt, fmt_name, split, int8, rows):
             np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt_name", [*FORMATS, "Q4_K_S"])
+@pytest.mark.parametrize("fmt_name", [*FORMATS, "Q4_K_S", "Q5_K_S"])
 def test_embed(rt, fmt_name):
-    """Rows of every format decoded whole (Q4_K_S: sliced rows, each byte's address computed at run time)."""
+    """Rows of every format decoded whole (Q4_K_S, Q5_K_S: sliced rows, each byte's address computed at run time)."""
     vocab, cols = 7, 512
     fmt, wb, wd = _weight(fmt_name, vocab, cols, 4)
     kern = embed_kernel(f"t_embed_{fmt_name.lower()}", fmt, cols, 3, rt.lanes)
@@ -178,11 +178,12 @@ def _run_launches(rt, launches, bufs: dict[str, np.ndarray], scal: dict, outs: d
     return {n: rt.download(dev[n], sh, dt) for n, (sh, dt) in outs.items()}
 
 
-@pytest.mark.parametrize("fmt_name", [f for f in FORMATS if use_int8(Q.FORMATS[f], True)] + ["Q6_K_A16", "Q4_K_S"])
+@pytest.mark.parametrize("fmt_name",
+                         [f for f in FORMATS if use_int8(Q.FORMATS[f], True)] + ["Q6_K_A16", "Q4_K_S", "Q5_K_S"])
 def test_matvec_q8_formats(rt, fmt_name):
     """The GPU matvec (quantize kernel + one row per group, `sub` lanes per block, interleaved words or runs) on every
     int8-path format, against a float64 product with x rounded as the quantize kernel rounds it: only float error
-    may remain (Q4_K_S: sliced rows, runs of words folded to slice addresses, interleaved words at addresses
+    may remain (Q4_K_S, Q5_K_S: sliced rows, runs of words folded to slice addresses, interleaved words at addresses
     computed at run time)."""
     if rt.lanes == 1:
         pytest.skip("GPU-shaped kernels (the CPU takes matmul_kernel)")
@@ -264,7 +265,7 @@ def test_stacked_matvecs(rt):
 @pytest.mark.parametrize("fmt_name,sub,spread", [("Q4_K", "auto", 0), ("Q5_K", "auto", 0), ("Q8_0", "auto", 0),
                                                    ("Q4_1", "auto", 0), ("Q4_K", "auto", 1), ("Q6_K_A16", 1, 1),
                                                    ("Q6_K_A16", "auto", 0), ("Q4_K_S", "auto", 0),
-                                                   ("Q4_K_S", "auto", 1)])
+                                                   ("Q4_K_S", "auto", 1), ("Q5_K_S", "auto", 0)])
 def test_runs_alignment_promises_hold(fmt_name, sub, spread):
     """Every alignment a runs-layout matvec promises (`load_u32` on the weights, `Load.align` on the codes) divides
     the address at every lane, block and row tried, also with the lanes spread over rows and on Q6_K padded to
