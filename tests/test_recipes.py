@@ -15,6 +15,7 @@ import pytest
 from polystrata.codegen.recipes import RecipeContext, load_all
 from polystrata.codegen.recipes._matvec import use_int8
 from polystrata.codegen.recipes.linear import embed_kernel, matmul_kernel, matvec_q8_kernel, quantize_x_kernel
+from polystrata.compiler.passes import SLICED_ON_WIDE_LOADS
 from polystrata.ir import quant as Q
 from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import Launch
@@ -24,6 +25,8 @@ from polystrata.targets import available_kernel_targets, make_runtime
 
 FORMATS = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
            "IQ4_NL", "IQ4_XS"]
+# The formats cuda keeps with rows sliced, by their `_weight_format` names (NAME_S).
+SLICED = [f"{name}_S" for name in SLICED_ON_WIDE_LOADS]
 
 
 @pytest.fixture(scope="module", params=available_kernel_targets())
@@ -87,7 +90,7 @@ def _int8_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 # --- matmul: every format, odd row counts, several T on one compiled kernel ---------------------------------
 
 
-@pytest.mark.parametrize("fmt_name", [*FORMATS, "Q4_K_S", "Q5_K_S"])
+@pytest.mark.parametrize("fmt_name", [*FORMATS, *SLICED])
 def test_matmul_formats(rt, fmt_name):
     n, k = 37, 256
     fmt, wb, wd = _weight(fmt_name, n, k)
@@ -124,9 +127,9 @@ def test_matmul_schedules(rt, fmt_name, split, int8, rows):
             np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt_name", [*FORMATS, "Q4_K_S", "Q5_K_S"])
+@pytest.mark.parametrize("fmt_name", [*FORMATS, *SLICED])
 def test_embed(rt, fmt_name):
-    """Rows of every format decoded whole (Q4_K_S, Q5_K_S: sliced rows, each byte's address computed at run time)."""
+    """Rows of every format decoded whole (NAME_S: sliced rows, each byte's address computed at run time)."""
     vocab, cols = 7, 512
     fmt, wb, wd = _weight(fmt_name, vocab, cols, 4)
     kern = embed_kernel(f"t_embed_{fmt_name.lower()}", fmt, cols, 3, rt.lanes)
@@ -178,12 +181,11 @@ def _run_launches(rt, launches, bufs: dict[str, np.ndarray], scal: dict, outs: d
     return {n: rt.download(dev[n], sh, dt) for n, (sh, dt) in outs.items()}
 
 
-@pytest.mark.parametrize("fmt_name",
-                         [f for f in FORMATS if use_int8(Q.FORMATS[f], True)] + ["Q6_K_A16", "Q4_K_S", "Q5_K_S"])
+@pytest.mark.parametrize("fmt_name", [f for f in FORMATS if use_int8(Q.FORMATS[f], True)] + ["Q6_K_A16", *SLICED])
 def test_matvec_q8_formats(rt, fmt_name):
     """The GPU matvec (quantize kernel + one row per group, `sub` lanes per block, interleaved words or runs) on every
     int8-path format, against a float64 product with x rounded as the quantize kernel rounds it: only float error
-    may remain (Q4_K_S, Q5_K_S: sliced rows, runs of words folded to slice addresses, interleaved words at addresses
+    may remain (NAME_S: sliced rows, runs of words folded to slice addresses, interleaved words at addresses
     computed at run time)."""
     if rt.lanes == 1:
         pytest.skip("GPU-shaped kernels (the CPU takes matmul_kernel)")
