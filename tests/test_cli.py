@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,75 @@ def test_artifact_refuses_changed_model(tmp_path):
     synth_model("llama", model, preset="tiny", qtype="F16", seed=2)
     p = cli("run", str(tmp_path / "art"), "-n", "2", check=False)
     assert p.returncode == 1 and "changed since it was compiled" in p.stderr
+
+
+def one_line_error(p: subprocess.CompletedProcess, code: int = 1) -> str:
+    """The message of a failed command, checked to be one `error:` line and nothing else."""
+    assert p.returncode == code, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    return lines[0]
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (None for directories)."""
+    return {str(q.relative_to(root)): None if q.is_dir() else q.read_bytes() for q in sorted(root.rglob("*"))}
+
+
+def test_compile_refuses_a_folder_that_is_not_an_artifact(tiny_llama, tmp_path):
+    # The issue's repro: a folder that merely holds a manifest.yaml is the user's, not an artifact.
+    p = tmp_path / "p"
+    (p / "sub").mkdir(parents=True)
+    (p / "manifest.yaml").write_text("v1\n")
+    (p / "important.txt").write_text("keep\n")
+    (p / "sub" / "notes.txt").write_text("mine\n")
+    before = tree(p)
+    assert "important.txt" in one_line_error(cli("compile", str(tiny_llama), "-o", str(p), check=False))
+    assert tree(p) == before
+    (p / "important.txt").unlink()
+    shutil.rmtree(p / "sub")
+    # Only a manifest, but without the format marker: still not an artifact.
+    assert "not a PolyStrata artifact" in one_line_error(cli("compile", str(tiny_llama), "-o", str(p), check=False))
+    assert (p / "manifest.yaml").read_text() == "v1\n"
+    # A file where the artifact would go.
+    f = tmp_path / "f"
+    f.write_text("data\n")
+    assert "not a directory" in one_line_error(cli("compile", str(tiny_llama), "-o", str(f), check=False))
+    assert f.read_text() == "data\n"
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["f", "p"]  # no temp directory left behind
+
+
+def test_compile_replaces_an_artifact_but_not_one_with_foreign_files(tiny_llama, tmp_path):
+    art = tmp_path / "art"
+    cli("compile", str(tiny_llama), "--target", "reference", "-o", str(art))
+    assert (art / "manifest.yaml").read_text().startswith("format: polystrata-artifact/1\n")
+    (art / "graph.ir").write_text("stale\n")
+    cli("compile", str(tiny_llama), "--target", "reference", "-o", str(art))
+    assert (art / "graph.ir").read_text() != "stale\n"
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["art"]  # the old artifact and the temp dir are gone
+    # A marker-carrying manifest does not make the user's files beside it part of the artifact.
+    for foreign in ("notes.txt", "src/run.sh"):
+        (art / foreign).parent.mkdir(exist_ok=True)
+        (art / foreign).write_text("mine\n")
+        before = tree(art)
+        assert foreign in one_line_error(cli("compile", str(tiny_llama), "-o", str(art), check=False))
+        assert tree(art) == before
+        (art / foreign).unlink()
+
+
+@pytest.mark.parametrize(
+    "manifest, message",
+    [
+        (b"format: 1\n", "not an artifact of this PolyStrata version"),
+        (b"format: polystrata-artifact/1\nmodel: \xff\xfe\n", "not UTF-8"),
+        (b"format: polystrata-artifact/1\narch: llama\n", "the manifest has no model.path"),
+        (b"format: polystrata-artifact/1\nmodel: [1, 2]\n", "the manifest has no model.path"),
+        (b"format: [unclosed\n", "cannot read artifact"),
+    ],
+)
+def test_run_refuses_a_manifest_that_is_not_an_artifact(tmp_path, manifest, message):
+    (tmp_path / "manifest.yaml").write_bytes(manifest)
+    assert message in one_line_error(cli("run", str(tmp_path), "-n", "1", check=False))
 
 
 def test_info_lists_architecture_and_types(tiny_llama):
