@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pull", help="download a zoo model into the cache and print its path")
     p.add_argument("name")
+    p.add_argument("--verify", action="store_true", help="re-hash a cached model; download it again if it is damaged")
 
     p = sub.add_parser("info", help="architecture, hyper-parameters, tensor types and sizes")
     _model_arg(p)
@@ -122,7 +123,7 @@ def _resolve(arg: str | None) -> Path:
 def cmd_pull(a) -> int:
     from polystrata import zoo
 
-    print(zoo.pull(a.name))
+    print(zoo.pull(a.name, verify=a.verify))
     return 0
 
 
