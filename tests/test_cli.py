@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -13,13 +14,16 @@ import numpy as np
 import pytest
 import yaml
 
+from polystrata.gguf import GGUFFile, write_gguf
 from polystrata.parity import Parity
 from polystrata.synth import synth_model
 
 
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `python -m polystrata ARGS` in a fresh process, as a user would."""
-    p = subprocess.run([sys.executable, "-m", "polystrata", *args], capture_output=True, text=True, timeout=600)
+def cli(*args: str, check: bool = True, **run_kw) -> subprocess.CompletedProcess:
+    """Run `python -m polystrata ARGS` in a fresh process, as a user would (`run_kw` go to subprocess.run)."""
+    p = subprocess.run(
+        [sys.executable, "-m", "polystrata", *args], capture_output=True, text=True, timeout=600, **run_kw
+    )
     if check and p.returncode != 0:
         raise AssertionError(f"polystrata {' '.join(args)} exited {p.returncode}:\n{p.stderr}")
     return p
@@ -155,6 +159,42 @@ def test_compile_replaces_an_artifact_but_not_one_with_foreign_files(tiny_llama,
 def test_run_refuses_a_manifest_that_is_not_an_artifact(tmp_path, manifest, message):
     (tmp_path / "manifest.yaml").write_bytes(manifest)
     assert message in one_line_error(cli("run", str(tmp_path), "-n", "1", check=False))
+
+
+def test_synth_output_must_be_a_file_name(tmp_path):
+    p = cli("synth", "--arch", "llama", "-o", "", check=False, cwd=tmp_path)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == "error: argument -o/--output: the output path is empty"
+    msg = one_line_error(cli("synth", "--arch", "llama", "-o", str(tmp_path), check=False))
+    assert msg == f"error: {tmp_path} is a directory; -o needs a file name"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_errors_name_the_file(tiny_llama, tmp_path):
+    def small_files() -> None:  # in the child: writes past 4 KiB fail with EFBIG, like a full disk (no file name)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    for args, out in (
+        (["synth", "--arch", "llama", "-o"], tmp_path / "m.gguf"),
+        (["compile", str(tiny_llama), "--target", "reference", "-o"], tmp_path / "art"),
+        (["score", str(tiny_llama), "--target", "reference", "--text", "a b c d", "--top-k", "900", "-o"],
+         tmp_path / "s.npz"),
+    ):
+        msg = one_line_error(cli(*args, str(out), check=False, preexec_fn=small_files))
+        assert msg == f"error: cannot write {out}: File too large"
+    assert list(tmp_path.iterdir()) == []  # and nothing half-written
+
+
+def test_warnings_are_one_line_each(tiny_llama, tmp_path):
+    with GGUFFile(tiny_llama) as f:
+        tensors = [(n, t.shape, t.fmt, f.raw(n).copy()) for n, t in f.tensors.items()]
+        md = {**f.metadata, "tokenizer.ggml.bos_token_id": 99999, "tokenizer.ggml.eos_token_id": 99999}
+        write_gguf(tmp_path / "bad-ids.gguf", md, tensors, types=f.metadata_types)
+    p = cli("tokenize", str(tmp_path / "bad-ids.gguf"), "--text", "hi")
+    assert p.stderr.splitlines() == [
+        "warning: bos_token_id 99999 is out of range for 1024 tokens; ignored",
+        "warning: eos_token_id 99999 is out of range for 1024 tokens; ignored",
+    ]
 
 
 def test_info_lists_architecture_and_types(tiny_llama):
