@@ -207,7 +207,11 @@ def _swap_in(new: Path, out: Path) -> None:
         check_replaceable(out)
         # A fresh name for the old artifact: a fixed one could be a folder of the user's, and be deleted.
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
-        os.replace(out, old)  # onto the empty directory mkdtemp made
+        try:
+            os.replace(out, old)  # onto the empty directory mkdtemp made
+        except BaseException:
+            old.rmdir()
+            raise
     try:
         os.replace(new, out)
     except BaseException:

@@ -130,6 +130,7 @@ def test_compile_refuses_a_folder_that_is_not_an_artifact(tiny_llama, tmp_path):
 
 def test_compile_replaces_an_artifact_but_not_one_with_foreign_files(tiny_llama, tmp_path):
     art = tmp_path / "art"
+    art.mkdir()  # an empty directory holds nothing to lose
     cli("compile", str(tiny_llama), "--target", "reference", "-o", str(art))
     assert (art / "manifest.yaml").read_text().startswith("format: polystrata-artifact/1\n")
     (art / "graph.ir").write_text("stale\n")
