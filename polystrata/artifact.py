@@ -18,7 +18,7 @@ import yaml
 
 from polystrata import __version__
 from polystrata.engine import DEFAULT_CTX, tensor_table
-from polystrata.errors import PolystrataError
+from polystrata.errors import PolystrataError, writing
 from polystrata.gguf import GGUFFile
 from polystrata.models import build_graph
 from polystrata.targets import make_runtime, resolve_target
@@ -26,7 +26,13 @@ from polystrata.targets import make_runtime, resolve_target
 MANIFEST = "manifest.yaml"
 GRAPH_DUMP = "graph.ir"
 KERNELS_DUMP = "kernels.ir"
-FORMAT_VERSION = 1
+SOURCES = "src"
+# The manifest's first line: what tells an artifact from a folder that merely holds a file named manifest.yaml.
+FORMAT = "polystrata-artifact/1"
+_EXT = {"cpu": "py", "opencl": "cl", "cuda": "py", "hip": "hip"}
+# Everything an artifact directory holds; `compile -o` replaces a directory only if it holds nothing else.
+_TOP_FILES = frozenset({MANIFEST, GRAPH_DUMP, KERNELS_DUMP})
+_SOURCE_SUFFIXES = frozenset({*(f".{e}" for e in _EXT.values()), ".txt", ".co"})
 
 
 def file_sha256(path: Path) -> str:
@@ -39,8 +45,78 @@ def file_sha256(path: Path) -> str:
 
 
 def is_artifact(arg: str | os.PathLike) -> bool:
-    """Whether `arg` names a compile artifact directory."""
+    """Whether `arg` is a directory with a manifest, to be read as an artifact (`load_artifact` checks it)."""
     return (Path(arg) / MANIFEST).is_file()
+
+
+def _read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of `directory`, refused unless it is UTF-8 YAML carrying the format marker."""
+    p = directory / MANIFEST
+    try:
+        m = yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise PolystrataError(f"{p} is not UTF-8 text; not a PolyStrata artifact") from None
+    except (OSError, yaml.YAMLError) as e:
+        reason = e.strerror if isinstance(e, OSError) else " ".join(str(e).split())
+        raise PolystrataError(f"cannot read artifact {directory}: {reason}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise PolystrataError(
+            f"{p} has no 'format: {FORMAT}': not an artifact of this PolyStrata version; compile the model again"
+        )
+    return m
+
+
+def _foreign_entry(directory: Path) -> str | None:
+    """The first entry of `directory` that no artifact holds (a name, relative), or None."""
+    with os.scandir(directory) as entries:
+        for e in entries:
+            if e.name in _TOP_FILES and e.is_file(follow_symlinks=False):
+                continue
+            if e.name != SOURCES or not e.is_dir(follow_symlinks=False):
+                return e.name
+            with os.scandir(e.path) as sources:
+                for s in sources:
+                    if not (s.is_file(follow_symlinks=False) and Path(s.name).suffix in _SOURCE_SUFFIXES):
+                        return f"{SOURCES}/{s.name}"
+    return None
+
+
+def check_replaceable(out: Path) -> None:
+    """Refuse an output path that holds anything but an artifact: `compile -o` replaces what is there.
+
+    Nothing there, or an empty directory, is fine; so is an artifact (a manifest with the format marker and
+    only the files an artifact has). A file, a symbolic link, or a directory holding anything else is refused,
+    so that compiling can never delete a user's files.
+    """
+    if not os.path.lexists(out):
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise PolystrataError(f"{out} exists and is not a directory; choose another -o")
+    try:
+        if not any(out.iterdir()):
+            return
+        foreign = _foreign_entry(out)
+        marked = _has_marker(out)
+    except OSError as e:
+        raise PolystrataError(f"cannot look into {out}: {e.strerror or e}") from None
+    if foreign is not None:
+        raise PolystrataError(
+            f"{out} holds {foreign}, which is not part of a PolyStrata artifact; compiling there would delete it: "
+            "choose another -o"
+        )
+    if not marked:
+        raise PolystrataError(
+            f"{out} is not a PolyStrata artifact (no {MANIFEST} with 'format: {FORMAT}'); compiling there would "
+            "replace it: choose another -o"
+        )
+
+
+def _has_marker(directory: Path) -> bool:
+    try:
+        _read_manifest(directory)
+    except PolystrataError:
+        return False
+    return True
 
 
 def write_artifact(
@@ -49,9 +125,8 @@ def write_artifact(
     """Plan `model_path` for `target`, compile its kernels (through the binary cache), and write the artifact
     directory `out` atomically. Returns the path and a one-line report of the kernel cache."""
     target = resolve_target(target)
-    out = Path(out)
-    if out.exists() and not is_artifact(out):
-        raise PolystrataError(f"{out} exists and is not a PolyStrata artifact; choose another -o")
+    out = Path(os.path.abspath(out))  # absolute, so that `-o .` has a name and a parent to write the temp dir in
+    check_replaceable(out)  # before compiling, to fail fast; again before the swap
     with GGUFFile(model_path) as f:
         tensors = tensor_table(f)
         decode = build_graph(f.metadata, tensors, all_logits=False)
@@ -92,7 +167,7 @@ def write_artifact(
             )
     kv_bytes = 4 * 2 * n_ctx * meta["n_layer"] * meta["n_head_kv"] * meta["head_dim"]
     manifest: dict[str, Any] = {
-        "format": FORMAT_VERSION,
+        "format": FORMAT,
         "polystrata": __version__,
         "model": {"path": str(model_path.resolve()), "sha256": file_sha256(model_path)},
         "arch": decode.arch,
@@ -104,45 +179,58 @@ def write_artifact(
             "n_ctx": n_ctx, "kv_bytes_f32": int(kv_bytes),
         },
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        (tmp / MANIFEST).write_text(yaml.safe_dump(manifest, sort_keys=False))
-        (tmp / GRAPH_DUMP).write_text(decode.dump() + "\n")
-        if kernel_ir:
-            (tmp / KERNELS_DUMP).write_text(kernel_ir)
-            src = tmp / "src"
-            src.mkdir()
-            for name, text in sources.items():
-                (src / f"{name}.{_EXT.get(target, 'txt')}").write_text(text)
-            for name, code in binaries.items():
-                (src / f"{name}.{arch or 'bin'}.co").write_bytes(code)
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-        os.replace(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with writing(out):
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+        try:
+            (tmp / MANIFEST).write_text(yaml.safe_dump(manifest, sort_keys=False), encoding="utf-8")
+            (tmp / GRAPH_DUMP).write_text(decode.dump() + "\n")
+            if kernel_ir:
+                (tmp / KERNELS_DUMP).write_text(kernel_ir)
+                src = tmp / SOURCES
+                src.mkdir()
+                for name, text in sources.items():
+                    (src / f"{name}.{_EXT.get(target, 'txt')}").write_text(text)
+                for name, code in binaries.items():
+                    (src / f"{name}.{arch or 'bin'}.co").write_bytes(code)
+            _swap_in(tmp, out)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out, report
 
 
-_EXT = {"cpu": "py", "opencl": "cl", "cuda": "py", "hip": "hip"}
+def _swap_in(new: Path, out: Path) -> None:
+    """Put directory `new` at `out`, replacing an old artifact there (checked again: the compile took a while)."""
+    old = None
+    if os.path.lexists(out):
+        check_replaceable(out)
+        # A fresh name for the old artifact: a fixed one could be a folder of the user's, and be deleted.
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", dir=out.parent))
+        try:
+            os.replace(out, old)  # onto the empty directory mkdtemp made
+        except BaseException:
+            old.rmdir()
+            raise
+    try:
+        os.replace(new, out)
+    except BaseException:
+        if old is not None:
+            os.replace(old, out)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def load_artifact(path: str | os.PathLike) -> dict[str, Any]:
     """Read and check a manifest: known format, and the model file still the one that was compiled."""
-    p = Path(path) / MANIFEST
-    try:
-        m = yaml.safe_load(p.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise PolystrataError(f"cannot read artifact {path}: {e}") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT_VERSION:
-        raise PolystrataError(f"{p}: not an artifact of this PolyStrata version; compile the model again")
+    m = _read_manifest(Path(path))
+    for keys in (("model", "path"), ("model", "sha256"), ("target", "name"), ("memory", "kv_type")):
+        v: Any = m
+        for k in keys:
+            v = v.get(k) if isinstance(v, dict) else None
+        if not isinstance(v, str) or not v:
+            raise PolystrataError(f"{path}: the manifest has no {'.'.join(keys)}; compile the model again")
     model = Path(m["model"]["path"])
     if not model.is_file():
         raise PolystrataError(f"{path}: the model {model} is gone; compile again")

@@ -9,11 +9,12 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 
-from polystrata.errors import PolystrataError
+from polystrata.errors import PolystrataError, writing
 from polystrata.targets import TARGET_HELP
 
 EXIT_ERROR = 1
@@ -27,6 +28,21 @@ class _Parser(argparse.ArgumentParser):
         self.print_usage(sys.stderr)
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE)
+
+
+def _output_path(arg: str) -> str:
+    """argparse type of every -o: a path that is not empty (an empty one would mean the current directory)."""
+    if not arg.strip():
+        raise argparse.ArgumentTypeError("the output path is empty")
+    return arg
+
+
+def _output_file(arg: str) -> Path:
+    """An -o that names a file to write: refused if it is a directory."""
+    path = Path(arg)
+    if path.is_dir():
+        raise PolystrataError(f"{arg} is a directory; -o needs a file name")
+    return path
 
 
 def _model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
@@ -50,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pull", help="download a zoo model into the cache and print its path")
     p.add_argument("name")
+    p.add_argument("--verify", action="store_true", help="re-hash a cached model; download it again if it is damaged")
 
     p = sub.add_parser("info", help="architecture, hyper-parameters, tensor types and sizes")
     _model_arg(p)
@@ -69,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ids-file", help="JSON array of token ids, scored exactly")
     p.add_argument("--top-k", type=int, default=40)
     _target_arg(p)
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output", required=True, type=_output_path)
 
     p = sub.add_parser("run", help="generate text; only the generated text goes to stdout")
     _model_arg(p, optional=True)
@@ -94,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arg(p)
     _target_arg(p)
     p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output", required=True, type=_output_path)
 
     from polystrata.bench import add_bench_parser
 
@@ -106,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", default="Q8_0", help="weight format, e.g. Q4_K, Q8_0, F16, or the mix Q4_K_M")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    p.add_argument("-o", "--output", required=True)
+    p.add_argument("-o", "--output", required=True, type=_output_path)
     return ap
 
 
@@ -122,7 +139,7 @@ def _resolve(arg: str | None) -> Path:
 def cmd_pull(a) -> int:
     from polystrata import zoo
 
-    print(zoo.pull(a.name))
+    print(zoo.pull(a.name, verify=a.verify))
     return 0
 
 
@@ -220,6 +237,7 @@ def cmd_score(a) -> int:
 
     if a.top_k < 1:
         raise PolystrataError("--top-k must be at least 1")
+    _output_file(a.output)
     path = _resolve(a.model)
     if a.ids_file:
         ids = _read_ids_file(a.ids_file)
@@ -237,7 +255,8 @@ def cmd_score(a) -> int:
     t0 = time.perf_counter()
     logits = eng.score(ids)
     dt = time.perf_counter() - t0
-    _save_npz(a.output, ids=np.asarray(ids, np.int32), **top_k_scores(logits, a.top_k))
+    with writing(a.output):
+        _save_npz(a.output, ids=np.asarray(ids, np.int32), **top_k_scores(logits, a.top_k))
     print(f"scored {len(ids)} tokens in {dt:.2f} s -> {a.output}", file=sys.stderr)
     return 0
 
@@ -329,7 +348,9 @@ def cmd_compile(a) -> int:
 def cmd_synth(a) -> int:
     from polystrata.synth import synth_model
 
-    out = synth_model(a.arch, a.output, preset=a.preset, qtype=a.type, seed=a.seed, n_layer=a.layers)
+    with writing(a.output):
+        out = synth_model(a.arch, _output_file(a.output), preset=a.preset, qtype=a.type, seed=a.seed,
+                          n_layer=a.layers)
     print(out)
     return 0
 
@@ -353,8 +374,14 @@ COMMANDS = {
 }
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """`warnings.showwarning` for the console: one line `warning: ...`, without the file, line and source."""
+    print(f"warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `polystrata` command."""
+    warnings.showwarning = _show_warning
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.cmd](args)

@@ -1,5 +1,11 @@
 """Errors meant for people: the CLI prints `error: <message>` and exits 1, without a traceback."""
 
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class PolystrataError(Exception):
     """Base of every error whose message is shown to the user as is."""
@@ -15,3 +21,16 @@ class UnsupportedError(PolystrataError):
 
 class ZooError(PolystrataError):
     """A model could not be fetched or verified."""
+
+
+@contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Within it, an OSError (disk full, read-only, no permission) becomes a PolystrataError naming `path`.
+
+    A failed write() reports no file name of its own: without this, a full disk reads `error: No space left on
+    device` with no word of which file it was writing.
+    """
+    try:
+        yield
+    except OSError as e:
+        raise PolystrataError(f"cannot write {os.fspath(path)}: {e.strerror or e}") from e

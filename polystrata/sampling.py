@@ -106,7 +106,9 @@ class Sampler:
             return i
         cand, v = self._truncate(x)
         # Temperature last: it reshapes the survivors without changing which ones survive.
-        z = (v.astype(np.float64) - float(v.max())) / cfg.temperature
+        # A temperature near zero sends the distances to -inf (exp: 0): greedy in the limit, as it should be.
+        with np.errstate(over="ignore"):
+            z = (v.astype(np.float64) - float(v.max())) / cfg.temperature
         w = np.exp(z)
         cum = np.cumsum(w)
         r = self._rng.random() * cum[-1]

