@@ -113,7 +113,7 @@ class CacheEntry:
         return out
 
 
-def warn_rebuilt(path: Path) -> None:
+def _warn_rebuilt(path: Path) -> None:
     """The one line that says a corrupt cache entry was thrown away."""
     print(f"warning: kernel cache entry {path} was corrupt; rebuilt", file=sys.stderr)
 
@@ -140,7 +140,7 @@ def eval_int(e: Expr, env: dict[str, int]) -> int:
 
 
 class CompiledKernel:
-    """A kernel ready to launch on one runtime; `stats` counts cache hits for `compile`'s report."""
+    """A kernel ready to launch on one runtime; `cached`: it came from the kernel cache (for `compile`'s report)."""
 
     def __init__(self, kernel: Kernel, handle: Any, source: str, cached: bool):
         self.kernel = kernel
@@ -180,14 +180,14 @@ class Runtime(ABC):
         if not state:  # no files left that a build could trip over (a half-built entry, one from before records)
             entry.discard()
             if state is False:
-                warn_rebuilt(entry.path)
+                _warn_rebuilt(entry.path)
         else:
             before = entry.snapshot()
             try:
                 handle = load(entry.path)
             except Exception:  # whatever a damaged entry makes a loader raise (pickle, EOF, driver errors): rebuild
                 entry.discard()
-                warn_rebuilt(entry.path)
+                _warn_rebuilt(entry.path)
             else:
                 # A loader that wrote to the entry (Numba compiling what its cache lacked) built, not loaded.
                 cached = entry.snapshot() == before
