@@ -273,10 +273,16 @@ class Kernel:
 
     def fingerprint(self) -> str:
         """A stable hash of the whole description (for caches keyed by kernel)."""
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:16]
+        return stable_digest(self)
 
 
 GRID_VARS = ("g0", "g1", "g2")
+
+
+def stable_digest(value: Any, length: int = 16) -> str:
+    """A hex digest of `repr(value)`, the same in every process: for kernel names and cache keys, where `hash()`
+    will not do (salted per process for strings, and on Python 3.11 `hash(None)` is an address)."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:length]
 
 
 class KernelError(ValueError):

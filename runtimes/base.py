@@ -7,30 +7,115 @@ interface only.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
+import sys
+import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from polystrata.ir.kernel import Buf, Call, Kernel, Scalar, expr_str
+from polystrata.ir.kernel import Buf, Call, Kernel, Scalar, expr_str, stable_digest
 from polystrata.ir.quant import Bin, Const, Expr, Var
+from polystrata.paths import home_dir, private_dir
 
 
 def cache_dir(target: str) -> Path:
-    """Where compiled kernels of `target` are kept: `$POLYSTRATA_HOME/kernels/<target>`."""
-    home = Path(os.environ.get("POLYSTRATA_HOME", Path.home() / ".cache" / "polystrata"))
-    d = home / "kernels" / target
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    """Where compiled kernels of `target` are kept: `<home>/kernels/<target>` (see `polystrata.paths`), created
+    user-only: whoever can write there can run code as the user."""
+    return private_dir(home_dir() / "kernels" / target)
 
 
 def cache_key(source: str, target: str, device: str, compiler: str) -> str:
     """Binary-cache key: a hash of the source, target, device and compiler version."""
-    return hashlib.sha256("\0".join((source, target, device, compiler)).encode()).hexdigest()[:24]
+    return stable_digest((source, target, device, compiler), 24)
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """Write `path` through a temporary file and a rename: no reader ever sees half of it."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+class CacheEntry:
+    """One kernel in the kernel cache: its file `path` (`<stem>.<ext>`), what its compiler keeps beside it
+    (Numba's index and machine code `__pycache__/<stem>.*`), and the record `<stem>.sha256.json` of the key that
+    produced them and of each file's sha256, written after a build and checked before any of them is loaded."""
+
+    def __init__(self, path: Path, key: str):
+        self.path, self.key = path, key
+        stem = path.name.split(".", 1)[0]
+        self.record = path.with_name(f"{stem}.sha256.json")
+        self._globs = (f"{stem}.*", f"__pycache__/{stem}.*")
+
+    def files(self) -> dict[str, Path]:
+        """The entry's files on disk but the record, by name relative to the cache directory."""
+        found = {}
+        for pattern in self._globs:
+            for f in self.path.parent.glob(pattern):
+                # Unfinished writes aside: Numba's (`<file>.tmp.<uid>`) while another process fills the entry.
+                if f != self.record and ".tmp." not in f.name:
+                    found[f.relative_to(self.path.parent).as_posix()] = f
+        return found
+
+    def verify(self) -> bool | None:
+        """True: the files are exactly those recorded, with their digests, under this key. None: no record (a
+        build never finished, or a cache from before records: rebuilt silently). False: corrupt."""
+        try:
+            text = self.record.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return False
+        try:
+            record = json.loads(text)
+            files = self.files()
+            return (record["key"] == self.key and set(record["sha256"]) == set(files) and self.path.name in files
+                    and all(_sha256(f) == record["sha256"][name] for name, f in files.items()))
+        except (ValueError, KeyError, TypeError, OSError):
+            return False
+
+    def seal(self) -> None:
+        """Record the key and the digests of the files now on disk (after a build, or after the compiler added
+        to its own cache)."""
+        record = {"key": self.key, "sha256": {name: _sha256(f) for name, f in sorted(self.files().items())}}
+        atomic_write(self.record, json.dumps(record, indent=1) + "\n")
+
+    def discard(self) -> None:
+        """Remove the record and every file of the entry."""
+        for f in (self.record, *self.files().values()):
+            f.unlink(missing_ok=True)
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """(size, mtime) of each file: what a load changed, if anything."""
+        out = {}
+        for name, f in self.files().items():
+            with contextlib.suppress(FileNotFoundError):
+                st = f.stat()
+                out[name] = (st.st_size, st.st_mtime_ns)
+        return out
+
+
+def _warn_rebuilt(path: Path) -> None:
+    """The one line that says a corrupt cache entry was thrown away."""
+    print(f"warning: kernel cache entry {path} was corrupt; rebuilt", file=sys.stderr)
 
 
 def eval_int(e: Expr, env: dict[str, int]) -> int:
@@ -55,7 +140,7 @@ def eval_int(e: Expr, env: dict[str, int]) -> int:
 
 
 class CompiledKernel:
-    """A kernel ready to launch on one runtime; `stats` counts cache hits for `compile`'s report."""
+    """A kernel ready to launch on one runtime; `cached`: it came from the kernel cache (for `compile`'s report)."""
 
     def __init__(self, kernel: Kernel, handle: Any, source: str, cached: bool):
         self.kernel = kernel
@@ -81,13 +166,39 @@ class Runtime(ABC):
         self.cache_misses = 0
         self._compiled: dict[str, CompiledKernel] = {}  # cache key -> kernel compiled in this process
 
-    def _remember(self, key: str, ck: CompiledKernel) -> CompiledKernel:
-        """Keep a compiled kernel for this process and count where it came from (binary cache or a build)."""
-        if ck.cached:
+    def _compile_cached(self, kernel: Kernel, source: str, key: str, filename: str,
+                        load: Callable[[Path], Any], build: Callable[[Path], Any]) -> CompiledKernel:
+        """The one cache sequence of every target: this process's kernels, then a verified entry `filename` of
+        the kernel cache turned into a handle by `load(path)`, else `build(path)`: compile `source`, write the
+        entry (atomically) and return the handle; the entry's record is written last. A corrupt entry, or one
+        that fails to load, is discarded with one warning and rebuilt. Counts cache hits and misses."""
+        if key in self._compiled:
+            return self._compiled[key]
+        entry = CacheEntry(cache_dir(self.name) / filename, key)
+        handle, cached = None, False
+        state = entry.verify()
+        if not state:  # no files left that a build could trip over (a half-built entry, one from before records)
+            entry.discard()
+            if state is False:
+                _warn_rebuilt(entry.path)
+        else:
+            before = entry.snapshot()
+            try:
+                handle = load(entry.path)
+            except Exception:  # whatever a damaged entry makes a loader raise (pickle, EOF, driver errors): rebuild
+                entry.discard()
+                _warn_rebuilt(entry.path)
+            else:
+                # A loader that wrote to the entry (Numba compiling what its cache lacked) built, not loaded.
+                cached = entry.snapshot() == before
+        if handle is None:
+            handle = build(entry.path)
+        if cached:
             self.cache_hits += 1
         else:
             self.cache_misses += 1
-        self._compiled[key] = ck
+            entry.seal()
+        ck = self._compiled[key] = CompiledKernel(kernel, handle, source, cached)
         return ck
 
     @abstractmethod

@@ -2,7 +2,7 @@
 
 Each kernel's source is written to the kernel cache under a name derived from the cache key (source, target,
 CPU, Numba version) and imported from there, so Numba's own on-disk cache of the machine code sits beside it:
-a second `compile` of the same model finds both and compiles nothing.
+a second `compile` of the same model finds both (checked against their recorded digests) and compiles nothing.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import importlib.util
 import os
 import platform
 import sys
-import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numba
@@ -20,7 +20,7 @@ import numpy as np
 
 from polystrata.codegen.cpu import NUMPY_DTYPES, render
 from polystrata.ir.kernel import Buf, Kernel
-from polystrata.runtimes.base import CompiledKernel, Runtime, cache_dir, cache_key
+from polystrata.runtimes.base import CompiledKernel, Runtime, atomic_write, cache_key
 
 
 def _cpu_name() -> str:
@@ -60,27 +60,24 @@ class CPURuntime(Runtime):
     def compile(self, kernel: Kernel) -> CompiledKernel:
         source = render(kernel)
         key = cache_key(source, self.name, self.device, f"numba {numba.__version__}")
-        if key in self._compiled:
-            return self._compiled[key]
-        path = cache_dir(self.name) / f"k_{key}.py"
-        # Numba keeps its machine code in __pycache__ beside the source, indexed by *.nbi files.
-        cached = path.exists() and any(path.parent.glob(f"__pycache__/k_{key}.*.nbi"))
-        if not path.exists():
-            # Atomic: a concurrent compile never imports a half-written file.
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                f.write(source)
-            os.replace(tmp, path)
-        name = f"polystrata_kernel_{key}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        # Numba's cache re-imports the module by name when it loads a parallel kernel in a new process.
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-        fn = getattr(module, kernel.name)
-        # Compile now (or load from Numba's cache), not at the first launch: `compile` means compiled.
-        fn.compile(_signature(kernel))
-        return self._remember(key, CompiledKernel(kernel, fn, source, cached))
+
+        def load(path: Path) -> Any:
+            name = f"polystrata_kernel_{key}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            # Numba's cache re-imports the module by name when it loads a parallel kernel in a new process.
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            fn = getattr(module, kernel.name)
+            # Compile now (or load from Numba's cache), not at the first launch: `compile` means compiled.
+            fn.compile(_signature(kernel))
+            return fn
+
+        def build(path: Path) -> Any:
+            atomic_write(path, source)
+            return load(path)  # Numba compiles and keeps its machine code in __pycache__ beside the source
+
+        return self._compile_cached(kernel, source, key, f"k_{key}.py", load, build)
 
     def alloc(self, shape: Sequence[int], dtype: str) -> np.ndarray:
         return np.zeros(tuple(shape), dtype=NUMPY_DTYPES[dtype]).reshape(-1)

@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import os
 import sys
-import tempfile
 import weakref
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,7 +30,7 @@ from polystrata.codegen.cuda import render
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Buf, Kernel
-from polystrata.runtimes.base import CompiledKernel, Runtime, cache_dir, cache_key
+from polystrata.runtimes.base import CompiledKernel, Runtime, atomic_write, cache_key
 
 
 def _check(result) -> tuple:
@@ -166,35 +165,40 @@ class CUDARuntime(Runtime):
     def compile(self, kernel: Kernel, shuffles: bool | None = None) -> CompiledKernel:
         source = self.render(kernel, shuffles)
         key = cache_key(source, self.name, self.device, self.compiler)
-        if key in self._compiled:
-            return self._compiled[key]
-        path = cache_dir(self.name) / f"k_{key}.py"
-        # numba-cuda's cache index (*.nbi) sits in __pycache__ beside the source; the simulator compiles nothing.
-        cached = path.exists() and (self.simulator or any(path.parent.glob(f"__pycache__/k_{key}.*.nbi")))
-        if not path.exists():
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # atomic: no half-written imports
-            with os.fdopen(fd, "w") as f:
-                f.write(source)
-            os.replace(tmp, path)
-        name = f"polystrata_cuda_kernel_{key}"
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # numba's cache finds the module by name
-        spec.loader.exec_module(module)
-        disp = getattr(module, kernel.name)
-        ck = CompiledKernel(kernel, disp, source, cached)
-        ck.cufunc = None
-        if not self.simulator:
-            try:  # compile now (or load from numba's cache), not at the first launch
-                compiled = disp.compile(_signature(kernel))
-                handle = compiled._codelibrary.get_cufunc().handle  # a CUkernel (cuda.core library)
+
+        def load(path: Path) -> Any:
+            name = f"polystrata_cuda_kernel_{key}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module  # numba's cache finds the module by name
+            spec.loader.exec_module(module)
+            disp = getattr(module, kernel.name)
+            if not self.simulator:  # compile now (or load from numba-cuda's cache), not at the first launch
+                disp.compile(_signature(kernel))
+            return disp
+
+        def build(path: Path) -> Any:
+            atomic_write(path, source)
+            try:  # numba-cuda keeps its cubins in __pycache__ beside the source; the simulator compiles nothing
+                return load(path)
             except Exception as e:
                 raise PolystrataError(f"CUDA build of kernel {kernel.name} failed on {self.device}:\n{e}") from None
-            try:
-                ck.cufunc = _check(self.driver.cuKernelGetFunction(handle))[0]
-            except (PolystrataError, TypeError):
-                ck.cufunc = handle  # already a CUfunction (older cuda.core)
-        return self._remember(key, ck)
+
+        ck = self._compile_cached(kernel, source, key, f"k_{key}.py", load, build)
+        if not hasattr(ck, "cufunc"):  # first use in this process
+            ck.cufunc = None if self.simulator else self._cufunc(ck.handle, kernel)
+        return ck
+
+    def _cufunc(self, disp: Any, kernel: Kernel) -> Any:
+        """The CUfunction of a compiled dispatcher, for launches through the driver."""
+        try:  # compile() of a signature already compiled returns its kernel
+            handle = disp.compile(_signature(kernel))._codelibrary.get_cufunc().handle  # a CUkernel (cuda.core)
+        except Exception as e:
+            raise PolystrataError(f"CUDA build of kernel {kernel.name} failed on {self.device}:\n{e}") from None
+        try:
+            return _check(self.driver.cuKernelGetFunction(handle))[0]
+        except (PolystrataError, TypeError):
+            return handle  # already a CUfunction (older cuda.core)
 
     # --- buffers --------------------------------------------------------------------------------------
 

@@ -27,7 +27,7 @@ from polystrata.codegen.cpu import NUMPY_DTYPES
 from polystrata.codegen.hip import base_arch, render, wave_of
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import DTYPE_BYTES, Kernel
-from polystrata.runtimes.base import CompiledKernel, Runtime, cache_dir, cache_key
+from polystrata.runtimes.base import CompiledKernel, Runtime, atomic_write, cache_key
 
 # Sonames, newest first: ROCm 6 ships hiprtc as its own library, ROCm 5.2 (Debian) inside libamdhip64.
 _HIP_LIBS = ("libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so")
@@ -215,15 +215,16 @@ class HIPRuntime(Runtime):
         """Code object of `kernel` from the cache, else from the compiler (`_build`); loaded on a GPU."""
         source = self.render(kernel)
         key = cache_key(source, self.name, self.arch, self.compiler)
-        if key in self._compiled:
-            return self._compiled[key]
-        path = cache_dir(self.name) / f"{kernel.name}_{key}.co"
-        cached = path.exists()
-        code = path.read_bytes() if cached else self._build(source, kernel.name)
-        if not cached:
-            _atomic_write(path, code)
-        handle = HIPCode(code, *(self._load_module(code, kernel.name) if self.gpu else ()))
-        return self._remember(key, CompiledKernel(kernel, handle, source, cached))
+
+        def load(path: Path) -> HIPCode:
+            code = path.read_bytes()
+            return HIPCode(code, *(self._load_module(code, kernel.name) if self.gpu else ()))
+
+        def build(path: Path) -> HIPCode:
+            atomic_write(path, self._build(source, kernel.name))
+            return load(path)
+
+        return self._compile_cached(kernel, source, key, f"{kernel.name}_{key}.co", load, build)
 
     def _build(self, source: str, name: str) -> bytes:
         return compile_in_subprocess(source, name, self.arch, self.options)
@@ -299,13 +300,6 @@ class HIPRuntime(Runtime):
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         _check(self.lib.hipMemGetInfo(ctypes.byref(free), ctypes.byref(total)), "hipMemGetInfo")
         return free.value, total.value
-
-
-def _atomic_write(path: Path, data: bytes) -> None:  # write-then-rename: no reader sees half a code object
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 def _main(argv: list[str]) -> int:

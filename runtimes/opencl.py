@@ -7,8 +7,8 @@ Works with any ICD: GPU drivers, PoCL on the CPU (CI), Oclgrind (the checking si
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +17,7 @@ from polystrata.codegen.cpu import NUMPY_DTYPES
 from polystrata.codegen.opencl import render
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import DTYPE_BYTES, Kernel
-from polystrata.runtimes.base import CompiledKernel, Runtime, cache_dir, cache_key
+from polystrata.runtimes.base import CompiledKernel, Runtime, atomic_write, cache_key
 
 try:
     import pyopencl as cl
@@ -128,25 +128,21 @@ class OpenCLRuntime(Runtime):
         source = self.render(kernel, subgroups)
         options = " ".join(self.options)
         key = cache_key(source, self.name, f"{self.dev.name} {self.dev.driver_version}", f"opencl {options}")
-        if key in self._compiled:
-            return self._compiled[key]
-        path = cache_dir(self.name) / f"{kernel.name}_{key}.bin"
-        program, cached = None, False
-        if path.exists():
-            try:
-                program = cl.Program(self.ctx, [self.dev], [path.read_bytes()]).build(options)
-                cached = True
-            except cl.Error:  # a stale or corrupt binary: rebuild from source
-                program = None
-        if program is None:
+
+        def load(path: Path) -> Any:
+            program = cl.Program(self.ctx, [self.dev], [path.read_bytes()]).build(options)
+            return cl.Kernel(program, kernel.name)
+
+        def build(path: Path) -> Any:
             try:
                 program = cl.Program(self.ctx, source).build(options)
             except cl.Error as err:
                 log = _build_log(err)
                 raise PolystrataError(f"OpenCL build of kernel {kernel.name} failed on {self.device}:\n{log}") from None
-            _atomic_write(path, program.binaries[0])
-        handle = cl.Kernel(program, kernel.name)
-        return self._remember(key, CompiledKernel(kernel, handle, source, cached))
+            atomic_write(path, program.binaries[0])
+            return cl.Kernel(program, kernel.name)
+
+        return self._compile_cached(kernel, source, key, f"{kernel.name}_{key}.bin", load, build)
 
     def alloc(self, shape: Sequence[int], dtype: str) -> Any:
         nbytes = int(np.prod(shape)) * DTYPE_BYTES[dtype]
@@ -197,11 +193,3 @@ def _build_log(err: Exception) -> str:
     text = str(err)
     lines = [ln for ln in text.splitlines() if ln.strip()]
     return "\n".join(lines[:20]) + ("\n..." if len(lines) > 20 else "")
-
-
-def _atomic_write(path, data: bytes) -> None:
-    # Write-then-rename: a concurrent reader never sees half a binary.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

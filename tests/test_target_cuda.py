@@ -91,6 +91,17 @@ def test_prepared_launch_and_graph_recording(rt):
 
 
 @inner
+def test_edited_cached_kernel_is_rebuilt(monkeypatch, tmp_path, capsys):
+    """The kernel cache's check (tests/test_kernel_cache.py) on this target: an edited source is rebuilt."""
+    from test_kernel_cache import EDITED_PY, check_rebuilt
+
+    from polystrata.runtimes.cuda import CUDARuntime
+
+    monkeypatch.setenv("POLYSTRATA_HOME", str(tmp_path))
+    check_rebuilt(CUDARuntime, EDITED_PY, capsys)
+
+
+@inner
 def test_binary_cache_hit_in_fresh_runtime(rt):
     from polystrata.runtimes.cuda import CUDARuntime
 

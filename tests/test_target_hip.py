@@ -33,6 +33,7 @@ from polystrata.codegen import hip as hipgen
 from polystrata.codegen.hip import cuda_prelude, render, wave_of
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Buf, Call, Const, Kernel, Store
+from polystrata.runtimes.base import cache_dir
 
 hiprt = pytest.importorskip("polystrata.runtimes.hip")
 hipnv = pytest.importorskip("polystrata.runtimes.hip_nvrtc")
@@ -174,7 +175,7 @@ def test_compiler_crash_does_not_kill_the_caller(monkeypatch):
     rt = hiprt.HIPRuntime("gfx1100", compile_only=True)  # refusal disabled: hiprtc itself gets the arch
     with pytest.raises(PolystrataError, match="hiprtc crashed .* compiling kernel red32 for gfx1100"):
         rt.compile(reduce_kernel(32))
-    assert rt.cache_misses == 0 and not list((hiprt.cache_dir("hip")).glob("*.co"))
+    assert rt.cache_misses == 0 and not list(cache_dir("hip").glob("*.co"))
 
 
 @amd
@@ -338,7 +339,7 @@ def test_nvrtc_syntax_error_is_clean(monkeypatch):
     msg = str(err.value)
     assert "ps_no_such_intrinsic" in msg and "error" in msg
     assert len(msg.splitlines()) <= 22
-    assert rt.cache_misses == 0 and not list(hiprt.cache_dir("hip").glob("broken_*"))
+    assert rt.cache_misses == 0 and not list(cache_dir("hip").glob("broken_*"))
 
 
 @nv

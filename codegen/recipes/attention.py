@@ -50,6 +50,7 @@ from polystrata.ir.kernel import (
     Scalar,
     Select,
     Store,
+    stable_digest,
 )
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
@@ -321,14 +322,14 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     kv_io = (("k", ctx.buf(k)), ("v", ctx.buf(v)), ("positions", p), ("kc", kn), ("vc", vn))
     if rope:
         eps = float(qk_norm[0].attrs["eps"]) if qk_norm else None
-        rtag = f"_{rope['dims']}_{rope['mode']}_{abs(hash((rope['base'], rope['freq_scale'], eps))) % 10**8}"
+        rtag = f"_{rope['dims']}_{rope['mode']}_{stable_digest((rope['base'], rope['freq_scale'], eps), 8)}"
         ks = kv_store_kernel(f"rope{'_norm' if qk_norm else ''}_kv_store_{heads}{rtag}", fmt, hq, hkv, d, dv,
                              ctx.lanes, rope, eps)
         norms = (("qn", ctx.buf(qk_norm[0].inputs[1])), ("kn", ctx.buf(qk_norm[1].inputs[1]))) if qk_norm else ()
         store = Launch(ks, (("q", ctx.buf(qv)), ("qo", q), *kv_io, *norms), (("T", "T"),))
     else:
         store = Launch(kv_store_kernel(f"kv_store_{heads}", fmt, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
-    tag = f"{heads}_{a['window']}_{abs(hash((a['scale'], a['softcap']))) % 10**8}"
+    tag = f"{heads}_{a['window']}_{stable_digest((a['scale'], a['softcap']), 8)}"
     splits = ctx.knob("attention", "splits", "auto")
     if splits == "auto":  # GPUs: enough groups to fill the device at decode (one per head is 32 for 132 SMs)
         splits = 1 if ctx.lanes == 1 else max(1, min(8, ctx.n_ctx // 64))

@@ -36,6 +36,7 @@ from polystrata.ir.kernel import (
     Scalar,
     Select,
     Store,
+    stable_digest,
 )
 from polystrata.ir.quant import Const, Expr, Var
 
@@ -311,7 +312,7 @@ def _lower_rope(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     x, pos = node.inputs
     _, h, d = (x.type.shape[0], int(x.type.shape[1]), int(x.type.shape[2]))
     a = node.attrs
-    tag = f"{h}x{d}_{a['dims']}_{a['mode']}_{abs(hash((a['base'], a['freq_scale']))) % 10**8}"
+    tag = f"{h}x{d}_{a['dims']}_{a['mode']}_{stable_digest((a['base'], a['freq_scale']), 8)}"
     kern = rope_kernel(f"rope_{tag}", h, d, int(a["dims"]), float(a["base"]), float(a["freq_scale"]), a["mode"],
                        ctx.lanes)
     return [Launch(kern, (("x", ctx.buf(x)), ("positions", ctx.buf(pos)), ("y", ctx.buf(node.output))),
