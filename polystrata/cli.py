@@ -42,6 +42,24 @@ def _target_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-type", default="f16", help="KV cache format: f16, q8_0, q8_g64 (kernel targets)")
 
 
+def _int_in(text: str, low: int, high: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_in(text, 1, 2**31 - 1, "a positive integer")
+
+
+def _seed(text: str) -> int:
+    return _int_in(text, 0, 2**64 - 1, "a seed from 0 to 2**64-1")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     ap = _Parser(prog="polystrata", description="Compile and run GGUF language models on any accelerator.")
@@ -80,9 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=_seed, default=None, help="random seed, 0 .. 2**64-1 (default: a fresh one)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    p.add_argument("--ctx", type=int, default=None, help="context length (default: min(trained, 4096))")
+    p.add_argument("--ctx", type=_positive_int, default=None, help="context length (default: min(trained, 4096))")
     _target_arg(p)
 
     p = sub.add_parser("parity", help="score llama.cpp's reference prompts and compare (pooled KL, top-1)")
@@ -177,8 +195,14 @@ def _read_ids_file(path: str) -> list[int]:
         ids = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise PolystrataError(f"cannot read token ids from {path}: {e}") from None
+    except RecursionError:
+        raise PolystrataError(f"{path}: expected a non-empty JSON array of integer token ids") from None
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise PolystrataError(f"{path}: expected a non-empty JSON array of integer token ids")
+    # Ids travel as int32: anything outside is no token of any vocabulary.
+    bad = next((i for i in ids if not 0 <= i < 2**31), None)
+    if bad is not None:
+        raise PolystrataError(f"{path}: token id {bad} is out of range")
     return ids
 
 
