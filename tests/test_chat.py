@@ -140,3 +140,42 @@ def test_helpers():
     )
     # tojson must not HTML-escape (that would corrupt the prompt) and keeps non-ASCII as is.
     assert text == '{"role": "user", "content": "<b>&\'é"}|4|False|yes'
+
+
+HOSTILE_TEMPLATES = sorted((Path(__file__).parent / "data" / "hostile_templates").glob("*.jinja"))
+
+
+@pytest.mark.parametrize("path", HOSTILE_TEMPLATES, ids=lambda p: p.stem)
+def test_hostile_templates_stop_within_bounds(path, monkeypatch):
+    """Templates that would loop for hours or build gigabytes stop with one line, fast and small."""
+    import resource
+    import time
+
+    import polystrata.chat as chat
+
+    # A tenth of the default step budget keeps the test fast; the bound works the same way.
+    monkeypatch.setattr(chat, "MAX_STEPS", 50_000)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    with pytest.raises(ChatTemplateError, match="^chat template") as info:
+        render_chat(path.read_text(), [{"role": "user", "content": "hi"}])
+    assert "\n" not in str(info.value)
+    assert time.monotonic() - t0 < chat.TIME_LIMIT_S + 1
+    # ru_maxrss is in KiB on Linux: the peak grew by less than the memory bound and a margin.
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < (chat.MAX_MEMORY >> 10) + 256 * 1024
+
+
+def test_bounded_operations_render_like_jinja():
+    """The size checks on filters, methods and operators leave ordinary uses unchanged."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = (
+        "{{ 'ab' | center(9) }}|{{ 'a\nb' | indent(2, true) }}|{{ 'a-b-c' | replace('-', '+') }}|"
+        "{{ 'aXbX' | replace('X', 'yy', 1) }}|{{ [1, 2, 3] | join(', ') }}|{{ 'one two three' | wordwrap(5) }}|"
+        "{{ '%s=%03d' | format('x', 7) }}|{{ '%-4s|' % 'ab' }}|{{ '{}:{:>4}'.format('k', 12) }}|"
+        "{{ 'ab'.center(6, '*') }}|{{ 'a\tb'.expandtabs(4) }}|{{ '-'.join(['x', 'y']) }}|{{ 'ab' * 3 }}|"
+        "{{ [1] + [2] }}|{{ 'a' + 'b' }}|{{ 6 * 7 }}|{{ 2 ** 10 }}|{{ 7 % 3 }}|"
+        "{% set ns = namespace(s='') %}{% for i in range(3) %}{% set ns.s = ns.s ~ i %}{% endfor %}{{ ns.s }}"
+    )
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template).render()
+    assert render_chat(template, []) == plain
