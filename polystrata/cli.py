@@ -10,11 +10,15 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from polystrata import interrupt
 from polystrata.errors import PolystrataError
-from polystrata.targets import TARGET_HELP
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# Imports stay light up here: the console script imports this module before main() can arm Ctrl-C handling.
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -38,6 +42,8 @@ def _model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
 
 
 def _target_arg(p: argparse.ArgumentParser) -> None:
+    from polystrata.targets import TARGET_HELP
+
     p.add_argument("--target", default="auto", help=TARGET_HELP)
     p.add_argument("--kv-type", default="f16", help="KV cache format: f16, q8_0, q8_g64 (kernel targets)")
 
@@ -165,7 +171,7 @@ def cmd_info(a) -> int:
             n, b = by_type.setdefault(t.fmt.name, [0, 0])
             by_type[t.fmt.name] = [n + 1, b + t.nbytes]
         total = sum(b for _, b in by_type.values())
-        n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+        n_params = sum(t.n_elements for t in f.tensors.values())
         print(f"tensors: {len(f.tensors)}, {n_params / 1e6:.1f} M parameters, {total / 2**20:.1f} MiB")
         for name, (n, b) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
             print(f"  {name:8s} {n:5d} tensors {b / 2**20:10.1f} MiB")
@@ -208,6 +214,8 @@ def _read_ids_file(path: str) -> list[int]:
 
 def top_k_scores(logits: np.ndarray, k: int) -> dict[str, np.ndarray]:
     """The fixtures' schema: top-k ids and logits per position (largest first) and the log-sum-exp."""
+    import numpy as np
+
     l64 = logits.astype(np.float64)
     k = min(k, logits.shape[1])
     top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
@@ -227,6 +235,8 @@ def _save_npz(path: str, **arrays: np.ndarray) -> None:
     import os
     import tempfile
 
+    import numpy as np
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
@@ -240,6 +250,8 @@ def _save_npz(path: str, **arrays: np.ndarray) -> None:
 
 
 def cmd_score(a) -> int:
+    import numpy as np
+
     from polystrata.engine import DEFAULT_CTX, Engine
 
     if a.top_k < 1:
@@ -267,6 +279,8 @@ def cmd_score(a) -> int:
 
 
 def cmd_parity(a) -> int:
+    import numpy as np
+
     from polystrata.engine import Engine
     from polystrata.parity import Parity
 
@@ -378,8 +392,17 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `polystrata` command."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the `polystrata` command.
+
+    Run as the command (no `argv`), Ctrl-C ends it within a second, whatever it is doing, with
+    `error: interrupted` and exit code 130 (see polystrata.interrupt).
+    """
+    if argv is None:
+        interrupt.arm()
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        return interrupt.report()
     try:
         return COMMANDS[args.cmd](args)
     except PolystrataError as e:
@@ -388,8 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return EXIT_ERROR
+        return interrupt.report()
     except BrokenPipeError:
         return EXIT_ERROR
     except MemoryError:
