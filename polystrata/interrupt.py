@@ -45,8 +45,13 @@ def arm() -> None:
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return  # someone else (an embedding application) handles Ctrl-C
     read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    try:
+        os.set_blocking(write_fd, False)
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except (OSError, ValueError):  # a platform whose wakeup fd takes no pipe: Ctrl-C keeps its usual path
+        os.close(read_fd)
+        os.close(write_fd)
+        return
     if previous != -1:
         # An event loop already listens on the wakeup fd: give it back and leave Ctrl-C to it.
         signal.set_wakeup_fd(previous)

@@ -142,29 +142,6 @@ def test_helpers():
     assert text == '{"role": "user", "content": "<b>&\'é"}|4|False|yes'
 
 
-HOSTILE_TEMPLATES = sorted((Path(__file__).parent / "data" / "hostile_templates").glob("*.jinja"))
-
-
-@pytest.mark.parametrize("path", HOSTILE_TEMPLATES, ids=lambda p: p.stem)
-def test_hostile_templates_stop_within_bounds(path, monkeypatch):
-    """Templates that would loop for hours or build gigabytes stop with one line, fast and small."""
-    import resource
-    import time
-
-    import polystrata.chat as chat
-
-    # A tenth of the default step budget keeps the test fast; the bound works the same way.
-    monkeypatch.setattr(chat, "MAX_STEPS", 50_000)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0 = time.monotonic()
-    with pytest.raises(ChatTemplateError, match="^chat template") as info:
-        render_chat(path.read_text(), [{"role": "user", "content": "hi"}])
-    assert "\n" not in str(info.value)
-    assert time.monotonic() - t0 < chat.TIME_LIMIT_S + 1
-    # ru_maxrss is in KiB on Linux: the peak grew by less than the memory bound and a margin.
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < (chat.MAX_MEMORY >> 10) + 256 * 1024
-
-
 def test_bounded_operations_render_like_jinja():
     """The size checks on filters, methods and operators leave ordinary uses unchanged."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment

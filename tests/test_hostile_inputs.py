@@ -266,10 +266,16 @@ def template_models(base, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.mark.parametrize("name", [p.stem for p in HOSTILE_TEMPLATES])
 def test_hostile_template_through_run(name, template_models, monkeypatch):
+    """Templates that would loop for hours or build gigabytes stop with one line, soon and small."""
     monkeypatch.setattr(chat, "MAX_STEPS", 50_000)  # a tenth of the default: the same bound, sooner
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
     rc, out, err = run_cli("run", str(template_models[name]), "--target", "reference", "-n", "2", "-p", "hi")
     assert_clean(rc, err, code=1, match="error: chat template")
     assert out == ""
+    assert time.monotonic() - t0 < chat.TIME_LIMIT_S + 2
+    # ru_maxrss is in KiB on Linux: the peak grew by less than the memory bound and a margin.
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < (chat.MAX_MEMORY >> 10) + 256 * 1024
 
 
 def test_hanging_template_through_the_command(template_models):
