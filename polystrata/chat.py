@@ -87,7 +87,7 @@ class _Budget:
 
     def check_len(self, n: int, what: str = "a text") -> None:
         if n > self.max_text:
-            raise _TemplateLimit(f"template tried to build {what} of {n} items (limit {self.max_text})")
+            raise _TemplateLimit(f"template tried to build {what} of length {n} (limit {self.max_text})")
 
     def trace(self, frame, event: str, arg: Any):
         self.steps -= 1
@@ -140,8 +140,11 @@ def _sized(text: Any) -> int:
     return len(text) if isinstance(text, str) else len(str(text))
 
 
-def _check_str_method(name: str, text: str, args: tuple, kwargs: dict) -> None:
-    """Estimate what a str method builds from its arguments before it runs (in C, out of the tracer's reach)."""
+def _check_str_method(name: str, text: str, args: tuple, kwargs: dict) -> tuple:
+    """Estimate what a str method builds from its arguments before it runs (in C, out of the tracer's reach).
+
+    Returns the arguments to call it with: an iterator given to join is read into a list to be measured.
+    """
     if name in ("center", "ljust", "rjust", "zfill") and args and isinstance(args[0], int):
         _check_len(args[0])
     elif name == "expandtabs":
@@ -151,7 +154,9 @@ def _check_str_method(name: str, text: str, args: tuple, kwargs: dict) -> None:
     elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
         _check_len(_replaced_len(text, args[0], args[1]))
     elif name == "join" and args:
+        args = (_materialized(args[0]), *args[1:])
         _check_len(_joined_len(text, args[0]))
+    return args
 
 
 def _replaced_len(text: str, old: str, new: str) -> int:
@@ -159,8 +164,11 @@ def _replaced_len(text: str, old: str, new: str) -> int:
     return len(text) + count * max(len(new) - len(old), 0)
 
 
-def _joined_len(sep: Any, items: Any) -> int:
-    items = list(items) if not isinstance(items, list | tuple | str) else items
+def _materialized(items: Any) -> Any:
+    return items if isinstance(items, list | tuple | str) else list(items)
+
+
+def _joined_len(sep: Any, items: list | tuple | str) -> int:
     _check_len(len(items), "a list")
     return _sized(sep) * max(len(items) - 1, 0) + sum(_sized(i) for i in items)
 
@@ -195,6 +203,7 @@ def _filter_replace(eval_ctx, s: Any, old: str, new: str, count: int | None = No
 @jinja2.pass_eval_context
 def _filter_join(eval_ctx, value: Any, d: str = "", attribute=None) -> str:
     if attribute is None:
+        value = _materialized(value)
         _check_len(_joined_len(d, value))
     return jinja2.filters.do_join(eval_ctx, value, d, attribute)
 
@@ -266,7 +275,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - Jinja's signature
         owner = getattr(__obj, "__self__", None)
         if isinstance(owner, str) and isinstance(__obj, types.BuiltinMethodType):
-            _check_str_method(__obj.__name__, owner, args, kwargs)
+            args = _check_str_method(__obj.__name__, owner, args, kwargs)
         return super().call(__context, __obj, *args, **kwargs)
 
 

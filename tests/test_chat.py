@@ -152,7 +152,8 @@ def test_bounded_operations_render_like_jinja():
         "{{ '%s=%03d' | format('x', 7) }}|{{ '%-4s|' % 'ab' }}|{{ '{}:{:>4}'.format('k', 12) }}|"
         "{{ 'ab'.center(6, '*') }}|{{ 'a\tb'.expandtabs(4) }}|{{ '-'.join(['x', 'y']) }}|{{ 'ab' * 3 }}|"
         "{{ [1] + [2] }}|{{ 'a' + 'b' }}|{{ 6 * 7 }}|{{ 2 ** 10 }}|{{ 7 % 3 }}|"
-        "{% set ns = namespace(s='') %}{% for i in range(3) %}{% set ns.s = ns.s ~ i %}{% endfor %}{{ ns.s }}"
+        "{% set ns = namespace(s='') %}{% for i in range(3) %}{% set ns.s = ns.s ~ i %}{% endfor %}{{ ns.s }}|"
+        "{{ messages | map(attribute='content') | join('/') }}|{{ '+'.join(messages | map(attribute='role')) }}"
     )
-    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template).render()
-    assert render_chat(template, []) == plain
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+    assert render_chat(template, MESSAGES) == plain.render(messages=MESSAGES)
