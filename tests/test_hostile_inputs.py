@@ -322,6 +322,7 @@ def test_ctrl_c_at_start_up(base, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+@pytest.mark.slow  # two compiles of the tiny model, about 20 s on two cores
 def test_ctrl_c_during_compile_leaves_the_cache_valid(base, tmp_path):
     home = tmp_path / "home"
 
