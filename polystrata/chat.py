@@ -2,28 +2,44 @@
 
 Templates come from model files downloaded from anywhere, so they are untrusted code: they run in
 Jinja2's immutable sandbox, any attempt to reach an unsafe attribute (``__class__``, ``__globals__``...)
-is an error rather than a silent empty string, and big repetitions/powers are capped.
+is an error rather than a silent empty string, and one rendering is bounded in steps, wall-clock time and
+the size of every text, list and number it builds.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import json
+import os
+import re
+import sys
+import time
+import types
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 import jinja2
+import jinja2.filters
 from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 
 from polystrata.errors import PolystrataError
 
 __all__ = ["ChatTemplateError", "render_chat", "chat_template_from_metadata"]
 
-# Caps on what a template can make the renderer allocate with `*` and `**`.
-_MAX_REPEAT_LEN = 1_000_000
-_MAX_POWER_BITS = 4096
+# Bounds on one rendering. Real chat templates take a few thousand interpreter steps and print a few KB;
+# hostile ones loop for hours or double strings until memory runs out. Steps are Python trace events
+# (calls and lines, the template's and the Jinja runtime's); the wall-clock limit catches slow steps.
+MAX_STEPS = 500_000
+TIME_LIMIT_S = 3.0
+# Longest text (string, list, output) a template may build, in characters, on top of twice the input.
+MAX_TEXT = 4_000_000
+# Growth of the process's resident memory while rendering (sampled every 64 steps where /proc exists).
+MAX_MEMORY = 512 * 2**20
+_MAX_INT_BITS = 4096
 
 
 class ChatTemplateError(PolystrataError):
@@ -34,6 +50,10 @@ class _TemplateRaised(jinja2.TemplateError):
     """The template called raise_exception(message)."""
 
 
+class _TemplateLimit(jinja2.TemplateError):
+    """The template went past a bound on steps, time or the size of what it builds."""
+
+
 def _raise_exception(message: Any = "") -> None:
     raise _TemplateRaised(str(message))
 
@@ -42,16 +62,181 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _Budget:
+    """Steps, time and text size left to one rendering; its `trace` is installed with sys.settrace."""
+
+    def __init__(self, max_text: int, max_steps: int, time_limit_s: float):
+        self.max_text = max_text
+        self.steps = max_steps
+        self.deadline = time.monotonic() + time_limit_s
+        try:
+            self._statm: int | None = os.open("/proc/self/statm", os.O_RDONLY)
+        except OSError:
+            self._statm = None
+        self._rss0 = self._resident()
+
+    def _resident(self) -> int:
+        if self._statm is None:
+            return 0
+        return int(os.pread(self._statm, 128, 0).split()[1]) * _PAGE
+
+    def close(self) -> None:
+        if self._statm is not None:
+            os.close(self._statm)
+            self._statm = None
+
+    def check_len(self, n: int, what: str = "a text") -> None:
+        if n > self.max_text:
+            raise _TemplateLimit(f"template tried to build {what} of length {n} (limit {self.max_text})")
+
+    def trace(self, frame, event: str, arg: Any):
+        self.steps -= 1
+        if self.steps <= 0:
+            raise _TemplateLimit("template takes too many steps (a loop or recursion that does not end?)")
+        if not self.steps & 63:
+            if time.monotonic() > self.deadline:
+                raise _TemplateLimit("template takes too long to render")
+            if self._resident() - self._rss0 > MAX_MEMORY:
+                raise _TemplateLimit(f"template uses more than {MAX_MEMORY >> 20} MiB of memory")
+        if event == "line" and frame.f_code.co_filename == "<template>":
+            # Concatenation (`~`) and `{% set %}` reach no sandbox hook: look at what the template holds.
+            for value in frame.f_locals.values():
+                if isinstance(value, str | list | tuple):
+                    self.check_len(len(value))
+        return self.trace
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_budget: contextvars.ContextVar[_Budget] = contextvars.ContextVar("chat_template_budget")
+
+
+def _check_len(n: int, what: str = "a text") -> None:
+    _budget.get().check_len(n, what)
+
+
+def _check_format(fmt: str, args: Any, nested: bool) -> None:
+    """Refuse a format string whose widths or precisions would allocate more than the text limit."""
+    limit = _budget.get().max_text
+    if any(len(d) > len(str(limit)) or int(d) > limit for d in re.findall(r"\d+", fmt)):
+        raise _TemplateLimit("template tried to format with a width or precision that is too large")
+    if nested:
+        # Widths can come from the arguments: '%*d' % (width, x), '{:>{w}}'.format(x, w=width).
+        values = []
+        for arg in args if isinstance(args, tuple | list) else (args,):
+            values.extend(arg.values() if isinstance(arg, Mapping) else (arg,))
+        if any(isinstance(v, int) and abs(v) > limit for v in values):
+            raise _TemplateLimit("template tried to format with a width or precision that is too large")
+
+
 def _tojson(value: Any, indent: int | None = None, separators=None, sort_keys: bool = False,
             ensure_ascii: bool = False) -> str:
     # Jinja's own tojson HTML-escapes <, >, & and ', which would corrupt prompts; templates expect plain JSON.
+    if isinstance(indent, int):
+        _check_len(indent, "an indent")
     return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys, ensure_ascii=ensure_ascii)
 
 
-class _Sandbox(ImmutableSandboxedEnvironment):
-    """Immutable sandbox that fails loudly on unsafe access and bounds memory-hungry operators."""
+def _sized(text: Any) -> int:
+    return len(text) if isinstance(text, str) else len(str(text))
 
-    intercepted_binops = frozenset({"*", "**"})
+
+def _check_str_method(name: str, text: str, args: tuple, kwargs: dict) -> tuple:
+    """Estimate what a str method builds from its arguments before it runs (in C, out of the tracer's reach).
+
+    Returns the arguments to call it with: an iterator given to join is read into a list to be measured.
+    """
+    if name in ("center", "ljust", "rjust", "zfill") and args and isinstance(args[0], int):
+        _check_len(args[0])
+    elif name == "expandtabs":
+        size = args[0] if args else kwargs.get("tabsize", 8)
+        if isinstance(size, int):
+            _check_len(text.count("\t") * size + len(text))
+    elif name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        _check_len(_replaced_len(text, args[0], args[1]))
+    elif name == "join" and args:
+        args = (_materialized(args[0]), *args[1:])
+        _check_len(_joined_len(text, args[0]))
+    return args
+
+
+def _replaced_len(text: str, old: str, new: str) -> int:
+    count = len(text) + 1 if not old else text.count(old)
+    return len(text) + count * max(len(new) - len(old), 0)
+
+
+def _materialized(items: Any) -> Any:
+    return items if isinstance(items, list | tuple | str) else list(items)
+
+
+def _joined_len(sep: Any, items: list | tuple | str) -> int:
+    _check_len(len(items), "a list")
+    return _sized(sep) * max(len(items) - 1, 0) + sum(_sized(i) for i in items)
+
+
+class _Namespace(Namespace):
+    """namespace() whose attributes cannot grow past the text limit (`{% set ns.s = ns.s ~ ns.s %}`)."""
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        if isinstance(value, str | list | tuple):
+            _check_len(len(value))
+        super().__setitem__(name, value)
+
+
+def _filter_center(value: Any, width: int = 80) -> str:
+    _check_len(int(width))
+    return jinja2.filters.do_center(value, width)
+
+
+def _filter_indent(s: str, width: int | str = 4, first: bool = False, blank: bool = False) -> str:
+    _check_len(width if isinstance(width, int) else len(str(width)), "an indent")
+    text = str(s)
+    _check_len(len(text) + (text.count("\n") + 1) * (width if isinstance(width, int) else len(str(width))))
+    return jinja2.filters.do_indent(s, width, first, blank)
+
+
+@jinja2.pass_eval_context
+def _filter_replace(eval_ctx, s: Any, old: str, new: str, count: int | None = None) -> str:
+    _check_len(_replaced_len(str(s), str(old), str(new)))
+    return jinja2.filters.do_replace(eval_ctx, s, old, new, count)
+
+
+@jinja2.pass_eval_context
+def _filter_join(eval_ctx, value: Any, d: str = "", attribute=None) -> str:
+    if attribute is None:
+        value = _materialized(value)
+        _check_len(_joined_len(d, value))
+    return jinja2.filters.do_join(eval_ctx, value, d, attribute)
+
+
+@jinja2.pass_environment
+def _filter_wordwrap(environment, s: str, width: int = 79, break_long_words: bool = True, wrapstring=None,
+                     break_on_hyphens: bool = True) -> str:
+    sep = environment.newline_sequence if wrapstring is None else wrapstring
+    _check_len(len(str(s)) + (len(str(s)) // max(int(width), 1) + 1) * len(str(sep)))
+    return jinja2.filters.do_wordwrap(environment, s, width, break_long_words, wrapstring, break_on_hyphens)
+
+
+def _filter_format(value: str, *args: Any, **kwargs: Any) -> str:
+    _check_format(str(value), kwargs or args, "*" in str(value))
+    return jinja2.filters.do_format(value, *args, **kwargs)
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """Immutable sandbox that fails loudly on unsafe access and bounds what templates can build."""
+
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    @staticmethod
+    def concat(parts) -> str:
+        # Macro bodies, {% set %} blocks and the whole output are joined here.
+        limit = _budget.get().max_text
+        held, total = [], 0
+        for part in parts:
+            total += len(part)
+            if total > limit:
+                _check_len(total)
+            held.append(part)
+        return "".join(held)
 
     def unsafe_undefined(self, obj: Any, attribute: str):
         # The stock sandbox returns an Undefined, which renders as "" when printed; refusing outright makes
@@ -61,20 +246,48 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         if operator == "*":
             for seq, count in ((left, right), (right, left)):
-                if isinstance(seq, str | list | tuple) and isinstance(count, int):
-                    if len(seq) * max(count, 0) > _MAX_REPEAT_LEN:
-                        raise SecurityError("template tried to build a sequence that is too long")
+                if isinstance(seq, str | list | tuple | bytes) and isinstance(count, int):
+                    _check_len(len(seq) * max(count, 0), "a sequence")
+            if isinstance(left, int) and isinstance(right, int):
+                if left.bit_length() + right.bit_length() > _MAX_INT_BITS:
+                    raise SecurityError("template tried to compute a number that is too large")
         elif operator == "**" and isinstance(left, int) and isinstance(right, int):
-            if right > 0 and abs(left) > 1 and right * max(abs(left).bit_length(), 1) > _MAX_POWER_BITS:
+            if right > 0 and abs(left) > 1 and right * max(abs(left).bit_length(), 1) > _MAX_INT_BITS:
                 raise SecurityError("template tried to compute a number that is too large")
+        elif operator == "+" and isinstance(left, str | list | tuple) and isinstance(right, str | list | tuple):
+            _check_len(len(left) + len(right), "a sequence")
+        elif operator == "%" and isinstance(left, str):
+            _check_format(left, right, "*" in left)
         return super().call_binop(context, operator, left, right)
+
+    def wrap_str_format(self, value: Any):
+        wrapper = super().wrap_str_format(value)
+        if wrapper is None:
+            return None
+        text = value.__self__
+
+        def checked(*args: Any, **kwargs: Any) -> str:
+            _check_format(text, (*args, kwargs), nested=re.search(r"{[^{}]*{", text) is not None)
+            return wrapper(*args, **kwargs)
+
+        return checked
+
+    def call(__self, __context, __obj, *args: Any, **kwargs: Any) -> Any:  # noqa: N805 - Jinja's signature
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str) and isinstance(__obj, types.BuiltinMethodType):
+            args = _check_str_method(__obj.__name__, owner, args, kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
 
 
 @functools.lru_cache(maxsize=1)
 def _environment() -> _Sandbox:
     # trim_blocks/lstrip_blocks match how Hugging Face renders chat templates, which authors write for.
     env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
+    env.filters.update(
+        tojson=_tojson, center=_filter_center, indent=_filter_indent, replace=_filter_replace, join=_filter_join,
+        wordwrap=_filter_wordwrap, format=_filter_format,
+    )
+    env.globals["namespace"] = _Namespace
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
@@ -119,15 +332,28 @@ def render_chat(
         bos_token=bos_token,
         eos_token=eos_token,
     )
+    # Inputs may be long (a document pasted into the prompt); what the template builds may be twice as long.
+    budget = _Budget(MAX_TEXT + 2 * len(repr(context)), MAX_STEPS, TIME_LIMIT_S)
+    token = _budget.set(budget)
+    previous = sys.gettrace()
+    sys.settrace(budget.trace)
     try:
         return compiled.render(**context)
     except _TemplateRaised as e:
         raise ChatTemplateError(f"chat template refused the conversation: {_one_line(e)}") from None
+    except _TemplateLimit as e:
+        raise ChatTemplateError(f"chat template stopped: {_one_line(e)}") from None
     except SecurityError as e:
         raise ChatTemplateError(f"chat template blocked by the sandbox: {_one_line(e)}") from None
+    except MemoryError:
+        raise ChatTemplateError("chat template stopped: it ran out of memory") from None
     except (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
             ArithmeticError, RecursionError) as e:
         raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {_one_line(e)}") from None
+    finally:
+        sys.settrace(previous)
+        _budget.reset(token)
+        budget.close()
 
 
 def chat_template_from_metadata(metadata: Mapping[str, Any], name: str | None = None) -> str | None:

@@ -11,11 +11,15 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from polystrata import interrupt
 from polystrata.errors import PolystrataError, writing
-from polystrata.targets import TARGET_HELP
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# Imports stay light up here: the console script imports this module before main() can arm Ctrl-C handling.
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -54,8 +58,28 @@ def _model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
 
 
 def _target_arg(p: argparse.ArgumentParser) -> None:
+    from polystrata.targets import TARGET_HELP
+
     p.add_argument("--target", default="auto", help=TARGET_HELP)
     p.add_argument("--kv-type", default="f16", help="KV cache format: f16, q8_0, q8_g64 (kernel targets)")
+
+
+def _int_in(text: str, low: int, high: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    return _int_in(text, 1, 2**31 - 1, "a positive integer")
+
+
+def _seed(text: str) -> int:
+    return _int_in(text, 0, 2**64 - 1, "a seed from 0 to 2**64-1")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,9 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=_seed, default=None, help="random seed, 0 .. 2**64-1 (default: a fresh one)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    p.add_argument("--ctx", type=int, default=None, help="context length (default: min(trained, 4096))")
+    p.add_argument("--ctx", type=_positive_int, default=None, help="context length (default: min(trained, 4096))")
     _target_arg(p)
 
     p = sub.add_parser("parity", help="score llama.cpp's reference prompts and compare (pooled KL, top-1)")
@@ -164,7 +188,7 @@ def cmd_info(a) -> int:
             n, b = by_type.setdefault(t.fmt.name, [0, 0])
             by_type[t.fmt.name] = [n + 1, b + t.nbytes]
         total = sum(b for _, b in by_type.values())
-        n_params = sum(int(np.prod(t.shape)) for t in f.tensors.values())
+        n_params = sum(t.n_elements for t in f.tensors.values())
         print(f"tensors: {len(f.tensors)}, {n_params / 1e6:.1f} M parameters, {total / 2**20:.1f} MiB")
         for name, (n, b) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
             print(f"  {name:8s} {n:5d} tensors {b / 2**20:10.1f} MiB")
@@ -194,13 +218,21 @@ def _read_ids_file(path: str) -> list[int]:
         ids = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise PolystrataError(f"cannot read token ids from {path}: {e}") from None
+    except RecursionError:
+        raise PolystrataError(f"{path}: expected a non-empty JSON array of integer token ids") from None
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise PolystrataError(f"{path}: expected a non-empty JSON array of integer token ids")
+    # Ids travel as int32: anything outside is no token of any vocabulary.
+    bad = next((i for i in ids if not 0 <= i < 2**31), None)
+    if bad is not None:
+        raise PolystrataError(f"{path}: token id {bad} is out of range")
     return ids
 
 
 def top_k_scores(logits: np.ndarray, k: int) -> dict[str, np.ndarray]:
     """The fixtures' schema: top-k ids and logits per position (largest first) and the log-sum-exp."""
+    import numpy as np
+
     l64 = logits.astype(np.float64)
     k = min(k, logits.shape[1])
     top = np.argpartition(-logits, k - 1, axis=1)[:, :k]
@@ -220,6 +252,8 @@ def _save_npz(path: str, **arrays: np.ndarray) -> None:
     import os
     import tempfile
 
+    import numpy as np
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
@@ -233,6 +267,8 @@ def _save_npz(path: str, **arrays: np.ndarray) -> None:
 
 
 def cmd_score(a) -> int:
+    import numpy as np
+
     from polystrata.engine import DEFAULT_CTX, Engine
 
     if a.top_k < 1:
@@ -262,6 +298,8 @@ def cmd_score(a) -> int:
 
 
 def cmd_parity(a) -> int:
+    import numpy as np
+
     from polystrata.engine import Engine
     from polystrata.parity import Parity
 
@@ -380,9 +418,18 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `polystrata` command."""
+    """Entry point of the `polystrata` command.
+
+    Run as the command (no `argv`), Ctrl-C ends it within a second, whatever it is doing, with
+    `error: interrupted` and exit code 130 (see polystrata.interrupt).
+    """
     warnings.showwarning = _show_warning
-    args = build_parser().parse_args(argv)
+    if argv is None:
+        interrupt.arm()
+    try:
+        args = build_parser().parse_args(argv)
+    except KeyboardInterrupt:
+        return interrupt.report()
     try:
         return COMMANDS[args.cmd](args)
     except PolystrataError as e:
@@ -391,8 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return EXIT_ERROR
+        return interrupt.report()
     except BrokenPipeError:
         return EXIT_ERROR
     except MemoryError:

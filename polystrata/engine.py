@@ -52,6 +52,8 @@ class Engine:
     def __init__(
         self, model_path: str | Path, target: str = "auto", n_ctx: int | None = None, kv_type: str = "f16"
     ):
+        if n_ctx is not None and n_ctx < 1:
+            raise PolystrataError(f"the context length must be at least 1, not {n_ctx}")
         target = resolve_target(target)
         self.path = Path(model_path)
         self.file = GGUFFile(self.path)

@@ -39,6 +39,7 @@ __all__ = [
     "GGUFFile",
     "GGUFValueType",
     "TensorInfo",
+    "typed_value",
     "write_gguf",
 ]
 
@@ -298,6 +299,24 @@ class _Cursor:
             pos += length
         self.pos = pos
         return out
+
+
+def typed_value(key: str, v: Any, kind: type) -> Any:
+    """Metadata value `v` of `key` as an int, float or bool; GGUFError if it has another type or is not finite."""
+    if isinstance(v, np.generic):
+        v = v.item()
+    ok = isinstance(v, bool | int | float)
+    if ok and kind is int:
+        ok = not isinstance(v, float) or (math.isfinite(v) and v == int(v))
+    elif ok and kind is float:
+        ok = math.isfinite(v)
+    elif ok and kind is bool:
+        ok = v in (0, 1)
+    if not ok:
+        shown = repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "..."
+        expected = "a number" if kind is float else kind.__name__
+        raise GGUFError(f"metadata '{key}' has value {shown}, expected {expected}")
+    return kind(v)
 
 
 class GGUFFile:

@@ -17,9 +17,11 @@ import heapq
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
 import regex
 
 from polystrata.errors import GGUFError, PolystrataError, UnsupportedError
+from polystrata.gguf import typed_value
 
 __all__ = [
     "TOKEN_NORMAL",
@@ -107,13 +109,47 @@ _BYTE_ENCODE = {b: c for b, c in enumerate(_BYTE_CHARS)}
 _BYTE_DECODE = {c: b for b, c in enumerate(_BYTE_CHARS)}
 
 
-def _as_list(value, name: str) -> list | None:
+def _utf8(text: str) -> bytes:
+    """UTF-8 bytes of `text`. GGUF strings and argv keep bytes that are not UTF-8 as surrogates
+    (surrogateescape), which turn back into those bytes; any other lone surrogate becomes '?'."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace")
+
+
+def _strings(md: Mapping, key: str) -> list[str] | None:
+    """A string-array metadata value, or None if absent; GGUFError for any other type."""
+    value = md.get(key)
     if value is None:
         return None
-    try:
-        return value.tolist() if hasattr(value, "tolist") else list(value)
-    except TypeError as e:
-        raise GGUFError(f"metadata {name} is not an array") from e
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise GGUFError(f"metadata '{key}' is not an array of strings")
+    return value
+
+
+def _numbers(md: Mapping, key: str, integer: bool) -> list | None:
+    """A numeric-array metadata value (integers only if `integer`), or None if absent; GGUFError otherwise."""
+    value = md.get(key)
+    if value is None:
+        return None
+    kinds = "biu" if integer else "biuf"
+    if not isinstance(value, np.ndarray) or value.ndim != 1 or value.dtype.kind not in kinds:
+        raise GGUFError(f"metadata '{key}' is not an array of {'integers' if integer else 'numbers'}")
+    return value.tolist()
+
+
+def _scalar(md: Mapping, key: str, kind: type):
+    """An int or bool metadata value, or None if absent."""
+    value = md.get(key)
+    return None if value is None else typed_value(key, value, kind)
+
+
+def _text(md: Mapping, key: str) -> str | None:
+    value = md.get(key)
+    if value is not None and not isinstance(value, str):
+        raise GGUFError(f"metadata '{key}' has value {value!r:.60}, expected a string")
+    return value
 
 
 class Tokenizer:
@@ -219,7 +255,7 @@ class Tokenizer:
         special = [
             i for i, t in enumerate(self._types) if t in (TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN)
         ]
-        special.sort(key=lambda i: (-len(self._tokens[i].encode()), i))
+        special.sort(key=lambda i: (-len(_utf8(self._tokens[i])), i))
         self._special_all = [(self._tokens[i], i) for i in special]
         # Without parse_special, user-defined tokens are still split out first (llama.cpp does the same).
         self._special_user = [(t, i) for t, i in self._special_all if self._types[i] == TOKEN_USER_DEFINED]
@@ -232,31 +268,31 @@ class Tokenizer:
     @classmethod
     def from_metadata(cls, md: Mapping) -> Tokenizer:
         """Build the tokenizer described by a GGUF metadata dict (`tokenizer.ggml.*` keys)."""
-        model = md.get("tokenizer.ggml.model")
+        model = _text(md, "tokenizer.ggml.model")
         if model is None:
             raise GGUFError("GGUF has no tokenizer (tokenizer.ggml.model is missing)")
         if model not in SUPPORTED_MODELS:
             raise UnsupportedError(
                 f"tokenizer model {model!r} is not supported (supported: {', '.join(SUPPORTED_MODELS)})"
             )
-        tokens = md.get("tokenizer.ggml.tokens")
+        tokens = _strings(md, "tokenizer.ggml.tokens")
         if tokens is None:
             raise GGUFError("GGUF has no tokenizer.ggml.tokens")
         return cls(
             model=model,
-            tokens=list(tokens),
-            token_types=_as_list(md.get("tokenizer.ggml.token_type"), "tokenizer.ggml.token_type"),
-            scores=_as_list(md.get("tokenizer.ggml.scores"), "tokenizer.ggml.scores"),
-            merges=_as_list(md.get("tokenizer.ggml.merges"), "tokenizer.ggml.merges"),
-            pre=md.get("tokenizer.ggml.pre"),
-            bos_id=md.get("tokenizer.ggml.bos_token_id"),
-            eos_id=md.get("tokenizer.ggml.eos_token_id"),
-            unk_id=md.get("tokenizer.ggml.unknown_token_id"),
-            eot_id=md.get("tokenizer.ggml.eot_token_id"),
-            eom_id=md.get("tokenizer.ggml.eom_token_id"),
-            add_bos=md.get("tokenizer.ggml.add_bos_token"),
-            add_eos=md.get("tokenizer.ggml.add_eos_token"),
-            add_space_prefix=md.get("tokenizer.ggml.add_space_prefix"),
+            tokens=tokens,
+            token_types=_numbers(md, "tokenizer.ggml.token_type", integer=True),
+            scores=_numbers(md, "tokenizer.ggml.scores", integer=False),
+            merges=_strings(md, "tokenizer.ggml.merges"),
+            pre=_text(md, "tokenizer.ggml.pre"),
+            bos_id=_scalar(md, "tokenizer.ggml.bos_token_id", int),
+            eos_id=_scalar(md, "tokenizer.ggml.eos_token_id", int),
+            unk_id=_scalar(md, "tokenizer.ggml.unknown_token_id", int),
+            eot_id=_scalar(md, "tokenizer.ggml.eot_token_id", int),
+            eom_id=_scalar(md, "tokenizer.ggml.eom_token_id", int),
+            add_bos=_scalar(md, "tokenizer.ggml.add_bos_token", bool),
+            add_eos=_scalar(md, "tokenizer.ggml.add_eos_token", bool),
+            add_space_prefix=_scalar(md, "tokenizer.ggml.add_space_prefix", bool),
         )
 
     def _spm_byte_tokens(self) -> list[int]:
@@ -415,7 +451,7 @@ class Tokenizer:
             if tid is not None:
                 out.append(tid)
             else:
-                for b in s.encode("utf-8"):
+                for b in _utf8(s):
                     bid = byte_ids[b]
                     if bid < 0:
                         raise PolystrataError(f"cannot tokenize {s!r}: the vocabulary has no token for byte {b:#04x}")
@@ -446,7 +482,7 @@ class Tokenizer:
         for word in self.pre_tokenize(text):
             ids = cache.get(word)
             if ids is None:
-                ids = self._bpe_word(word.encode("utf-8").decode("latin-1").translate(_BYTE_ENCODE))
+                ids = self._bpe_word(_utf8(word).decode("latin-1").translate(_BYTE_ENCODE))
                 if len(cache) > 100_000:  # bound memory on long-running servers
                     cache.clear()
                 cache[word] = ids
@@ -497,7 +533,7 @@ class Tokenizer:
             else:
                 # No token for this piece (e.g. byte 0xF2 missing from the vocab): llama.cpp looks up each
                 # UTF-8 byte of it as a one-byte token text, which only ASCII can match, and drops the rest.
-                for b in s.encode("utf-8"):
+                for b in _utf8(s):
                     bid = tok2id.get(chr(b)) if b < 0x80 else None
                     if bid is not None:
                         ids.append(bid)
@@ -523,15 +559,15 @@ class Tokenizer:
         ttype = self._types[token_id]
         text = self._tokens[token_id]
         if ttype == TOKEN_CONTROL:
-            return text.encode() if special else b""
+            return _utf8(text) if special else b""
         if ttype in (TOKEN_UNKNOWN, TOKEN_USER_DEFINED):
-            return text.encode()
+            return _utf8(text)
         if ttype == TOKEN_NORMAL:
             if self.model == "llama":
-                return text.replace("\u2581", " ").encode()
+                return _utf8(text.replace("\u2581", " "))
             # Chars outside the GPT-2 byte table are kept as their own UTF-8 (llama.cpp writes a marker).
             return b"".join(
-                bytes((_BYTE_DECODE[c],)) if c in _BYTE_DECODE else c.encode() for c in text
+                bytes((_BYTE_DECODE[c],)) if c in _BYTE_DECODE else _utf8(c) for c in text
             )
         if ttype == TOKEN_BYTE and self.model == "llama":
             return bytes((int(text[3:-1], 16),))

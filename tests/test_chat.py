@@ -140,3 +140,20 @@ def test_helpers():
     )
     # tojson must not HTML-escape (that would corrupt the prompt) and keeps non-ASCII as is.
     assert text == '{"role": "user", "content": "<b>&\'é"}|4|False|yes'
+
+
+def test_bounded_operations_render_like_jinja():
+    """The size checks on filters, methods and operators leave ordinary uses unchanged."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    template = (
+        "{{ 'ab' | center(9) }}|{{ 'a\nb' | indent(2, true) }}|{{ 'a-b-c' | replace('-', '+') }}|"
+        "{{ 'aXbX' | replace('X', 'yy', 1) }}|{{ [1, 2, 3] | join(', ') }}|{{ 'one two three' | wordwrap(5) }}|"
+        "{{ '%s=%03d' | format('x', 7) }}|{{ '%-4s|' % 'ab' }}|{{ '{}:{:>4}'.format('k', 12) }}|"
+        "{{ 'ab'.center(6, '*') }}|{{ 'a\tb'.expandtabs(4) }}|{{ '-'.join(['x', 'y']) }}|{{ 'ab' * 3 }}|"
+        "{{ [1] + [2] }}|{{ 'a' + 'b' }}|{{ 6 * 7 }}|{{ 2 ** 10 }}|{{ 7 % 3 }}|"
+        "{% set ns = namespace(s='') %}{% for i in range(3) %}{% set ns.s = ns.s ~ i %}{% endfor %}{{ ns.s }}|"
+        "{{ messages | map(attribute='content') | join('/') }}|{{ '+'.join(messages | map(attribute='role')) }}"
+    )
+    plain = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+    assert render_chat(template, MESSAGES) == plain.render(messages=MESSAGES)

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from polystrata.errors import GGUFError
+from polystrata.gguf import typed_value
 
 
 @dataclass
@@ -51,16 +54,13 @@ class MetadataView:
                 raise GGUFError(f"metadata key '{full}' is missing; the file is not a complete {self.arch} model")
             return default
         v = self.md[full]
-        if hasattr(v, "__len__") and not isinstance(v, str):
+        if isinstance(v, np.ndarray) and v.ndim == 1 and v.size and v.dtype.kind in "biuf":
             # Per-layer arrays (e.g. head counts): PolyStrata supports uniform layers only.
-            vals = {int(x) for x in v} if kind is int else {float(x) for x in v}
+            vals = {typed_value(full, x.item(), kind) for x in v}
             if len(vals) != 1:
                 raise GGUFError(f"metadata '{full}' varies per layer, which is not supported")
-            v = vals.pop()
-        try:
-            return kind(v)
-        except (TypeError, ValueError) as e:
-            raise GGUFError(f"metadata '{full}' has value {v!r}, expected {kind.__name__}") from e
+            return vals.pop()
+        return typed_value(full, v, kind)
 
 
 def read_hparams(metadata: dict[str, Any], arch: str, n_vocab: int) -> HParams:
@@ -74,7 +74,7 @@ def read_hparams(metadata: dict[str, Any], arch: str, n_vocab: int) -> HParams:
         raise GGUFError(f"{arch}: inconsistent head counts ({n_head} heads, {n_head_kv} kv heads)")
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     factor = m.get("rope.scaling.factor", 1.0, kind=float)
-    return HParams(
+    hp = HParams(
         arch=arch,
         n_layer=m.get("block_count", required=True),
         n_embd=n_embd,
@@ -97,3 +97,40 @@ def read_hparams(metadata: dict[str, Any], arch: str, n_vocab: int) -> HParams:
         attn_softcap=m.get("attn_logit_softcapping", 0.0, kind=float),
         final_softcap=m.get("final_logit_softcapping", 0.0, kind=float),
     )
+    check_hparams(hp)
+    return hp
+
+
+# Sizes and counts are int32 in every target's kernels.
+_MAX_DIM = 2**31 - 1
+
+
+def check_hparams(hp: HParams) -> None:
+    """Refuse hyper-parameters that no target can run, with a GGUFError naming the metadata at fault."""
+    a = hp.arch
+    at_least_one = {
+        "block_count": hp.n_layer, "embedding_length": hp.n_embd, "context_length": hp.n_ctx_train,
+        "attention.value_length": hp.head_dim_v,
+    }
+    for key, value in at_least_one.items():
+        if not 1 <= value <= _MAX_DIM:
+            raise GGUFError(f"metadata '{a}.{key}' is {value}, expected at least 1")
+    non_negative = {
+        "feed_forward_length": hp.n_ff, "expert_count": hp.n_expert, "expert_used_count": hp.n_expert_used,
+        "expert_feed_forward_length": hp.n_ff_expert, "expert_shared_feed_forward_length": hp.n_ff_shared,
+        "attention.sliding_window": hp.sliding_window, "attention.layer_norm_rms_epsilon": hp.rms_eps,
+        "attn_logit_softcapping": hp.attn_softcap, "final_logit_softcapping": hp.final_softcap,
+    }
+    for key, value in non_negative.items():
+        if not 0 <= value <= _MAX_DIM:
+            raise GGUFError(f"metadata '{a}.{key}' is {value}, expected a non-negative value")
+    if hp.n_head > _MAX_DIM or hp.head_dim > _MAX_DIM or hp.n_head * hp.head_dim > _MAX_DIM:
+        raise GGUFError(f"{a}: attention of {hp.n_head} heads of {hp.head_dim} is too large")
+    # Rotary embeddings turn pairs of a head's dimensions: at most the whole head, an even count.
+    if not 0 < hp.rope_dims <= hp.head_dim or hp.rope_dims % 2:
+        raise GGUFError(
+            f"metadata '{a}.rope.dimension_count' is {hp.rope_dims}, expected an even number "
+            f"from 2 to the head size {hp.head_dim}"
+        )
+    if hp.rope_base <= 0:
+        raise GGUFError(f"metadata '{a}.rope.freq_base' is {hp.rope_base}, expected a positive number")

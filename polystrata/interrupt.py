@@ -1,0 +1,76 @@
+"""Ctrl-C ends the command within a second, whatever it is doing.
+
+SIGINT normally raises KeyboardInterrupt in the main thread, and `main` turns that into one line
+`error: interrupted` and exit code 130. That is not enough on its own: an exception raised while llvmlite
+or Numba runs a Python callback from C is printed and dropped (the compile carries on), and a long call
+into C delays the handler until it returns. So `arm` also lets CPython's C-level signal handler write to a
+pipe (signal.set_wakeup_fd), which wakes a watchdog thread at once; if the process is still running
+GRACE_S later, the watchdog reports and exits with os._exit. Caches and artifacts are written to a
+temporary file and renamed, so stopping at any point leaves them valid.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a command ended by Ctrl-C
+GRACE_S = 0.5
+
+_lock = threading.Lock()
+_reported = False
+_armed = False
+
+
+def report() -> int:
+    """Print `error: interrupted` once (whichever of the main thread and the watchdog comes first)."""
+    global _reported
+    with _lock:
+        first, _reported = not _reported, True
+    if first:
+        try:
+            print("error: interrupted", file=sys.stderr, flush=True)
+        except (OSError, ValueError):
+            pass
+    return EXIT_INTERRUPTED
+
+
+def arm() -> None:
+    """Start the watchdog for SIGINT; once per process, from the main thread, if the wakeup fd is free."""
+    global _armed
+    if _armed or threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return  # someone else (an embedding application) handles Ctrl-C
+    read_fd, write_fd = os.pipe()
+    try:
+        os.set_blocking(write_fd, False)
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except (OSError, ValueError):  # a platform whose wakeup fd takes no pipe: Ctrl-C keeps its usual path
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    if previous != -1:
+        # An event loop already listens on the wakeup fd: give it back and leave Ctrl-C to it.
+        signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    _armed = True
+    threading.Thread(target=_watch, args=(read_fd,), name="polystrata-ctrl-c", daemon=True).start()
+
+
+def _watch(read_fd: int) -> None:
+    while signal.SIGINT not in os.read(read_fd, 64):
+        pass
+    # The main thread normally unwinds and exits well within the grace period, ending this thread too.
+    threading.Event().wait(GRACE_S)
+    report()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(EXIT_INTERRUPTED)

@@ -1,0 +1,342 @@
+"""Hostile and careless input: wrong metadata, fuzzed GGUF headers, hostile chat templates, bad arguments, Ctrl-C.
+
+Every outcome is exit 0, or one line `error: ...` with exit 1 (2 for usage), never a traceback. Most cases
+call the CLI's `main(argv)` in-process (hundreds of subprocesses would be too slow); a handful run the real
+command. The inputs are data: tests/data/fuzz/gguf_mutations.json and tests/data/hostile_templates/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from polystrata import chat
+from polystrata.cli import main
+from polystrata.errors import GGUFError
+from polystrata.gguf import GGUFFile, write_gguf
+from polystrata.synth import synth_model
+
+DATA = Path(__file__).parent / "data"
+FUZZ = json.loads((DATA / "fuzz" / "gguf_mutations.json").read_text())
+HOSTILE_TEMPLATES = sorted((DATA / "hostile_templates").glob("*.jinja"))
+CALL_LIMIT_S = 20  # per in-process command; the slowest legitimate one here takes well under a second
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict:
+    """A tiny llama GGUF and what it takes to write variants of it."""
+    path = synth_model("llama", tmp_path_factory.mktemp("base") / "tiny.gguf", preset="tiny", qtype="Q8_0", seed=0)
+    with GGUFFile(path) as f:
+        tensors = [(t.name, t.shape, t.fmt, np.array(f.raw(t.name))) for t in f.tensors.values()]
+        return {"path": path, "metadata": dict(f.metadata), "types": dict(f.metadata_types),
+                "tensors": tensors, "data_offset": f.data_offset}
+
+
+def variant(base: dict, path: Path, changes: dict) -> Path:
+    """The base model with metadata `changes` (a value of None drops the key), types inferred for new values."""
+    md, types = dict(base["metadata"]), dict(base["types"])
+    for key, value in changes.items():
+        md.pop(key, None)
+        types.pop(key, None)
+        if value is not None:
+            md[key] = value
+    write_gguf(path, md, base["tensors"], types=types)
+    return path
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _on_alarm(signum, frame):
+    raise _Timeout
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    """`polystrata argv` in this process: exit code, stdout, stderr; any exception escaping main fails the test."""
+    out, err = io.StringIO(), io.StringIO()
+    previous = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, CALL_LIMIT_S)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main(list(argv))
+            except SystemExit as e:  # argparse's usage errors
+                rc = e.code
+    except _Timeout:
+        raise AssertionError(f"polystrata {' '.join(argv)} ran longer than {CALL_LIMIT_S} s") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def outcome_problem(rc: int, err: str) -> str | None:
+    """What is wrong with an outcome, or None: exit 0, or exit 1 (2: usage) ending in one line `error: ...`."""
+    if "Traceback" in err:
+        return "traceback"
+    if rc == 0:
+        return None
+    if rc not in (1, 2):
+        return f"exit code {rc}"
+    lines = err.strip().splitlines()
+    if not lines or not lines[-1].startswith("error: ") or sum(ln.startswith("error:") for ln in lines) != 1:
+        return f"exit {rc} without one line 'error: ...': {err[-300:]!r}"
+    return None
+
+
+def assert_clean(rc: int, err: str, code: int | None = None, match: str | None = None) -> None:
+    problem = outcome_problem(rc, err)
+    assert problem is None, problem
+    if code is not None:
+        assert rc == code, err
+    if match is not None:
+        assert match in err.strip().splitlines()[-1], err
+
+
+# --- item 5: metadata of the wrong type or value, refused when the model is opened -------------------------
+
+
+TOKENS = "tokenizer.ggml.tokens"
+BAD_METADATA = {
+    "block_count_inf": ({"llama.block_count": float("inf")}, "'llama.block_count' has value inf"),
+    "block_count_strings": ({"llama.block_count": ["a", "b"]}, "'llama.block_count' has value ['a', 'b']"),
+    "block_count_zero": ({"llama.block_count": 0}, "'llama.block_count' is 0, expected at least 1"),
+    "context_length_zero": ({"llama.context_length": 0}, "'llama.context_length' is 0"),
+    "rope_dims_past_head": ({"llama.rope.dimension_count": 64}, "'llama.rope.dimension_count' is 64"),
+    "rms_eps_nan": ({"llama.attention.layer_norm_rms_epsilon": float("nan")}, "layer_norm_rms_epsilon"),
+    "bos_token_id_text": ({"tokenizer.ggml.bos_token_id": "xyz"}, "'tokenizer.ggml.bos_token_id' has value 'xyz'"),
+    "token_types_floats": ({"tokenizer.ggml.token_type": np.full(1024, 1.5, np.float32)}, "not an array of integers"),
+    "tokens_numbers": ({TOKENS: list(range(1024))}, "'tokenizer.ggml.tokens' is not an array of strings"),
+    "merges_numbers": ({"tokenizer.ggml.merges": [1, 2]}, "'tokenizer.ggml.merges' is not an array of strings"),
+    "tokenizer_model_array": ({"tokenizer.ggml.model": [1, 2]}, "'tokenizer.ggml.model' has value"),
+    "vocabulary_short": ({TOKENS: "first 1000", "tokenizer.ggml.token_type": None}, "the vocabulary has 1000 tokens"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_METADATA))
+def test_bad_metadata_is_one_line_error(case, base, tmp_path):
+    changes, message = BAD_METADATA[case]
+    if changes.get(TOKENS) == "first 1000":
+        changes = {**changes, TOKENS: base["metadata"][TOKENS][:1000]}
+    path = variant(base, tmp_path / "m.gguf", changes)
+    rc, _, err = run_cli("score", str(path), "--target", "reference", "--text", "hi", "-o", str(tmp_path / "s.npz"))
+    assert_clean(rc, err, code=1, match=message)
+    assert not (tmp_path / "s.npz").exists()
+
+
+def test_text_that_is_not_utf8_in_vocabulary_template_and_prompt(base, tmp_path):
+    """Bytes that are not UTF-8 (kept as surrogates) tokenize and decode as those bytes, mid-output too."""
+    from polystrata.tokenizer import Tokenizer
+
+    tokens = list(base["metadata"][TOKENS])
+    tokens[300] = "\udcff" + tokens[300]
+    template = "{{ '\udcfe' }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = variant(base, tmp_path / "m.gguf", {TOKENS: tokens, "tokenizer.chat_template": template})
+    with GGUFFile(path) as f:
+        tok = Tokenizer.from_metadata(f.metadata)
+    assert tok.token_bytes(300).startswith(b"\xff")
+    assert tok.decode([300]).startswith("\ufffd")
+    rc, out, err = run_cli("tokenize", str(path), "--text", "a\udcffb")
+    assert_clean(rc, err, code=0)
+    assert tok.decode(json.loads(out)) == "a\ufffdb"
+    rc, _, err = run_cli("run", str(path), "--target", "reference", "-n", "4", "--seed", "1", "-p", "hi\udcfd")
+    assert_clean(rc, err, code=0)
+
+
+@pytest.mark.parametrize(
+    ("args", "ids", "code", "message"),
+    [
+        (("--seed", "-1"), None, 2, "argument --seed"),
+        (("--ctx", "0"), None, 2, "argument --ctx"),
+        (("--ctx", "-3"), None, 2, "argument --ctx"),
+        ((), [1, 10**20], 1, "token id 100000000000000000000 is out of range"),
+        ((), "[" * 100_000 + "]" * 100_000, 1, "expected a non-empty JSON array"),
+    ],
+    ids=["seed_negative", "ctx_zero", "ctx_negative", "id_past_int64", "ids_nested_deep"],
+)
+def test_bad_arguments_are_one_line_errors(args, ids, code, message, base, tmp_path):
+    model = str(base["path"])
+    if ids is None:
+        rc, _, err = run_cli("run", model, "--target", "reference", "-n", "1", *args)
+    else:
+        ids_file = tmp_path / "ids.json"
+        ids_file.write_text(ids if isinstance(ids, str) else json.dumps(ids))
+        rc, _, err = run_cli("score", model, "--target", "reference", "--ids-file", str(ids_file),
+                             "-o", str(tmp_path / "s.npz"))
+    assert_clean(rc, err, code=code, match=message)
+
+
+# --- the fuzz test: mutated headers and metadata values through info, tokenize and score ----------------------
+
+
+def _byte_mutant(rng: random.Random, data: bytes, data_offset: int) -> tuple[bytes, str]:
+    regions = FUZZ["byte_regions"]
+    region = rng.choice(sorted(regions))
+    size = regions[region]
+    lo, hi = {"start": (0, min(size, data_offset)), "tensor_infos": (max(data_offset - size, 0), data_offset),
+              "anywhere": (0, data_offset)}[region]
+    at = rng.randrange(lo, hi)
+    op = rng.choice(FUZZ["byte_operations"])
+    buf = bytearray(data)
+    if op == "truncate":
+        return bytes(buf[:at]), f"truncated at {at}"
+    if op == "small_int":
+        value = rng.choice([0, 1, 2, 255, 2**31, 2**32 - 1, 2**63, 2**64 - 1])
+        buf[at : at + 8] = value.to_bytes(8, "little")[: len(buf) - at]
+        return bytes(buf), f"u64 {value} at {at}"
+    buf[at] = {"random": rng.randrange(256), "flip_bit": buf[at] ^ (1 << rng.randrange(8)), "zero": 0,
+               "ff": 0xFF}[op]
+    return bytes(buf), f"{op} byte at {at} ({region})"
+
+
+def _fuzz_cases(base: dict, tmp: Path):
+    """(description, path) of each mutated file, written one at a time."""
+    rng = random.Random(FUZZ["seed"])
+    data = base["path"].read_bytes()
+    keys = sorted(base["metadata"])
+    for i in range(FUZZ["byte_mutations"]):
+        mutated, what = _byte_mutant(rng, data, base["data_offset"])
+        path = tmp / f"b{i}.gguf"
+        path.write_bytes(mutated)
+        yield f"bytes #{i}: {what}", path
+    for i in range(FUZZ["value_mutations"]):
+        key, value = rng.choice(keys), rng.choice(FUZZ["values"])
+        try:
+            path = variant(base, tmp / f"v{i}.gguf", {key: value})
+        except GGUFError:  # a value the writer cannot encode (an empty array has no element type)
+            continue
+        yield f"value #{i}: {key} = {value!r}", path
+
+
+def test_fuzzed_models_give_clean_outcomes(base, tmp_path):
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    problems, outcomes = [], {0: 0, 1: 0}
+    for what, path in _fuzz_cases(base, tmp_path):
+        for command in FUZZ["commands"]:
+            argv = [a.format(model=path, out=tmp_path / "out.npz") for a in command]
+            try:
+                rc, _, err = run_cli(*argv)
+            except Exception as e:  # noqa: BLE001 - any escape from main is what this test looks for
+                problems.append(f"{what}: {command[0]} raised {type(e).__name__}: {e}")
+                continue
+            problem = outcome_problem(rc, err)
+            if problem:
+                problems.append(f"{what}: {command[0]}: {problem}")
+            outcomes[rc] = outcomes.get(rc, 0) + 1
+        path.unlink()
+    assert not problems, f"{len(problems)} bad outcomes, e.g.:\n" + "\n".join(problems[:15])
+    # The mutations reach both sides: files that still work and files refused with a clear error.
+    assert outcomes[0] > 50 and outcomes[1] > 100, outcomes
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < 1024 * 1024  # KiB: under 1 GiB more
+
+
+def test_fuzzed_models_through_the_command(base, tmp_path):
+    """A few mutants through the real command: the same clean outcomes at the process level."""
+    cases = [case for i, case in enumerate(_fuzz_cases(base, tmp_path)) if i % 60 == 0][:5]
+    for what, path in cases:
+        for command in ("info", "tokenize"):
+            extra = ["--text", "hi"] if command == "tokenize" else []
+            r = subprocess.run([sys.executable, "-m", "polystrata", command, str(path), *extra],
+                               capture_output=True, text=True, timeout=120)
+            assert outcome_problem(r.returncode, r.stderr) is None, (what, command, r.stderr)
+
+
+# --- item 4: hostile chat templates through `run` ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def template_models(base, tmp_path_factory) -> dict[str, Path]:
+    tmp = tmp_path_factory.mktemp("templates")
+    return {p.stem: variant(base, tmp / f"{p.stem}.gguf", {"tokenizer.chat_template": p.read_text()})
+            for p in HOSTILE_TEMPLATES}
+
+
+@pytest.mark.parametrize("name", [p.stem for p in HOSTILE_TEMPLATES])
+def test_hostile_template_through_run(name, template_models, monkeypatch):
+    """Templates that would loop for hours or build gigabytes stop with one line, soon and small."""
+    monkeypatch.setattr(chat, "MAX_STEPS", 50_000)  # a tenth of the default: the same bound, sooner
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    rc, out, err = run_cli("run", str(template_models[name]), "--target", "reference", "-n", "2", "-p", "hi")
+    assert_clean(rc, err, code=1, match="error: chat template")
+    assert out == ""
+    assert time.monotonic() - t0 < chat.TIME_LIMIT_S + 2
+    # ru_maxrss is in KiB on Linux: the peak grew by less than the memory bound and a margin.
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0 < (chat.MAX_MEMORY >> 10) + 256 * 1024
+
+
+def test_hanging_template_through_the_command(template_models):
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "polystrata", "run", str(template_models["nested_range_loops"]), "--target",
+         "reference", "-n", "2"], capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 1 and r.stderr.startswith("error: chat template stopped:"), r.stderr
+    assert r.stderr.count("\n") == 1
+    assert time.monotonic() - t0 < chat.TIME_LIMIT_S + 15  # the limit plus start-up on a busy machine
+
+
+# --- item 8: Ctrl-C ---------------------------------------------------------------------------------------------
+
+
+def _interrupt(argv: list[str], home: Path, ready) -> tuple[subprocess.CompletedProcess, float]:
+    """Start `polystrata argv`, send SIGINT once `ready(pid)` holds, and time how long the command takes to end."""
+    env = {**os.environ, "POLYSTRATA_HOME": str(home)}
+    proc = subprocess.Popen([sys.executable, "-m", "polystrata", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 120
+    while not ready(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the command ended before it could be interrupted"
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0
+
+
+def _main_started(pid: int) -> bool:
+    # main() starts the Ctrl-C watchdog thread before anything heavy: before that, Python itself is starting,
+    # where a Ctrl-C is Python's to report.
+    return len(os.listdir(f"/proc/{pid}/task")) >= 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux's /proc")
+def test_ctrl_c_at_start_up(base, tmp_path):
+    r, took = _interrupt(["compile", str(base["path"]), "--target", "cpu", "-o", str(tmp_path / "a")], tmp_path,
+                         _main_started)
+    assert (r.returncode, r.stderr) == (130, "error: interrupted\n")
+    assert took < 2
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.slow  # two compiles of the tiny model, about 20 s on two cores
+def test_ctrl_c_during_compile_leaves_the_cache_valid(base, tmp_path):
+    home = tmp_path / "home"
+
+    def most_kernels_compiled(pid: int) -> bool:
+        # The tiny model has 13 kernels: interrupt while one of the last is compiling, so the rerun is short.
+        return len(list(home.glob("kernels/cpu/__pycache__/*.nbi"))) >= 10
+
+    r, took = _interrupt(["compile", str(base["path"]), "--target", "cpu", "-o", str(tmp_path / "a")], home,
+                         most_kernels_compiled)
+    assert (r.returncode, r.stderr) == (130, "error: interrupted\n")
+    assert took < 2
+    assert not (tmp_path / "a").exists()
+    env = {**os.environ, "POLYSTRATA_HOME": str(home)}
+    again = subprocess.run([sys.executable, "-m", "polystrata", "compile", str(base["path"]), "--target", "cpu",
+                            "-o", str(tmp_path / "a")], capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "from the binary cache" in again.stderr and "warning" not in again.stderr
