@@ -424,9 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     `error: interrupted` and exit code 130 (see polystrata.interrupt).
     """
     warnings.showwarning = _show_warning
-    if argv is None:
-        interrupt.arm()
-    try:
+    try:  # a Ctrl-C can land while the watchdog thread is starting
+        if argv is None:
+            interrupt.arm()
         args = build_parser().parse_args(argv)
     except KeyboardInterrupt:
         return interrupt.report()
