@@ -285,6 +285,15 @@ def stable_digest(value: Any, length: int = 16) -> str:
     return hashlib.sha256(repr(value).encode()).hexdigest()[:length]
 
 
+_TAG_CHARS = str.maketrans({".": "p", "-": "m", "+": "", " ": ""})
+
+
+def name_tag(value: Any) -> str:
+    """`value` (a number, or text of numbers) spelled for a kernel name: '.' -> 'p', '-' -> 'm', '+' dropped, so
+    that 1e-06 and 1e+38 give identifiers (`1em06`, `1e38`) in every printer."""
+    return str(value).translate(_TAG_CHARS)
+
+
 class KernelError(ValueError):
     """A malformed kernel: a bug in a recipe."""
 

@@ -114,3 +114,15 @@ def test_q4_k_q5_k_rows_sliced_only_on_wide_load_targets():
                             "q5": Q.sliced(Q.FORMATS["Q5_K"], 512), "q6": Q.padded(Q.FORMATS["Q6_K"], 16)}
         else:
             assert fmts == {n: Q.FORMATS[f] for n, (f, _) in shapes.items()}
+
+
+def test_kernel_names_from_extreme_values_are_identifiers(tmp_path, monkeypatch):
+    """An epsilon like 1e38 (valid metadata) once named a kernel `..._9p99e+37`, a syntax error on the cpu target."""
+    from polystrata.codegen.recipes.elementwise import rms_norm_kernel
+    from polystrata.ir.kernel import name_tag
+    from polystrata.runtimes.cpu import CPURuntime
+
+    assert [name_tag(v) for v in (1e-06, 0.5, -2.0)] == ["1em06", "0p5", "m2p0"]  # names of today's kernels kept
+    monkeypatch.setenv("POLYSTRATA_HOME", str(tmp_path))
+    k = rms_norm_kernel(f"rms_norm_8_{name_tag(1e38)}", 8, 1e38, False, 1)
+    CPURuntime().compile(k)  # renders and imports: the name is a valid identifier

@@ -36,6 +36,7 @@ from polystrata.ir.kernel import (
     Scalar,
     Select,
     Store,
+    name_tag,
     stable_digest,
 )
 from polystrata.ir.quant import Const, Expr, Var
@@ -103,7 +104,7 @@ def _lower_elementwise(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch
     per = _per_token(node.output)
     _, tbind, _ = _rows(node.output)
     sig = "_".join(str(s) for _, s in ins)
-    key = f"{node.op}_{node.attrs.get('factor', '')}".replace(".", "p").replace("-", "m")
+    key = name_tag(f"{node.op}_{node.attrs.get('factor', '')}")
     kern = elementwise_kernel(f"ew_{key}_{sig}_{per}".replace("-", "b"), ins, per, _FNS[node.op](node),
                               ctx.knob(node.op, "chunk", CHUNK), ctx.lanes)
     bufs = tuple((nm, ctx.buf(v)) for (nm, _), v in zip(ins, node.inputs)) + (("y", ctx.buf(node.output)),)
@@ -233,7 +234,7 @@ def norm_launch(node: Node, out: Value, ctx: RecipeContext, eps: float, fused: b
 def _rms_kernel_mid(d: int, mid: int, eps: float, fused: bool, lanes: int, quant: bool,
                     addend: tuple[str, Addend] | None = None) -> Kernel:
     tag = f"{'_add' if fused else ''}{addend[0] if addend else ''}{'_q8' if quant else ''}"
-    k = rms_norm_kernel(f"rms_norm{tag}_{d}x{mid}_{str(eps).replace('.', 'p').replace('-', 'm')}",
+    k = rms_norm_kernel(f"rms_norm{tag}_{d}x{mid}_{name_tag(eps)}",
                         d, eps, fused, lanes, quant, addend[1] if addend else None)
     if mid == 1:
         return k
