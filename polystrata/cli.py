@@ -78,8 +78,9 @@ def _positive_int(text: str) -> int:
     return _int_in(text, 1, 2**31 - 1, "a positive integer")
 
 
-def _seed(text: str) -> int:
-    return _int_in(text, 0, 2**64 - 1, "a seed from 0 to 2**64-1")
+def _seed(text: str) -> int | None:
+    """--seed: 0 .. 2**64-1, or -1 for a fresh random seed (llama.cpp's convention)."""
+    return None if text.strip() == "-1" else _int_in(text, 0, 2**64 - 1, "a seed from 0 to 2**64-1, or -1 for random")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=_seed, default=None, help="random seed, 0 .. 2**64-1 (default: a fresh one)")
+    p.add_argument("--seed", type=_seed, default=None, help="random seed, 0 .. 2**64-1; -1 or unset: a fresh one")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--ctx", type=_positive_int, default=None, help="context length (default: min(trained, 4096))")
     _target_arg(p)

@@ -159,7 +159,7 @@ def test_text_that_is_not_utf8_in_vocabulary_template_and_prompt(base, tmp_path)
 @pytest.mark.parametrize(
     ("args", "ids", "code", "message"),
     [
-        (("--seed", "-1"), None, 2, "argument --seed"),
+        (("--seed", "-2"), None, 2, "argument --seed"),
         (("--ctx", "0"), None, 2, "argument --ctx"),
         (("--ctx", "-3"), None, 2, "argument --ctx"),
         ((), [1, 10**20], 1, "token id 100000000000000000000 is out of range"),
@@ -177,6 +177,12 @@ def test_bad_arguments_are_one_line_errors(args, ids, code, message, base, tmp_p
         rc, _, err = run_cli("score", model, "--target", "reference", "--ids-file", str(ids_file),
                              "-o", str(tmp_path / "s.npz"))
     assert_clean(rc, err, code=code, match=message)
+
+
+def test_seed_minus_one_means_random(base):
+    """llama.cpp's habit: --seed -1 asks for a fresh random seed."""
+    rc, _, err = run_cli("run", str(base["path"]), "--target", "reference", "-n", "1", "--seed", "-1")
+    assert_clean(rc, err, code=0)
 
 
 # --- the fuzz test: mutated headers and metadata values through info, tokenize and score ----------------------
