@@ -148,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--type", default="Q8_0", help="weight format, e.g. Q4_K, Q8_0, F16, or the mix Q4_K_M")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    p.add_argument("--router-skew", type=float, default=0.0,
+                   help="MoE routing locality: router rows scaled by exp(-S*r) over a random expert order (0: none)")
     p.add_argument("-o", "--output", required=True, type=_output_path)
     return ap
 
@@ -389,7 +391,7 @@ def cmd_synth(a) -> int:
 
     with writing(a.output):
         out = synth_model(a.arch, _output_file(a.output), preset=a.preset, qtype=a.type, seed=a.seed,
-                          n_layer=a.layers)
+                          n_layer=a.layers, router_skew=a.router_skew)
     print(out)
     return 0
 

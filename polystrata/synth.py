@@ -436,11 +436,21 @@ class _Pools:
         return self.pools[key]
 
 
-def _make(t: _Tensor, fmt: str, seed: int, pools: _Pools) -> np.ndarray:
+def _skewed(x: np.ndarray, skew: float, rng: np.random.Generator) -> np.ndarray:
+    """Router rows scaled by exp(-skew * r), r in [0, 1] over a random order of the experts: experts with wider
+    logits win the top-k more often, so routing concentrates on a popular few (different ones in each layer)."""
+    rank = rng.permutation(x.shape[0]) / max(x.shape[0] - 1, 1)
+    return x * np.exp(-skew * rank).astype(np.float32)[:, None]
+
+
+def _make(t: _Tensor, fmt: str, seed: int, pools: _Pools, router_skew: float = 0.0) -> np.ndarray:
     n_el = math.prod(t.shape)
     rng = _rng(seed, t.name)
     if n_el <= EXACT_ELEMENTS:
-        data = _encode(fmt, _floats(t, rng, t.shape))
+        x = _floats(t, rng, t.shape)
+        if t.kind == "router" and len(t.shape) == 2 and router_skew:
+            x = _skewed(x, router_skew, rng)
+        data = _encode(fmt, x)
     else:
         pool = pools.get(fmt, t)
         n_rows = n_el // t.shape[-1]
@@ -523,13 +533,15 @@ def synth_model(
     seed: int = 0,
     n_layer: int | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    router_skew: float = 0.0,
 ) -> Path:
     """Write a random-weight `arch` model with the shapes of `PRESETS[arch][preset]` to `out`; returns the path.
 
     `qtype` is a tensor format name (`QTYPES`) or a llama.cpp-style mix (`MIXES`); see the module docstring
     for which tensors get which format. `n_layer` overrides the preset's layer count. `progress(i, n, name)`
-    is called before tensor i of n is generated (e.g. `print_progress`). The file is written atomically and
-    one tensor at a time, so memory stays at about one tensor plus the row pools.
+    is called before tensor i of n is generated (e.g. `print_progress`). `router_skew` > 0 makes MoE routing
+    concentrate on fewer experts (see `_skewed`; 0 keeps every expert equally likely). The file is written
+    atomically and one tensor at a time, so memory stays at about one tensor plus the row pools.
     """
     p = _preset(arch, preset, n_layer)
     qtype = _check_qtype(qtype)
@@ -541,7 +553,7 @@ def synth_model(
         def produce() -> np.ndarray:
             if progress is not None:
                 progress(i, len(specs), t.name)
-            return _make(t, fmt, seed, pools)
+            return _make(t, fmt, seed, pools, router_skew)
 
         return produce
 

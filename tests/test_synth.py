@@ -281,3 +281,16 @@ def test_llama_cpp_matches_reference(tiny, arch, qtype, max_kl, min_top1):
     par = Parity()
     par.add(top, np.take_along_axis(lc, top, -1), ref)
     assert par.kl < max_kl and par.top1 >= min_top1, (arch, str(par))
+
+
+def test_router_skew_concentrates_routing(tmp_path):
+    """--router-skew scales each layer's router rows by exp(-S * r): the same weights otherwise, and rows of the
+    least favoured experts shrink by exp(-S)."""
+    plain = synth_model("qwen3moe", tmp_path / "a.gguf", preset="tiny", qtype="Q8_0", seed=3)
+    skewed = synth_model("qwen3moe", tmp_path / "b.gguf", preset="tiny", qtype="Q8_0", seed=3, router_skew=2.0)
+    fa, fb = GGUFFile(plain), GGUFFile(skewed)
+    name = "blk.0.ffn_gate_inp.weight"
+    ra, rb = fa.dequantize(name), fb.dequantize(name)
+    ratio = np.linalg.norm(rb, axis=1) / np.linalg.norm(ra, axis=1)
+    assert np.isclose(ratio.max(), 1.0, rtol=1e-5) and np.isclose(ratio.min(), np.exp(-2.0), rtol=1e-5)
+    assert np.array_equal(fa.dequantize("blk.0.ffn_up_exps.weight"), fb.dequantize("blk.0.ffn_up_exps.weight"))
