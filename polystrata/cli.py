@@ -42,6 +42,23 @@ def _target_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-type", default="f16", help="KV cache format: f16, q8_0, q8_g64 (kernel targets)")
 
 
+def ctx_size(text: str) -> int:
+    """argparse type of -c/--ctx-size: a positive token count."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"context size must be a positive number of tokens, got '{text}'")
+    return n
+
+
+def ctx_arg(p: argparse.ArgumentParser, default_help: str) -> None:
+    """-c/--ctx-size N (alias --ctx): the KV cache holds N tokens."""
+    p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=ctx_size, default=None, metavar="N",
+                   help=f"context length in tokens, the KV cache's size (default: {default_help})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     ap = _Parser(prog="polystrata", description="Compile and run GGUF language models on any accelerator.")
@@ -69,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ids-file", help="JSON array of token ids, scored exactly")
     p.add_argument("--top-k", type=int, default=40)
     _target_arg(p)
+    ctx_arg(p, "the text's length, at least 4096")
     p.add_argument("-o", "--output", required=True)
 
     p = sub.add_parser("run", help="generate text; only the generated text goes to stdout")
@@ -82,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    p.add_argument("--ctx", type=int, default=None, help="context length (default: min(trained, 4096))")
+    ctx_arg(p, "min(trained, 4096), or the artifact's")
     _target_arg(p)
 
     p = sub.add_parser("parity", help="score llama.cpp's reference prompts and compare (pooled KL, top-1)")
@@ -94,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arg(p)
     _target_arg(p)
     p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
+    ctx_arg(p, "min(trained, 4096)")
     p.add_argument("-o", "--output", required=True)
 
     from polystrata.bench import add_bench_parser
@@ -232,8 +251,10 @@ def cmd_score(a) -> int:
     tok = _load_tokenizer(path)
     if ids is None:
         ids = tok.encode(text)
+    if a.ctx is not None and a.ctx < len(ids):
+        raise PolystrataError(f"the text has {len(ids)} tokens, more than the context (-c {a.ctx})")
     # One pass over the whole text: the context must hold all of it, however long.
-    eng = Engine(path, target=a.target, n_ctx=max(len(ids), DEFAULT_CTX), kv_type=a.kv_type)
+    eng = Engine(path, target=a.target, n_ctx=a.ctx or max(len(ids), DEFAULT_CTX), kv_type=a.kv_type)
     t0 = time.perf_counter()
     logits = eng.score(ids)
     dt = time.perf_counter() - t0
@@ -269,16 +290,17 @@ def cmd_run(a) -> int:
     from polystrata.engine import Engine, GenerationStats
     from polystrata.sampling import Sampler, SamplerConfig
 
-    target, kv_type = a.target, a.kv_type
+    target, kv_type, n_ctx = a.target, a.kv_type, a.ctx
     if a.model and is_artifact(a.model):
         manifest = load_artifact(a.model)
         path, target = Path(manifest["model"]["path"]), manifest["target"]["name"]
         kv_type = manifest["memory"]["kv_type"] if target != "reference" else kv_type
+        n_ctx = n_ctx or manifest["memory"]["n_ctx"]
     else:
         path = _resolve(a.model)
     if a.n_predict < 0:
         raise PolystrataError("-n must be >= 0")
-    eng = Engine(path, target=target, n_ctx=a.ctx, kv_type=kv_type)
+    eng = Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type)
     tok = eng.tokenizer
     template = eng.metadata.get("tokenizer.chat_template")
     if template and not a.raw:
@@ -321,7 +343,7 @@ def cmd_run(a) -> int:
 def cmd_compile(a) -> int:
     from polystrata.artifact import write_artifact
 
-    out, report = write_artifact(_resolve(a.model), a.target, a.output, kv_type=a.kv_type, arch=a.arch)
+    out, report = write_artifact(_resolve(a.model), a.target, a.output, kv_type=a.kv_type, arch=a.arch, n_ctx=a.ctx)
     print(f"wrote {out}: {report}", file=sys.stderr)
     return 0
 

@@ -79,6 +79,20 @@ def test_compile_then_run_artifact(tiny_llama, tmp_path):
     assert a.stdout == b.stdout
 
 
+def test_ctx_size_sets_the_context(tiny_llama, tmp_path):
+    art = tmp_path / "art"
+    cli("compile", str(tiny_llama), "--target", "reference", "-c", "48", "-o", str(art))
+    assert yaml.safe_load((art / "manifest.yaml").read_text())["memory"]["n_ctx"] == 48
+    # The artifact's context holds 48 tokens: a longer prompt is refused, unless -c asks for more.
+    long = " ".join(["word"] * 60)
+    p = cli("run", str(art), "-p", long, "-n", "1", "--raw", check=False)
+    assert p.returncode == 1 and "context length exceeded" in p.stderr and "> 48" in p.stderr
+    cli("run", str(art), "-p", long, "-n", "1", "--raw", "--ctx-size", "128")
+    p = cli("score", str(tiny_llama), "--text", long, "-c", "8", "-o", str(tmp_path / "s.npz"), check=False)
+    assert p.returncode == 1 and "more than the context (-c 8)" in p.stderr
+    assert not (tmp_path / "s.npz").exists()
+
+
 def test_artifact_refuses_changed_model(tmp_path):
     model = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="F16", seed=1)
     cli("compile", str(model), "-o", str(tmp_path / "art"))
@@ -99,6 +113,10 @@ def test_info_lists_architecture_and_types(tiny_llama):
         (("run", "--bogus-flag"), 2, "unrecognized arguments"),
         (("score", "x.gguf", "-o", "o.npz"), 2, "one of the arguments"),
         (("synth", "--arch", "mamba", "-o", "x.gguf"), 2, "invalid choice"),
+        (("run", "-c", "0"), 2, "context size must be a positive number of tokens, got '0'"),
+        (("score", "x.gguf", "--text", "a", "--ctx-size", "-3", "-o", "o.npz"), 2, "got '-3'"),
+        (("compile", "x.gguf", "-c", "many", "-o", "art"), 2, "got 'many'"),
+        (("bench", "x.gguf", "-c", "0"), 2, "context size must be"),
     ],
 )
 def test_errors_are_one_line_with_exit_code(args, code, message):
