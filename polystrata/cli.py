@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arg(p)
     p.add_argument("--fixtures", required=True, help="folder with prompts.json and one <prompt>.npz per prompt")
     _target_arg(p)
+    p.add_argument("--against-kv", default=None, metavar="KV_TYPE",
+                   help="compare against this target's own run with that KV cache type (e.g. f16) instead of "
+                        "llama.cpp's logits, over each prompt and its greedy continuation")
 
     p = sub.add_parser("compile", help="plan the model for a target and write an artifact")
     _model_arg(p)
@@ -277,11 +280,20 @@ def cmd_parity(a) -> int:
         raise PolystrataError(f"cannot read the fixtures' prompts.json near {fixtures}: {e}") from None
     path = _resolve(a.model)
     eng = Engine(path, target=a.target, kv_type=a.kv_type)
+    if a.against_kv and eng.target == "reference":
+        raise PolystrataError("--against-kv compares KV cache types of a kernel target; the reference keeps f32 K, V")
+    base = Engine(path, target=eng.target, kv_type=a.against_kv) if a.against_kv else None
     par = Parity()
     for name in names:
         ref = np.load(fixtures / f"{name}.npz")
-        par.add(ref["top_ids"], ref["top_logits"], eng.score([int(i) for i in ref["ids"]]))
-    print(f"parity {path.name} {eng.target}: {par}")
+        if base is None:
+            par.add(ref["top_ids"], ref["top_logits"], eng.score([int(i) for i in ref["ids"]]))
+        else:  # the continuation makes the context longer: more of it read back from the cache
+            ids = [int(i) for i in np.concatenate([ref["ids"], ref["greedy"]])]
+            top = top_k_scores(base.score(ids), ref["top_ids"].shape[1])
+            par.add(top["top_ids"], top["top_logits"], eng.score(ids))
+    versus = f" {a.kv_type} KV vs {a.against_kv} KV" if base else ""
+    print(f"parity {path.name} {eng.target}{versus}: {par}")
     return 0 if par.ok() else EXIT_ERROR
 
 

@@ -484,6 +484,74 @@ def test_attention(rt, kv, gqa, window, softcap, lanes, splits):
         n_past += t
 
 
+@pytest.mark.parametrize("kv,gqa,window,softcap,lanes", [
+    ("f16", 3, 0, 0.0, 1), ("q8_0", 1, 10, 30.0, 1), ("q8_g64", 4, 0, 0.0, 1),
+    ("f16", 4, 10, 0.0, 128), ("q8_0", 3, 0, 0.0, 128), ("q8_g64", 3, 10, 30.0, 128),
+])
+def test_attention_chunked(rt, kv, gqa, window, softcap, lanes):
+    """Flash-decoding (knob chunk_keys): groups of 8 keys each, as many as the context needs at run time, the
+    combine reading only those (the rest of the partials stay NaN); contexts of several runs with a partial last
+    one, prefill chunks and decode steps, GQA, gemma3's sliding window and softcap."""
+    if lanes > 1 and rt.lanes == 1:
+        pytest.skip("GPU-shaped kernels")
+    hkv, d, n_ctx, chunk_keys = 2, 64, 40, 8
+    hq = hkv * gqa
+    g = Graph("t")
+    q = g.input("q", "f32", ("T", hq, d))
+    k = g.input("k", "f32", ("T", hkv, d))
+    v = g.input("v", "f32", ("T", hkv, d))
+    pos = g.input("positions", "i32", ("T",))
+    g.op("attention", q, k, v, pos, layer=0, scale=0.125, window=window, softcap=softcap, name="o")
+    ctx = _ctx(g, kv=kv, n_ctx=n_ctx, lanes=lanes)
+    ctx.knobs = {"attention": {"chunk_keys": chunk_keys}}
+    launches = _recipe("attention").lower(g.nodes, ctx)
+    assert dict(launches[1].kernel.knobs)["chunk_keys"] == chunk_keys
+    assert launches[1].kernel.grid[2].value == n_ctx // chunk_keys == 5
+    fmt = Q.KV_FORMATS[kv]
+    kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
+    ex = R.ReferenceExecutor({}, n_ctx)
+    keep = {"kv.0.k": rt.alloc((kvb,), "u8"), "kv.0.v": rt.alloc((kvb,), "u8")}
+    n_past = 0
+    rng = np.random.default_rng(11)
+    for t in (16, 1, 1, 4, 1, 13, 1):  # contexts 16 (2 runs), 17 (a partial third), 18, 22, 23, 36, 37
+        qv, kvv, vv = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+        pv = np.arange(n_past, n_past + t, dtype=np.int32)
+        kq = Q.dequantize(fmt, Q.quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
+        vq = Q.dequantize(fmt, Q.quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
+        ref = R._IMPLS["attention"](ex, g.nodes[0], [qv, kq, vq, pv])
+        sb, so = _moe_scratch(ctx)  # partials poisoned with NaN: a run the combine should not read spoils the output
+        out = _run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
+                                           "positions": pv, **sb}, {"T": t}, {"o": ((t, hq, d), "f32"), **so},
+                            keep)["o"]
+        # As in test_attention: the encoder's f16 scale may be the neighbouring one, a q8 step of a V element.
+        np.testing.assert_allclose(out, ref, atol=1e-4 if kv == "f16" else 0.03, rtol=1e-3)
+        n_past += t
+
+
+def test_attention_chunks_only_one_token_steps_on_gpus():
+    """chunk_keys "auto": flash-decoding in one-token plans with lanes, sized by n_ctx; prompt chunks and the CPU
+    keep the even split (up to 8 runs) or one group per head."""
+    from polystrata.codegen.recipes.attention import DECODE_CHUNK_KEYS
+
+    g = Graph("t")
+    q, k, v = (g.input(n, "f32", ("T", h, 128)) for n, h in (("q", 32), ("k", 8), ("v", 8)))
+    g.op("attention", q, k, v, g.input("positions", "i32", ("T",)), layer=0, scale=0.1, window=0, softcap=0.0,
+         name="o")
+
+    def attn(lanes, t_max, n_ctx):
+        ctx = _ctx(g, n_ctx=n_ctx, lanes=lanes)
+        ctx.t_max = t_max
+        launches = _recipe("attention").lower(g.nodes, ctx)
+        return dict(launches[1].kernel.knobs), len(launches)
+
+    n_ctx = 32768 + 64
+    assert attn(128, 1, n_ctx) == ({"two_pass": 1, "splits": -(-n_ctx // DECODE_CHUNK_KEYS),
+                                    "chunk_keys": DECODE_CHUNK_KEYS}, 3)
+    assert attn(128, 16, n_ctx) == ({"two_pass": 1, "splits": 8}, 3)
+    assert attn(1, 1, n_ctx) == ({"two_pass": 1, "splits": 1}, 2)
+    assert attn(128, 1, DECODE_CHUNK_KEYS) == ({"two_pass": 1, "splits": 8}, 3)  # one run would hold it all
+
+
 @pytest.mark.parametrize("kv,mode,dims,lanes,qk_norm", [
     ("f16", "normal", 64, 1, False), ("q8_0", "neox", 32, 1, True), ("f16", "neox", 64, 128, True),
     ("q8_0", "normal", 48, 128, False)])

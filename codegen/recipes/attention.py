@@ -53,6 +53,10 @@ from polystrata.ir.kernel import (
 )
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
+# Keys a group takes in one-token steps on GPUs (knob chunk_keys): at depth 8192 the 32 heads of llama3-8b make
+# 512 groups, about 4 for each of an H200's 132 SMs, each reading 256 KiB of f16 K and V.
+DECODE_CHUNK_KEYS = 512
+
 
 def _kv_fmt(fmt: QuantFormat, d: int) -> QuantFormat:
     return widen(fmt, math.gcd(d, 32)) if fmt.block_size == 1 else fmt
@@ -147,13 +151,23 @@ def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: 
     return Kernel(name, tuple(params), (Var("T"), Const(nq + 2 * hkv)), tuple(body), lanes=lanes)
 
 
+def _visible(pos: Expr, window: int) -> tuple[Let, Let]:
+    """(lo0, nall): the first key position a query at `pos` sees and how many it sees (the window, else all)."""
+    lo = Call("max", Const(0), pos - (window - 1)) if window else Const(0)
+    return Let("lo0", lo), Let("nall", pos + 1 - Var("lo0"))
+
+
 def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int, scale: float,
-                     window: int, softcap: float, lanes: int, splits: int = 1) -> Kernel:
+                     window: int, softcap: float, lanes: int, splits: int = 1, chunk_keys: int = 0) -> Kernel:
     """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq).
 
     `splits` > 1 (split-K, for parallelism at decode): grid (T, hq, splits), group s takes the s-th of `splits`
     equal runs of the visible keys and writes its unnormalised partial output, max score and sum of
     exponentials to `po` / `pm` / `pz` (row (t * hq + h) * splits + s) for `attention_combine_kernel`.
+    With `chunk_keys` (flash-decoding, splits * chunk_keys >= n_ctx): group s takes the visible keys from
+    s * chunk_keys, chunk_keys of them, instead, so the groups at work grow with the context read at run time
+    (the grid stays fixed, as a captured graph needs); a group past the context stores nothing (the combine
+    does not read it).
     """
     kf, vf = _kv_fmt(fmt, d), _kv_fmt(fmt, dv)
     g = hq // hkv
@@ -162,7 +176,6 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     t, h = Var("g0"), Var("g1")
     kvh = h // g
     pos = Var("pos")
-    lo = Call("max", Const(0), pos - (window - 1)) if window else Const(0)
     n = Var("n")
     qrow = t * hq + h
     prow = qrow * splits + Var("g2")  # split-K: this group's partial row
@@ -213,9 +226,14 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         parts *= 2
     dec = Decoder(vf, "vc", Var("vj") * vrb + (kvh * nvb + vb) * block_stride(vf), "v_")
 
-    def out_store(e: Expr, val: Expr) -> Store:
+    def guarded(st: Store) -> Store | If:
+        """A partial's store; with `chunk_keys` a group past the context stores nothing (the combine does not read
+        it). Only the stores: a group's barriers stay outside any branch (PoCL mishandles them inside one)."""
+        return If(n > 0, (st,)) if chunk_keys else st
+
+    def out_store(e: Expr, val: Expr) -> Store | If:
         """Output element e: normalised, or (split-K) the unnormalised partial."""
-        return Store("po", prow * dv + e, val) if splits > 1 else Store("out", qrow * dv + e, val / Var("z"))
+        return guarded(Store("po", prow * dv + e, val)) if splits > 1 else Store("out", qrow * dv + e, val / Var("z"))
 
     keys = (Let("vj", Var("lo") + Var("jj")), Let("p", Load("s", Var("jj"))))
     if 1 < parts == chunk:
@@ -243,11 +261,14 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
             LaneFor("e", Const(dv), (out_store(Var("e"), Load("o", Var("e"))),)),
         ]
     if splits > 1:  # this group's run of the visible keys: `lo` and `n` as if they were all there is
-        span = (Let("lo0", lo), Let("nall", pos + 1 - Var("lo0")), Let("per", (Var("nall") + (splits - 1)) // splits),
+        per = Const(chunk_keys) if chunk_keys else (Var("nall") + (splits - 1)) // splits
+        span = (*_visible(pos, window), Let("per", per),
                 Let("k0", Var("g2") * Var("per")), Let("lo", Var("lo0") + Var("k0")),
                 Let("n", Call("max", Const(0), Call("min", Var("nall") - Var("k0"), Var("per")))))
     else:
-        span = (Let("lo", lo), Let("n", pos + 1 - Var("lo")))
+        lo0, nall = _visible(pos, window)
+        span = (lo0, nall, Let("lo", Var("lo0")), Let("n", Var("nall")))
+    # A group past the context (n = 0, with chunk_keys) runs no loop iterations: it costs a few barriers.
     body = (
         Let("pos", Load("positions", t)),
         *span,
@@ -258,33 +279,44 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         *v_pass,
     )
     if splits > 1:
-        body += (Store("pm", prow, Var("m")), Store("pz", prow, Var("z")))
+        body += (guarded(Store("pm", prow, Var("m"))), guarded(Store("pz", prow, Var("z"))))
         outs = (Buf("po", "f32", out=True), Buf("pm", "f32", out=True), Buf("pz", "f32", out=True))
     else:
         outs = (Buf("out", "f32", out=True),)
     params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), *outs, Scalar("T"))
-    local = (LocalArray("s", "f32", -(-n_ctx // splits)),) + (() if 1 < parts == chunk else
-                                                               (LocalArray("o", "f32", dv),))
+    local = (LocalArray("s", "f32", chunk_keys or -(-n_ctx // splits)),) + (() if 1 < parts == chunk else
+                                                                             (LocalArray("o", "f32", dv),))
     if kparts > 1:
         local += (LocalArray("sp", "f32", tile * kparts),)
     grid = (Var("T"), Const(hq)) + ((Const(splits),) if splits > 1 else ())
-    return Kernel(name, params, grid, body, lanes=lanes, local=local, knobs=(("two_pass", 1), ("splits", splits)))
+    knobs = (("two_pass", 1), ("splits", splits)) + ((("chunk_keys", chunk_keys),) if chunk_keys else ())
+    return Kernel(name, params, grid, body, lanes=lanes, local=local, knobs=knobs)
 
 
-def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int, quant: bool = False) -> Kernel:
+def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int, quant: bool = False,
+                             chunk_keys: int = 0, window: int = 0) -> Kernel:
     """out[t, h] from the split-K partials of `attention_kernel`: with M the largest partial max,
     out = sum_s po_s * exp(pm_s - M) / sum_s pz_s * exp(pm_s - M) (runs without keys have pm = -inf: weight 0).
-    `quant`: also write out as the output projection's int8 activations (`linear.quantize_staged`)."""
+    `quant`: also write out as the output projection's int8 activations (`linear.quantize_staged`).
+    `chunk_keys` (and the attention's `window`): the partials are runs of that many keys, and only the runs that
+    hold visible keys (the first ceil(visible / chunk_keys)) are read."""
     r = Var("g0") * hq + Var("g1")
     w = Call("exp", Load("pm", r * splits + Var("s")) - Var("mx"))
     e = Var("e")
     store = (Store("out", r * dv + e, Var("ov")),) + ((Store("ol", staged(e), Var("ov")),) if quant else ())
+    runs: Expr = Const(splits)
+    head: tuple = ()
+    if chunk_keys:
+        head = (Let("pos", Load("positions", Var("g0"))), *_visible(Var("pos"), window),
+                Let("runs", (Var("nall") + (chunk_keys - 1)) // chunk_keys))
+        runs = Var("runs")
     body = (
+        *head,
         Decl("mx", "f32", Const(float("-inf"))),
-        For("s", Const(0), Const(splits), (Assign("mx", Call("max", Var("mx"), Load("pm", r * splits + Var("s")))),)),
+        For("s", Const(0), runs, (Assign("mx", Call("max", Var("mx"), Load("pm", r * splits + Var("s")))),)),
         LaneFor("e", Const(dv), (
             Decl("zs", "f32", Const(0.0)), Decl("acc", "f32", Const(0.0)),
-            For("s", Const(0), Const(splits), (
+            For("s", Const(0), runs, (
                 Let("w", w),
                 Assign("zs", Var("zs") + Load("pz", r * splits + Var("s")) * Var("w")),
                 Assign("acc", Var("acc") + Load("po", (r * splits + Var("s")) * dv + e) * Var("w")),
@@ -294,6 +326,8 @@ def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: in
         )),
     )
     params = (Buf("po", "f32"), Buf("pm", "f32"), Buf("pz", "f32"), Buf("out", "f32", out=True))
+    if chunk_keys:
+        params += (Buf("positions", "i32"),)
     local = ()
     if quant:
         body += tuple(quantize_staged("ol", dv, r * (dv // 4), r * (dv // QB)))
@@ -329,12 +363,21 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     else:
         store = Launch(kv_store_kernel(f"kv_store_{heads}", fmt, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
     tag = f"{heads}_{a['window']}_{abs(hash((a['scale'], a['softcap']))) % 10**8}"
-    splits = ctx.knob("attention", "splits", "auto")
-    if splits == "auto":  # GPUs: enough groups to fill the device at decode (one per head is 32 for 132 SMs)
-        splits = 1 if ctx.lanes == 1 else max(1, min(8, ctx.n_ctx // 64))
-    splits = int(splits)
-    at = attention_kernel(f"attn_{tag}_{splits}", fmt, hq, hkv, d, dv, ctx.n_ctx, float(a["scale"]),
-                          int(a["window"]), float(a["softcap"] or 0.0), ctx.lanes, splits)
+    chunk_keys = ctx.knob("attention", "chunk_keys", "auto")
+    if chunk_keys == "auto":  # flash-decoding where one token's attention alone must fill a GPU
+        chunk_keys = DECODE_CHUNK_KEYS if ctx.lanes > 1 and ctx.t_max == 1 else 0
+    chunk_keys = int(chunk_keys) if int(chunk_keys) < ctx.n_ctx else 0  # one run holding every key: no split
+    if chunk_keys:
+        splits = -(-ctx.n_ctx // chunk_keys)
+    else:
+        splits = ctx.knob("attention", "splits", "auto")
+        if splits == "auto":  # GPUs: enough groups to fill the device (one per head is 32 for 132 SMs)
+            splits = 1 if ctx.lanes == 1 else max(1, min(8, ctx.n_ctx // 64))
+        splits = int(splits)
+    window = int(a["window"])
+    at = attention_kernel(f"attn_{tag}_{splits}" + (f"_c{chunk_keys}" if chunk_keys else ""), fmt, hq, hkv, d, dv,
+                          ctx.n_ctx, float(a["scale"]), window, float(a["softcap"] or 0.0), ctx.lanes, splits,
+                          chunk_keys)
     io = (("q", q), ("kc", kn), ("vc", vn), ("positions", p))
     if splits == 1:
         return [store, Launch(at, (*io, ("out", ctx.buf(node.output))), (("T", "T"),))]
@@ -344,10 +387,12 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     out = ctx.buf(node.output)
     # The output projection's int8 activations, which the combine can write too (a block of 32 within a head).
     qbufs, provides = quantized_output(ctx, out, hq * dv, "T") if dv % QB == 0 else ((), ())
-    comb = attention_combine_kernel(f"attn_combine{'_q8' if provides else ''}_{hq}_{dv}_{splits}", hq, dv, splits,
-                                    ctx.lanes, bool(provides))
+    runs = f"_c{chunk_keys}_{window}" if chunk_keys else ""
+    comb = attention_combine_kernel(f"attn_combine{'_q8' if provides else ''}_{hq}_{dv}_{splits}{runs}", hq, dv,
+                                    splits, ctx.lanes, bool(provides), chunk_keys, window)
+    pbind = (("positions", p),) if chunk_keys else ()
     return [store, Launch(at, (*io, *parts), (("T", "T"),)),
-            Launch(comb, (*parts, ("out", out), *qbufs), (("T", "T"),), provides=provides)]
+            Launch(comb, (*parts, ("out", out), *qbufs, *pbind), (("T", "T"),), provides=provides)]
 
 
 def _lower_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -376,7 +421,8 @@ def _match_norm_rope_attention(nodes: Sequence[Node]) -> bool:
             and nq.attrs == nk.attrs and all(n.inputs[1].type.shape == (d,) for n in (nq, nk)))
 
 
-register(Recipe("attention", ("attention",), _lower_attention, None, (("two_pass", 1), ("splits", "auto"))))
+register(Recipe("attention", ("attention",), _lower_attention, None,
+                (("two_pass", 1), ("splits", "auto"), ("chunk_keys", "auto"))))
 register(Recipe("rope_attention", ("rope", "rope", "attention"), _lower_rope_attention, _match_rope_attention))
 register(Recipe("norm_rope_attention", ("rms_norm", "rms_norm", "rope", "rope", "attention"), _lower_rope_attention,
                 _match_norm_rope_attention))
