@@ -488,13 +488,14 @@ def test_attention(rt, kv, gqa, window, softcap, lanes, splits):
     ("f16", 3, 0, 0.0, 1), ("q8_0", 1, 10, 30.0, 1), ("q8_g64", 4, 0, 0.0, 1),
     ("f16", 4, 10, 0.0, 128), ("q8_0", 3, 0, 0.0, 128), ("q8_g64", 3, 10, 30.0, 128),
 ])
-def test_attention_chunked(rt, kv, gqa, window, softcap, lanes):
-    """Flash-decoding (knob chunk_keys): groups of 8 keys each, as many as the context needs at run time, the
-    combine reading only those (the rest of the partials stay NaN); contexts of several runs with a partial last
-    one, prefill chunks and decode steps, GQA, gemma3's sliding window and softcap."""
+def test_attention_runs(rt, kv, gqa, window, softcap, lanes):
+    """Split-K as flash-decoding has it: 5 runs of the keys visible at run time, each at least 4 long (knob
+    min_run), so that the runs holding keys, and their lengths, change with the context; the combine reads only
+    those (the partials of the others stay NaN). Contexts with a partial last run, prefill chunks and decode
+    steps, GQA, gemma3's sliding window and softcap."""
     if lanes > 1 and rt.lanes == 1:
         pytest.skip("GPU-shaped kernels")
-    hkv, d, n_ctx, chunk_keys = 2, 64, 40, 8
+    hkv, d, n_ctx = 2, 64, 40
     hq = hkv * gqa
     g = Graph("t")
     q = g.input("q", "f32", ("T", hq, d))
@@ -503,17 +504,19 @@ def test_attention_chunked(rt, kv, gqa, window, softcap, lanes):
     pos = g.input("positions", "i32", ("T",))
     g.op("attention", q, k, v, pos, layer=0, scale=0.125, window=window, softcap=softcap, name="o")
     ctx = _ctx(g, kv=kv, n_ctx=n_ctx, lanes=lanes)
-    ctx.knobs = {"attention": {"chunk_keys": chunk_keys}}
+    ctx.knobs = {"attention": {"splits": 5, "min_run": 4}}
     launches = _recipe("attention").lower(g.nodes, ctx)
-    assert dict(launches[1].kernel.knobs)["chunk_keys"] == chunk_keys
-    assert launches[1].kernel.grid[2].value == n_ctx // chunk_keys == 5
+    assert dict(launches[1].kernel.knobs) == {"two_pass": 1, "splits": 5, "min_run": 4}
     fmt = Q.KV_FORMATS[kv]
     kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
     ex = R.ReferenceExecutor({}, n_ctx)
     keep = {"kv.0.k": rt.alloc((kvb,), "u8"), "kv.0.v": rt.alloc((kvb,), "u8")}
     n_past = 0
     rng = np.random.default_rng(11)
-    for t in (16, 1, 1, 4, 1, 13, 1):  # contexts 16 (2 runs), 17 (a partial third), 18, 22, 23, 36, 37
+    # Largest step first (`keep` holds buffers sized by it). Runs of the contexts 1..16 of the first step: 1 of 1
+    # to 4 keys, then of 4 (the last partial); 17, 18: 5 runs of 4, the last 1 or 2 long; 22, 23: 5 runs of 5,
+    # the last 2 or 3 long; 36, 37: 5 runs of 8, the last 4 or 5 long (a window of 10: 3 runs of 4, the last 2).
+    for t in (16, 1, 1, 4, 1, 13, 1):
         qv, kvv, vv = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
         pv = np.arange(n_past, n_past + t, dtype=np.int32)
         kq = Q.dequantize(fmt, Q.quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
@@ -528,10 +531,10 @@ def test_attention_chunked(rt, kv, gqa, window, softcap, lanes):
         n_past += t
 
 
-def test_attention_chunks_only_one_token_steps_on_gpus():
-    """chunk_keys "auto": flash-decoding in one-token plans with lanes, sized by n_ctx; prompt chunks and the CPU
-    keep the even split (up to 8 runs) or one group per head."""
-    from polystrata.codegen.recipes.attention import DECODE_CHUNK_KEYS
+def test_attention_splits_grow_with_the_context_in_one_token_steps():
+    """splits "auto": on GPUs up to 8 runs, and in one-token plans enough that none holds more than
+    DECODE_RUN_KEYS keys at a full context (flash-decoding); on the CPU one group per head."""
+    from polystrata.codegen.recipes.attention import DECODE_RUN_KEYS, MIN_RUN_KEYS
 
     g = Graph("t")
     q, k, v = (g.input(n, "f32", ("T", h, 128)) for n, h in (("q", 32), ("k", 8), ("v", 8)))
@@ -545,11 +548,12 @@ def test_attention_chunks_only_one_token_steps_on_gpus():
         return dict(launches[1].kernel.knobs), len(launches)
 
     n_ctx = 32768 + 64
-    assert attn(128, 1, n_ctx) == ({"two_pass": 1, "splits": -(-n_ctx // DECODE_CHUNK_KEYS),
-                                    "chunk_keys": DECODE_CHUNK_KEYS}, 3)
-    assert attn(128, 16, n_ctx) == ({"two_pass": 1, "splits": 8}, 3)
+    runs = {"two_pass": 1, "min_run": MIN_RUN_KEYS}
+    assert attn(128, 1, n_ctx) == ({**runs, "splits": -(-n_ctx // DECODE_RUN_KEYS)}, 3)
+    assert -(-n_ctx // DECODE_RUN_KEYS) == 65
+    assert attn(128, 16, n_ctx) == ({**runs, "splits": 8}, 3)
+    assert attn(128, 1, 640) == ({**runs, "splits": 8}, 3)
     assert attn(1, 1, n_ctx) == ({"two_pass": 1, "splits": 1}, 2)
-    assert attn(128, 1, DECODE_CHUNK_KEYS) == ({"two_pass": 1, "splits": 8}, 3)  # one run would hold it all
 
 
 @pytest.mark.parametrize("kv,mode,dims,lanes,qk_norm", [

@@ -13,11 +13,12 @@ shares of the dot product through a local array), Reduce max, LaneFor exp, Reduc
 sum, then a LaneFor over (V block, part) accumulates p_j * v_j, `parts` lanes sharing a block (`Decoder.walk`'s
 split; with one element a lane, in registers, else into a local output row).
 
-Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by n_ctx): one group per head leaves most of a
-GPU idle at decode, so launch 2 runs `splits` groups per (token, head), each over its run of the keys, writing
-unnormalised partials (output row, max score, sum of exponentials) to plan scratch, and launch 3
-(`attention_combine_kernel`) rescales and adds them; where the output projection takes int8 activations, the
-combine writes them too (`Launch.provides`).
+Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by n_ctx, and in one-token plans at least
+n_ctx / DECODE_RUN_KEYS: flash-decoding): one group per head leaves most of a GPU idle at decode, so launch 2
+runs `splits` groups per (token, head), each over its run of the keys (equal shares of the keys visible at run
+time, at least knob `min_run` long), writing unnormalised partials (output row, max score, sum of exponentials)
+to plan scratch, and launch 3 (`attention_combine_kernel`) rescales and adds those of the runs holding keys;
+where the output projection takes int8 activations, the combine writes them too (`Launch.provides`).
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ from polystrata.ir.kernel import (
 )
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
-# Keys a group takes in one-token steps on GPUs (knob chunk_keys): at depth 8192 the 32 heads of llama3-8b make
-# 512 groups, about 4 for each of an H200's 132 SMs, each reading 256 KiB of f16 K and V.
-DECODE_CHUNK_KEYS = 512
+# Split-K in one-token steps on GPUs (flash-decoding): runs enough that none holds more than DECODE_RUN_KEYS keys
+# at a full context (at depth 8192, 17 runs of the 32 heads of llama3-8b: 544 groups for an H200's 132 SMs, each
+# reading ~240 KiB of f16 K and V), and never fewer than 8 (what short contexts had before). Knob `min_run`: no
+# run shorter than MIN_RUN_KEYS keys, so a short context keeps few groups at work and the combine few partials.
+DECODE_RUN_KEYS = 512
+MIN_RUN_KEYS = 8
 
 
 def _kv_fmt(fmt: QuantFormat, d: int) -> QuantFormat:
@@ -151,23 +155,26 @@ def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: 
     return Kernel(name, tuple(params), (Var("T"), Const(nq + 2 * hkv)), tuple(body), lanes=lanes)
 
 
-def _visible(pos: Expr, window: int) -> tuple[Let, Let]:
-    """(lo0, nall): the first key position a query at `pos` sees and how many it sees (the window, else all)."""
+def _runs(pos: Expr, window: int, splits: int, min_run: int) -> tuple[Let, ...]:
+    """Lets of how split-K divides the keys a query at `pos` sees: `lo0` the first visible position, `nall` how many
+    are visible (the window, else all), `per` keys a run (an equal share of `splits`, at least `min_run`), `runs`
+    the runs holding any (the first ceil(nall / per) of the `splits`)."""
     lo = Call("max", Const(0), pos - (window - 1)) if window else Const(0)
-    return Let("lo0", lo), Let("nall", pos + 1 - Var("lo0"))
+    per = (Var("nall") + (splits - 1)) // splits
+    return (Let("lo0", lo), Let("nall", pos + 1 - Var("lo0")),
+            Let("per", Call("max", Const(min_run), per) if min_run > 1 else per),
+            Let("runs", (Var("nall") + Var("per") - 1) // Var("per")))
 
 
 def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int, scale: float,
-                     window: int, softcap: float, lanes: int, splits: int = 1, chunk_keys: int = 0) -> Kernel:
+                     window: int, softcap: float, lanes: int, splits: int = 1, min_run: int = 1) -> Kernel:
     """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq).
 
     `splits` > 1 (split-K, for parallelism at decode): grid (T, hq, splits), group s takes the s-th of `splits`
-    equal runs of the visible keys and writes its unnormalised partial output, max score and sum of
-    exponentials to `po` / `pm` / `pz` (row (t * hq + h) * splits + s) for `attention_combine_kernel`.
-    With `chunk_keys` (flash-decoding, splits * chunk_keys >= n_ctx): group s takes the visible keys from
-    s * chunk_keys, chunk_keys of them, instead, so the groups at work grow with the context read at run time
-    (the grid stays fixed, as a captured graph needs); a group past the context stores nothing (the combine
-    does not read it).
+    equal runs of the visible keys, each at least `min_run` long (`_runs`: worked out from the position read at
+    run time, so the grid stays fixed, as a captured graph needs), and writes its unnormalised partial output,
+    max score and sum of exponentials to `po` / `pm` / `pz` (row (t * hq + h) * splits + s) for
+    `attention_combine_kernel`; a group past the visible keys stores nothing (the combine does not read it).
     """
     kf, vf = _kv_fmt(fmt, d), _kv_fmt(fmt, dv)
     g = hq // hkv
@@ -226,10 +233,10 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         parts *= 2
     dec = Decoder(vf, "vc", Var("vj") * vrb + (kvh * nvb + vb) * block_stride(vf), "v_")
 
-    def guarded(st: Store) -> Store | If:
-        """A partial's store; with `chunk_keys` a group past the context stores nothing (the combine does not read
-        it). Only the stores: a group's barriers stay outside any branch (PoCL mishandles them inside one)."""
-        return If(n > 0, (st,)) if chunk_keys else st
+    def guarded(st: Store) -> If:
+        """A partial's store, skipped by a group past the visible keys. Only the stores are in the branch: a
+        group's barriers stay outside any (PoCL mishandles those inside one)."""
+        return If(n > 0, (st,))
 
     def out_store(e: Expr, val: Expr) -> Store | If:
         """Output element e: normalised, or (split-K) the unnormalised partial."""
@@ -261,14 +268,13 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
             LaneFor("e", Const(dv), (out_store(Var("e"), Load("o", Var("e"))),)),
         ]
     if splits > 1:  # this group's run of the visible keys: `lo` and `n` as if they were all there is
-        per = Const(chunk_keys) if chunk_keys else (Var("nall") + (splits - 1)) // splits
-        span = (*_visible(pos, window), Let("per", per),
+        span = (*_runs(pos, window, splits, min_run),
                 Let("k0", Var("g2") * Var("per")), Let("lo", Var("lo0") + Var("k0")),
                 Let("n", Call("max", Const(0), Call("min", Var("nall") - Var("k0"), Var("per")))))
     else:
-        lo0, nall = _visible(pos, window)
+        lo0, nall = _runs(pos, window, 1, 1)[:2]
         span = (lo0, nall, Let("lo", Var("lo0")), Let("n", Var("nall")))
-    # A group past the context (n = 0, with chunk_keys) runs no loop iterations: it costs a few barriers.
+    # A group past the visible keys (n = 0) runs no loop iterations: it costs a few barriers.
     body = (
         Let("pos", Load("positions", t)),
         *span,
@@ -284,34 +290,29 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     else:
         outs = (Buf("out", "f32", out=True),)
     params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), *outs, Scalar("T"))
-    local = (LocalArray("s", "f32", chunk_keys or -(-n_ctx // splits)),) + (() if 1 < parts == chunk else
-                                                                             (LocalArray("o", "f32", dv),))
+    local = (LocalArray("s", "f32", max(-(-n_ctx // splits), min_run if splits > 1 else 1)),) + (
+        () if 1 < parts == chunk else (LocalArray("o", "f32", dv),))
     if kparts > 1:
         local += (LocalArray("sp", "f32", tile * kparts),)
     grid = (Var("T"), Const(hq)) + ((Const(splits),) if splits > 1 else ())
-    knobs = (("two_pass", 1), ("splits", splits)) + ((("chunk_keys", chunk_keys),) if chunk_keys else ())
+    knobs = (("two_pass", 1), ("splits", splits)) + ((("min_run", min_run),) if splits > 1 else ())
     return Kernel(name, params, grid, body, lanes=lanes, local=local, knobs=knobs)
 
 
 def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int, quant: bool = False,
-                             chunk_keys: int = 0, window: int = 0) -> Kernel:
-    """out[t, h] from the split-K partials of `attention_kernel`: with M the largest partial max,
-    out = sum_s po_s * exp(pm_s - M) / sum_s pz_s * exp(pm_s - M) (runs without keys have pm = -inf: weight 0).
-    `quant`: also write out as the output projection's int8 activations (`linear.quantize_staged`).
-    `chunk_keys` (and the attention's `window`): the partials are runs of that many keys, and only the runs that
-    hold visible keys (the first ceil(visible / chunk_keys)) are read."""
+                             min_run: int = 1, window: int = 0) -> Kernel:
+    """out[t, h] from the split-K partials of `attention_kernel` (its `splits`, `min_run` and `window`): with M the
+    largest partial max, out = sum_s po_s * exp(pm_s - M) / sum_s pz_s * exp(pm_s - M) over the runs that hold
+    visible keys (`_runs`, from the position read at run time).
+    `quant`: also write out as the output projection's int8 activations (`linear.quantize_staged`)."""
     r = Var("g0") * hq + Var("g1")
     w = Call("exp", Load("pm", r * splits + Var("s")) - Var("mx"))
     e = Var("e")
     store = (Store("out", r * dv + e, Var("ov")),) + ((Store("ol", staged(e), Var("ov")),) if quant else ())
-    runs: Expr = Const(splits)
-    head: tuple = ()
-    if chunk_keys:
-        head = (Let("pos", Load("positions", Var("g0"))), *_visible(Var("pos"), window),
-                Let("runs", (Var("nall") + (chunk_keys - 1)) // chunk_keys))
-        runs = Var("runs")
+    runs = Var("runs")
     body = (
-        *head,
+        Let("pos", Load("positions", Var("g0"))),
+        *_runs(Var("pos"), window, splits, min_run),
         Decl("mx", "f32", Const(float("-inf"))),
         For("s", Const(0), runs, (Assign("mx", Call("max", Var("mx"), Load("pm", r * splits + Var("s")))),)),
         LaneFor("e", Const(dv), (
@@ -325,9 +326,8 @@ def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: in
             *store,
         )),
     )
-    params = (Buf("po", "f32"), Buf("pm", "f32"), Buf("pz", "f32"), Buf("out", "f32", out=True))
-    if chunk_keys:
-        params += (Buf("positions", "i32"),)
+    params = (Buf("po", "f32"), Buf("pm", "f32"), Buf("pz", "f32"), Buf("positions", "i32"),
+              Buf("out", "f32", out=True))
     local = ()
     if quant:
         body += tuple(quantize_staged("ol", dv, r * (dv // 4), r * (dv // QB)))
@@ -363,21 +363,18 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     else:
         store = Launch(kv_store_kernel(f"kv_store_{heads}", fmt, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
     tag = f"{heads}_{a['window']}_{abs(hash((a['scale'], a['softcap']))) % 10**8}"
-    chunk_keys = ctx.knob("attention", "chunk_keys", "auto")
-    if chunk_keys == "auto":  # flash-decoding where one token's attention alone must fill a GPU
-        chunk_keys = DECODE_CHUNK_KEYS if ctx.lanes > 1 and ctx.t_max == 1 else 0
-    chunk_keys = int(chunk_keys) if int(chunk_keys) < ctx.n_ctx else 0  # one run holding every key: no split
-    if chunk_keys:
-        splits = -(-ctx.n_ctx // chunk_keys)
-    else:
-        splits = ctx.knob("attention", "splits", "auto")
-        if splits == "auto":  # GPUs: enough groups to fill the device (one per head is 32 for 132 SMs)
-            splits = 1 if ctx.lanes == 1 else max(1, min(8, ctx.n_ctx // 64))
-        splits = int(splits)
+    splits = ctx.knob("attention", "splits", "auto")
+    if splits == "auto":  # GPUs: enough groups to fill the device (one per head is 32 for 132 SMs)
+        splits = 1 if ctx.lanes == 1 else max(1, min(8, ctx.n_ctx // 64))
+        if ctx.lanes > 1 and ctx.t_max == 1:  # one token: runs of at most DECODE_RUN_KEYS keys (flash-decoding)
+            splits = max(splits, -(-ctx.n_ctx // DECODE_RUN_KEYS))
+    splits = int(splits)
+    min_run = ctx.knob("attention", "min_run", "auto")
+    min_run = int(MIN_RUN_KEYS if min_run == "auto" and ctx.lanes > 1 else 1 if min_run == "auto" else min_run)
     window = int(a["window"])
-    at = attention_kernel(f"attn_{tag}_{splits}" + (f"_c{chunk_keys}" if chunk_keys else ""), fmt, hq, hkv, d, dv,
+    at = attention_kernel(f"attn_{tag}_{splits}" + (f"_r{min_run}" if splits > 1 else ""), fmt, hq, hkv, d, dv,
                           ctx.n_ctx, float(a["scale"]), window, float(a["softcap"] or 0.0), ctx.lanes, splits,
-                          chunk_keys)
+                          min_run)
     io = (("q", q), ("kc", kn), ("vc", vn), ("positions", p))
     if splits == 1:
         return [store, Launch(at, (*io, ("out", ctx.buf(node.output))), (("T", "T"),))]
@@ -387,12 +384,10 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     out = ctx.buf(node.output)
     # The output projection's int8 activations, which the combine can write too (a block of 32 within a head).
     qbufs, provides = quantized_output(ctx, out, hq * dv, "T") if dv % QB == 0 else ((), ())
-    runs = f"_c{chunk_keys}_{window}" if chunk_keys else ""
-    comb = attention_combine_kernel(f"attn_combine{'_q8' if provides else ''}_{hq}_{dv}_{splits}{runs}", hq, dv,
-                                    splits, ctx.lanes, bool(provides), chunk_keys, window)
-    pbind = (("positions", p),) if chunk_keys else ()
+    comb = attention_combine_kernel(f"attn_combine{'_q8' if provides else ''}_{hq}_{dv}_{splits}_r{min_run}_{window}",
+                                    hq, dv, splits, ctx.lanes, bool(provides), min_run, window)
     return [store, Launch(at, (*io, *parts), (("T", "T"),)),
-            Launch(comb, (*parts, ("out", out), *qbufs, *pbind), (("T", "T"),), provides=provides)]
+            Launch(comb, (*parts, ("positions", p), ("out", out), *qbufs), (("T", "T"),), provides=provides)]
 
 
 def _lower_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -422,7 +417,7 @@ def _match_norm_rope_attention(nodes: Sequence[Node]) -> bool:
 
 
 register(Recipe("attention", ("attention",), _lower_attention, None,
-                (("two_pass", 1), ("splits", "auto"), ("chunk_keys", "auto"))))
+                (("two_pass", 1), ("splits", "auto"), ("min_run", "auto"))))
 register(Recipe("rope_attention", ("rope", "rope", "attention"), _lower_rope_attention, _match_rope_attention))
 register(Recipe("norm_rope_attention", ("rms_norm", "rms_norm", "rope", "rope", "attention"), _lower_rope_attention,
                 _match_norm_rope_attention))
