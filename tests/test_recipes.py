@@ -491,28 +491,34 @@ def test_attention(rt, kv, gqa, window, softcap, lanes, splits):
     assert len(launches) == (3 if splits > 1 else 2)  # K/V store, attention, [combine]
 
 
-@pytest.mark.parametrize("kv,gqa,window,softcap,lanes", [
-    ("f16", 3, 0, 0.0, 1), ("q8_0", 1, 10, 30.0, 1), ("q8_g64", 4, 0, 0.0, 1),
-    ("f16", 4, 10, 0.0, 128), ("q8_0", 3, 0, 0.0, 128), ("q8_g64", 3, 10, 30.0, 128),
+@pytest.mark.parametrize("kv,gqa,window,softcap,lanes,heads,splits", [
+    ("f16", 3, 0, 0.0, 1, 3, 5), ("q8_0", 1, 10, 30.0, 1, 1, 5), ("q8_g64", 4, 0, 0.0, 1, 2, 5),
+    ("f16", 4, 10, 0.0, 128, 4, 5), ("q8_0", 3, 0, 0.0, 128, 3, 5), ("q8_g64", 3, 10, 30.0, 128, 3, 5),
+    ("q8_0", 4, 0, 20.0, 128, 4, 1),
 ])
-def test_attention_runs(rt, kv, gqa, window, softcap, lanes):
+def test_attention_runs(rt, kv, gqa, window, softcap, lanes, heads, splits):
     """Split-K as flash-decoding has it: 5 runs of the keys visible at run time, each at least 4 long (knob
     min_run), so that the runs holding keys, and their lengths, change with the context; the combine reads only
     those (the partials of the others stay NaN). Contexts with a partial last run, prefill chunks and decode
-    steps, GQA, gemma3's sliding window and softcap."""
+    steps, GQA with groups taking several query heads of a KV head (knob heads), gemma3's sliding window and
+    softcap."""
     if lanes > 1 and rt.lanes == 1:
         pytest.skip("GPU-shaped kernels")
     # Runs of the contexts 1..16 of the first step: 1 of 1 to 4 keys, then of 4 (the last partial); 17, 18: 5 runs
     # of 4, the last 1 or 2 long; 22, 23: 5 runs of 5, the last 2 or 3 long; 36, 37: 5 runs of 8, the last 4 or 5
     # long (a window of 10: 3 runs of 4, the last 2).
-    launches = _check_attention(rt, kv, gqa, window, softcap, lanes, 40, {"splits": 5, "min_run": 4},
-                                (16, 1, 1, 4, 1, 13, 1), 11)
-    assert dict(launches[1].kernel.knobs) == {"two_pass": 1, "splits": 5, "min_run": 4}
+    knobs = {"splits": splits, "min_run": 4, "heads": heads}
+    launches = _check_attention(rt, kv, gqa, window, softcap, lanes, 40, knobs, (16, 1, 1, 4, 1, 13, 1), 11)
+    attn = launches[1].kernel
+    assert dict(attn.knobs) == {"two_pass": 1, "splits": splits} | ({"min_run": 4} if splits > 1 else {}) | (
+        {"heads": heads} if heads > 1 else {})
+    assert attn.grid[1].value == 2 * gqa // heads
 
 
 def test_attention_splits_grow_with_the_context_in_one_token_steps():
     """splits "auto": on GPUs up to 8 runs, and in one-token plans enough that none holds more than
-    DECODE_RUN_KEYS keys at a full context (flash-decoding); on the CPU one group per head."""
+    DECODE_RUN_KEYS keys at a full context (flash-decoding), each group taking the 4 query heads of a KV head
+    (heads "auto"); on the CPU one group per head."""
     from polystrata.codegen.recipes.attention import DECODE_RUN_KEYS, MIN_RUN_KEYS
 
     g = _attention_graph(32, 8, 128)
@@ -525,10 +531,10 @@ def test_attention_splits_grow_with_the_context_in_one_token_steps():
 
     n_ctx = 32768 + 64
     runs = {"two_pass": 1, "min_run": MIN_RUN_KEYS}
-    assert attn(128, 1, n_ctx) == ({**runs, "splits": -(-n_ctx // DECODE_RUN_KEYS)}, 3)
+    assert attn(128, 1, n_ctx) == ({**runs, "splits": -(-n_ctx // DECODE_RUN_KEYS), "heads": 4}, 3)
     assert -(-n_ctx // DECODE_RUN_KEYS) == 65
     assert attn(128, 16, n_ctx) == ({**runs, "splits": 8}, 3)
-    assert attn(128, 1, 640) == ({**runs, "splits": 8}, 3)
+    assert attn(128, 1, 640) == ({**runs, "splits": 8, "heads": 4}, 3)
     assert attn(1, 1, n_ctx) == ({"two_pass": 1, "splits": 1}, 2)
 
 
