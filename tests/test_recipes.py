@@ -518,8 +518,8 @@ def test_attention_runs(rt, kv, gqa, window, softcap, lanes, heads, splits):
 def test_attention_splits_grow_with_the_context_in_one_token_steps():
     """splits "auto": on GPUs up to 8 runs, and in one-token plans enough that none holds more than
     DECODE_RUN_KEYS keys at a full context (flash-decoding), each group taking the 4 query heads of a KV head
-    (heads "auto"); on the CPU one group per head."""
-    from polystrata.codegen.recipes.attention import DECODE_RUN_KEYS, MIN_RUN_KEYS
+    beyond LONG_CONTEXT (heads "auto"); on the CPU one group per head."""
+    from polystrata.codegen.recipes.attention import DECODE_RUN_KEYS, LONG_CONTEXT, MIN_RUN_KEYS
 
     g = _attention_graph(32, 8, 128)
 
@@ -532,9 +532,10 @@ def test_attention_splits_grow_with_the_context_in_one_token_steps():
     n_ctx = 32768 + 64
     runs = {"two_pass": 1, "min_run": MIN_RUN_KEYS}
     assert attn(128, 1, n_ctx) == ({**runs, "splits": -(-n_ctx // DECODE_RUN_KEYS), "heads": 4}, 3)
-    assert -(-n_ctx // DECODE_RUN_KEYS) == 65
+    assert -(-n_ctx // DECODE_RUN_KEYS) == 257
     assert attn(128, 16, n_ctx) == ({**runs, "splits": 8}, 3)
-    assert attn(128, 1, 640) == ({**runs, "splits": 8, "heads": 4}, 3)
+    assert attn(128, 1, LONG_CONTEXT) == ({**runs, "splits": LONG_CONTEXT // DECODE_RUN_KEYS}, 3)
+    assert attn(128, 1, 640) == ({**runs, "splits": 8}, 3)
     assert attn(1, 1, n_ctx) == ({"two_pass": 1, "splits": 1}, 2)
 
 

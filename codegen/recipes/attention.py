@@ -13,7 +13,7 @@ shares of the dot product through a local array), Reduce max, LaneFor exp, Reduc
 sum, then a LaneFor over (V block, part) accumulates p_j * v_j, `parts` lanes sharing a block (`Decoder.walk`'s
 split; with one element a lane, in registers, else into a local output row). Knob `heads` (GQA): a group takes
 that many query heads of one KV head, each K and V value decoded once for all of them ("auto": all of them in
-one-token GPU plans, where their scores fit GROUP_SCORES).
+one-token GPU plans of contexts longer than LONG_CONTEXT, where their scores fit GROUP_SCORES).
 
 Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by n_ctx, and in one-token plans at least
 n_ctx / DECODE_RUN_KEYS: flash-decoding): one group per head leaves most of a GPU idle at decode, so launch 2
@@ -57,14 +57,17 @@ from polystrata.ir.kernel import (
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 # Split-K in one-token steps on GPUs (flash-decoding): runs enough that none holds more than DECODE_RUN_KEYS keys
-# at a full context (at depth 8192, 17 runs of the 32 heads of llama3-8b: 544 groups for an H200's 132 SMs, each
-# reading ~240 KiB of f16 K and V), and never fewer than 8 (what short contexts had before). Knob `min_run`: no
-# run shorter than MIN_RUN_KEYS keys, so a short context keeps few groups at work and the combine few partials.
-DECODE_RUN_KEYS = 512
+# at a full context (llama3-8b at depth 8192: 65 runs of each of its 8 KV heads, 520 groups for an H200's 132
+# SMs, each reading ~64 KiB of f16 K and V), and never fewer than 8 (what short contexts had before). Knob
+# `min_run`: no run shorter than MIN_RUN_KEYS keys, so a short context keeps few groups at work and the combine
+# few partials.
+DECODE_RUN_KEYS = 128
 MIN_RUN_KEYS = 8
-# Knob `heads` ("auto"): in one-token GPU plans a group takes all the query heads of a KV head (GQA: 4 on
-# llama3-8b), so each K and V byte is read once, not once a head, as long as their scores (heads x the longest
-# run) fit GROUP_SCORES floats (16 KiB) of local memory.
+# Knob `heads` ("auto"): in one-token GPU plans of a context longer than LONG_CONTEXT a group takes all the query
+# heads of a KV head (GQA: 4 on llama3-8b), so each K and V value is read once, not once a head, as long as their
+# scores (heads x the longest run) fit GROUP_SCORES floats (16 KiB) of local memory. Shorter contexts keep a group
+# a head: reading the cache costs little there, and a group's softmax reductions, one a head, would add up.
+LONG_CONTEXT = 4096
 GROUP_SCORES = 4096
 
 
@@ -418,10 +421,10 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     min_run = ctx.knob("attention", "min_run", "auto")
     min_run = int(MIN_RUN_KEYS if min_run == "auto" and ctx.lanes > 1 else 1 if min_run == "auto" else min_run)
     heads = ctx.knob("attention", "heads", "auto")
-    if heads == "auto":  # one-token GPU plans: the query heads of a KV head together, their scores in local memory
+    if heads == "auto":  # long one-token GPU plans: a KV head's query heads together, their scores in local memory
         run = max(-(-ctx.n_ctx // splits), min_run)
         heads = 1
-        if ctx.lanes > 1 and ctx.t_max == 1:
+        if ctx.lanes > 1 and ctx.t_max == 1 and ctx.n_ctx > LONG_CONTEXT:
             heads = max(h for h in range(1, hq // hkv + 1) if (hq // hkv) % h == 0 and h * run <= GROUP_SCORES)
     heads = int(heads)
     window = int(a["window"])
