@@ -120,10 +120,12 @@ def _has_marker(directory: Path) -> bool:
 
 
 def write_artifact(
-    model_path: Path, target: str, out: str | os.PathLike, kv_type: str = "f16", arch: str | None = None
+    model_path: Path, target: str, out: str | os.PathLike, kv_type: str = "f16", arch: str | None = None,
+    n_ctx: int | None = None,
 ) -> tuple[Path, str]:
-    """Plan `model_path` for `target`, compile its kernels (through the binary cache), and write the artifact
-    directory `out` atomically. Returns the path and a one-line report of the kernel cache."""
+    """Plan `model_path` for `target` with a KV cache of `n_ctx` tokens (default: min(trained, 4096)), compile its
+    kernels (through the binary cache), and write the artifact directory `out` atomically. Returns the path and a
+    one-line report of the kernel cache."""
     target = resolve_target(target)
     out = Path(os.path.abspath(out))  # absolute, so that `-o .` has a name and a parent to write the temp dir in
     check_replaceable(out)  # before compiling, to fail fast; again before the swap
@@ -134,7 +136,7 @@ def write_artifact(
         score = build_graph(f.metadata, tensors, all_logits=True)
         weight_bytes = sum(f.tensors[n].nbytes for n in decode.weights)
         meta = dict(decode.meta)
-        n_ctx = min(int(meta["n_ctx_train"]), DEFAULT_CTX)
+        n_ctx = n_ctx or min(int(meta["n_ctx_train"]), DEFAULT_CTX)
         kernels: list[dict[str, Any]] = []
         sources: dict[str, str] = {}
         binaries: dict[str, bytes] = {}

@@ -1,9 +1,10 @@
 """`polystrata bench`: prefill and decode speed of a model on a target, in the spirit of llama-bench.
 
-Prefill (pp) times one forward over `p` random tokens from an empty context; decode (tg) times `n` single-token
-forwards from an empty context, feeding back the argmax. Each shape is run once untimed first so JIT compilation
-and first-touch allocation are not measured. Decode is also put against the memory-bandwidth roofline: every
-decoded token must stream the weights of the decode graph from memory once.
+Prefill (pp) times one forward over `p` random tokens; decode (tg) times `n` single-token forwards, feeding back
+the argmax. Both start after `depth` tokens of context (llama-bench's `-d`; 0, an empty context, by default): the
+depth is prefilled once, untimed, in chunks, and every timed run rewinds the cache to it. Each shape is run once
+untimed first so JIT compilation and first-touch allocation are not measured. Decode is also put against the
+memory-bandwidth roofline: every decoded token must stream the weights of the decode graph from memory once.
 
 The `--json` keys are read by other tools (scripts/bench_vs_llamacpp.py among them): keep them stable.
 """
@@ -22,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from polystrata.cli import ctx_arg
 from polystrata.errors import PolystrataError
 from polystrata.targets import TARGET_HELP
 
@@ -178,17 +180,18 @@ def _stats(n: int, rates: list[float]) -> dict:
     }
 
 
-def _prefill_once(engine, ids: np.ndarray) -> float:
-    engine.reset()
+def _prefill_once(engine, ids: np.ndarray, depth: int = 0) -> float:
+    engine.rewind(depth)
     t0 = time.perf_counter()
     logits = engine.forward(ids)
     np.asarray(logits)  # a lazy/asynchronous target must have finished before the clock stops
     return time.perf_counter() - t0
 
 
-def _decode_once(engine, first: int, n: int, host: list[float] | None = None) -> float:
-    """Seconds for `n` greedy decode steps; appends each step's host time (wall less device time) to `host`."""
-    engine.reset()
+def _decode_once(engine, first: int, n: int, host: list[float] | None = None, depth: int = 0) -> float:
+    """Seconds for `n` greedy decode steps after `depth` tokens of context; appends each step's host time (wall
+    less device time) to `host`."""
+    engine.rewind(depth)
     tok = first
     t0 = time.perf_counter()
     for _ in range(n):
@@ -209,8 +212,12 @@ def run_bench(
     repetitions: int = 3,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    kv_type: str = "f16",
+    depth: int = 0,
+    n_ctx: int | None = None,
 ) -> dict:
-    """Benchmark `model` on `target`; returns the `--json` object (see the module docstring for its meaning)."""
+    """Benchmark `model` on `target` with a KV cache of `kv_type` holding `n_ctx` tokens (default: just what the
+    tests need, depth + max(p, n)); returns the `--json` object (see the module docstring for its meaning)."""
     from polystrata import zoo
     from polystrata.engine import Engine
 
@@ -220,11 +227,16 @@ def run_bench(
         raise PolystrataError("nothing to measure: -p and -n are both 0")
     if repetitions < 1:
         raise PolystrataError("-r must be at least 1")
+    if depth < 0:
+        raise PolystrataError("-d must be >= 0")
+    need = depth + max(n_prompt, n_gen)
+    if n_ctx is not None and n_ctx < need:
+        raise PolystrataError(f"the context (-c {n_ctx}) must hold depth + max(p, n) = {need} tokens")
     say = progress or (lambda _msg: None)
 
     path = zoo.resolve_model(model)
-    # Every test starts from an empty context, so the cache only needs to hold the longest one.
-    engine = Engine(path, target=target, n_ctx=max(n_prompt, n_gen))
+    # Every test starts after `depth` tokens, so the cache only needs to hold that and the longest test.
+    engine = Engine(path, target=target, n_ctx=n_ctx or need, kv_type=kv_type)
     target = getattr(engine, "target", target)  # `auto` resolved to what actually runs
     threads = engine_threads(engine, target)
     device = describe_device(engine, target)
@@ -242,28 +254,38 @@ def run_bench(
         "n_threads": threads,
         "repetitions": repetitions,
         "seed": seed,
+        "kv_type": kv_type if target != "reference" else "f32",  # the reference executor keeps f32 K and V
+        "depth": depth,
+        "n_ctx": engine.n_ctx,
         "pp": None,
         "tg": None,
     }
 
+    if depth:
+        say(f"depth {depth}: prefill")
+        t0 = time.perf_counter()
+        engine.reset()
+        engine.forward(rng.integers(0, n_vocab, size=depth, dtype=np.int32))
+        say(f"depth {depth}: prefilled in {time.perf_counter() - t0:.1f} s")
+
     if n_prompt:
         ids = rng.integers(0, n_vocab, size=n_prompt, dtype=np.int32)
         say(f"pp{n_prompt}: warm-up")
-        _prefill_once(engine, ids)
+        _prefill_once(engine, ids, depth)
         rates = []
         for i in range(repetitions):
-            rates.append(n_prompt / _prefill_once(engine, ids))
+            rates.append(n_prompt / _prefill_once(engine, ids, depth))
             say(f"pp{n_prompt}: {i + 1}/{repetitions} {rates[-1]:.2f} tok/s")
         result["pp"] = _stats(n_prompt, rates)
 
     if n_gen:
         first = int(rng.integers(0, n_vocab))
         say(f"tg{n_gen}: warm-up")
-        _decode_once(engine, first, min(n_gen, 4))  # the shape-1 graph at a few cache lengths
+        _decode_once(engine, first, min(n_gen, 4), depth=depth)  # the shape-1 graph at a few cache lengths
         rates, host = [], []
         engine.executor.time_device = True  # executors without device timing ignore it
         for i in range(repetitions):
-            rates.append(n_gen / _decode_once(engine, first, n_gen, host))
+            rates.append(n_gen / _decode_once(engine, first, n_gen, host, depth))
             say(f"tg{n_gen}: {i + 1}/{repetitions} {rates[-1]:.2f} tok/s")
         engine.executor.time_device = False
         result["tg"] = _stats(n_gen, rates)
@@ -303,7 +325,7 @@ def format_table(r: dict) -> str:
                 r["target"],
                 r["device"],
                 str(r["n_threads"] or "-"),
-                f"{test}{e['n']}",
+                f"{test}{e['n']}" + (f" @ d{r['depth']}" if r.get("depth") else ""),
                 f"{e['tok_s_mean']:.2f} ± {e['tok_s_sd']:.2f}",
             ]
         )
@@ -328,6 +350,7 @@ def format_table(r: dict) -> str:
     else:
         mem += f"; bandwidth of this device unknown (set {BANDWIDTH_ENV} in bytes/s for a roofline)"
     out.append(mem)
+    out.append(f"KV cache: {r['kv_type']}, {r['n_ctx']} tokens")
     if r.get("host_ms_per_token") is not None:
         out.append(f"host time per decoded token: {r['host_ms_per_token']:.3f} ms (step wall time less device time)")
     return "\n".join(out)
@@ -341,6 +364,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="prefill and decode speed (tok/s), like llama-bench")
     p.add_argument("model", help="GGUF file path or zoo name (smollm2-135m, gemma3-270m)")
     p.add_argument("--target", default="auto", help=TARGET_HELP)
+    p.add_argument("--kv-type", default="f16", help="KV cache format: f16, q8_0, q8_g64 (kernel targets)")
+    ctx_arg(p, "depth + max(p, n)")
+    p.add_argument("-d", "--depth", type=int, default=0, help="tokens of context before each test (llama-bench -d)")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill test tokens; 0 skips it")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="decode test tokens; 0 skips it")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test")
@@ -360,6 +386,9 @@ def cmd_bench(a) -> int:
         repetitions=a.repetitions,
         seed=a.seed,
         progress=progress,
+        kv_type=a.kv_type,
+        depth=a.depth,
+        n_ctx=a.ctx,
     )
     print(json.dumps(r) if a.json else format_table(r))
     return 0

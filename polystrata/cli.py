@@ -83,6 +83,12 @@ def _seed(text: str) -> int | None:
     return None if text.strip() == "-1" else _int_in(text, 0, 2**64 - 1, "a seed from 0 to 2**64-1, or -1 for random")
 
 
+def ctx_arg(p: argparse.ArgumentParser, default_help: str) -> None:
+    """-c/--ctx-size N (alias --ctx): the KV cache holds N tokens."""
+    p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=_positive_int, default=None, metavar="N",
+                   help=f"context length in tokens, the KV cache's size (default: {default_help})")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     ap = _Parser(prog="polystrata", description="Compile and run GGUF language models on any accelerator.")
@@ -111,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ids-file", help="JSON array of token ids, scored exactly")
     p.add_argument("--top-k", type=int, default=40)
     _target_arg(p)
+    ctx_arg(p, "the text's length, at least 4096")
     p.add_argument("-o", "--output", required=True, type=_output_path)
 
     p = sub.add_parser("run", help="generate text; only the generated text goes to stdout")
@@ -124,18 +131,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat-penalty", type=float, default=1.0)
     p.add_argument("--seed", type=_seed, default=None, help="random seed, 0 .. 2**64-1; -1 or unset: a fresh one")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    p.add_argument("--ctx", type=_positive_int, default=None, help="context length (default: min(trained, 4096))")
+    ctx_arg(p, "min(trained, 4096), or the artifact's")
     _target_arg(p)
 
     p = sub.add_parser("parity", help="score llama.cpp's reference prompts and compare (pooled KL, top-1)")
     _model_arg(p)
     p.add_argument("--fixtures", required=True, help="folder with prompts.json and one <prompt>.npz per prompt")
     _target_arg(p)
+    p.add_argument("--against-kv", default=None, metavar="KV_TYPE",
+                   help="compare against this target's own run with that KV cache type (e.g. f16) instead of "
+                        "llama.cpp's logits, over each prompt and its greedy continuation")
 
     p = sub.add_parser("compile", help="plan the model for a target and write an artifact")
     _model_arg(p)
     _target_arg(p)
     p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
+    ctx_arg(p, "min(trained, 4096)")
     p.add_argument("-o", "--output", required=True, type=_output_path)
 
     from polystrata.bench import add_bench_parser
@@ -289,8 +300,10 @@ def cmd_score(a) -> int:
     tok = _load_tokenizer(path)
     if ids is None:
         ids = tok.encode(text)
+    if a.ctx is not None and a.ctx < len(ids):
+        raise PolystrataError(f"the text has {len(ids)} tokens, more than the context (-c {a.ctx})")
     # One pass over the whole text: the context must hold all of it, however long.
-    eng = Engine(path, target=a.target, n_ctx=max(len(ids), DEFAULT_CTX), kv_type=a.kv_type)
+    eng = Engine(path, target=a.target, n_ctx=a.ctx or max(len(ids), DEFAULT_CTX), kv_type=a.kv_type)
     t0 = time.perf_counter()
     logits = eng.score(ids)
     dt = time.perf_counter() - t0
@@ -316,11 +329,20 @@ def cmd_parity(a) -> int:
         raise PolystrataError(f"cannot read the fixtures' prompts.json near {fixtures}: {e}") from None
     path = _resolve(a.model)
     eng = Engine(path, target=a.target, kv_type=a.kv_type)
+    if a.against_kv and eng.target == "reference":
+        raise PolystrataError("--against-kv compares KV cache types of a kernel target; the reference keeps f32 K, V")
+    base = Engine(path, target=eng.target, kv_type=a.against_kv) if a.against_kv else None
     par = Parity()
     for name in names:
         ref = np.load(fixtures / f"{name}.npz")
-        par.add(ref["top_ids"], ref["top_logits"], eng.score([int(i) for i in ref["ids"]]))
-    print(f"parity {path.name} {eng.target}: {par}")
+        if base is None:
+            par.add(ref["top_ids"], ref["top_logits"], eng.score([int(i) for i in ref["ids"]]))
+        else:  # the continuation makes the context longer: more of it read back from the cache
+            ids = [int(i) for i in np.concatenate([ref["ids"], ref["greedy"]])]
+            top = top_k_scores(base.score(ids), ref["top_ids"].shape[1])
+            par.add(top["top_ids"], top["top_logits"], eng.score(ids))
+    versus = f" {a.kv_type} KV vs {a.against_kv} KV" if base else ""
+    print(f"parity {path.name} {eng.target}{versus}: {par}")
     return 0 if par.ok() else EXIT_ERROR
 
 
@@ -329,16 +351,17 @@ def cmd_run(a) -> int:
     from polystrata.engine import Engine, GenerationStats
     from polystrata.sampling import Sampler, SamplerConfig
 
-    target, kv_type = a.target, a.kv_type
+    target, kv_type, n_ctx = a.target, a.kv_type, a.ctx
     if a.model and is_artifact(a.model):
         manifest = load_artifact(a.model)
         path, target = Path(manifest["model"]["path"]), manifest["target"]["name"]
         kv_type = manifest["memory"]["kv_type"] if target != "reference" else kv_type
+        n_ctx = n_ctx or manifest["memory"]["n_ctx"]
     else:
         path = _resolve(a.model)
     if a.n_predict < 0:
         raise PolystrataError("-n must be >= 0")
-    eng = Engine(path, target=target, n_ctx=a.ctx, kv_type=kv_type)
+    eng = Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type)
     tok = eng.tokenizer
     template = eng.metadata.get("tokenizer.chat_template")
     if template and not a.raw:
@@ -381,7 +404,7 @@ def cmd_run(a) -> int:
 def cmd_compile(a) -> int:
     from polystrata.artifact import write_artifact
 
-    out, report = write_artifact(_resolve(a.model), a.target, a.output, kv_type=a.kv_type, arch=a.arch)
+    out, report = write_artifact(_resolve(a.model), a.target, a.output, kv_type=a.kv_type, arch=a.arch, n_ctx=a.ctx)
     print(f"wrote {out}: {report}", file=sys.stderr)
     return 0
 

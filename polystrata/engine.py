@@ -92,6 +92,12 @@ class Engine:
         """Start a new sequence (the KV cache is reused, its contents ignored)."""
         self.executor.reset()
 
+    def rewind(self, n_past: int) -> None:
+        """Keep only the first `n_past` tokens of the cache: the next forward continues after them."""
+        if not 0 <= n_past <= self.n_past:
+            raise ValueError(f"cannot rewind to {n_past} tokens: the cache holds {self.n_past}")
+        self.executor.n_past = n_past  # rows past n_past are never read
+
     def forward(self, ids: list[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Feed tokens after those already in the cache; logits of every token, or of the last one only."""
         ids = np.asarray(ids, dtype=np.int32)
@@ -101,7 +107,7 @@ class Engine:
             raise PolystrataError(f"token id out of range (vocabulary has {self.hparams.n_vocab} tokens)")
         if self.n_past + len(ids) > self.n_ctx:
             raise PolystrataError(
-                f"context length exceeded: {self.n_past + len(ids)} tokens > {self.n_ctx}; use a larger --ctx"
+                f"context length exceeded: {self.n_past + len(ids)} tokens > {self.n_ctx}; use a larger -c/--ctx-size"
             )
         outs = []
         for start in range(0, len(ids), PREFILL_CHUNK):

@@ -3,7 +3,8 @@
 # the benchmarks, and print a short table last. Run from the repository root with the wheels in .whl/:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl numpy==2.4.4 \
 #       pyopencl pytools platformdirs siphash24 gguf   (see docs/benchmarks.md)
-# Stages (default: all but receive): receive selftest tests parity bench. Example: scripts/device_check.sh bench
+# Stages (default: all but receive and depth): receive selftest tests parity bench depth.
+# Example: scripts/device_check.sh bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES="${*:-selftest tests parity bench}"
@@ -107,6 +108,29 @@ pp, tg = r["pp"], r["tg"]
 print(f"{sys.argv[2]:34s} pp{pp['n']} {pp['tok_s_mean']:.0f}±{pp['tok_s_sd']:.0f}  tg{tg['n']} {tg['tok_s_mean']:.0f}±{tg['tok_s_sd']:.0f} tok/s"
       f"  {r['bytes_per_token']/2**30:.2f} GiB/token  roofline {r['roofline_pct'] or 0:.0f}%  host {r.get('host_ms_per_token', 'n/a')} ms/token")
 EOF
+    done
+fi
+
+if [[ " $STAGES " == *" depth "* ]]; then
+    # Decode after DEPTH tokens of context (llama-bench -d) on the llama3-8b preset, each KV cache type. Issue 17's
+    # goal: q8_g64 at least as fast as f16 at 8192, >= 1.2x f16 at 32768. Each call prefills its depth once
+    # (untimed; about a minute at 32768) and compiles its plans: DEPTHS / KV_TYPES split the stage over calls when
+    # device time is short, e.g. DEPTHS=8192 then DEPTHS=32768.
+    M=/tmp/models; mkdir -p "$M"
+    [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
+    for dp in ${DEPTHS:-8192 32768}; do
+        for kv in ${KV_TYPES:-f16 q8_0 q8_g64}; do
+            timeout 420 python3 -m polystrata bench "$M/llama3-8b-q4km.gguf" --target "${BENCH_TARGET:-cuda}" -p 0 \
+                -n "${DEPTH_N:-64}" -r "${DEPTH_R:-2}" -d "$dp" --kv-type "$kv" --json > "$OUT/depth_${dp}_$kv.json" \
+                2>> "$LOG" || { row "llama3-8b @ d$dp $kv" "failed (exit $?, see the log)"; continue; }
+            python3 - "$OUT/depth_${dp}_$kv.json" <<'EOF' | tee -a "$SUMMARY"
+import json, sys
+r = json.load(open(sys.argv[1]))
+tg = r["tg"]
+print(f"{'llama3-8b tg' + str(tg['n']) + ' @ d' + str(r['depth']) + ' ' + r['kv_type']:34s} "
+      f"{tg['tok_s_mean']:.1f}±{tg['tok_s_sd']:.1f} tok/s  (n_ctx {r['n_ctx']}, host {r.get('host_ms_per_token')} ms/token)")
+EOF
+        done
     done
 fi
 

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 
 import pytest
 
@@ -142,3 +143,56 @@ def test_host_time_is_step_wall_less_device_time(tiny_model, capsys, monkeypatch
     assert 0 < r["host_ms_per_token"] < step_ms
     text = _run(capsys, str(tiny_model), "--target", "cpu", "-p", "0", "-n", "3", "-r", "1")
     assert "host time per decoded token:" in text
+
+
+def test_depth_decodes_after_that_many_tokens(tiny_model, capsys, monkeypatch):
+    """-d: the depth is prefilled once, and every timed test starts after it (the JSON says so)."""
+    from polystrata.engine import Engine
+
+    calls = []
+    forward = Engine.forward
+
+    def spy(self, ids, all_logits=False):
+        calls.append((self.n_past, len(ids)))
+        return forward(self, ids, all_logits)
+
+    monkeypatch.setattr(Engine, "forward", spy)
+    r = json.loads(_run(capsys, str(tiny_model), "--target", "reference", "-d", "9", "-p", "3", "-n", "2", "-r", "2",
+                        "--json"))
+    assert r["depth"] == 9 and r["n_ctx"] == 9 + 3 and r["kv_type"] == "f32"
+    assert calls[0] == (0, 9)  # the depth, once
+    prefills, steps = [c for c in calls[1:] if c[1] == 3], [c for c in calls[1:] if c[1] == 1]
+    assert len(prefills) == 3 and all(n_past == 9 for n_past, _ in prefills)  # warm-up and 2 repetitions
+    assert len(steps) == 2 + 2 * 2 and {n_past for n_past, _ in steps} == {9, 10}
+    assert len(calls) == 1 + len(prefills) + len(steps)
+    assert "tg2 @ d9" in _run(capsys, str(tiny_model), "--target", "reference", "-d", "9", "-p", "0", "-n", "2",
+                              "-r", "1")
+
+
+def test_kv_type_and_ctx_reach_the_plans(tiny_model, capsys, monkeypatch):
+    import polystrata.compiler
+
+    seen = {}
+
+    class Planned(Exception):
+        pass
+
+    def spy(file, graphs, runtime, n_ctx, kv_type="f16", *args, **kw):
+        seen.update(n_ctx=n_ctx, kv_type=kv_type)
+        raise Planned  # what was asked for is all this test needs: no kernels compiled
+
+    monkeypatch.setattr(polystrata.compiler, "compile_plans", spy)
+    with pytest.raises(Planned):
+        _run(capsys, str(tiny_model), "--target", "cpu", "--kv-type", "q8_g64", "-c", "100", "-d", "20", "-p", "0",
+             "-n", "4")
+    assert seen == {"n_ctx": 100, "kv_type": "q8_g64"}
+    with pytest.raises(Planned):
+        _run(capsys, str(tiny_model), "--target", "cpu", "-d", "20", "-p", "8", "-n", "4")
+    assert seen == {"n_ctx": 28, "kv_type": "f16"}
+
+
+@pytest.mark.parametrize("argv, message", [(["-d", "-1"], "-d must be"), (["-c", "10", "-d", "8", "-n", "4"],
+                                                                          "must hold depth + max(p, n) = 12")])
+def test_bad_depth_or_context(tiny_model, capsys, argv, message):
+    with pytest.raises(PolystrataError, match=re.escape(message)):
+        _run(capsys, str(tiny_model), "--target", "reference", "-p", "0", *argv)

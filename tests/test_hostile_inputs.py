@@ -160,8 +160,8 @@ def test_text_that_is_not_utf8_in_vocabulary_template_and_prompt(base, tmp_path)
     ("args", "ids", "code", "message"),
     [
         (("--seed", "-2"), None, 2, "argument --seed"),
-        (("--ctx", "0"), None, 2, "argument --ctx"),
-        (("--ctx", "-3"), None, 2, "argument --ctx"),
+        (("--ctx", "0"), None, 2, "argument -c/--ctx-size/--ctx: expected a positive integer"),
+        (("--ctx", "-3"), None, 2, "argument -c/--ctx-size/--ctx: expected a positive integer"),
         ((), [1, 10**20], 1, "token id 100000000000000000000 is out of range"),
         ((), "[" * 100_000 + "]" * 100_000, 1, "expected a non-empty JSON array"),
     ],

@@ -434,6 +434,48 @@ def test_rope(rt, mode, dims):
     np.testing.assert_allclose(out["o"], ref, rtol=1e-4, atol=2e-5)
 
 
+def _attention_graph(hq: int, hkv: int, d: int, window: int = 0, softcap: float = 0.0) -> Graph:
+    """One attention op over inputs q, k, v, positions (heads of d values), output "o"."""
+    g = Graph("t")
+    q, k, v = (g.input(n, "f32", ("T", h, d)) for n, h in (("q", hq), ("k", hkv), ("v", hkv)))
+    pos = g.input("positions", "i32", ("T",))
+    g.op("attention", q, k, v, pos, layer=0, scale=0.125, window=window, softcap=softcap, name="o")
+    return g
+
+
+def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: int, n_ctx: int, knobs: dict,
+                     steps: tuple[int, ...], seed: int) -> list:
+    """The attention recipe's launches (lanes, knobs) against the reference over `steps` (token counts, the
+    largest first: `keep` holds buffers sized by it), the cache carried between them; returns the launches."""
+    hkv, d = 2, 64
+    hq = hkv * gqa
+    g = _attention_graph(hq, hkv, d, window, softcap)
+    ctx = _ctx(g, kv=kv, n_ctx=n_ctx, lanes=lanes)
+    ctx.knobs = {"attention": knobs}
+    launches = _recipe("attention").lower(g.nodes, ctx)
+    fmt = Q.KV_FORMATS[kv]
+    kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
+    ex = R.ReferenceExecutor({}, n_ctx)
+    keep = {"kv.0.k": rt.alloc((kvb,), "u8"), "kv.0.v": rt.alloc((kvb,), "u8")}
+    n_past = 0
+    rng = np.random.default_rng(seed)
+    for t in steps:
+        qv, kvv, vv = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+        pv = np.arange(n_past, n_past + t, dtype=np.int32)
+        # The reference sees what the cache holds: K/V rounded through the KV format.
+        kq = Q.dequantize(fmt, Q.quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
+        vq = Q.dequantize(fmt, Q.quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
+        ref = R._IMPLS["attention"](ex, g.nodes[0], [qv, kq, vq, pv])
+        sb, so = _moe_scratch(ctx)  # split-K partials, poisoned: a run the combine should not read spoils the output
+        out = _run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
+                                           "positions": pv, **sb}, {"T": t}, {"o": ((t, hq, d), "f32"), **so},
+                            keep)["o"]
+        # Our encoder may pick the neighbouring f16 scale (round-to-nearest vs. rounding up): a q8 step of a value.
+        np.testing.assert_allclose(out, ref, atol=1e-4 if kv == "f16" else 0.03, rtol=1e-3)
+        n_past += t
+    return launches
+
+
 @pytest.mark.parametrize("kv,gqa,window,softcap", [
     ("f16", 1, 0, 0.0), ("f16", 3, 4, 0.0), ("q8_0", 3, 0, 30.0), ("q8_0", 1, 4, 0.0), ("q8_g64", 3, 0, 0.0),
     ("q8_g64", 1, 3, 20.0),
@@ -445,43 +487,56 @@ def test_attention(rt, kv, gqa, window, softcap, lanes, splits):
     product, V sums in registers); split-K: 4 runs of keys (some empty in the first steps) and the combine."""
     if lanes > 1 and rt.lanes == 1:
         pytest.skip("GPU-shaped kernels")
-    hkv, d = 2, 64
-    hq = hkv * gqa
-    n_ctx = 32
-    g = Graph("t")
-    q = g.input("q", "f32", ("T", hq, d))
-    k = g.input("k", "f32", ("T", hkv, d))
-    v = g.input("v", "f32", ("T", hkv, d))
-    pos = g.input("positions", "i32", ("T",))
-    g.op("attention", q, k, v, pos, layer=0, scale=0.125, window=window, softcap=softcap, name="o")
-    ctx = _ctx(g, kv=kv, n_ctx=n_ctx)
-    ctx.lanes, ctx.subgroup = lanes, (32 if lanes > 1 else 1)
-    ctx.knobs = {"attention": {"splits": splits}}
-    launches = _recipe("attention").lower(g.nodes, ctx)
+    launches = _check_attention(rt, kv, gqa, window, softcap, lanes, 32, {"splits": splits}, (7, 1, 1, 5), 7)
     assert len(launches) == (3 if splits > 1 else 2)  # K/V store, attention, [combine]
-    fmt = Q.KV_FORMATS[kv]
-    kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
-    ex = R.ReferenceExecutor({}, n_ctx)
-    keep: dict = {}
-    keep["kv.0.k"] = rt.alloc((kvb,), "u8")
-    keep["kv.0.v"] = rt.alloc((kvb,), "u8")
-    n_past = 0
-    rng = np.random.default_rng(7)
-    for t in (7, 1, 1, 5):  # prefill, decode steps, another chunk
-        qv, kvv, vv = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
-        pv = np.arange(n_past, n_past + t, dtype=np.int32)
-        # The reference sees what the cache holds: K/V rounded through the KV format.
-        kq = Q.dequantize(fmt, Q.quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
-        vq = Q.dequantize(fmt, Q.quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
-        ref = R._IMPLS["attention"](ex, g.nodes[0], [qv, kq, vq, pv])
-        sb, so = _moe_scratch(ctx)  # split-K partials, poisoned
-        out = _run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
-                                           "positions": pv, **sb}, {"T": t}, {"o": ((t, hq, d), "f32"), **so},
-                            keep)["o"]
-        # Our encoder may pick the neighbouring f16 scale (round-to-nearest vs. rounding up): one q8 step.
-        tol = 1e-4 if kv == "f16" else 0.02
-        np.testing.assert_allclose(out, ref, atol=tol, rtol=1e-3)
-        n_past += t
+
+
+@pytest.mark.parametrize("kv,gqa,window,softcap,lanes,heads,splits", [
+    ("f16", 3, 0, 0.0, 1, 3, 5), ("q8_0", 1, 10, 30.0, 1, 1, 5), ("q8_g64", 4, 0, 0.0, 1, 2, 5),
+    ("f16", 4, 10, 0.0, 128, 4, 5), ("q8_0", 3, 0, 0.0, 128, 3, 5), ("q8_g64", 3, 10, 30.0, 128, 3, 5),
+    ("q8_0", 4, 0, 20.0, 128, 4, 1),
+])
+def test_attention_runs(rt, kv, gqa, window, softcap, lanes, heads, splits):
+    """Split-K as flash-decoding has it: 5 runs of the keys visible at run time, each at least 4 long (knob
+    min_run), so that the runs holding keys, and their lengths, change with the context; the combine reads only
+    those (the partials of the others stay NaN). Contexts with a partial last run, prefill chunks and decode
+    steps, GQA with groups taking several query heads of a KV head (knob heads), gemma3's sliding window and
+    softcap."""
+    if lanes > 1 and rt.lanes == 1:
+        pytest.skip("GPU-shaped kernels")
+    # Runs of the contexts 1..16 of the first step: 1 of 1 to 4 keys, then of 4 (the last partial); 17, 18: 5 runs
+    # of 4, the last 1 or 2 long; 22, 23: 5 runs of 5, the last 2 or 3 long; 36, 37: 5 runs of 8, the last 4 or 5
+    # long (a window of 10: 3 runs of 4, the last 2).
+    knobs = {"splits": splits, "min_run": 4, "heads": heads}
+    launches = _check_attention(rt, kv, gqa, window, softcap, lanes, 40, knobs, (16, 1, 1, 4, 1, 13, 1), 11)
+    attn = launches[1].kernel
+    assert dict(attn.knobs) == {"two_pass": 1, "splits": splits} | ({"min_run": 4} if splits > 1 else {}) | (
+        {"heads": heads} if heads > 1 else {})
+    assert attn.grid[1].value == 2 * gqa // heads
+
+
+def test_attention_splits_grow_with_the_context_in_one_token_steps():
+    """splits "auto": on GPUs up to 8 runs, and in one-token plans enough that none holds more than
+    DECODE_RUN_KEYS keys at a full context (flash-decoding), each group taking the 4 query heads of a KV head
+    beyond LONG_CONTEXT (heads "auto"); on the CPU one group per head."""
+    from polystrata.codegen.recipes.attention import DECODE_RUN_KEYS, LONG_CONTEXT, MIN_RUN_KEYS
+
+    g = _attention_graph(32, 8, 128)
+
+    def attn(lanes, t_max, n_ctx):
+        ctx = _ctx(g, n_ctx=n_ctx, lanes=lanes)
+        ctx.t_max = t_max
+        launches = _recipe("attention").lower(g.nodes, ctx)
+        return dict(launches[1].kernel.knobs), len(launches)
+
+    n_ctx = 32768 + 64
+    runs = {"two_pass": 1, "min_run": MIN_RUN_KEYS}
+    assert attn(128, 1, n_ctx) == ({**runs, "splits": -(-n_ctx // DECODE_RUN_KEYS), "heads": 4}, 3)
+    assert -(-n_ctx // DECODE_RUN_KEYS) == 257
+    assert attn(128, 16, n_ctx) == ({**runs, "splits": 8}, 3)
+    assert attn(128, 1, LONG_CONTEXT) == ({**runs, "splits": LONG_CONTEXT // DECODE_RUN_KEYS}, 3)
+    assert attn(128, 1, 640) == ({**runs, "splits": 8}, 3)
+    assert attn(1, 1, n_ctx) == ({"two_pass": 1, "splits": 1}, 2)
 
 
 @pytest.mark.parametrize("kv,mode,dims,lanes,qk_norm", [

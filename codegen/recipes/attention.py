@@ -7,17 +7,20 @@ d = max|x| / |anchor| as f16 and codes round(x / d) clipped to the anchor. Recip
 `norm_rope_attention` fuse the ropes of q and k (and qwen3's per-head q/k RMS norms before them) into this
 launch: n_head more groups rope q into the rope's output, and the K groups rope K on its way into the cache.
 
-Launch 2 (`attn`): grid (T, n_head); two-pass softmax with the scores of the visible keys in local memory
+Launch 2 (`attn`): grid (T, n_head / heads); two-pass softmax with the scores of the visible keys in local memory
 (size n_ctx): scores (K decoded block by block; with lanes, keys in tiles, `kparts` lanes per key adding their
 shares of the dot product through a local array), Reduce max, LaneFor exp, Reduce
 sum, then a LaneFor over (V block, part) accumulates p_j * v_j, `parts` lanes sharing a block (`Decoder.walk`'s
-split; with one element a lane, in registers, else into a local output row).
+split; with one element a lane, in registers, else into a local output row). Knob `heads` (GQA): a group takes
+that many query heads of one KV head, each K and V value decoded once for all of them ("auto": all of them in
+one-token GPU plans of contexts longer than LONG_CONTEXT, where their scores fit GROUP_SCORES).
 
-Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by n_ctx): one group per head leaves most of a
-GPU idle at decode, so launch 2 runs `splits` groups per (token, head), each over its run of the keys, writing
-unnormalised partials (output row, max score, sum of exponentials) to plan scratch, and launch 3
-(`attention_combine_kernel`) rescales and adds them; where the output projection takes int8 activations, the
-combine writes them too (`Launch.provides`).
+Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by n_ctx, and in one-token plans at least
+n_ctx / DECODE_RUN_KEYS: flash-decoding): one group per head leaves most of a GPU idle at decode, so launch 2
+runs `splits` groups per (token, head), each over its run of the keys (equal shares of the keys visible at run
+time, at least knob `min_run` long), writing unnormalised partials (output row, max score, sum of exponentials)
+to plan scratch, and launch 3 (`attention_combine_kernel`) rescales and adds those of the runs holding keys;
+where the output projection takes int8 activations, the combine writes them too (`Launch.provides`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 
 from polystrata.codegen.dequant import Decoder, block_stride, chunk_len, finest_group, widen
 from polystrata.codegen.recipes import Recipe, RecipeContext, register
-from polystrata.codegen.recipes._matvec import QB, Act, block_dot, round_half_away
+from polystrata.codegen.recipes._matvec import QB, round_half_away
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
 from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
 from polystrata.ir import quant as Q
@@ -53,6 +56,20 @@ from polystrata.ir.kernel import (
     stable_digest,
 )
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
+
+# Split-K in one-token steps on GPUs (flash-decoding): runs enough that none holds more than DECODE_RUN_KEYS keys
+# at a full context (llama3-8b at depth 8192: 65 runs of each of its 8 KV heads, 520 groups for an H200's 132
+# SMs, each reading ~64 KiB of f16 K and V), and never fewer than 8 (what short contexts had before). Knob
+# `min_run`: no run shorter than MIN_RUN_KEYS keys, so a short context keeps few groups at work and the combine
+# few partials.
+DECODE_RUN_KEYS = 128
+MIN_RUN_KEYS = 8
+# Knob `heads` ("auto"): in one-token GPU plans of a context longer than LONG_CONTEXT a group takes all the query
+# heads of a KV head (GQA: 4 on llama3-8b), so each K and V value is read once, not once a head, as long as their
+# scores (heads x the longest run) fit GROUP_SCORES floats (16 KiB) of local memory. Shorter contexts keep a group
+# a head: reading the cache costs little there, and a group's softmax reductions, one a head, would add up.
+LONG_CONTEXT = 4096
+GROUP_SCORES = 4096
 
 
 def _kv_fmt(fmt: QuantFormat, d: int) -> QuantFormat:
@@ -148,25 +165,53 @@ def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: 
     return Kernel(name, tuple(params), (Var("T"), Const(nq + 2 * hkv)), tuple(body), lanes=lanes)
 
 
+def _runs(pos: Expr, window: int, splits: int, min_run: int) -> tuple[Let, ...]:
+    """Lets of how split-K divides the keys a query at `pos` sees: `lo0` the first visible position, `nall` how many
+    are visible (the window, else all), `per` keys a run (an equal share of `splits`, at least `min_run`), `runs`
+    the runs holding any (the first ceil(nall / per) of the `splits`)."""
+    lo = Call("max", Const(0), pos - (window - 1)) if window else Const(0)
+    per = (Var("nall") + (splits - 1)) // splits
+    return (Let("lo0", lo), Let("nall", pos + 1 - Var("lo0")),
+            Let("per", Call("max", Const(min_run), per) if min_run > 1 else per),
+            Let("runs", (Var("nall") + Var("per") - 1) // Var("per")))
+
+
 def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int, scale: float,
-                     window: int, softcap: float, lanes: int, splits: int = 1) -> Kernel:
-    """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq).
+                     window: int, softcap: float, lanes: int, splits: int = 1, min_run: int = 1,
+                     heads: int = 1) -> Kernel:
+    """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq / heads).
+
+    `heads` (dividing hq / hkv): a group takes that many query heads of one KV head, reading each K and V value
+    once for all of them (with GQA, groups of one head each read the KV head's cache again).
 
     `splits` > 1 (split-K, for parallelism at decode): grid (T, hq, splits), group s takes the s-th of `splits`
-    equal runs of the visible keys and writes its unnormalised partial output, max score and sum of
-    exponentials to `po` / `pm` / `pz` (row (t * hq + h) * splits + s) for `attention_combine_kernel`.
+    equal runs of the visible keys, each at least `min_run` long (`_runs`: worked out from the position read at
+    run time, so the grid stays fixed, as a captured graph needs), and writes its unnormalised partial output,
+    max score and sum of exponentials to `po` / `pm` / `pz` (row (t * hq + h) * splits + s) for
+    `attention_combine_kernel`; a group past the visible keys stores nothing (the combine does not read it).
     """
     kf, vf = _kv_fmt(fmt, d), _kv_fmt(fmt, dv)
     g = hq // hkv
+    if g % heads:
+        raise ValueError(f"{heads} query heads a group do not divide the {g} of a KV head")
     krb = hkv * d // kf.block_size * block_stride(kf)
     vrb = hkv * dv // vf.block_size * block_stride(vf)
-    t, h = Var("g0"), Var("g1")
-    kvh = h // g
+    t = Var("g0")
+    h0 = Var("g1") * heads  # the group's first query head
+    kvh = h0 // g
     pos = Var("pos")
-    lo = Call("max", Const(0), pos - (window - 1)) if window else Const(0)
     n = Var("n")
-    qrow = t * hq + h
-    prow = qrow * splits + Var("g2")  # split-K: this group's partial row
+    hs = range(heads)
+    run = max(-(-n_ctx // splits), min_run if splits > 1 else 1)  # the most keys a group takes
+
+    def qrow(hh: int) -> Expr:
+        return t * hq + h0 + hh
+
+    def prow(hh: int) -> Expr:  # split-K: the group's partial row of its head hh
+        return qrow(hh) * splits + Var("g2")
+
+    def sidx(hh: int, j: Expr) -> Expr:  # head hh's score of key j, in local memory
+        return j + hh * run if hh else j
     # Lanes per key for the scores: `kparts` lanes share each key's dot product (a split of each K block's chunks),
     # keys taken in tiles of lanes / kparts; 1 (one lane per key) with one lane.
     kchunk = chunk_len(kf, finest_group(kf))
@@ -175,12 +220,19 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         kparts *= 2
     tile = max(1, lanes // kparts)
 
+    kdec = Decoder(kf, "kc", Var("kj") * krb + (kvh * (d // kf.block_size) + Var("kb")) * block_stride(kf), "k_")
+
     def key_dot(split) -> list:
-        """Statements leaving in `sc` the (partial, with `split`) dot of the q row with K row `kj`."""
-        return [Decl("sc", "f32", Const(0.0)),
-                For("kb", Const(0), Const(d // kf.block_size), tuple(block_dot(
-                    fmt if fmt.block_size != 1 else kf, "kc", Var("kj") * krb + kvh * (d // kf.block_size) *
-                    block_stride(kf), Var("kb"), Act("q", d), qrow, "sc", "k_", split=split)))]
+        """Statements leaving in `sc<hh>` the (partial, with `split`: `Decoder.walk`'s) dot of head hh's q row with
+        K row `kj`, each K value decoded once for all the group's heads."""
+        def chunk(c, L, i0, env, lw) -> list:
+            e = Var("kb") * kf.block_size + (c + Var(i0))
+            return [Let(f"kv{c}", kdec.value(lw)),
+                    *(Assign(f"sc{hh}", Var(f"sc{hh}") + Var(f"kv{c}") * Load("q", qrow(hh) * d + e)) for hh in hs)]
+
+        return [*(Decl(f"sc{hh}", "f32", Const(0.0)) for hh in hs),
+                For("kb", Const(0), Const(d // kf.block_size),
+                    tuple(kdec.walk(lambda s0, sz, env, inner: inner, chunk, split=split)))]
 
     def scaled(x: Expr) -> Expr:
         x = x * float(scale)
@@ -188,19 +240,24 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
 
     if kparts == 1:
         scores = [LaneFor("jj", n, (Let("kj", Var("lo") + Var("jj")), *key_dot(None),
-                                    Store("s", Var("jj"), scaled(Var("sc")))))]
+                                    *(Store("s", sidx(hh, Var("jj")), scaled(Var(f"sc{hh}"))) for hh in hs)))]
     else:
         kt, ku = Var("kt"), Var("ku")
-        shares = [Load("sp", Var("kk") * kparts + p) for p in range(kparts)]  # the kparts lanes' shares of a key
+        width = tile * kparts  # the shares of one head's keys of a tile
+
+        def total(hh: int) -> Expr:  # the kparts lanes' shares of a key's dot product with head hh
+            shares = [Load("sp", Var("kk") * kparts + (hh * width + p)) for p in range(kparts)]
+            return sum(shares[1:], shares[0])
+
         scores = [For("kt", Const(0), (n + (tile - 1)) // tile, (
-            LaneFor("ku", Const(tile * kparts), (
+            LaneFor("ku", Const(width), (
                 Let("jj", kt * tile + ku // kparts),
-                If(Var("jj") < n, (Let("kj", Var("lo") + Var("jj")),
-                                   *key_dot((ku % kparts, kparts)), Store("sp", ku, Var("sc")))),
+                If(Var("jj") < n, (Let("kj", Var("lo") + Var("jj")), *key_dot((ku % kparts, kparts)),
+                                   *(Store("sp", ku + hh * width if hh else ku, Var(f"sc{hh}")) for hh in hs))),
             )),
             LaneFor("kk", Const(tile), (
                 Let("jj", kt * tile + Var("kk")),
-                If(Var("jj") < n, (Store("s", Var("jj"), scaled(sum(shares[1:], shares[0]))),)),
+                If(Var("jj") < n, tuple(Store("s", sidx(hh, Var("jj")), scaled(total(hh))) for hh in hs)),
             )),
         ))]
     vdec_bs = vf.block_size
@@ -214,78 +271,103 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         parts *= 2
     dec = Decoder(vf, "vc", Var("vj") * vrb + (kvh * nvb + vb) * block_stride(vf), "v_")
 
-    def out_store(e: Expr, val: Expr) -> Store:
-        """Output element e: normalised, or (split-K) the unnormalised partial."""
-        return Store("po", prow * dv + e, val) if splits > 1 else Store("out", qrow * dv + e, val / Var("z"))
+    def guarded(st: Store) -> If:
+        """A partial's store, skipped by a group past the visible keys. Only the stores are in the branch: a
+        group's barriers stay outside any (PoCL mishandles those inside one)."""
+        return If(n > 0, (st,))
 
-    keys = (Let("vj", Var("lo") + Var("jj")), Let("p", Load("s", Var("jj"))))
+    def out_store(hh: int, e: Expr, val: Expr) -> Store | If:
+        """Head hh's output element e: normalised, or (split-K) the unnormalised partial."""
+        if splits > 1:
+            return guarded(Store("po", prow(hh) * dv + e, val))
+        return Store("out", qrow(hh) * dv + e, val / Var(f"z{hh}"))
+
+    keys = (Let("vj", Var("lo") + Var("jj")), *(Let(f"p{hh}", Load("s", sidx(hh, Var("jj")))) for hh in hs))
     if 1 < parts == chunk:
         # One element of each chunk per lane: its sum over the keys stays in a register (no local-memory
         # read-modify-write per key), stored once, divided by the softmax denominator.
         starts = range(0, vdec_bs, chunk)
         vwalk = dec.walk(lambda s0, sz, env, inner: inner, lambda c, L, i0, env, lw: [
-            Assign(f"va{c}", Var(f"va{c}") + Var("p") * dec.value(lw))], split=(Var("part"), parts))
+            Let(f"vv{c}", dec.value(lw)),
+            *(Assign(f"va{c}_{hh}", Var(f"va{c}_{hh}") + Var(f"p{hh}") * Var(f"vv{c}")) for hh in hs)],
+            split=(Var("part"), parts))
         v_pass = [LaneFor("vu", Const(nvb * parts), (
             Let("vb", Var("vu") // parts), Let("part", Var("vu") % parts),
-            *(Decl(f"va{c}", "f32", Const(0.0)) for c in starts),
+            *(Decl(f"va{c}_{hh}", "f32", Const(0.0)) for c in starts for hh in hs),
             For("jj", Const(0), n, (*keys, *vwalk)),
-            *(out_store(vb * vdec_bs + c + Var("part"), Var(f"va{c}")) for c in starts),
+            *(out_store(hh, vb * vdec_bs + c + Var("part"), Var(f"va{c}_{hh}")) for c in starts for hh in hs),
         ))]
     else:
-        vwalk = dec.walk(lambda s0, sz, env, inner: inner, lambda c, L, i0, env, lw: [
-            Store("o", vb * vdec_bs + c + Var(i0), Load("o", vb * vdec_bs + c + Var(i0)) + Var("p") * dec.value(lw))],
-            split=(Var("part"), parts) if parts > 1 else None)
+        def acc(c, L, i0, env, lw) -> list:
+            at = vb * vdec_bs + c + Var(i0)
+            return [Let(f"vv{c}", dec.value(lw)),
+                    *(Store("o", at + hh * dv if hh else at, Load("o", at + hh * dv if hh else at)
+                            + Var(f"p{hh}") * Var(f"vv{c}")) for hh in hs)]
+
+        vwalk = dec.walk(lambda s0, sz, env, inner: inner, acc, split=(Var("part"), parts) if parts > 1 else None)
         v_pass = [
-            LaneFor("e", Const(dv), (Store("o", Var("e"), Const(0.0)),)),
+            LaneFor("e", Const(heads * dv), (Store("o", Var("e"), Const(0.0)),)),
             LaneFor("vu", Const(nvb * parts), (
                 Let("vb", Var("vu") // parts), Let("part", Var("vu") % parts),
                 For("jj", Const(0), n, (*keys, *vwalk)),
             )),
-            LaneFor("e", Const(dv), (out_store(Var("e"), Load("o", Var("e"))),)),
+            LaneFor("e", Const(dv), tuple(out_store(hh, Var("e"), Load("o", Var("e") + hh * dv if hh else Var("e")))
+                                          for hh in hs)),
         ]
     if splits > 1:  # this group's run of the visible keys: `lo` and `n` as if they were all there is
-        span = (Let("lo0", lo), Let("nall", pos + 1 - Var("lo0")), Let("per", (Var("nall") + (splits - 1)) // splits),
+        span = (*_runs(pos, window, splits, min_run),
                 Let("k0", Var("g2") * Var("per")), Let("lo", Var("lo0") + Var("k0")),
                 Let("n", Call("max", Const(0), Call("min", Var("nall") - Var("k0"), Var("per")))))
     else:
-        span = (Let("lo", lo), Let("n", pos + 1 - Var("lo")))
+        lo0, nall = _runs(pos, window, 1, 1)[:2]
+        span = (lo0, nall, Let("lo", Var("lo0")), Let("n", Var("nall")))
+    # A group past the visible keys (n = 0) runs no loop iterations: it costs a few barriers.
+    jj = Var("jj")
     body = (
         Let("pos", Load("positions", t)),
         *span,
         *scores,
-        Reduce("m", "max", "jj", n, (), Load("s", Var("jj"))),
-        LaneFor("jj", n, (Store("s", Var("jj"), Call("exp", Load("s", Var("jj")) - Var("m"))),)),
-        Reduce("z", "+", "jj", n, (), Load("s", Var("jj"))),
+        Reduce("m0", "max", "jj", n, (), Load("s", jj), tuple((f"m{hh}", Load("s", sidx(hh, jj))) for hh in hs[1:])),
+        LaneFor("jj", n, tuple(Store("s", sidx(hh, jj), Call("exp", Load("s", sidx(hh, jj)) - Var(f"m{hh}")))
+                               for hh in hs)),
+        Reduce("z0", "+", "jj", n, (), Load("s", jj), tuple((f"z{hh}", Load("s", sidx(hh, jj))) for hh in hs[1:])),
         *v_pass,
     )
     if splits > 1:
-        body += (Store("pm", prow, Var("m")), Store("pz", prow, Var("z")))
+        body += tuple(guarded(Store(f, prow(hh), Var(f"{v}{hh}"))) for hh in hs for f, v in (("pm", "m"), ("pz", "z")))
         outs = (Buf("po", "f32", out=True), Buf("pm", "f32", out=True), Buf("pz", "f32", out=True))
     else:
         outs = (Buf("out", "f32", out=True),)
     params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), *outs, Scalar("T"))
-    local = (LocalArray("s", "f32", -(-n_ctx // splits)),) + (() if 1 < parts == chunk else
-                                                               (LocalArray("o", "f32", dv),))
+    local = (LocalArray("s", "f32", heads * run),) + (() if 1 < parts == chunk else
+                                                      (LocalArray("o", "f32", heads * dv),))
     if kparts > 1:
-        local += (LocalArray("sp", "f32", tile * kparts),)
-    grid = (Var("T"), Const(hq)) + ((Const(splits),) if splits > 1 else ())
-    return Kernel(name, params, grid, body, lanes=lanes, local=local, knobs=(("two_pass", 1), ("splits", splits)))
+        local += (LocalArray("sp", "f32", heads * tile * kparts),)
+    grid = (Var("T"), Const(hq // heads)) + ((Const(splits),) if splits > 1 else ())
+    knobs = (("two_pass", 1), ("splits", splits)) + ((("min_run", min_run),) if splits > 1 else ()) + (
+        (("heads", heads),) if heads > 1 else ())
+    return Kernel(name, params, grid, body, lanes=lanes, local=local, knobs=knobs)
 
 
-def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int, quant: bool = False) -> Kernel:
-    """out[t, h] from the split-K partials of `attention_kernel`: with M the largest partial max,
-    out = sum_s po_s * exp(pm_s - M) / sum_s pz_s * exp(pm_s - M) (runs without keys have pm = -inf: weight 0).
+def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int, quant: bool = False,
+                             min_run: int = 1, window: int = 0) -> Kernel:
+    """out[t, h] from the split-K partials of `attention_kernel` (its `splits`, `min_run` and `window`): with M the
+    largest partial max, out = sum_s po_s * exp(pm_s - M) / sum_s pz_s * exp(pm_s - M) over the runs that hold
+    visible keys (`_runs`, from the position read at run time).
     `quant`: also write out as the output projection's int8 activations (`linear.quantize_staged`)."""
     r = Var("g0") * hq + Var("g1")
     w = Call("exp", Load("pm", r * splits + Var("s")) - Var("mx"))
     e = Var("e")
     store = (Store("out", r * dv + e, Var("ov")),) + ((Store("ol", staged(e), Var("ov")),) if quant else ())
+    runs = Var("runs")
     body = (
+        Let("pos", Load("positions", Var("g0"))),
+        *_runs(Var("pos"), window, splits, min_run),
         Decl("mx", "f32", Const(float("-inf"))),
-        For("s", Const(0), Const(splits), (Assign("mx", Call("max", Var("mx"), Load("pm", r * splits + Var("s")))),)),
+        For("s", Const(0), runs, (Assign("mx", Call("max", Var("mx"), Load("pm", r * splits + Var("s")))),)),
         LaneFor("e", Const(dv), (
             Decl("zs", "f32", Const(0.0)), Decl("acc", "f32", Const(0.0)),
-            For("s", Const(0), Const(splits), (
+            For("s", Const(0), runs, (
                 Let("w", w),
                 Assign("zs", Var("zs") + Load("pz", r * splits + Var("s")) * Var("w")),
                 Assign("acc", Var("acc") + Load("po", (r * splits + Var("s")) * dv + e) * Var("w")),
@@ -294,7 +376,8 @@ def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: in
             *store,
         )),
     )
-    params = (Buf("po", "f32"), Buf("pm", "f32"), Buf("pz", "f32"), Buf("out", "f32", out=True))
+    params = (Buf("po", "f32"), Buf("pm", "f32"), Buf("pz", "f32"), Buf("positions", "i32"),
+              Buf("out", "f32", out=True))
     local = ()
     if quant:
         body += tuple(quantize_staged("ol", dv, r * (dv // 4), r * (dv // QB)))
@@ -331,11 +414,24 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
         store = Launch(kv_store_kernel(f"kv_store_{heads}", fmt, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
     tag = f"{heads}_{a['window']}_{stable_digest((a['scale'], a['softcap']), 8)}"
     splits = ctx.knob("attention", "splits", "auto")
-    if splits == "auto":  # GPUs: enough groups to fill the device at decode (one per head is 32 for 132 SMs)
+    if splits == "auto":  # GPUs: enough groups to fill the device (one per head is 32 for 132 SMs)
         splits = 1 if ctx.lanes == 1 else max(1, min(8, ctx.n_ctx // 64))
+        if ctx.lanes > 1 and ctx.t_max == 1:  # one token: runs of at most DECODE_RUN_KEYS keys (flash-decoding)
+            splits = max(splits, -(-ctx.n_ctx // DECODE_RUN_KEYS))
     splits = int(splits)
-    at = attention_kernel(f"attn_{tag}_{splits}", fmt, hq, hkv, d, dv, ctx.n_ctx, float(a["scale"]),
-                          int(a["window"]), float(a["softcap"] or 0.0), ctx.lanes, splits)
+    min_run = ctx.knob("attention", "min_run", "auto")
+    min_run = int(MIN_RUN_KEYS if min_run == "auto" and ctx.lanes > 1 else 1 if min_run == "auto" else min_run)
+    heads = ctx.knob("attention", "heads", "auto")
+    if heads == "auto":  # long one-token GPU plans: a KV head's query heads together, their scores in local memory
+        run = max(-(-ctx.n_ctx // splits), min_run)
+        heads = 1
+        if ctx.lanes > 1 and ctx.t_max == 1 and ctx.n_ctx > LONG_CONTEXT:
+            heads = max(h for h in range(1, hq // hkv + 1) if (hq // hkv) % h == 0 and h * run <= GROUP_SCORES)
+    heads = int(heads)
+    window = int(a["window"])
+    at = attention_kernel(f"attn_{tag}_{splits}" + (f"_r{min_run}" if splits > 1 else "") +
+                          (f"_h{heads}" if heads > 1 else ""), fmt, hq, hkv, d, dv, ctx.n_ctx, float(a["scale"]),
+                          window, float(a["softcap"] or 0.0), ctx.lanes, splits, min_run, heads)
     io = (("q", q), ("kc", kn), ("vc", vn), ("positions", p))
     if splits == 1:
         return [store, Launch(at, (*io, ("out", ctx.buf(node.output))), (("T", "T"),))]
@@ -345,10 +441,10 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     out = ctx.buf(node.output)
     # The output projection's int8 activations, which the combine can write too (a block of 32 within a head).
     qbufs, provides = quantized_output(ctx, out, hq * dv, "T") if dv % QB == 0 else ((), ())
-    comb = attention_combine_kernel(f"attn_combine{'_q8' if provides else ''}_{hq}_{dv}_{splits}", hq, dv, splits,
-                                    ctx.lanes, bool(provides))
+    comb = attention_combine_kernel(f"attn_combine{'_q8' if provides else ''}_{hq}_{dv}_{splits}_r{min_run}_{window}",
+                                    hq, dv, splits, ctx.lanes, bool(provides), min_run, window)
     return [store, Launch(at, (*io, *parts), (("T", "T"),)),
-            Launch(comb, (*parts, ("out", out), *qbufs), (("T", "T"),), provides=provides)]
+            Launch(comb, (*parts, ("positions", p), ("out", out), *qbufs), (("T", "T"),), provides=provides)]
 
 
 def _lower_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -377,7 +473,8 @@ def _match_norm_rope_attention(nodes: Sequence[Node]) -> bool:
             and nq.attrs == nk.attrs and all(n.inputs[1].type.shape == (d,) for n in (nq, nk)))
 
 
-register(Recipe("attention", ("attention",), _lower_attention, None, (("two_pass", 1), ("splits", "auto"))))
+register(Recipe("attention", ("attention",), _lower_attention, None,
+                (("two_pass", 1), ("splits", "auto"), ("min_run", "auto"), ("heads", "auto"))))
 register(Recipe("rope_attention", ("rope", "rope", "attention"), _lower_rope_attention, _match_rope_attention))
 register(Recipe("norm_rope_attention", ("rms_norm", "rms_norm", "rope", "rope", "attention"), _lower_rope_attention,
                 _match_norm_rope_attention))
