@@ -31,6 +31,11 @@ class OpenCLPrinter(CPrinter):
     # Unaligned little-endian word from a byte buffer in any address space.
     native_intrinsics = {"load_u32": "as_uint(vload4(0, {0} + ({1})))"}
 
+    def __init__(self, kernel: Kernel, subgroups: bool = False):
+        self.subgroups = subgroups and kernel.lanes > 1
+        # sub_group_reduce_* spans the whole subgroup: only a group that is one subgroup may use it.
+        super().__init__(kernel, LaneAbilities(subgroup=kernel.lanes if self.subgroups else 0))
+
     def group_id(self, d: int) -> str:
         return f"(int)get_group_id({d})"
 
@@ -71,11 +76,6 @@ class OpenCLPrinter(CPrinter):
         attr = f"__attribute__((reqd_work_group_size({self.lanes}, 1, 1)))"
         return f"__kernel {attr}\nvoid {self.k.name}({', '.join(params)})"
 
-
-    def __init__(self, kernel: Kernel, subgroups: bool = False):
-        self.subgroups = subgroups and kernel.lanes > 1
-        # sub_group_reduce_* spans the whole subgroup: only a group that is one subgroup may use it.
-        super().__init__(kernel, LaneAbilities(subgroup=kernel.lanes if self.subgroups else 0))
 
 
 def render(kernel: Kernel, subgroups: bool = False) -> str:
