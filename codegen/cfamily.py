@@ -1,16 +1,11 @@
-"""One printer for C-family kernel languages (OpenCL C, CUDA C++, HIP): kernel IR -> source text.
+"""One printer for C-family kernel languages (OpenCL C, CUDA C++, HIP, C for the host): kernel IR -> source text.
 
-`CPrinter` renders every IR construct and the lane mapping of `ir/kernel.py`'s execution model:
-
-* `LaneFor v < n` -> `for (int v = lid; v < n; v += LANES)`, then a barrier;
-* `Reduce` -> a per-lane partial over the same strided loop, then a group combine: the target's subgroup
-  reduction when it has one and `lanes` equals the subgroup width, else a tree in local memory whose result
-  every lane reads back;
-* uniform statements run on every lane; a uniform `Store` is done by lane 0 and, into a local array (or a
-  global buffer the kernel reads back), followed by a barrier.
-
-A target subclasses `CPrinter` and overrides only what differs: type names, qualifiers, ids, the barrier, f16
-conversions, bit casts, subgroup reductions, the kernel signature, native replacements of intrinsics.
+`CPrinter` renders a kernel after `codegen/lanes.py` has made its lane semantics explicit: it spells `For`
+loops that start at `LaneId()`, `Barrier`s, `SubgroupReduce`s and the lane-0 `If`s the lowering wrote, and
+decides nothing about lanes itself. A target subclasses it and overrides only what differs: type names,
+qualifiers, ids, the barrier, f16 conversions, bit casts, subgroup reductions, the unroll pragma, the kernel
+signature, the host-side launcher, native replacements of intrinsics. A target that runs a group as one
+thread passes `ONE_LANE` and needs no lane id, barrier or local-memory spelling.
 Arithmetic is int / uint / float only (never double), mirroring the IR's i32 / u32 / f32.
 """
 
@@ -21,6 +16,7 @@ import re
 
 import numpy as np
 
+from polystrata.codegen.lanes import Barrier, LaneAbilities, LaneId, SubgroupReduce, lower
 from polystrata.ir.kernel import (
     INTRINSICS,
     MATH,
@@ -35,19 +31,13 @@ from polystrata.ir.kernel import (
     If,
     Kernel,
     KernelError,
-    LaneFor,
     Let,
     Load,
-    Reduce,
     Scalar,
     Select,
     Store,
     ToF32,
     Var,
-    buffers_read,
-    loads,
-    stmt_exprs,
-    walk,
 )
 from polystrata.ir.quant import TABLES, Table
 
@@ -57,6 +47,12 @@ _CMP = ("<", "<=", "==", "!=")
 
 # Portable C definitions of the intrinsics. `{fn}` is the function qualifier, `{f2u}` / `{u2f}` the target's
 # bit casts float <-> uint. All of them are exact (bit-for-bit equal to numpy).
+# The bit casts float <-> uint in standard C (`CPrinter.bitcast_helpers`), for targets without builtin ones.
+BITCASTS = """\
+{fn} uint ps_float_as_uint(float f) {{ union {{ float f; uint u; }} c; c.f = f; return c.u; }}
+{fn} float ps_uint_as_float(uint u) {{ union {{ float f; uint u; }} c; c.u = u; return c.f; }}
+"""
+
 _PORTABLE = {
     "f16_bits_to_f32": """\
 {fn} float ps_f16_bits_to_f32(uint x) {{
@@ -116,22 +112,20 @@ class CPrinter:
     # byte offset); others: bytes.
     aligned_loads: dict[int, str] = {}
 
-    def __init__(self, kernel: Kernel, subgroups: bool = False):
-        self.k = kernel
+    def __init__(self, kernel: Kernel, abilities: LaneAbilities | None = None):
+        """`abilities`: what the target does with lanes (`codegen/lanes.py`): the default is a group of
+        `kernel.lanes` concurrent lanes combined through local memory; `ONE_LANE` renders a group as one thread."""
+        abilities = abilities or LaneAbilities()
+        self.k = lower(kernel, abilities)
         self.lanes = kernel.lanes
-        # The subgroup combine is only valid when one subgroup is the whole group.
-        self.subgroups = subgroups
+        self.parallel = abilities.parallel and kernel.lanes > 1
         self.lines: list[str] = []
         self.scopes: list[dict[str, tuple[str, str]]] = [{}]
         self.used_intrinsics: set[str] = set()
         self.tables: set[str] = set()
         self.counter = 0
-        self.last_barrier = False
-        self.local_names = {a.name for a in kernel.local}
-        self.loaded = buffers_read(self.k)
-        self.uniform_local_reads = self._uniform_local_reads()
-        self.needs_scratch = any(isinstance(s, Reduce) for s in walk(kernel.body)) and not self.subgroups \
-            and kernel.lanes > 1
+        self.used_bitcasts = False
+        self.local_names = {a.name for a in self.k.local}
 
     # --- target hooks ---------------------------------------------------------------------------------
 
@@ -139,9 +133,20 @@ class CPrinter:
         """C type of a value type "i" / "u" / "f"."""
         return {"i": self.ctypes["i32"], "u": self.ctypes["u32"], "f": "float"}[t]
 
-    # Bit casts float <-> uint (function names).
+    # Bit casts float <-> uint (function names; the defaults are defined by `bitcast_helpers`).
     f2u = "ps_float_as_uint"
     u2f = "ps_uint_as_float"
+
+    def bitcast_helpers(self) -> str:
+        """Definitions of the `f2u` / `u2f` functions, put before the intrinsics that use them (default: standard
+        C through a union; a target whose language has builtin bit casts names those and returns "")."""
+        return self.portable(BITCASTS) if self.f2u == "ps_float_as_uint" else ""
+
+    def portable(self, template: str) -> str:
+        """A portable C definition (`_PORTABLE`, `BITCASTS`) spelled for this target."""
+        text = template.format(fn=self.func_qualifier, f2u=self.f2u, u2f=self.u2f)
+        return re.sub(r"\buint\b", self.ctypes["u32"], text)
+
     # Pointer element type of f16 buffer parameters (None: the storage type `ctypes["f16"]`).
     f16_buffer_type: str | None = None
 
@@ -158,8 +163,12 @@ class CPrinter:
         raise NotImplementedError
 
     def local_decl(self, ctype: str, name: str, size: int) -> str:
-        """Declaration of a group-shared array."""
-        raise NotImplementedError
+        """Declaration of a group-shared array (default: a plain array, right for a one-lane target)."""
+        return f"{ctype} {name}[{size}];"
+
+    def unroll(self, n: int | None = None) -> str:
+        """The line asking the compiler to unroll the next loop `n` times (None: fully); "" for none."""
+        return "#pragma unroll" + (f" {n}" if n else "")
 
     def load_f16(self, buf: str, index: str) -> str:
         """f16 element of a global buffer as float (default: the portable bit conversion)."""
@@ -171,8 +180,9 @@ class CPrinter:
         self.used_intrinsics.add("f32_to_f16_bits")
         return f"{buf}[{index}] = ({self.ctypes['f16']})ps_f32_to_f16_bits({value});"
 
-    def subgroup_reduce(self, op: str, x: str) -> str:
-        """Subgroup reduction of float `x` (op "+" or "max"), result in every lane."""
+    def subgroup_reduce(self, op: str, x: str, width: int) -> str:
+        """Reduction of float `x` (op "+" or "max") over the first `width` lanes of the subgroup, result in every
+        lane (only called where the target's `LaneAbilities` declare a subgroup)."""
         raise NotImplementedError
 
     def prelude(self) -> str:
@@ -183,6 +193,11 @@ class CPrinter:
         """The kernel function's header, up to and excluding the opening brace."""
         raise NotImplementedError
 
+    def launcher(self, params: list[str]) -> str:
+        """Text after the kernel function: a host target's entry point looping over the grid and calling the
+        kernel once per grid point (whose `group_id` then reads that point); "" where the device launches."""
+        return ""
+
     def param_decl(self, p: Buf | Scalar) -> str:
         """One kernel parameter."""
         if isinstance(p, Scalar):
@@ -190,10 +205,6 @@ class CPrinter:
         const = "" if p.out else "const "
         t = self.f16_buffer_type if p.dtype == "f16" and self.f16_buffer_type else self.ctypes[p.dtype]
         return f"{const}{t}* {p.name}"
-
-    def float_max(self, a: str, b: str) -> str:
-        """max of two floats."""
-        return f"{self.float_math['max']}({a}, {b})"
 
     # --- names and types ------------------------------------------------------------------------------
 
@@ -224,6 +235,8 @@ class CPrinter:
             return "i" if -(2**31) <= e.value < 2**31 else "u"
         if isinstance(e, Var):
             return self.lookup(e.name)[1]
+        if isinstance(e, LaneId):
+            return "i"
         if isinstance(e, Bin):
             if e.op in _CMP:
                 return "i"
@@ -253,6 +266,8 @@ class CPrinter:
     # --- expressions ----------------------------------------------------------------------------------
 
     def float_lit(self, v: float) -> str:
+        if not math.isfinite(v):
+            self.used_bitcasts = True
         if math.isnan(v):
             return f"{self.u2f}(0x7FC00000u)"
         if math.isinf(v):
@@ -281,6 +296,8 @@ class CPrinter:
             raise KernelError(f"{self.k.name}: integer constant {v} does not fit 32 bits")
         if isinstance(x, Var):
             return self.lookup(x.name)[0]
+        if isinstance(x, LaneId):
+            return self.lid
         if isinstance(x, Bin):
             if x.op == "/":
                 return f"({self.as_type(x.a, 'f')} / {self.as_type(x.b, 'f')})"
@@ -359,18 +376,14 @@ class CPrinter:
     def emit(self, d: int, text: str) -> None:
         self.lines.append("    " * d + text)
 
-    def emit_barrier(self, d: int, local: bool = True, global_: bool = False) -> None:
-        self.emit(d, self.barrier(local, global_))
-        self.last_barrier = True
-
-    def block(self, stmts, d: int, lane: bool) -> None:
+    def block(self, stmts, d: int) -> None:
         self.scopes.append({})
         for s in stmts:
-            self.stmt(s, d, lane)
+            self.stmt(s, d)
         self.scopes.pop()
 
-    def stmt(self, s, d: int, lane: bool) -> None:
-        """Render one statement; `lane` is True inside LaneFor / Reduce bodies (per-lane code)."""
+    def stmt(self, s, d: int) -> None:
+        """Render one statement of the lowered kernel."""
         if isinstance(s, Let):
             t = self.typeof(s.expr)
             value = self.e(s.expr)
@@ -383,170 +396,51 @@ class CPrinter:
             cname, t = self.lookup(s.name)
             self.emit(d, f"{cname} = {self.as_type(s.expr, t)};")
         elif isinstance(s, Store):
-            self.store(s, d, lane)
-            return
+            self.emit(d, self.store(s))
         elif isinstance(s, For):
             self.scopes.append({})
             start, stop = self.e(s.start), self.e(s.stop)
             v = self.bind(s.var, "i")
             cmp = "<" if s.step > 0 else ">"
-            if s.unroll > 1:
-                self.emit(d, f"#pragma unroll {s.unroll}")
+            if s.unroll > 1 and self.unroll(s.unroll):
+                self.emit(d, self.unroll(s.unroll))
             self.emit(d, f"for (int {v} = {start}; {v} {cmp} {stop}; {v} += {s.step}) {{")
-            self.last_barrier = False
-            self.block(s.body, d + 1, lane)
+            self.block(s.body, d + 1)
             self.scopes.pop()
             self.emit(d, "}")
         elif isinstance(s, If):
             self.emit(d, f"if ({self.e(s.cond)}) {{")
-            self.last_barrier = False
-            self.block(s.then, d + 1, lane)
+            self.block(s.then, d + 1)
             if s.orelse:
                 self.emit(d, "} else {")
-                self.last_barrier = False
-                self.block(s.orelse, d + 1, lane)
+                self.block(s.orelse, d + 1)
             self.emit(d, "}")
-        elif isinstance(s, LaneFor):
-            self.lane_for(s, d)
-            return
-        elif isinstance(s, Reduce):
-            self.reduce(s, d)
-            return
+        elif isinstance(s, Barrier):
+            self.emit(d, self.barrier(s.local, s.global_))
+        elif isinstance(s, SubgroupReduce):
+            cname = self.lookup(s.var)[0]
+            self.emit(d, f"{cname} = {self.subgroup_reduce(s.op, cname, s.width)};")
         else:
             raise TypeError(f"cannot render {s!r}")
-        self.last_barrier = False
 
-    def store(self, s: Store, d: int, lane: bool) -> None:
+    def store(self, s: Store) -> str:
         dt = self.k.dtype_of(s.buf)
-        local = s.buf in self.local_names
         buf, idx = self.lookup_buf(s.buf), self.e(s.index)
         if dt == "f16":
             value = self.as_type(s.value, "f")
-            if local:
+            if s.buf in self.local_names:
                 self.used_intrinsics.add("f32_to_f16_bits")
-                text = f"{buf}[{idx}] = ({self.ctypes['f16']})ps_f32_to_f16_bits({value});"
-            else:
-                text = self.store_f16(buf, idx, value)
-        else:
-            value = self.as_type(s.value, _VALUE_TYPE.get(dt, "i"))
-            text = f"{buf}[{idx}] = ({self.ctypes[dt]})({value});"
-        if lane:
-            self.emit(d, text)
-            return
-        # Uniform store: lane 0 writes; a barrier publishes it to the lanes that read it next.
-        if local and s.buf in self.uniform_local_reads and not self.last_barrier:
-            self.emit_barrier(d)  # other lanes may still be reading the old value
-        self.emit(d, f"if ({self.lid} == 0) {text}")
-        self.last_barrier = False
-        if local or s.buf in self.loaded:
-            self.emit_barrier(d, local, not local)
-
-    def lane_for(self, s: LaneFor, d: int) -> None:
-        self.pre_barrier(s, d)
-        self.scopes.append({})
-        stop = self.e(s.stop)
-        v = self.bind(s.var, "i")
-        self.emit(d, f"for (int {v} = {self.lid}; {v} < {stop}; {v} += {self.lanes}) {{")
-        self.block(s.body, d + 1, True)
-        self.emit(d, "}")
-        self.scopes.pop()
-        self.emit_barrier(d, True, self.writes_read_global(s))
-
-    def reduce(self, s: Reduce, d: int) -> None:
-        self.pre_barrier(s, d)
-        self.counter += 1
-        accs = [f"ps_acc{self.counter}_{j}" for j in range(len(s.results))]
-        init = "0.0f" if s.op == "+" else self.float_lit(-math.inf)
-        for acc in accs:
-            self.emit(d, f"float {acc} = {init};")
-        self.scopes.append({})
-        stop = self.e(s.stop)
-        v = self.bind(s.var, "i")
-        self.emit(d, f"for (int {v} = {self.lid}; {v} < {stop}; {v} += {self.lanes}) {{")
-        self.scopes.append({})
-        for sub in s.body:
-            self.stmt(sub, d + 1, True)
-        vals = [self.as_type(value, "f") for _, value in s.results]
-        self.scopes.pop()
-        for acc, val in zip(accs, vals):
-            self.emit(d + 1, f"{acc} = {self.combine(s.op, acc, val)};")
-        self.emit(d, "}")
-        self.scopes.pop()
-        for acc, (result, _) in zip(accs, s.results):
-            name = self.bind(result, "f")
-            if self.lanes == 1:
-                self.emit(d, f"const float {name} = {acc};")
-                self.last_barrier = False
-            elif self.subgroups:
-                self.emit(d, f"const float {name} = {self.subgroup_reduce(s.op, acc)};")
-                self.last_barrier = False
-            else:
-                self.tree(s.op, acc, d)
-                self.emit(d, f"const float {name} = ps_red[0];")
-                # The scratch is reused by the next Reduce: everyone must have read it first.
-                self.emit_barrier(d, True, self.writes_read_global(s))
-        if self.subgroups and self.lanes > 1 and any(isinstance(st, Store) for st in walk(s.body)):
-            self.emit_barrier(d, True, self.writes_read_global(s))
-
-    def tree(self, op: str, acc: str, d: int) -> None:
-        """Combine the lanes' partials in local memory (any lane count, not only powers of two)."""
-        p = 1 << (self.lanes.bit_length() - 1)
-        lid = self.lid
-        self.emit(d, f"ps_red[{lid}] = {acc};")
-        self.emit_barrier(d)
-        if p != self.lanes:  # fold the lanes above the largest power of two first
-            r = f"ps_red[{lid} + {p}]"
-            self.emit(d, f"if ({lid} < {self.lanes - p}) ps_red[{lid}] = {self.combine(op, f'ps_red[{lid}]', r)};")
-            self.emit_barrier(d)
-        self.emit(d, f"for (int ps_s = {p // 2}; ps_s > 0; ps_s >>= 1) {{")
-        r = f"ps_red[{lid} + ps_s]"
-        self.emit(d + 1, f"if ({lid} < ps_s) ps_red[{lid}] = {self.combine(op, f'ps_red[{lid}]', r)};")
-        self.emit_barrier(d + 1)
-        self.emit(d, "}")
-
-    def combine(self, op: str, a: str, b: str) -> str:
-        return f"{a} + {b}" if op == "+" else self.float_max(a, b)
-
-    def pre_barrier(self, s, d: int) -> None:
-        """Barrier before a lane loop that overwrites local data that uniform code may still be reading."""
-        written = {st.buf for st in walk(s.body) if isinstance(st, Store)}
-        if written & self.uniform_local_reads and not self.last_barrier:
-            self.emit_barrier(d)
-
-    def writes_read_global(self, s) -> bool:
-        """Whether lane loop `s` stores into a global buffer that the kernel also loads (needs a global fence)."""
-        return any(isinstance(st, Store) and st.buf not in self.local_names and st.buf in self.loaded
-                   for st in walk(s.body))
-
-    # --- analysis -------------------------------------------------------------------------------------
-
-    def _uniform_local_reads(self) -> set[str]:
-        """Local arrays read by uniform (group-level) statements."""
-        out: set[str] = set()
-
-        def visit(body):
-            for s in body:
-                if isinstance(s, LaneFor | Reduce):
-                    for e in (s.stop,):
-                        out.update(ld.buf for ld in loads(e) if ld.buf in self.local_names)
-                    continue
-                for e in stmt_exprs(s):
-                    out.update(ld.buf for ld in loads(e) if ld.buf in self.local_names)
-                if isinstance(s, For):
-                    visit(s.body)
-                elif isinstance(s, If):
-                    visit(s.then)
-                    visit(s.orelse)
-
-        visit(self.k.body)
-        return out
+                return f"{buf}[{idx}] = ({self.ctypes['f16']})ps_f32_to_f16_bits({value});"
+            return self.store_f16(buf, idx, value)
+        value = self.as_type(s.value, _VALUE_TYPE.get(dt, "i"))
+        return f"{buf}[{idx}] = ({self.ctypes[dt]})({value});"
 
     # --- whole kernel ---------------------------------------------------------------------------------
 
     lid = "ps_lid"
 
     def render(self) -> str:
-        """The complete source: prelude, tables, intrinsic definitions and the kernel."""
+        """The complete source: prelude, tables, intrinsic definitions, the kernel and its launcher."""
         k = self.k
         for p in k.params:
             self.scopes[0][p.name] = (p.name, "f" if isinstance(p, Scalar) and p.dtype == "f32" else
@@ -556,26 +450,26 @@ class CPrinter:
         self.scopes.append({})
         for dim in range(len(k.grid)):
             self.scopes[-1][f"g{dim}"] = (f"g{dim}", "i")
-        self.emit(1, f"const int {self.lid} = {self.local_id()};")
+        if self.parallel:
+            self.emit(1, f"const int {self.lid} = {self.local_id()};")
         for dim in range(len(k.grid)):
             self.emit(1, f"const int g{dim} = {self.group_id(dim)};")
         for a in k.local:
             self.emit(1, self.local_decl(self.ctypes[a.dtype], a.name, a.size))
-        if self.needs_scratch:
-            self.emit(1, self.local_decl("float", "ps_red", self.lanes))
         for s in k.body:
-            self.stmt(s, 1, False)
+            self.stmt(s, 1)
         body = self.lines
         head = [self.prelude()]
         for n in sorted(self.tables):
             vals = ", ".join(str(v) for v in TABLES[n])
             head.append(f"{self.const_array_qualifier} int ps_table_{n}[{len(TABLES[n])}] = {{{vals}}};\n")
-        for n in sorted(self.used_intrinsics):
-            text = _PORTABLE[n].format(fn=self.func_qualifier, f2u=self.f2u, u2f=self.u2f)
-            head.append(re.sub(r"\buint\b", self.ctypes["u32"], text))
+        if self.used_bitcasts or self.used_intrinsics & {"f16_bits_to_f32", "f32_to_f16_bits"}:
+            head.append(self.bitcast_helpers())
+        head += [self.portable(_PORTABLE[n]) for n in sorted(self.used_intrinsics)]
         params = [self.param_decl(p) for p in k.params]
         doc = f"/* {k.name}: lanes {k.lanes}, grid ({len(k.grid)} dims), knobs {dict(k.knobs)} */\n"
-        return "".join(head) + doc + self.signature(params) + " {\n" + "\n".join(body) + "\n}\n"
+        return ("".join(head) + doc + self.signature(params) + " {\n" + "\n".join(body) + "\n}\n"
+                + self.launcher(params))
 
 
 def _join(a: str, b: str) -> str:

@@ -1,9 +1,10 @@
 """CPU renderer: kernel IR -> Python source compiled by Numba (`@njit(parallel=True)`).
 
 Each grid point becomes one iteration of a `prange` loop; lanes do not exist on the CPU, so `LaneFor` and
-`Reduce` become ordinary loops (the sequential semantics of the IR, taken literally) and local arrays are
-per-iteration numpy arrays. Everything else (expressions with float32 discipline, statements, tables, the f16
-and other intrinsic helpers) is the shared Numba printer of `codegen/pyfamily.py`.
+`Reduce` become ordinary loops (the sequential semantics of the IR, taken literally: `codegen/lanes.py` with
+`ONE_LANE`) and local arrays are per-iteration numpy arrays. Everything else (expressions with float32
+discipline, statements, tables, the f16 and other intrinsic helpers) is the shared Numba printer of
+`codegen/pyfamily.py`.
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@ Only what differs from `codegen/cfamily.py` lives here: `extern "C" __global__` 
 `__half2float` / `__float2half_rn`, `__shfl_xor` butterflies over the wavefront (`wave`: 64 on gfx9 and older,
 32 on RDNA gfx10+), and `__builtin_amdgcn_sdot4` for `dot4_i8` where the architecture has `v_dot4_i32_i8`.
 
-`Reduce` combine, by group size: lanes <= wave (a power of two) -> one butterfly inside the wave; lanes a
-multiple of the wave -> a butterfly per wave, then lane 0 folds the per-wave results from shared memory in a
-fixed order; anything else -> the printer's shared-memory tree. The butterfly leaves the same bits in every
-lane (a + b == b + a), so the result stays uniform.
+The target declares a subgroup (the wave) that also reduces a power-of-two part of itself and groups of several
+waves; `codegen/lanes.py` picks the combine from that. The butterfly leaves the same bits in every lane
+(a + b == b + a), so the result stays uniform.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ from __future__ import annotations
 import re
 
 from polystrata.codegen.cfamily import CPrinter
+from polystrata.codegen.lanes import LaneAbilities
 from polystrata.ir.kernel import Kernel, Load, promised_bytes
 
 # Architectures whose ISA has v_dot4_i32_i8 (LLVM's dot1-insts; checked with hiprtc for the ROCm 5.2 ones).
@@ -90,14 +90,10 @@ class HIPPrinter(CPrinter):
     def __init__(self, kernel: Kernel, arch: str, wave: int | None = None, native_f16: bool = True):
         self.arch = arch
         self.wave = wave or wave_of(arch)
-        lanes = kernel.lanes
-        # One butterfly covers the group when it fits in a wave; wider groups take the per-wave path (tree()).
-        fits = 1 < lanes <= self.wave and lanes & (lanes - 1) == 0
-        self.multi_wave = lanes > self.wave and lanes % self.wave == 0
-        super().__init__(kernel, subgroups=fits)
+        super().__init__(kernel, LaneAbilities(subgroup=self.wave, partial=True, several=True))
         self.native_f16 = native_f16
         self.f16_buffer_type = "__half" if native_f16 else None
-        self.wave_ops: set[str] = set()
+        self.wave_ops: dict[str, int] = {}  # op -> lanes it reduces (one width per kernel: its lanes decide)
         a = base_arch(arch)
         # sm_*: the CUDA prelude maps the builtin to PTX dp4a (sm_61+).
         if a in SDOT4_ARCHS or a.startswith("sm_"):
@@ -121,8 +117,6 @@ class HIPPrinter(CPrinter):
         return "__syncthreads();"  # a block-wide fence for shared and global memory alike
 
     def local_decl(self, ctype: str, name: str, size: int) -> str:
-        if name == "ps_red" and self.multi_wave:
-            size = self.lanes // self.wave  # one slot per wave
         return f"__shared__ {ctype} {name}[{size}];"
 
     def load_f16(self, buf: str, index: str) -> str:
@@ -135,27 +129,10 @@ class HIPPrinter(CPrinter):
             return super().store_f16(buf, index, value)
         return f"{buf}[{index}] = __float2half_rn({value});"
 
-    def subgroup_reduce(self, op: str, x: str) -> str:
-        """Butterfly over min(lanes, wave) lanes of a wave; every lane gets the same bits."""
-        self.wave_ops.add(op)
+    def subgroup_reduce(self, op: str, x: str, width: int) -> str:
+        """Butterfly over the first `width` lanes of a wave; every lane gets the same bits."""
+        self.wave_ops[op] = width
         return f"ps_wave_{'add' if op == '+' else 'max'}({x})"
-
-    def tree(self, op: str, acc: str, d: int) -> None:
-        if not self.multi_wave:
-            super().tree(op, acc, d)
-            return
-        lid, w = self.lid, self.wave
-        nw = self.lanes // w
-        self.emit(d, f"{acc} = {self.subgroup_reduce(op, acc)};")
-        self.emit(d, f"if ({lid} % {w} == 0) ps_red[{lid} / {w}] = {acc};")
-        self.emit_barrier(d)
-        # A fixed fold order: the same bits on every run, whatever order the waves finished in.
-        self.emit(d, f"if ({lid} == 0) {{")
-        self.emit(d + 1, "float ps_t = ps_red[0];")
-        self.emit(d + 1, f"for (int ps_w = 1; ps_w < {nw}; ps_w++) ps_t = {self.combine(op, 'ps_t', 'ps_red[ps_w]')};")
-        self.emit(d + 1, "ps_red[0] = ps_t;")
-        self.emit(d, "}")
-        self.emit_barrier(d)
 
     def prelude(self) -> str:
         return _PRELUDE.format(arch=self.arch, wave=self.wave) + (_FP16 if self.native_f16 else "")
@@ -165,13 +142,12 @@ class HIPPrinter(CPrinter):
 
     def render(self) -> str:
         text = super().render()
-        width = min(self.lanes, self.wave)
         helpers = []
-        for op in sorted(self.wave_ops):
+        for op, width in sorted(self.wave_ops.items()):
             name, step = ("add", "x = x + {s};") if op == "+" else ("max", "x = fmaxf(x, {s});")
             helpers.append(
                 f"{self.func_qualifier} float ps_wave_{name}(float x) {{\n"
-                f"#pragma unroll\n    for (int o = {width // 2}; o > 0; o >>= 1) "
+                f"{self.unroll()}\n    for (int o = {width // 2}; o > 0; o >>= 1) "
                 + step.format(s="__shfl_xor(x, o)") + "\n    return x;\n}\n")
         # Helpers go just before the kernel's doc comment (after the prelude and the intrinsics).
         i = text.index(f"/* {self.k.name}: lanes")

@@ -8,6 +8,7 @@ combine, a byte-granular `vload4` for `load_u32`, and the kernel signature with 
 from __future__ import annotations
 
 from polystrata.codegen.cfamily import CPrinter
+from polystrata.codegen.lanes import LaneAbilities
 from polystrata.ir.kernel import Buf, Kernel, Scalar
 
 # `a*b+c` must not become an FMA: quantized dot products are written to match gguf-py bit for bit.
@@ -30,6 +31,11 @@ class OpenCLPrinter(CPrinter):
     # Unaligned little-endian word from a byte buffer in any address space.
     native_intrinsics = {"load_u32": "as_uint(vload4(0, {0} + ({1})))"}
 
+    def __init__(self, kernel: Kernel, subgroups: bool = False):
+        self.subgroups = subgroups and kernel.lanes > 1
+        # sub_group_reduce_* spans the whole subgroup: only a group that is one subgroup may use it.
+        super().__init__(kernel, LaneAbilities(subgroup=kernel.lanes if self.subgroups else 0))
+
     def group_id(self, d: int) -> str:
         return f"(int)get_group_id({d})"
 
@@ -49,7 +55,7 @@ class OpenCLPrinter(CPrinter):
     def store_f16(self, buf: str, index: str, value: str) -> str:
         return f"vstore_half_rte({value}, {index}, {buf});"
 
-    def subgroup_reduce(self, op: str, x: str) -> str:
+    def subgroup_reduce(self, op: str, x: str, width: int) -> str:
         return f"sub_group_reduce_{'add' if op == '+' else 'max'}({x})"
 
     def rsqrt(self, x: str) -> str:
@@ -71,7 +77,8 @@ class OpenCLPrinter(CPrinter):
         return f"__kernel {attr}\nvoid {self.k.name}({', '.join(params)})"
 
 
+
 def render(kernel: Kernel, subgroups: bool = False) -> str:
     """OpenCL C source of `kernel`; `subgroups` selects the subgroup combine for `Reduce` (needs a device with
     subgroups whose width equals `kernel.lanes`), otherwise the local-memory tree."""
-    return OpenCLPrinter(kernel, subgroups and kernel.lanes > 1).render()
+    return OpenCLPrinter(kernel, subgroups).render()

@@ -6,16 +6,16 @@ values kernels produce), statements, tables (module-level int64 arrays, frozen i
 portable intrinsics (`HELPERS`: exact integer bit manipulation, valid in Numba on the CPU and on CUDA).
 
 A target subclasses it the way `codegen/cfamily.py` targets subclass `CPrinter`, overriding only what differs:
-the imports and helper decorator, the kernel header (how a grid point and its lane are found), where local
-arrays live, the range a lane walks in `LaneFor` / `Reduce`, the group combine of a `Reduce`, and uniform
-stores. `last_barrier` is tracked here (reset whenever ordinary code or a new block starts) for targets
-with barriers; the CPU never reads it.
+the imports and helper decorator, the kernel header (how a grid point and its lane are found, where local
+arrays live), and the spellings of the lane constructs `codegen/lanes.py` lowers `LaneFor`, `Reduce` and
+uniform stores into (the lane id, `Barrier`, `SubgroupReduce`); a one-lane target (the CPU) gets none of them.
 """
 
 from __future__ import annotations
 
 import math
 
+from polystrata.codegen.lanes import ONE_LANE, Barrier, LaneAbilities, LaneId, SubgroupReduce, lower
 from polystrata.ir.kernel import (
     Assign,
     Bin,
@@ -27,10 +27,8 @@ from polystrata.ir.kernel import (
     For,
     If,
     Kernel,
-    LaneFor,
     Let,
     Load,
-    Reduce,
     Select,
     Store,
     ToF32,
@@ -114,13 +112,13 @@ class PyPrinter:
     # Intrinsics a target renders with its own functions (imported in `imports`): IR name -> function name.
     native_intrinsics: dict[str, str] = {}
 
-    def __init__(self, k: Kernel):
-        self.k = k
+    def __init__(self, k: Kernel, abilities: LaneAbilities = ONE_LANE):
+        """`abilities`: what the target does with lanes (`codegen/lanes.py`; default: one thread per group)."""
+        self.k = k = lower(k, abilities)
         self.lines: list[str] = []
         self.f16 = {p.name for p in k.params if isinstance(p, Buf) and p.dtype == "f16"}
         self.f16 |= {a.name for a in k.local if a.dtype == "f16"}
         self.tables: set[str] = set()
-        self.last_barrier = False
 
     # --- target hooks ---------------------------------------------------------------------------------
 
@@ -128,27 +126,13 @@ class PyPrinter:
         """Emit the decorator, `def` line and per-grid-point setup (g0.., local arrays); returns body depth."""
         raise NotImplementedError
 
-    def lane_range(self, stop: str) -> str:
-        """The `range(...)` one lane walks of a LaneFor / Reduce over `range(stop)`."""
-        return f"range({stop})"
+    # Spellings of the lane constructs (targets with lanes only): the lane id, a barrier statement.
+    lane_id = ""
+    barrier = ""
 
-    def lane_for(self, s: LaneFor, d: int) -> None:
-        """`LaneFor`: the loop over this lane's iterations (targets with lanes add barriers around it)."""
-        self.emit(d, f"for {s.var} in {self.lane_range(self.e(s.stop))}:")
-        self.body(s.body, d + 1, True)
-
-    def reduce(self, s: Reduce, d: int) -> None:
-        """`Reduce`: this lane's partials, then `combine` makes each the group's uniform value."""
-        for (name, _), acc in zip(s.results, self.partial(s, d)):
-            self.emit(d, f"{name} = {self.combine(s, acc, d)}")
-
-    def combine(self, s: Reduce, acc: str, d: int) -> str:
-        """Combine the lanes' partials `acc` (emitting statements at depth `d`); returns the uniform result."""
-        return acc
-
-    def store(self, s: Store, d: int, lane: bool) -> None:
-        """A `Store`; `lane` is False for uniform stores (a target with lanes lets one lane do it)."""
-        self.emit(d, self.store_text(s))
+    def subgroup_reduce(self, s: SubgroupReduce, d: int) -> None:
+        """Emit the statements of a `SubgroupReduce` at depth `d`."""
+        raise NotImplementedError
 
     # --- expressions ----------------------------------------------------------------------------------
 
@@ -164,6 +148,8 @@ class PyPrinter:
             return repr(x.value)
         if isinstance(x, Var):
             return x.name
+        if isinstance(x, LaneId):
+            return self.lane_id
         if isinstance(x, Bin):
             op = x.op
             if op == "/":
@@ -202,12 +188,11 @@ class PyPrinter:
     def emit(self, depth: int, text: str) -> None:
         self.lines.append("    " * depth + text)
 
-    def body(self, stmts, depth: int, lane: bool = False) -> None:
+    def body(self, stmts, depth: int) -> None:
         if not stmts:
             self.emit(depth, "pass")
-        self.last_barrier = False  # a new block: whatever ran before it is not known here
         for s in stmts:
-            self.stmt(s, depth, lane)
+            self.stmt(s, depth)
 
     def store_text(self, s: Store) -> str:
         v = self.e(s.value)
@@ -215,31 +200,11 @@ class PyPrinter:
             v = f"{self.native_intrinsics.get('f32_to_f16_bits', 'f32_to_f16_bits')}({v})"
         return f"{s.buf}[np.uint64({self.e(s.index)})] = {v}"
 
-    def partial(self, s: Reduce, d: int) -> list[str]:
-        """Emit this lane's shares of a Reduce into accumulators, one per result; returns their names."""
-        init = "np.float32(0.0)" if s.op == "+" else "np.float32(-np.inf)"
-        accs = [f"_acc_{name}" for name, _ in s.results]
-        for acc in accs:
-            self.emit(d, f"{acc} = {init}")
-        self.emit(d, f"for {s.var} in {self.lane_range(self.e(s.stop))}:")
-        for sub in s.body:
-            self.stmt(sub, d + 1, True)
-        for acc, (_, value) in zip(accs, s.results):
-            if s.op == "+":
-                self.emit(d + 1, f"{acc} += {self.e(value)}")
-            else:
-                self.emit(d + 1, f"{acc} = max({acc}, {self.e(value)})")
-        return accs
-
-    def stmt(self, s, d: int, lane: bool = False) -> None:
-        """Render one statement; `lane` is True inside LaneFor / Reduce bodies (per-lane code)."""
-        if isinstance(s, LaneFor):
-            return self.lane_for(s, d)
-        if isinstance(s, Reduce):
-            return self.reduce(s, d)
+    def stmt(self, s, d: int) -> None:
+        """Render one statement of the lowered kernel."""
         if isinstance(s, Store):
-            return self.store(s, d, lane)
-        if isinstance(s, Let | Assign):
+            self.emit(d, self.store_text(s))
+        elif isinstance(s, Let | Assign):
             self.emit(d, f"{s.name} = {self.e(s.expr)}")
         elif isinstance(s, Decl):
             conv = "np.float32" if s.dtype == "f32" else "np.int64"
@@ -247,16 +212,19 @@ class PyPrinter:
         elif isinstance(s, For):
             step = f", {s.step}" if s.step != 1 else ""
             self.emit(d, f"for {s.var} in range({self.e(s.start)}, {self.e(s.stop)}{step}):")
-            self.body(s.body, d + 1, lane)
+            self.body(s.body, d + 1)
         elif isinstance(s, If):
             self.emit(d, f"if {self.e(s.cond)}:")
-            self.body(s.then, d + 1, lane)
+            self.body(s.then, d + 1)
             if s.orelse:
                 self.emit(d, "else:")
-                self.body(s.orelse, d + 1, lane)
+                self.body(s.orelse, d + 1)
+        elif isinstance(s, Barrier):
+            self.emit(d, self.barrier)
+        elif isinstance(s, SubgroupReduce):
+            self.subgroup_reduce(s, d)
         else:
             raise TypeError(f"cannot render {s!r}")
-        self.last_barrier = False
 
     # --- whole module ---------------------------------------------------------------------------------
 

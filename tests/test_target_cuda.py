@@ -206,7 +206,7 @@ def test_barriers_follow_the_model():
     body = src[src.index("def shared64"):]
     assert body.count("cuda.syncthreads()") >= 4
     # A uniform store into a local array is done by lane 0 and published by a barrier.
-    assert "if _lid == 0:\n        u[np.uint64(0)] = " in body
+    assert "if (_lid == 0):\n        u[np.uint64(0)] = " in body
     assert "u[np.uint64(0)] = (s + np.float32(1.0))\n    cuda.syncthreads()" in body
     # The last LaneFor rewrites t, which no uniform code reads: no extra barrier before it.
     assert "tot[np.uint64(g0)] = u[np.uint64(0)]\n    for j in range(_lid, n, 64):\n        t[np.uint64(j)]" in body

@@ -106,7 +106,7 @@ def test_reductions_and_lanes_compile(runtimes, arch, lanes, make):
         assert f"for (int o = {lanes // 2}; o > 0" in src and "ps_red" not in src
     else:  # a butterfly per wave, then the waves through shared memory
         assert f"for (int o = {wave // 2}; o > 0" in src
-        assert f"ps_red[{lanes // wave}]" in src and f"ps_lid % {wave} == 0" in src
+        assert f"ps_red[{lanes // wave}]" in src and f"(ps_lid % {wave}) == 0" in src
 
 
 @pytest.mark.parametrize("arch", ARCHS)
