@@ -99,6 +99,10 @@ class CPURuntime(Runtime):
         flat = np.ascontiguousarray(array).reshape(-1)
         buf[: flat.size] = flat
 
+    def write_region(self, buf: np.ndarray, offset: int, array: np.ndarray) -> None:
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        buf.view(np.uint8)[offset : offset + flat.size] = flat
+
     def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
         if min(grid) <= 0:
             return
