@@ -5,6 +5,10 @@ forwards from an empty context, feeding back the argmax. Each shape is run once 
 and first-touch allocation are not measured. Decode is also put against the memory-bandwidth roofline: every
 decoded token must stream the weights of the decode graph from memory once.
 
+For MoE models `--json` has "experts": the expert cache's policy, slots per layer, hit rate, bytes over the host
+link and milliseconds stalled on uploads per decoded token (policy "resident": every expert on the device); and
+"gpu_mem", the device-memory budget in bytes (None without one).
+
 The `--json` keys are read by other tools (scripts/bench_vs_llamacpp.py among them): keep them stable.
 """
 
@@ -209,8 +213,10 @@ def run_bench(
     repetitions: int = 3,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    memory: dict | None = None,
 ) -> dict:
-    """Benchmark `model` on `target`; returns the `--json` object (see the module docstring for its meaning)."""
+    """Benchmark `model` on `target`; returns the `--json` object (see the module docstring for its meaning).
+    `memory`: the Engine's memory options (gpu_mem, expert_slots, expert_policy)."""
     from polystrata import zoo
     from polystrata.engine import Engine
 
@@ -224,7 +230,7 @@ def run_bench(
 
     path = zoo.resolve_model(model)
     # Every test starts from an empty context, so the cache only needs to hold the longest one.
-    engine = Engine(path, target=target, n_ctx=max(n_prompt, n_gen))
+    engine = Engine(path, target=target, n_ctx=max(n_prompt, n_gen), **(memory or {}))
     target = getattr(engine, "target", target)  # `auto` resolved to what actually runs
     threads = engine_threads(engine, target)
     device = describe_device(engine, target)
@@ -261,6 +267,9 @@ def run_bench(
         say(f"tg{n_gen}: warm-up")
         _decode_once(engine, first, min(n_gen, 4))  # the shape-1 graph at a few cache lengths
         rates, host = [], []
+        streamer = getattr(engine.executor, "streamer", None)
+        if streamer is not None:  # the expert statistics are those of the timed decode runs
+            streamer.reset_stats()
         engine.executor.time_device = True  # executors without device timing ignore it
         for i in range(repetitions):
             rates.append(n_gen / _decode_once(engine, first, n_gen, host))
@@ -277,6 +286,13 @@ def run_bench(
     if bw and result["tg"]:
         roof = 100.0 * bpt * result["tg"]["tok_s_mean"] / bw
     result.update(bytes_per_token=bpt, bandwidth_bytes_s=bw, bandwidth_source=source, roofline_pct=roof)
+    mem = getattr(engine, "memory", None)
+    result["gpu_mem"] = mem.budget if mem is not None else None
+    if engine.hparams.n_expert:
+        streamer = getattr(engine.executor, "streamer", None)
+        result["experts"] = streamer.summary() if streamer is not None else {
+            "policy": "resident", "slots": engine.hparams.n_expert, "hit_rate": 1.0, "link_bytes_per_token": 0.0,
+            "stall_ms_per_token": 0.0}
     return result
 
 
@@ -346,6 +362,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test")
     p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    from polystrata.cli import memory_args
+
+    memory_args(p)
     return p
 
 
@@ -360,6 +379,7 @@ def cmd_bench(a) -> int:
         repetitions=a.repetitions,
         seed=a.seed,
         progress=progress,
+        memory={"gpu_mem": a.gpu_mem, "expert_slots": a.expert_slots, "expert_policy": a.expert_policy},
     )
     print(json.dumps(r) if a.json else format_table(r))
     return 0

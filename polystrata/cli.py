@@ -42,6 +42,25 @@ def _target_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-type", default="f16", help="KV cache format: f16, q8_0, q8_g64 (kernel targets)")
 
 
+def memory_args(p: argparse.ArgumentParser, experts: bool = True) -> None:
+    """--gpu-mem, and the expert cache's --expert-slots and (`experts`) --expert-policy."""
+    from polystrata.runtimes.memory import POLICIES
+
+    p.add_argument("--gpu-mem", default=None, metavar="SIZE",
+                   help="device-memory budget: bytes with a K/M/G suffix (8G, 512M) or a percentage of free memory "
+                        "(80%%); default: free memory less a margin")
+    p.add_argument("--expert-slots", type=int, default=None, metavar="N",
+                   help="MoE experts kept on the device per layer (default: what the budget holds)")
+    if experts:
+        p.add_argument("--expert-policy", default="lru", choices=list(POLICIES),
+                       help="which experts the device cache keeps when they do not all fit (default: lru)")
+
+
+def _memory_kwargs(a) -> dict:
+    """Engine keyword arguments of the memory options (`memory_args`)."""
+    return {"gpu_mem": a.gpu_mem, "expert_slots": a.expert_slots, "expert_policy": a.expert_policy}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     ap = _Parser(prog="polystrata", description="Compile and run GGUF language models on any accelerator.")
@@ -69,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--ids-file", help="JSON array of token ids, scored exactly")
     p.add_argument("--top-k", type=int, default=40)
     _target_arg(p)
+    memory_args(p)
     p.add_argument("-o", "--output", required=True)
 
     p = sub.add_parser("run", help="generate text; only the generated text goes to stdout")
@@ -84,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--ctx", type=int, default=None, help="context length (default: min(trained, 4096))")
     _target_arg(p)
+    memory_args(p)
+    p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")
 
     p = sub.add_parser("parity", help="score llama.cpp's reference prompts and compare (pooled KL, top-1)")
     _model_arg(p)
@@ -94,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arg(p)
     _target_arg(p)
     p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
+    memory_args(p, experts=False)
     p.add_argument("-o", "--output", required=True)
 
     from polystrata.bench import add_bench_parser
@@ -233,7 +256,7 @@ def cmd_score(a) -> int:
     if ids is None:
         ids = tok.encode(text)
     # One pass over the whole text: the context must hold all of it, however long.
-    eng = Engine(path, target=a.target, n_ctx=max(len(ids), DEFAULT_CTX), kv_type=a.kv_type)
+    eng = Engine(path, target=a.target, n_ctx=max(len(ids), DEFAULT_CTX), kv_type=a.kv_type, **_memory_kwargs(a))
     t0 = time.perf_counter()
     logits = eng.score(ids)
     dt = time.perf_counter() - t0
@@ -278,7 +301,7 @@ def cmd_run(a) -> int:
         path = _resolve(a.model)
     if a.n_predict < 0:
         raise PolystrataError("-n must be >= 0")
-    eng = Engine(path, target=target, n_ctx=a.ctx, kv_type=kv_type)
+    eng = Engine(path, target=target, n_ctx=a.ctx, kv_type=kv_type, verbose=a.verbose, **_memory_kwargs(a))
     tok = eng.tokenizer
     template = eng.metadata.get("tokenizer.chat_template")
     if template and not a.raw:
@@ -321,7 +344,8 @@ def cmd_run(a) -> int:
 def cmd_compile(a) -> int:
     from polystrata.artifact import write_artifact
 
-    out, report = write_artifact(_resolve(a.model), a.target, a.output, kv_type=a.kv_type, arch=a.arch)
+    out, report = write_artifact(_resolve(a.model), a.target, a.output, kv_type=a.kv_type, arch=a.arch,
+                                 gpu_mem=a.gpu_mem, expert_slots=a.expert_slots)
     print(f"wrote {out}: {report}", file=sys.stderr)
     return 0
 

@@ -98,37 +98,25 @@ class Engine:
     def plan_memory(self) -> tuple[dict, dict | None]:
         """Plans fitted into the device-memory budget (`self.memory`, the plan; `self.n_ctx`, the context) and the
         executor's expert-cache settings (None: every expert resident). Nothing is uploaded yet."""
-        from polystrata.compiler import compile_plans
         from polystrata.runtimes import memory as mm
 
         graphs = [self.graph_all, self.graph_last, self.graph_step]
-        steps = {id(self.graph_step): 1}
-        rt = self.runtime
-        budget = mm.resolve_budget(rt, self.gpu_mem)
-        layers = mm.moe_layers(self.graph_step)
-        stream = rt.name != "cpu"  # host memory is the cpu target's device memory: experts stay resident there
-        opts = {"stream": stream, "kv_type": self.kv_type, "expert_slots": self.expert_slots}
-        if not self.n_ctx_given and budget is not None:
-            train = self.hparams.n_ctx_train
-            sizing = mm.plan_memory(compile_plans(self.file, graphs, rt, train, self.kv_type, steps), layers, train,
-                                    budget, check=False, **opts)
-            self.n_ctx = mm.fit_context(sizing, train, DEFAULT_CTX)
-            if self.n_ctx < train:
-                print(f"context: {self.n_ctx} tokens (the model's is {train}): what the device-memory budget "
-                      f"{mm.fmt_bytes(budget)} holds", file=sys.stderr)
-        plans = compile_plans(self.file, graphs, rt, self.n_ctx, self.kv_type, steps)
-        self.memory = mm.plan_memory(plans, layers, self.n_ctx, budget, **opts)
+        plans, self.memory = mm.fit_plans(
+            self.file, graphs, {id(self.graph_step): 1}, self.runtime, self.n_ctx if self.n_ctx_given else None,
+            self.hparams.n_ctx_train, self.kv_type, self.gpu_mem, self.expert_slots, DEFAULT_CTX)
+        self.n_ctx = self.memory.n_ctx
         if self.verbose:
             for line in self.memory.describe():
                 print(line, file=sys.stderr)
         if not self.memory.streaming:
             return plans, None
-        plans = compile_plans(self.file, graphs, rt, self.n_ctx, self.kv_type, steps, stream_experts=True)
+        rt = self.runtime
         info = rt.memory_info()
-        guard = mm.VRAMGuard(mm.margin(info[1]), 2 * mm.margin(info[1])) if info and budget is not None else None
+        guard = mm.VRAMGuard(mm.margin(info[1]), 2 * mm.margin(info[1])) if info else None
         log = (lambda msg: print(msg, file=sys.stderr)) if self.verbose else None
+        routers = {la.weights[0]: la.router for la in mm.moe_layers(self.graph_step)}
         return plans, {"slots": self.memory.slots, "policy": self.expert_policy, "guard": guard, "log": log,
-                       "routers": {la.weights[0]: la.router for la in layers}}
+                       "routers": routers}
 
     @property
     def n_past(self) -> int:

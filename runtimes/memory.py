@@ -269,7 +269,39 @@ def fit_context(plan: MemoryPlan, n_ctx_train: int, floor: int) -> int:
     if fits_all >= want:
         return min(n_ctx_train, fits_all)
     fits_min = int((plan.budget - others - layer_expert) // per_token)
-    return min(want, max(fits_min, 1))
+    return min(want, fits_min) if fits_min >= 1 else want  # nothing fits: `plan_memory` will say what
+
+
+def fit_plans(
+    file: Any, graphs: list[Graph], steps: dict[int, int], runtime: Any, n_ctx: int | None, n_ctx_train: int,
+    kv_type: str, gpu_mem: str | None, expert_slots: int | None, default_ctx: int,
+) -> tuple[dict[int, Any], MemoryPlan]:
+    """Plans of `graphs` (`compile_plans`) that fit the device-memory budget, and their memory plan. `n_ctx` None:
+    the default context (`fit_context`; a line on stderr when the budget reduces it below the model's). The
+    plans are made for streaming where the experts do not all fit. Raises PolystrataError, before anything is
+    uploaded, when the budget cannot hold the model."""
+    import sys
+
+    from polystrata.compiler import compile_plans
+
+    budget = resolve_budget(runtime, gpu_mem)
+    layers = moe_layers(graphs[0])
+    opts = {"stream": runtime.name != "cpu",  # host memory is the cpu target's device memory: experts stay resident
+            "kv_type": kv_type, "expert_slots": expert_slots}
+    if n_ctx is None:
+        n_ctx = min(n_ctx_train, default_ctx)
+        if budget is not None:
+            sizing = plan_memory(compile_plans(file, graphs, runtime, n_ctx_train, kv_type, steps), layers,
+                                 n_ctx_train, budget, check=False, **opts)
+            n_ctx = fit_context(sizing, n_ctx_train, default_ctx)
+    plans = compile_plans(file, graphs, runtime, n_ctx, kv_type, steps)
+    memory = plan_memory(plans, layers, n_ctx, budget, **opts)
+    if n_ctx < n_ctx_train and budget is not None and n_ctx < default_ctx:
+        print(f"context: {n_ctx} tokens (the model's is {n_ctx_train}): what the device-memory budget "
+              f"{fmt_bytes(budget)} holds", file=sys.stderr)
+    if memory.streaming:
+        plans = compile_plans(file, graphs, runtime, n_ctx, kv_type, steps, stream_experts=True)
+    return plans, memory
 
 
 # --- the expert cache ------------------------------------------------------------------------------------------
@@ -580,6 +612,13 @@ class ExpertStreamer:
                 self.rt.wait_host(ev)
             self.rt.write(layer.table_handle, layer.cache.table())
         return self.handles()
+
+    def reset_stats(self) -> None:
+        """Start counting afresh (a benchmark's timed runs)."""
+        self.stats = CacheStats()
+        self.tokens = 0
+        for layer in self.layers:
+            layer.cache.stats = self.stats
 
     def summary(self) -> dict[str, Any]:
         """`bench --json`'s "experts" object."""
