@@ -288,15 +288,17 @@ def fit_plans(
     layers = moe_layers(graphs[0])
     opts = {"stream": runtime.name != "cpu",  # host memory is the cpu target's device memory: experts stay resident
             "kv_type": kv_type, "expert_slots": expert_slots}
+    reduced = False
     if n_ctx is None:
         n_ctx = min(n_ctx_train, default_ctx)
         if budget is not None:
             sizing = plan_memory(compile_plans(file, graphs, runtime, n_ctx_train, kv_type, steps), layers,
                                  n_ctx_train, budget, check=False, **opts)
             n_ctx = fit_context(sizing, n_ctx_train, default_ctx)
+            reduced = n_ctx < n_ctx_train
     plans = compile_plans(file, graphs, runtime, n_ctx, kv_type, steps)
     memory = plan_memory(plans, layers, n_ctx, budget, **opts)
-    if n_ctx < n_ctx_train and budget is not None and n_ctx < default_ctx:
+    if reduced:
         print(f"context: {n_ctx} tokens (the model's is {n_ctx_train}): what the device-memory budget "
               f"{fmt_bytes(budget)} holds", file=sys.stderr)
     if memory.streaming:

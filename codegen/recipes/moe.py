@@ -426,8 +426,8 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
         ctx.expert_streams.append(ExpertStream(
             weights=(g.weight, u.weight, d.weight), slots=slot[0][1], route=ctx.buf(route), lists=lst,
             x=ctx.buf(x), n_expert=n_exp, k=k, cap=cap, tokens=tb))
-        tag += "_slots"
     kg = group_kernel(f"moe_group_{tag}", n_exp, k, cap, ctx.lanes)
+    tag += "_slots" if stream else ""  # the expert kernels' names (the group and combine kernels are the same)
     kc = combine_kernel(f"moe_combine_{dm}_{k}", dm, k, ctx.lanes)
     group = [] if lists_given else [Launch(kg, (("route", ctx.buf(route)), ("lst", lst)), (("T", tb),))]
     combine = Launch(kc, (("route", ctx.buf(route)), ("d", db), ("y", ctx.buf(node.output))), (("T", tb),))
