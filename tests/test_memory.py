@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import yaml
+from ir_constructs import copy_region_check
 
 from polystrata.errors import PolystrataError
 from polystrata.runtimes.memory import (
@@ -22,6 +23,9 @@ from polystrata.runtimes.memory import (
     parse_gpu_mem,
 )
 from polystrata.synth import synth_model
+
+# The kernel target the engine tests run on: opencl (PoCL in CI); scripts/device_check.sh also runs them on cuda.
+TARGET = os.environ.get("POLYSTRATA_MEMORY_TARGET", "opencl")
 
 PROMPT = list(range(5, 40))  # 35 tokens: a prefill step routes to every expert, more than the cache holds
 DECODE = [7, 9, 300, 11]
@@ -44,11 +48,12 @@ def moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def opencl(_home):
-    from polystrata.runtimes.opencl import OpenCLRuntime
+def kernel_target(_home):
+    """The kernel target is present (else the module's engine tests skip)."""
+    from polystrata.targets import make_runtime
 
     try:
-        OpenCLRuntime()
+        make_runtime(TARGET)
     except PolystrataError as e:
         pytest.skip(str(e))
 
@@ -56,7 +61,7 @@ def opencl(_home):
 def _engine(path, **kw):
     from polystrata.engine import Engine
 
-    return Engine(path, target="opencl", n_ctx=64, **kw)
+    return Engine(path, target=TARGET, n_ctx=64, **kw)
 
 
 def _outputs(eng) -> list[np.ndarray]:
@@ -68,7 +73,7 @@ def _outputs(eng) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def resident(moe, opencl):
+def resident(moe, kernel_target):
     eng = _engine(moe)
     return eng, _outputs(eng)
 
@@ -110,23 +115,23 @@ def test_budget_decides_the_slots(moe, resident):
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
-def test_over_budget_fails_before_any_upload(moe, opencl, monkeypatch):
-    from polystrata.runtimes.opencl import OpenCLRuntime
+def test_over_budget_fails_before_any_upload(moe, kernel_target, monkeypatch):
+    from polystrata.targets import make_runtime
 
     def no_upload(*_a, **_k):
         raise AssertionError("uploaded before the budget was checked")
 
-    monkeypatch.setattr(OpenCLRuntime, "upload", no_upload)
+    monkeypatch.setattr(type(make_runtime(TARGET)), "upload", no_upload)
     with pytest.raises(PolystrataError, match=r"--gpu-mem 1\.0 MiB does not hold the model .*KV cache"):
         _engine(moe, gpu_mem="1M")
     with pytest.raises(PolystrataError, match="too small: weights"):
         _engine(moe, gpu_mem="1M", expert_slots=8)
 
 
-def test_cli_over_budget_is_one_line(moe, opencl, capsys):
+def test_cli_over_budget_is_one_line(moe, kernel_target, capsys):
     from polystrata.cli import main
 
-    assert main(["run", str(moe), "--target", "opencl", "--gpu-mem", "2M", "-n", "1"]) == 1
+    assert main(["run", str(moe), "--target", TARGET, "--gpu-mem", "2M", "-n", "1"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --gpu-mem 2.0 MiB does not hold the model")
 
@@ -184,20 +189,10 @@ def test_streaming_kernels_only_in_streaming_plans(resident, moe):
     assert {n.split("_")[1] for n in names if "_slots" in n} == {"gateup", "down"}
 
 
-def test_runtime_copy_async_into_a_region(opencl):
-    from polystrata.runtimes.opencl import OpenCLRuntime
+def test_runtime_copy_async_into_a_region(kernel_target):
+    from polystrata.targets import make_runtime
 
-    rt = OpenCLRuntime()
-    buf = rt.alloc((64,), "u8")
-    host = rt.alloc_host(16)
-    host[:] = np.arange(16, dtype=np.uint8) + 1
-    ev = rt.copy_async(buf, 32, host)
-    rt.wait_for(ev)
-    rt.wait_host(ev)
-    out = rt.download(buf, (64,), "u8")
-    assert np.array_equal(out[32:48], host) and not out[:32].any() and not out[48:].any()
-    rt.write_region(buf, 0, np.full(4, 7, np.uint8))
-    assert np.array_equal(rt.download(buf, (4,), "u8"), [7, 7, 7, 7])
+    assert copy_region_check(make_runtime(TARGET))
 
 
 # --- the cache's bookkeeping against hand-computed traces --------------------------------------------------------
@@ -273,36 +268,36 @@ def test_guard_shrinks_and_grows_the_cache(moe, resident, monkeypatch):
 # --- the CLI's outputs -------------------------------------------------------------------------------------------
 
 
-def test_run_verbose_prints_the_plan(moe, opencl, capsys):
+def test_run_verbose_prints_the_plan(moe, kernel_target, capsys):
     from polystrata.cli import main
 
-    assert main(["run", str(moe), "--target", "opencl", "-n", "2", "--raw", "-p", "hi", "--ctx", "64",
+    assert main(["run", str(moe), "--target", TARGET, "-n", "2", "--raw", "-p", "hi", "--ctx", "64",
                  "--expert-slots", "2", "--expert-policy", "lfu", "--verbose"]) == 0
     err = capsys.readouterr().err
     assert "experts stream from host memory: 2 of 8 slots per layer x 2 layers" in err
     assert "KV cache: 32.0 KiB (f16, n_ctx 64)" in err
 
 
-def test_bench_json_reports_experts(moe, opencl):
+def test_bench_json_reports_experts(moe, kernel_target):
     from polystrata.bench import run_bench
 
-    r = run_bench(moe, target="opencl", n_prompt=8, n_gen=3, repetitions=1,
+    r = run_bench(moe, target=TARGET, n_prompt=8, n_gen=3, repetitions=1,
                   memory={"expert_slots": 1, "expert_policy": "lru"})
     assert set(r["experts"]) == {"policy", "slots", "hit_rate", "link_bytes_per_token", "stall_ms_per_token"}
     assert r["experts"]["slots"] == 1 and r["experts"]["link_bytes_per_token"] > 0
     assert isinstance(r["gpu_mem"], int) and r["gpu_mem"] > 0
 
 
-def test_compile_manifest_records_the_plan(moe, opencl, tmp_path):
+def test_compile_manifest_records_the_plan(moe, kernel_target, tmp_path):
     from polystrata.artifact import MANIFEST, write_artifact
 
-    out, _ = write_artifact(moe, "opencl", tmp_path / "a", expert_slots=2)
+    out, _ = write_artifact(moe, TARGET, tmp_path / "a", expert_slots=2)
     mem = yaml.safe_load((out / MANIFEST).read_text())["memory"]
     assert mem["experts_streamed"] is True and mem["expert_slots_per_layer"] == 2 and mem["n_expert"] == 8
     assert mem["kv_bytes"] > 0 and any("experts stream" in line for line in mem["plan"])
 
 
-def test_streaming_f32_activation_path(tmp_path, opencl):
+def test_streaming_f32_activation_path(tmp_path, kernel_target):
     """F16 experts take the expert kernels' f32-activation path (not the int8 one): streamed, bit-identical too."""
     path = synth_model("qwen3moe", tmp_path / "f16.gguf", preset="tiny", qtype="F16", seed=3)
     want = _outputs(_engine(path))
