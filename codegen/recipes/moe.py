@@ -18,7 +18,11 @@ tokens, weighted combine back), in launches over plan scratch buffers sized for 
 4. `combine` (grid T x row pieces): y[t] = sum_s w(t, s) * d[t*k + s]; each group owns a piece of its
    token's row: no atomics.
 
-Expert e's matrix starts at byte e * rows * row_bytes of the 3-D weight tensor. With one lane (the CPU) dot
+Expert e's matrix starts at byte e * rows * row_bytes of the 3-D weight tensor; in a plan for expert streaming
+(`RecipeContext.stream_experts`) the weight buffers hold a layer's expert slots and the expert kernels read expert
+e's matrix at slot[e] * rows * row_bytes (`slot`: the layer's slot table, `ExpertStream`), h gets quantization
+buffers of its own (the executor may run the expert launches once per group of experts that fits the cache), and
+the recipe records the layer in `RecipeContext.expert_streams`. With one lane (the CPU) dot
 products come from `_matvec.block_dot` on f32 activations, lanes taking rows and walking the expert's tokens,
 with per-element partial sums, non-negative index masks and arithmetic f16 decoding as `linear` does. With more
 lanes (GPUs) and int8-path formats (knob xq), x and then h are quantized to int8 once (`linear.quantize_x_kernel`,
