@@ -192,6 +192,8 @@ def plan_memory(
     False: the cpu target); otherwise each MoE layer gets as many expert slots as the rest of the budget holds
     (`expert_slots` sets them directly). Raises PolystrataError naming what does not fit (`check`; without it,
     the plan is returned as it would be, at least one slot a layer, for sizing the context)."""
+    if expert_slots is not None and expert_slots < 1:
+        raise PolystrataError("--expert-slots must be at least 1")
     weights: dict[str, int] = {}
     shared: dict[str, tuple[str, int]] = {}  # the KV cache and the inputs: one buffer for every plan
     scratch = 0
@@ -218,8 +220,6 @@ def plan_memory(
             _check_fits(plan, budget_flag)
         return plan
     if expert_slots is not None:
-        if expert_slots < 1:
-            raise PolystrataError("--expert-slots must be at least 1")
         slots = min(expert_slots, n_expert)
     elif budget is None or fixed + all_experts <= budget:
         slots = n_expert
@@ -607,6 +607,8 @@ class ExpertStreamer:
         returning the new handles to bind."""
         self.rt.sync()
         for layer in self.layers:
+            for ev in layer.pending:  # prefetches still copying into the buffers about to go
+                self.rt.wait_host(ev)
             keep = layer.cache.resize(slots)
             layer.pending = []
             self._alloc_slots(layer, slots)
