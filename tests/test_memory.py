@@ -32,14 +32,8 @@ DECODE = [7, 9, 300, 11]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _home(tmp_path_factory):
-    old = os.environ.get("POLYSTRATA_HOME")
-    os.environ["POLYSTRATA_HOME"] = str(tmp_path_factory.mktemp("home"))
-    yield
-    if old is None:
-        os.environ.pop("POLYSTRATA_HOME")
-    else:
-        os.environ["POLYSTRATA_HOME"] = old
+def _home(module_home):
+    """Every test of this module uses its own kernel cache."""
 
 
 @pytest.fixture(scope="module")
