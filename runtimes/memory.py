@@ -499,6 +499,7 @@ class _Layer:
     device: list[Any] = field(default_factory=list)  # per weight: the slot buffer
     router: np.ndarray | None = None  # [n_expert, n_embd] f32, for predictive policies
     pending: list[Any] = field(default_factory=list)  # prefetch events the next use must wait for
+    stale: bool = True  # the device's slot table differs from the cache's
 
 
 class ExpertStreamer:
@@ -572,6 +573,7 @@ class ExpertStreamer:
         misses, wait for them (the time counts as stall), update the slot table."""
         layer = self.layers[li]
         loads = layer.cache.request(experts)
+        layer.stale |= bool(loads)
         if loads:
             events = self._upload(layer, loads)
             t0 = time.perf_counter()
@@ -581,7 +583,9 @@ class ExpertStreamer:
         for ev in layer.pending:  # prefetches into this layer: the kernels must see them complete
             self.rt.wait_for(ev)
         layer.pending = []
-        self.rt.write(layer.table_handle, layer.cache.table())
+        if layer.stale:  # a decode step whose experts all hit writes nothing
+            self.rt.write(layer.table_handle, layer.cache.table())
+            layer.stale = False
 
     def predicts_after(self, li: int) -> int:
         """With a predictive policy, the width of the hidden state layer li+1's router takes (0: no prediction)."""
@@ -600,7 +604,9 @@ class ExpertStreamer:
         logits = nxt.router @ x.reshape(-1)
         picks = [int(e) for e in np.argsort(-logits, kind="stable")[: nxt.stream.k]]
         # The slot table is written when layer li+1 loads its routed experts, after these copies are waited for.
-        nxt.pending += self._upload(nxt, nxt.cache.prefetch(picks))
+        loads = nxt.cache.prefetch(picks)
+        nxt.stale |= bool(loads)
+        nxt.pending += self._upload(nxt, loads)
 
     def resize(self, slots: int) -> dict[str, Any]:
         """Change every layer's cache to `slots` slots (new slot buffers; the most valuable experts re-uploaded),
