@@ -509,10 +509,11 @@ class ExpertStreamer:
 
     def __init__(self, rt: Any, host_experts: Callable[[str], np.ndarray], streams: list[Any], slots: int,
                  policy: str = "lru", routers: Mapping[str, np.ndarray] | None = None,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, dtypes: Mapping[str, str] | None = None) -> None:
         """`host_experts(name)`: an expert weight tensor as uint8 bytes in the plans' storage layout,
         [n_expert, bytes per expert]. `streams`: one `ExpertStream` per MoE layer, in layer order. `routers`:
-        gate weight name -> the layer's router weights (f32 [n_expert, n_embd]), for predictive policies."""
+        gate weight name -> the layer's router weights (f32 [n_expert, n_embd]), for predictive policies.
+        `dtypes`: the IR dtype of each expert weight's buffer (default u8: quantized bytes)."""
         cls = policy_class(policy)
         self.rt = rt
         self.policy = cls.name
@@ -520,6 +521,7 @@ class ExpertStreamer:
         self.log = log or (lambda _msg: None)
         self.layers: list[_Layer] = []
         self.planned_slots = slots
+        self.dtypes = dict(dtypes or {})
         biggest = 1
         for st in streams:
             host = [np.ascontiguousarray(host_experts(w)).reshape(st.n_expert, -1) for w in st.weights]
@@ -540,7 +542,10 @@ class ExpertStreamer:
     def _alloc_slots(self, layer: _Layer, slots: int) -> None:
         for buf in layer.device:
             self.rt.free(buf)
-        layer.device = [self.rt.alloc((max(slots, 1) * h.shape[1],), "u8") for h in layer.host]
+        layer.device = []
+        for name, h in zip(layer.stream.weights, layer.host):
+            dtype = self.dtypes.get(name, "u8")
+            layer.device.append(self.rt.alloc((max(slots, 1) * h.shape[1] // DTYPE_BYTES[dtype],), dtype))
 
     def handles(self) -> dict[str, Any]:
         """Plan buffer name -> device handle, for the expert weights (slot buffers) and the slot tables."""

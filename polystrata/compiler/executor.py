@@ -152,7 +152,8 @@ class PlanExecutor:
         routers = {gate: np.asarray(file.dequantize(r), np.float32)
                    for gate, r in (experts.get("routers") or {}).items() if r is not None}
         return ExpertStreamer(self.rt, host_bytes, list(streams.values()), experts["slots"],
-                              experts.get("policy", "lru"), routers, experts.get("log"))
+                              experts.get("policy", "lru"), routers, experts.get("log"),
+                              {name: spec.dtype for name, spec in specs.items()})
 
     def reset(self) -> None:
         """Start a new sequence; KV rows past n_past are never read, so nothing is cleared."""
