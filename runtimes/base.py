@@ -33,6 +33,16 @@ def cache_key(source: str, target: str, device: str, compiler: str) -> str:
     return hashlib.sha256("\0".join((source, target, device, compiler)).encode()).hexdigest()[:24]
 
 
+def host_memory() -> tuple[int, int] | None:
+    """(available, total) bytes of host memory, where the system says."""
+    try:
+        pages, avail = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_AVPHYS_PAGES")
+        size = os.sysconf("SC_PAGE_SIZE")
+        return avail * size, pages * size
+    except (ValueError, OSError):
+        return None
+
+
 def eval_int(e: Expr, env: dict[str, int]) -> int:
     """Evaluate an integer expression of scalars (grid sizes) on the host."""
     if isinstance(e, Const):

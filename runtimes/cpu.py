@@ -20,7 +20,7 @@ import numpy as np
 
 from polystrata.codegen.cpu import NUMPY_DTYPES, render
 from polystrata.ir.kernel import Buf, Kernel
-from polystrata.runtimes.base import CompiledKernel, Runtime, cache_dir, cache_key
+from polystrata.runtimes.base import CompiledKernel, Runtime, cache_dir, cache_key, host_memory
 
 
 def _cpu_name() -> str:
@@ -109,9 +109,4 @@ class CPURuntime(Runtime):
         ck.handle(*args, *grid)
 
     def memory_info(self) -> tuple[int, int] | None:
-        try:
-            pages, avail = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_AVPHYS_PAGES")
-            size = os.sysconf("SC_PAGE_SIZE")
-            return avail * size, pages * size
-        except (ValueError, OSError):
-            return None
+        return host_memory()

@@ -26,6 +26,7 @@ import numpy as np
 from polystrata.errors import PolystrataError
 from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import DTYPE_BYTES
+from polystrata.runtimes.base import host_memory
 
 # What the default budget leaves free on the device (other processes, the driver's own allocations): the larger
 # of this many bytes and this fraction of the device's memory. It is also the VRAM guard's low-water mark.
@@ -504,16 +505,22 @@ class _Layer:
 
 class ExpertStreamer:
     """Expert residency for an executor: host copies of every MoE layer's experts, a device cache of `slots`
-    experts per layer, the slot tables, and the uploads between them (staged through pinned host buffers,
-    copied on the runtime's second queue). Statistics accumulate in `stats`."""
+    experts per layer, the slot tables, and the uploads between them, copied on the runtime's second queue.
+
+    Where the streamed experts take at most half the host's available memory, they are copied once into pinned
+    host memory (`Runtime.alloc_host`) and every upload reads them there; otherwise uploads are staged from the
+    mmapped file through a ring of pinned buffers, a host copy of each expert per upload (about 0.25 ms for a
+    2.65 MB Qwen3-30B-A3B expert, five times its 48 µs over PCIe 5). Statistics accumulate in `stats`."""
 
     def __init__(self, rt: Any, host_experts: Callable[[str], np.ndarray], streams: list[Any], slots: int,
                  policy: str = "lru", routers: Mapping[str, np.ndarray] | None = None,
-                 log: Callable[[str], None] | None = None, dtypes: Mapping[str, str] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, dtypes: Mapping[str, str] | None = None,
+                 pin: bool | None = None) -> None:
         """`host_experts(name)`: an expert weight tensor as uint8 bytes in the plans' storage layout,
         [n_expert, bytes per expert]. `streams`: one `ExpertStream` per MoE layer, in layer order. `routers`:
         gate weight name -> the layer's router weights (f32 [n_expert, n_embd]), for predictive policies.
-        `dtypes`: the IR dtype of each expert weight's buffer (default u8: quantized bytes)."""
+        `dtypes`: the IR dtype of each expert weight's buffer (default u8: quantized bytes). `pin`: keep the
+        experts in pinned host memory (default: where they take at most half the available host memory)."""
         cls = policy_class(policy)
         self.rt = rt
         self.policy = cls.name
@@ -531,9 +538,22 @@ class ExpertStreamer:
             layer = _Layer(st, host, cache, rt.alloc((st.n_expert,), "i32"), router=router)
             self._alloc_slots(layer, slots)
             self.layers.append(layer)
-        self.staging = _Staging(rt, biggest)
+        total = sum(h.nbytes for layer in self.layers for h in layer.host)
+        if pin is None:
+            host = host_memory()
+            pin = host is not None and total <= host[0] // 2
+        self.staging: _Staging | None = None
+        if pin:
+            for layer in self.layers:
+                layer.host = [self._pinned(h) for h in layer.host]
+        else:
+            self.staging = _Staging(rt, biggest)
         self.tokens = 0  # tokens stepped, for per-token statistics
-        self.guard: VRAMGuard | None = None
+
+    def _pinned(self, h: np.ndarray) -> np.ndarray:
+        out = self.rt.alloc_host(h.nbytes).reshape(h.shape)
+        out[:] = h
+        return out
 
     @property
     def slots(self) -> int:
@@ -563,10 +583,13 @@ class ExpertStreamer:
         for e, slot in loads:
             for h, dev in zip(layer.host, layer.device):
                 nb = h.shape[1]
-                i, stage = self.staging.take()
-                stage[:nb] = h[e]
-                ev = self.rt.copy_async(dev, slot * nb, stage[:nb])
-                self.staging.events[i] = ev
+                if self.staging is None:  # pinned already
+                    ev = self.rt.copy_async(dev, slot * nb, h[e])
+                else:
+                    i, stage = self.staging.take()
+                    stage[:nb] = h[e]
+                    ev = self.rt.copy_async(dev, slot * nb, stage[:nb])
+                    self.staging.events[i] = ev
                 if ev is not None:
                     events.append(ev)
                 self.stats.link_bytes += nb

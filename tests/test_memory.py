@@ -160,6 +160,7 @@ def test_streaming_matches_resident(moe, resident, policy, slots):
     eng = _engine(moe, expert_slots=slots, expert_policy=policy)
     st = eng.executor.streamer
     assert eng.memory.streaming and st.slots == slots
+    assert st.staging is None  # the tiny model's experts are copied into pinned host memory once
     got = _outputs(eng)
     for i, (a, b) in enumerate(zip(got, want)):
         assert np.array_equal(a, b), f"step {i} differs"
@@ -172,6 +173,17 @@ def test_streaming_matches_resident(moe, resident, policy, slots):
     assert 0 <= summary["hit_rate"] < 1 and summary["link_bytes_per_token"] > 0
     if policy == "prefetch":
         assert s.prefetches > 0  # layer 1's experts predicted at layer 0 of each decode step
+
+
+def test_streaming_staged_from_the_file(moe, resident, monkeypatch):
+    """With little host memory free the experts are not copied into pinned memory: each upload is staged."""
+    import polystrata.runtimes.memory as mm
+
+    _, want = resident
+    monkeypatch.setattr(mm, "host_memory", lambda: (1 << 20, 1 << 30))
+    eng = _engine(moe, expert_slots=2)
+    assert eng.executor.streamer.staging is not None
+    assert all(np.array_equal(a, b) for a, b in zip(_outputs(eng), want))
 
 
 def test_streaming_kernels_only_in_streaming_plans(resident, moe):
