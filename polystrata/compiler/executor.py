@@ -108,15 +108,12 @@ class PlanExecutor:
                     self.handles[(id(plan), name)] = runtime.alloc((spec.count,), spec.dtype)
                 else:
                     self.handles[name] = runtime.alloc((spec.count,), spec.dtype)
-        self.bound: dict[int, list[_BoundLaunch]] = {}
-        for pid, plan in plans.items():
-            local = {
-                name: self.handles[(id(plan), name)] if spec.kind == "activation" else self.handles[name]
-                for name, spec in plan.buffers.items()
-            }
-            self.bound[pid] = [_BoundLaunch(runtime, runtime.compile(la.kernel), local, la) for la in plan.launches]
+        # Per plan: its buffer names -> handles.
         self.local = {pid: {name: self.handles[(id(plan), name)] if spec.kind == "activation" else self.handles[name]
                             for name, spec in plan.buffers.items()} for pid, plan in plans.items()}
+        self.bound: dict[int, list[_BoundLaunch]] = {
+            pid: [_BoundLaunch(runtime, runtime.compile(la.kernel), self.local[pid], la) for la in plan.launches]
+            for pid, plan in plans.items()}
         # Per plan: (first launch, end, stream, layer) of each streamed MoE layer's expert launches.
         self.sections: dict[int, list[tuple[int, int, Any, int]]] = {}
         for pid, plan in plans.items():
