@@ -55,8 +55,8 @@ class Engine:
         gpu_mem: str | None = None, expert_policy: str = "lru", expert_slots: int | None = None,
         verbose: bool = False,
     ):
-        """`n_ctx` None: the model's trained context, reduced to what the device-memory budget holds (see
-        `runtimes.memory.fit_context`). `gpu_mem`: the budget (`--gpu-mem`: bytes with a K/M/G suffix or a
+        """`n_ctx` None: min(trained context, `DEFAULT_CTX`), reduced to what the device-memory budget holds (see
+        `runtimes.memory.fit_plans`). `gpu_mem`: the budget (`--gpu-mem`: bytes with a K/M/G suffix or a
         percentage of free memory; default: free memory less a margin). `expert_policy`, `expert_slots`: the MoE
         expert cache where the experts do not all fit (`runtimes/memory.py`). `verbose`: the memory plan and the
         VRAM guard's actions on stderr."""

@@ -255,22 +255,17 @@ def _check_fits(plan: MemoryPlan, flag: str) -> None:
                           f"{fmt_bytes(plan.total)}; raise {flag}, lower the context or the expert slots")
 
 
-def fit_context(plan: MemoryPlan, n_ctx_train: int, floor: int) -> int:
-    """The default context: `n_ctx_train`, reduced to what the budget holds beside the weights and scratch of
-    `plan` (made at context `plan.n_ctx`) with every expert resident; where that holds fewer than `floor` tokens,
-    `floor` (the experts then stream), reduced further only as far as the smallest expert cache (one slot a
-    layer) requires. Without a budget: min(n_ctx_train, floor), as before there was a budget."""
-    want = min(n_ctx_train, floor)
+def fit_context(plan: MemoryPlan, n_ctx: int) -> int:
+    """The default context: `n_ctx`, reduced where the budget cannot hold its KV cache beside the weights, the
+    scratch buffers of `plan` (made at context `plan.n_ctx`) and the smallest expert cache (one slot a layer).
+    Where not even one token fits, `n_ctx` (`plan_memory` then says what does not fit)."""
     if plan.budget is None or plan.kv_bytes == 0:
-        return want if plan.budget is None else n_ctx_train
+        return n_ctx
     per_token = plan.kv_bytes / max(plan.n_ctx, 1)
     layer_expert = plan.expert_bytes * plan.expert_layers
     others = plan.weight_bytes - (0 if plan.streaming else layer_expert * plan.n_expert) + plan.scratch_bytes
-    fits_all = int((plan.budget - others - layer_expert * plan.n_expert) // per_token)
-    if fits_all >= want:
-        return min(n_ctx_train, fits_all)
-    fits_min = int((plan.budget - others - layer_expert) // per_token)
-    return min(want, fits_min) if fits_min >= 1 else want  # nothing fits: `plan_memory` will say what
+    fits = int((plan.budget - others - layer_expert) // per_token)
+    return min(n_ctx, fits) if fits >= 1 else n_ctx
 
 
 def fit_plans(
@@ -278,9 +273,11 @@ def fit_plans(
     kv_type: str, gpu_mem: str | None, expert_slots: int | None, default_ctx: int,
 ) -> tuple[dict[int, Any], MemoryPlan]:
     """Plans of `graphs` (`compile_plans`) that fit the device-memory budget, and their memory plan. `n_ctx` None:
-    the default context (`fit_context`; a line on stderr when the budget reduces it below the model's). The
-    plans are made for streaming where the experts do not all fit. Raises PolystrataError, before anything is
-    uploaded, when the budget cannot hold the model."""
+    min(n_ctx_train, default_ctx), reduced to what the budget holds (`fit_context`, with a line on stderr). The
+    default stays below the trained context because the attention kernels keep a step's scores in local memory
+    sized by the context (`codegen/recipes/attention.py`): a 128K context would not fit a GPU's shared memory.
+    The plans are made for streaming where the experts do not all fit. Raises PolystrataError, before anything
+    is uploaded, when the budget cannot hold the model."""
     import sys
 
     from polystrata.compiler import compile_plans
@@ -293,15 +290,15 @@ def fit_plans(
     if n_ctx is None:
         n_ctx = min(n_ctx_train, default_ctx)
         if budget is not None:
-            sizing = plan_memory(compile_plans(file, graphs, runtime, n_ctx_train, kv_type, steps), layers,
-                                 n_ctx_train, budget, check=False, **opts)
-            n_ctx = fit_context(sizing, n_ctx_train, default_ctx)
-            reduced = n_ctx < n_ctx_train
+            sizing = plan_memory(compile_plans(file, graphs, runtime, n_ctx, kv_type, steps), layers, n_ctx, budget,
+                                 check=False, **opts)
+            fitted = fit_context(sizing, n_ctx)
+            reduced, n_ctx = fitted < n_ctx, fitted
     plans = compile_plans(file, graphs, runtime, n_ctx, kv_type, steps)
     memory = plan_memory(plans, layers, n_ctx, budget, **opts)
     if reduced:
         print(f"context: {n_ctx} tokens (the model's is {n_ctx_train}): what the device-memory budget "
-              f"{fmt_bytes(budget)} holds", file=sys.stderr)
+              f"{fmt_bytes(budget)} holds beside the weights", file=sys.stderr)
     if memory.streaming:
         plans = compile_plans(file, graphs, runtime, n_ctx, kv_type, steps, stream_experts=True)
     return plans, memory

@@ -109,6 +109,21 @@ def test_budget_decides_the_slots(moe, resident):
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 
+def test_default_context_reduced_to_the_budget(moe, kernel_target, capsys):
+    """Without --ctx: min(trained, 4096) = 2048 tokens here, unless the budget cannot hold their KV cache beside
+    the weights and one expert slot a layer; then fewer, said on stderr."""
+    from polystrata.engine import Engine
+
+    full = Engine(moe, target=TARGET).memory
+    assert full.n_ctx == 2048 and not full.streaming
+    budget = full.total - full.expert_bytes * 2 * (8 - 1) + 2 * 8 * 4 - full.kv_bytes // 2
+    capsys.readouterr()
+    eng = Engine(moe, target=TARGET, gpu_mem=str(budget))
+    assert 512 < eng.n_ctx < 2048 and eng.memory.n_ctx == eng.n_ctx and eng.memory.total <= budget
+    assert eng.memory.streaming and eng.executor.n_ctx == eng.n_ctx
+    assert f"context: {eng.n_ctx} tokens (the model's is 2048)" in capsys.readouterr().err
+
+
 def test_over_budget_fails_before_any_upload(moe, kernel_target, monkeypatch):
     from polystrata.targets import make_runtime
 
