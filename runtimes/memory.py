@@ -447,19 +447,14 @@ class ExpertCache:
         return [need[i : i + self.slots] for i in range(0, len(need), self.slots)]
 
     def resize(self, slots: int) -> list[int]:
-        """Keep at most `slots` slots: the experts that stay (most valuable by the policy first) are returned for
-        re-upload into slots 0.. of the new cache; every slot starts empty."""
+        """Change the cache to `slots` slots, every one empty; returns the experts to keep (the policy evicts the
+        rest), for the caller to load again (`prefetch`)."""
         kept = [e for e in self.holds if e >= 0]
-        order = []
-        while kept and len(order) < slots:
-            worst = self.policy.victim(kept)
-            kept.remove(worst)
-            order.insert(0, worst)
-        # `order` holds the policy's least valuable first; take the most valuable `slots`.
-        survivors = (order + kept)[-slots:] if slots else []
+        while len(kept) > slots:
+            kept.remove(self.policy.victim(kept))
         self.slot_of[:] = -1
         self.holds = [-1] * slots
-        return survivors
+        return kept
 
     def table(self) -> np.ndarray:
         """The slot table the expert kernels read: each expert's slot (0 for experts not resident, which no

@@ -255,6 +255,14 @@ def test_passes_split_a_step_bigger_than_the_cache():
     assert cache.holds == [3, 5] and cache.passes([5, 4, 0]) == [[5, 0], [4]]
 
 
+def test_resize_keeps_what_the_policy_values():
+    cache, _, _ = _trace(LRUPolicy, [[0, 1, 2, 3], [1], [3]], slots=4)
+    assert sorted(cache.resize(2)) == [1, 3] and cache.holds == [-1, -1]
+    assert cache.prefetch([1, 3]) == [(1, 0), (3, 1)] and cache.resident(3) and not cache.resident(0)
+    cache, _, _ = _trace(LFUPolicy, [[0, 1, 2], [2], [2], [0]], slots=3)
+    assert sorted(cache.resize(1)) == [2]
+
+
 # --- the VRAM guard ----------------------------------------------------------------------------------------------
 
 
