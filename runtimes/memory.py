@@ -29,7 +29,8 @@ from polystrata.ir.kernel import DTYPE_BYTES
 from polystrata.runtimes.base import host_memory
 
 # What the default budget leaves free on the device (other processes, the driver's own allocations): the larger
-# of this many bytes and this fraction of the device's memory. It is also the VRAM guard's low-water mark.
+# of this many bytes (a quarter of the device at most) and this fraction of the device's memory. It is also the VRAM
+# guard's low-water mark.
 MARGIN_BYTES = 512 << 20
 MARGIN_FRACTION = 0.05
 
@@ -70,8 +71,8 @@ def default_budget(runtime: Any) -> int | None:
 
 
 def margin(total: int) -> int:
-    """Bytes the default budget leaves free on a device of `total` bytes."""
-    return max(MARGIN_BYTES, int(total * MARGIN_FRACTION))
+    """Bytes the default budget leaves free on a device of `total` bytes (at most a quarter of a small one)."""
+    return max(min(MARGIN_BYTES, total // 4), int(total * MARGIN_FRACTION))
 
 
 def resolve_budget(runtime: Any, gpu_mem: str | None) -> int | None:
@@ -232,8 +233,7 @@ def plan_memory(
             raise PolystrataError(
                 f"{budget_flag} {fmt_bytes(budget)} does not hold the model with one expert slot per MoE layer: "
                 f"weights besides the experts {fmt_bytes(other)} + KV cache {fmt_bytes(kv_bytes)} (n_ctx {n_ctx}) + "
-                f"scratch {fmt_bytes(scratch)} + {len(layers)} x {fmt_bytes(expert_bytes)} of experts; raise "
-                f"{budget_flag} or lower the context")
+                f"scratch {fmt_bytes(scratch)} + {len(layers)} x {fmt_bytes(expert_bytes)} of experts; {_ADVICE}")
         slots = min(slots, n_expert)
     if slots < n_expert:
         plan.weight_bytes = other
@@ -252,7 +252,10 @@ def _check_fits(plan: MemoryPlan, flag: str) -> None:
         parts.append(f"expert cache {fmt_bytes(plan.expert_cache_bytes)} ({plan.slots} slots per layer)")
     parts += [f"KV cache {fmt_bytes(plan.kv_bytes)} (n_ctx {plan.n_ctx})", f"scratch {fmt_bytes(plan.scratch_bytes)}"]
     raise PolystrataError(f"{flag} {fmt_bytes(plan.budget)} is too small: {' + '.join(parts)} = "
-                          f"{fmt_bytes(plan.total)}; raise {flag}, lower the context or the expert slots")
+                          f"{fmt_bytes(plan.total)}; {_ADVICE}")
+
+
+_ADVICE = "give a larger --gpu-mem (where the device has it), a shorter context (--ctx) or fewer --expert-slots"
 
 
 def fit_context(plan: MemoryPlan, n_ctx: int) -> int:
@@ -295,7 +298,8 @@ def fit_plans(
             fitted = fit_context(sizing, n_ctx)
             reduced, n_ctx = fitted < n_ctx, fitted
     plans = compile_plans(file, graphs, runtime, n_ctx, kv_type, steps)
-    memory = plan_memory(plans, layers, n_ctx, budget, **opts)
+    flag = "--gpu-mem" if gpu_mem is not None else "the free device memory less a margin,"
+    memory = plan_memory(plans, layers, n_ctx, budget, budget_flag=flag, **opts)
     if reduced:
         print(f"context: {n_ctx} tokens (the model's is {n_ctx_train}): what the device-memory budget "
               f"{fmt_bytes(budget)} holds beside the weights", file=sys.stderr)
