@@ -121,11 +121,12 @@ def _has_marker(directory: Path) -> bool:
 
 def write_artifact(
     model_path: Path, target: str, out: str | os.PathLike, kv_type: str = "f16", arch: str | None = None,
-    n_ctx: int | None = None,
+    n_ctx: int | None = None, gpu_mem: str | None = None, expert_slots: int | None = None,
 ) -> tuple[Path, str]:
-    """Plan `model_path` for `target` with a KV cache of `n_ctx` tokens (default: min(trained, 4096)), compile its
-    kernels (through the binary cache), and write the artifact directory `out` atomically. Returns the path and a
-    one-line report of the kernel cache."""
+    """Plan `model_path` for `target` with a KV cache of `n_ctx` tokens (default: min(trained, 4096), reduced to what
+    the device-memory budget `gpu_mem` holds, as `run` would: see `runtimes.memory.fit_plans`), compile its kernels
+    (through the binary cache), and write the artifact directory `out` atomically. Returns the path and a one-line
+    report of the kernel cache."""
     target = resolve_target(target)
     out = Path(os.path.abspath(out))  # absolute, so that `-o .` has a name and a parent to write the temp dir in
     check_replaceable(out)  # before compiling, to fail fast; again before the swap
@@ -136,6 +137,7 @@ def write_artifact(
         score = build_graph(f.metadata, tensors, all_logits=True)
         weight_bytes = sum(f.tensors[n].nbytes for n in decode.weights)
         meta = dict(decode.meta)
+        n_ctx_asked = n_ctx
         n_ctx = n_ctx or min(int(meta["n_ctx_train"]), DEFAULT_CTX)
         kernels: list[dict[str, Any]] = []
         sources: dict[str, str] = {}
@@ -143,13 +145,17 @@ def write_artifact(
         kernel_ir = ""
         report = "reference target: no kernels"
         device = "host CPU (numpy float32)"
+        memory_plan: dict[str, Any] = {}
         if target != "reference":
-            from polystrata.compiler import compile_plans
+            from polystrata.runtimes.memory import fit_plans
 
             rt = make_runtime(target, arch=arch)
             device = rt.device
             # As the engine runs them: one-token steps, prompt chunks (last logits), scoring (every token's).
-            plans = compile_plans(f, [decode, prefill, score], rt, n_ctx, kv_type, {id(decode): 1})
+            plans, mem = fit_plans(f, [score, prefill, decode], {id(decode): 1}, rt, n_ctx_asked,
+                                   int(meta["n_ctx_train"]), kv_type, gpu_mem, expert_slots, DEFAULT_CTX)
+            n_ctx = mem.n_ctx
+            memory_plan = {**mem.manifest(), "plan": mem.describe()}
             for name, plan in (("decode", plans[id(decode)]), ("prefill", plans[id(prefill)]),
                                ("score", plans[id(score)])):
                 for entry in plan.kernel_summary():
@@ -178,7 +184,7 @@ def write_artifact(
         "kernels": kernels,
         "memory": {
             "weights_bytes": int(weight_bytes), "kv_type": kv_type if target != "reference" else "f32",
-            "n_ctx": n_ctx, "kv_bytes_f32": int(kv_bytes),
+            "n_ctx": n_ctx, "kv_bytes_f32": int(kv_bytes), **memory_plan,
         },
     }
     with writing(out):

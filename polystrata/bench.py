@@ -6,6 +6,10 @@ depth is prefilled once, untimed, in chunks, and every timed run rewinds the cac
 untimed first so JIT compilation and first-touch allocation are not measured. Decode is also put against the
 memory-bandwidth roofline: every decoded token must stream the weights of the decode graph from memory once.
 
+For MoE models `--json` has "experts": the expert cache's policy, slots per layer, hit rate, bytes over the host
+link and milliseconds stalled on uploads per decoded token (policy "resident": every expert on the device); and
+"gpu_mem", the device-memory budget in bytes (None without one).
+
 The `--json` keys are read by other tools (scripts/bench_vs_llamacpp.py among them): keep them stable.
 """
 
@@ -23,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from polystrata.cli import ctx_arg
+from polystrata.cli import ctx_arg, memory_args, memory_kwargs
 from polystrata.errors import PolystrataError
 from polystrata.targets import TARGET_HELP
 
@@ -215,9 +219,11 @@ def run_bench(
     kv_type: str = "f16",
     depth: int = 0,
     n_ctx: int | None = None,
+    memory: dict | None = None,
 ) -> dict:
     """Benchmark `model` on `target` with a KV cache of `kv_type` holding `n_ctx` tokens (default: just what the
-    tests need, depth + max(p, n)); returns the `--json` object (see the module docstring for its meaning)."""
+    tests need, depth + max(p, n)); returns the `--json` object (see the module docstring for its meaning).
+    `memory`: the Engine's memory options (gpu_mem, expert_slots, expert_policy)."""
     from polystrata import zoo
     from polystrata.engine import Engine
 
@@ -236,7 +242,7 @@ def run_bench(
 
     path = zoo.resolve_model(model)
     # Every test starts after `depth` tokens, so the cache only needs to hold that and the longest test.
-    engine = Engine(path, target=target, n_ctx=n_ctx or need, kv_type=kv_type)
+    engine = Engine(path, target=target, n_ctx=n_ctx or need, kv_type=kv_type, **(memory or {}))
     target = getattr(engine, "target", target)  # `auto` resolved to what actually runs
     threads = engine_threads(engine, target)
     device = describe_device(engine, target)
@@ -283,6 +289,9 @@ def run_bench(
         say(f"tg{n_gen}: warm-up")
         _decode_once(engine, first, min(n_gen, 4), depth=depth)  # the shape-1 graph at a few cache lengths
         rates, host = [], []
+        streamer = getattr(engine.executor, "streamer", None)
+        if streamer is not None:  # the expert statistics are those of the timed decode runs
+            streamer.reset_stats()
         engine.executor.time_device = True  # executors without device timing ignore it
         for i in range(repetitions):
             rates.append(n_gen / _decode_once(engine, first, n_gen, host, depth))
@@ -299,6 +308,13 @@ def run_bench(
     if bw and result["tg"]:
         roof = 100.0 * bpt * result["tg"]["tok_s_mean"] / bw
     result.update(bytes_per_token=bpt, bandwidth_bytes_s=bw, bandwidth_source=source, roofline_pct=roof)
+    mem = getattr(engine, "memory", None)
+    result["gpu_mem"] = mem.budget if mem is not None else None
+    if engine.hparams.n_expert:
+        streamer = getattr(engine.executor, "streamer", None)
+        result["experts"] = streamer.summary() if streamer is not None else {
+            "policy": "resident", "slots": engine.hparams.n_expert, "hit_rate": 1.0, "link_bytes_per_token": 0.0,
+            "stall_ms_per_token": 0.0}
     return result
 
 
@@ -372,6 +388,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test")
     p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    memory_args(p)
     return p
 
 
@@ -389,6 +406,7 @@ def cmd_bench(a) -> int:
         kv_type=a.kv_type,
         depth=a.depth,
         n_ctx=a.ctx,
+        memory=memory_kwargs(a),
     )
     print(json.dumps(r) if a.json else format_table(r))
     return 0

@@ -89,6 +89,25 @@ def ctx_arg(p: argparse.ArgumentParser, default_help: str) -> None:
                    help=f"context length in tokens, the KV cache's size (default: {default_help})")
 
 
+def memory_args(p: argparse.ArgumentParser, experts: bool = True) -> None:
+    """--gpu-mem, and the expert cache's --expert-slots and (`experts`) --expert-policy."""
+    from polystrata.runtimes.memory import POLICIES
+
+    p.add_argument("--gpu-mem", default=None, metavar="SIZE",
+                   help="device-memory budget: bytes with a K/M/G suffix (8G, 512M) or a percentage of free memory "
+                        "(80%%); default: free memory less a margin")
+    p.add_argument("--expert-slots", type=int, default=None, metavar="N",
+                   help="MoE experts kept on the device per layer (default: what the budget holds)")
+    if experts:
+        p.add_argument("--expert-policy", default="lru", choices=list(POLICIES),
+                       help="which experts the device cache keeps when they do not all fit (default: lru)")
+
+
+def memory_kwargs(a) -> dict:
+    """Engine keyword arguments of the memory options (`memory_args`)."""
+    return {"gpu_mem": a.gpu_mem, "expert_slots": a.expert_slots, "expert_policy": a.expert_policy}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
     ap = _Parser(prog="polystrata", description="Compile and run GGUF language models on any accelerator.")
@@ -118,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=40)
     _target_arg(p)
     ctx_arg(p, "the text's length, at least 4096")
+    memory_args(p)
     p.add_argument("-o", "--output", required=True, type=_output_path)
 
     p = sub.add_parser("run", help="generate text; only the generated text goes to stdout")
@@ -133,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     ctx_arg(p, "min(trained, 4096), or the artifact's")
     _target_arg(p)
+    memory_args(p)
+    p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")
 
     p = sub.add_parser("parity", help="score llama.cpp's reference prompts and compare (pooled KL, top-1)")
     _model_arg(p)
@@ -147,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     _target_arg(p)
     p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
     ctx_arg(p, "min(trained, 4096)")
+    memory_args(p, experts=False)
     p.add_argument("-o", "--output", required=True, type=_output_path)
 
     from polystrata.bench import add_bench_parser
@@ -303,7 +326,8 @@ def cmd_score(a) -> int:
     if a.ctx is not None and a.ctx < len(ids):
         raise PolystrataError(f"the text has {len(ids)} tokens, more than the context (-c {a.ctx})")
     # One pass over the whole text: the context must hold all of it, however long.
-    eng = Engine(path, target=a.target, n_ctx=a.ctx or max(len(ids), DEFAULT_CTX), kv_type=a.kv_type)
+    eng = Engine(path, target=a.target, n_ctx=a.ctx or max(len(ids), DEFAULT_CTX), kv_type=a.kv_type,
+                 **memory_kwargs(a))
     t0 = time.perf_counter()
     logits = eng.score(ids)
     dt = time.perf_counter() - t0
@@ -361,7 +385,7 @@ def cmd_run(a) -> int:
         path = _resolve(a.model)
     if a.n_predict < 0:
         raise PolystrataError("-n must be >= 0")
-    eng = Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type)
+    eng = Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, **memory_kwargs(a))
     tok = eng.tokenizer
     template = eng.metadata.get("tokenizer.chat_template")
     if template and not a.raw:
@@ -404,7 +428,8 @@ def cmd_run(a) -> int:
 def cmd_compile(a) -> int:
     from polystrata.artifact import write_artifact
 
-    out, report = write_artifact(_resolve(a.model), a.target, a.output, kv_type=a.kv_type, arch=a.arch, n_ctx=a.ctx)
+    out, report = write_artifact(_resolve(a.model), a.target, a.output, kv_type=a.kv_type, arch=a.arch, n_ctx=a.ctx,
+                                 gpu_mem=a.gpu_mem, expert_slots=a.expert_slots)
     print(f"wrote {out}: {report}", file=sys.stderr)
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,11 +51,21 @@ class Engine:
     """A model loaded for one target. `forward` keeps a KV cache; `reset` starts a new sequence."""
 
     def __init__(
-        self, model_path: str | Path, target: str = "auto", n_ctx: int | None = None, kv_type: str = "f16"
+        self, model_path: str | Path, target: str = "auto", n_ctx: int | None = None, kv_type: str = "f16",
+        gpu_mem: str | None = None, expert_policy: str = "lru", expert_slots: int | None = None,
+        verbose: bool = False,
     ):
+        """`n_ctx` None: min(trained context, `DEFAULT_CTX`), reduced to what the device-memory budget holds (see
+        `runtimes.memory.fit_plans`). `gpu_mem`: the budget (`--gpu-mem`: bytes with a K/M/G suffix or a
+        percentage of free memory; default: free memory less a margin). `expert_policy`, `expert_slots`: the MoE
+        expert cache where the experts do not all fit (`runtimes/memory.py`). `verbose`: the memory plan and the
+        VRAM guard's actions on stderr."""
         if n_ctx is not None and n_ctx < 1:
             raise PolystrataError(f"the context length must be at least 1, not {n_ctx}")
+        from polystrata.runtimes.memory import policy_class
+
         target = resolve_target(target)
+        policy_class(expert_policy)  # an unknown name fails before anything is loaded
         self.path = Path(model_path)
         self.file = GGUFFile(self.path)
         self.metadata = self.file.metadata
@@ -66,8 +77,12 @@ class Engine:
         # One-token steps (decode) run their own plan, compiled for steps of one token.
         self.graph_step: Graph = build_graph(self.metadata, tensors, all_logits=False)
         self.n_ctx = n_ctx or min(self.hparams.n_ctx_train, DEFAULT_CTX)
+        self.n_ctx_given = n_ctx is not None
         self.target = target
         self.kv_type = kv_type
+        self.gpu_mem, self.expert_policy, self.expert_slots = gpu_mem, expert_policy, expert_slots
+        self.verbose = verbose
+        self.memory = None  # the memory plan (kernel targets)
         self.runtime = None if target == "reference" else make_runtime(target)
         self.device = self.runtime.device if self.runtime else "host CPU (numpy float32)"
         self.executor = self._make_executor()
@@ -77,12 +92,33 @@ class Engine:
             from polystrata.runtimes.reference import ReferenceExecutor
 
             return ReferenceExecutor.from_file(self.file, self.graph_all, self.n_ctx)
-        from polystrata.compiler import compile_plans
         from polystrata.compiler.executor import PlanExecutor
 
+        plans, experts = self.plan_memory()
+        return PlanExecutor(self.runtime, self.file, plans, self.n_ctx, experts)
+
+    def plan_memory(self) -> tuple[dict, dict | None]:
+        """Plans fitted into the device-memory budget (`self.memory`, the plan; `self.n_ctx`, the context) and the
+        executor's expert-cache settings (None: every expert resident). Nothing is uploaded yet."""
+        from polystrata.runtimes import memory as mm
+
         graphs = [self.graph_all, self.graph_last, self.graph_step]
-        plans = compile_plans(self.file, graphs, self.runtime, self.n_ctx, self.kv_type, {id(self.graph_step): 1})
-        return PlanExecutor(self.runtime, self.file, plans, self.n_ctx)
+        plans, self.memory = mm.fit_plans(
+            self.file, graphs, {id(self.graph_step): 1}, self.runtime, self.n_ctx if self.n_ctx_given else None,
+            self.hparams.n_ctx_train, self.kv_type, self.gpu_mem, self.expert_slots, DEFAULT_CTX)
+        self.n_ctx = self.memory.n_ctx
+        if self.verbose:
+            for line in self.memory.describe():
+                print(line, file=sys.stderr)
+        if not self.memory.streaming:
+            return plans, None
+        rt = self.runtime
+        info = rt.memory_info()
+        guard = mm.VRAMGuard(mm.margin(info[1]), 2 * mm.margin(info[1])) if info else None
+        log = (lambda msg: print(msg, file=sys.stderr)) if self.verbose else None
+        routers = {la.weights[0]: la.router for la in mm.moe_layers(self.graph_step)}
+        return plans, {"slots": self.memory.slots, "policy": self.expert_policy, "guard": guard, "log": log,
+                       "routers": routers}
 
     @property
     def n_past(self) -> int:

@@ -118,6 +118,16 @@ def _warn_rebuilt(path: Path) -> None:
     print(f"warning: kernel cache entry {path} was corrupt; rebuilt", file=sys.stderr)
 
 
+def host_memory() -> tuple[int, int] | None:
+    """(available, total) bytes of host memory, where the system says."""
+    try:
+        pages, avail = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_AVPHYS_PAGES")
+        size = os.sysconf("SC_PAGE_SIZE")
+        return avail * size, pages * size
+    except (ValueError, OSError):
+        return None
+
+
 def eval_int(e: Expr, env: dict[str, int]) -> int:
     """Evaluate an integer expression of scalars (grid sizes) on the host."""
     if isinstance(e, Const):
@@ -235,6 +245,33 @@ class Runtime(ABC):
     def memory_info(self) -> tuple[int, int] | None:
         """(free, total) bytes of device memory, where known."""
         return None
+
+    # --- memory mechanisms (runtimes/memory.py decides; these only move bytes) ---------------------------------
+
+    def free(self, buf: Any) -> None:  # noqa: B027 - by default a buffer goes with its last reference
+        """Release a device buffer now (the caller holds no other reference to it)."""
+
+    def alloc_host(self, nbytes: int) -> np.ndarray:
+        """A host staging buffer of `nbytes` bytes (uint8) for `copy_async`: page-locked where the target has
+        such memory (copies from it run at the link's full speed), else an ordinary array."""
+        return np.empty(nbytes, np.uint8)
+
+    def write_region(self, buf: Any, offset: int, array: np.ndarray) -> None:
+        """Overwrite bytes [offset, offset + array.nbytes) of a device buffer, in order with the compute queue."""
+        raise NotImplementedError(f"the {self.name} runtime cannot write part of a buffer")
+
+    def copy_async(self, buf: Any, offset: int, host: np.ndarray) -> Any:
+        """Start copying `host`'s bytes into `buf` at byte `offset` on a second queue, beside the compute queue's
+        work; returns an event for `wait_for` / `wait_host`, or None when the copy is already complete. `host`
+        (an `alloc_host` buffer) must not change until then. Default: a synchronous `write_region`."""
+        self.write_region(buf, offset, host)
+        return None
+
+    def wait_for(self, event: Any) -> None:  # noqa: B027 - synchronous copies leave nothing to wait for
+        """Make launches queued after this call wait until `event` (from `copy_async`) completes."""
+
+    def wait_host(self, event: Any) -> None:  # noqa: B027 - synchronous copies leave nothing to wait for
+        """Block the host until `event` (from `copy_async`) completes."""
 
     def args_for(self, kernel: Kernel, buffers: dict[str, Any], scalars: dict[str, int | float]) -> list[Any]:
         """Launch arguments in parameter order: buffer handles and scalars converted to their dtype."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from polystrata.codegen.cpu import NUMPY_DTYPES, render
 from polystrata.ir.kernel import Buf, Kernel
-from polystrata.runtimes.base import CompiledKernel, Runtime, atomic_write, cache_key
+from polystrata.runtimes.base import CompiledKernel, Runtime, atomic_write, cache_key, host_memory
 
 
 def _cpu_name() -> str:
@@ -96,15 +96,14 @@ class CPURuntime(Runtime):
         flat = np.ascontiguousarray(array).reshape(-1)
         buf[: flat.size] = flat
 
+    def write_region(self, buf: np.ndarray, offset: int, array: np.ndarray) -> None:
+        flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        buf.view(np.uint8)[offset : offset + flat.size] = flat
+
     def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
         if min(grid) <= 0:
             return
         ck.handle(*args, *grid)
 
     def memory_info(self) -> tuple[int, int] | None:
-        try:
-            pages, avail = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_AVPHYS_PAGES")
-            size = os.sysconf("SC_PAGE_SIZE")
-            return avail * size, pages * size
-        except (ValueError, OSError):
-            return None
+        return host_memory()

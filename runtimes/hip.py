@@ -273,6 +273,15 @@ class HIPRuntime(Runtime):
         if host.nbytes:
             self._copy(True, buf.ptr, host.ctypes.data, host.nbytes)
 
+    def write_region(self, buf: HIPBuffer, offset: int, array: np.ndarray) -> None:
+        """A synchronous copy (the base class's `copy_async` uses it too: no second stream or pinned staging here
+        yet, so expert uploads do not overlap with kernels on this target)."""
+        host = np.ascontiguousarray(array).reshape(-1)
+        if offset + host.nbytes > buf.nbytes:
+            raise PolystrataError(f"write of {host.nbytes} bytes at {offset} into a {buf.nbytes}-byte HIP buffer")
+        if host.nbytes:
+            self._copy(True, buf.ptr + offset, host.ctypes.data, host.nbytes)
+
     def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
         self._need_gpu()
         grid = [int(g) for g in grid] + [1] * (3 - len(grid))

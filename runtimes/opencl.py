@@ -93,6 +93,8 @@ class OpenCLRuntime(Runtime):
         self.dev = dev
         self.ctx = cl.Context([dev])
         self.queue = cl.CommandQueue(self.ctx)
+        self.copy_queue = None  # the second queue of `copy_async`
+        self._host_maps: list = []
         self.device = f"{dev.name.strip()} ({dev.platform.name.strip()}, driver {dev.driver_version})"
         gpu = bool(dev.type & cl.device_type.GPU)
         # PoCL's CPU driver runs a group's lanes as a vectorised loop in one thread: small groups are fastest.
@@ -166,6 +168,37 @@ class OpenCLRuntime(Runtime):
         host = np.ascontiguousarray(array).reshape(-1)
         if host.nbytes:
             cl.enqueue_copy(self.queue, buf, host, is_blocking=True)
+
+    def write_region(self, buf: Any, offset: int, array: np.ndarray) -> None:
+        host = np.ascontiguousarray(array).reshape(-1)
+        if host.nbytes:
+            cl.enqueue_copy(self.queue, buf, host, dst_offset=offset, is_blocking=True)
+
+    def free(self, buf: Any) -> None:
+        buf.release()
+
+    def alloc_host(self, nbytes: int) -> np.ndarray:
+        """Host memory the driver allocates (ALLOC_HOST_PTR: page-locked on GPU drivers), mapped for writing;
+        the mapping keeps its buffer alive."""
+        buf = cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.ALLOC_HOST_PTR, max(nbytes, 4))
+        host, _ = cl.enqueue_map_buffer(self.queue, buf, cl.map_flags.WRITE, 0, (max(nbytes, 4),), np.uint8,
+                                        is_blocking=True)
+        self._host_maps.append((buf, host))  # mapped for the runtime's life: staging buffers are made once
+        return host[:nbytes]
+
+    def copy_async(self, buf: Any, offset: int, host: np.ndarray) -> Any:
+        """A non-blocking copy on a second in-order queue (made at the first call); returns its event."""
+        if self.copy_queue is None:
+            self.copy_queue = cl.CommandQueue(self.ctx)
+        ev = cl.enqueue_copy(self.copy_queue, buf, host, dst_offset=offset, is_blocking=False)
+        self.copy_queue.flush()  # start it now, not at the next blocking call
+        return ev
+
+    def wait_for(self, event: Any) -> None:
+        cl.enqueue_barrier(self.queue, wait_for=[event])
+
+    def wait_host(self, event: Any) -> None:
+        event.wait()
 
     def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
         grid = [int(g) for g in grid]

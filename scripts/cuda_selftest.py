@@ -114,6 +114,9 @@ def main() -> int:
         cpu = CPURuntime()
     ok = check(rt, cpu, a.scale)
     ok &= graph_check(rt)
+    copied = t.copy_region_check(rt)
+    print(f"copy_async into a region, waited for by a launch: {'ok' if copied else 'FAIL'}")
+    ok &= copied
     print(f"\n{'args':>4s} {'dispatcher':>11s} {'launch':>9s} {'prepared':>9s} {'graph/launch':>13s}   (µs)")
     for nargs in (1, 12):
         print(f"{nargs:4d} " + " ".join(f"{v:{w}.2f}" for v, w in zip(timing(rt, nargs), (11, 9, 9, 13))))

@@ -51,6 +51,10 @@ if [[ " $STAGES " == *" tests "* ]]; then
     timeout 1500 python3 -m pytest -q -x -p no:cacheprovider tests/test_recipes.py tests/test_targets.py \
         tests/test_target_hip.py -m "not slow" ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee -a "$LOG" | tail -15
     row "tests (recipes, targets, hip)" "$(grep -E '[0-9]+ (passed|failed)' "$LOG" | tail -1)"
+    # The memory manager on cuda: expert streaming bit-identical to the resident run for every policy, the guard.
+    POLYSTRATA_MEMORY_TARGET=cuda timeout 900 python3 -m pytest -q -x -p no:cacheprovider tests/test_memory.py \
+        2>&1 | tee "$OUT/memory.log" | tail -5
+    row "tests (memory manager, cuda)" "$(grep -E '[0-9]+ (passed|failed)' "$OUT/memory.log" | tail -1)"
 fi
 
 if [[ " $STAGES " == *" parity "* ]]; then

@@ -312,3 +312,21 @@ def check_case(got: dict, want: dict, outputs: dict, label: str, tol: float = 1e
     for name, (_, dt) in outputs.items():
         err = max_error(got[name], want[name], dt)
         assert err <= (tol if dt == "f32" else 0), (label, name, err)
+
+
+def copy_region_check(r) -> bool:
+    """The memory manager's runtime mechanisms (`Runtime.alloc_host`, `copy_async`, `wait_for`, `wait_host`,
+    `write_region`): bytes copied into the middle of a device buffer on the copy queue are seen by a kernel queued
+    after `wait_for`, and nothing around them changes."""
+    x, s, m = r.alloc((300,), "f32"), r.alloc((1,), "f32"), r.alloc((1,), "f32")
+    stage = r.alloc_host(400)
+    stage[:] = np.arange(100, dtype=np.float32).view(np.uint8)
+    ev = r.copy_async(x, 400, stage)  # floats 100..199
+    r.wait_for(ev)
+    kern = reduce_kernel(r.lanes)
+    r.launch(r.compile(kern), r.args_for(kern, {"x": x, "s": s, "m": m}, {"n": 300, "rows": 1}), (1,))
+    r.wait_host(ev)
+    r.write_region(x, 4 * 299, np.float32([5.0]))
+    out = r.download(x, (300,), "f32")
+    return (r.download(s, (1,), "f32")[0] == 4950 and np.array_equal(out[100:200], np.arange(100))
+            and not out[:100].any() and not out[200:299].any() and out[299] == 5)

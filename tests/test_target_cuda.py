@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ir_constructs import GRID, cases, check_case, grid_kernel, reduce_kernel, run, shared_kernel
+from ir_constructs import GRID, cases, check_case, copy_region_check, grid_kernel, reduce_kernel, run, shared_kernel
 
 from polystrata.codegen.cuda import render
 from polystrata.errors import PolystrataError
@@ -124,6 +124,11 @@ def test_buffers_and_empty_grid(rt):
     out = run(rt, grid_kernel(), {}, {"y": (10 * np.prod(GRID), "i32")}, {}, (0, *GRID[1:]))
     assert out["y"].view(np.uint32).min() == 0xFFFFFFFF  # nothing launched
     assert rt.memory_info() is None and rt.lanes == 128 and rt.subgroup == 32
+
+
+@inner
+def test_copy_async_into_a_region(rt):
+    assert copy_region_check(rt)
 
 
 # --- render-only checks (this process: no numba.cuda import) ---------------------------------------------

@@ -5,7 +5,6 @@ pocl-opencl-icd)."""
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 
@@ -22,14 +21,8 @@ g0, n, j = (Var(v) for v in ("g0", "n", "j"))
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _home(tmp_path_factory):
-    old = os.environ.get("POLYSTRATA_HOME")
-    os.environ["POLYSTRATA_HOME"] = str(tmp_path_factory.mktemp("home"))
-    yield
-    if old is None:
-        os.environ.pop("POLYSTRATA_HOME")
-    else:
-        os.environ["POLYSTRATA_HOME"] = old
+def _home(module_home):
+    """Every test of this module uses its own kernel cache."""
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,24 @@ from polystrata.ir.kernel import Launch
 from polystrata.ir.quant import QuantFormat
 
 
+@dataclass(frozen=True)
+class ExpertStream:
+    """A MoE layer of a streaming plan: its expert weights live in a device cache of expert slots, which the
+    expert kernels address through `slots` (i32 per expert: the slot holding it). The executor makes the layer's
+    routed experts resident (`runtimes/memory.py`) between the launches that write the route and the first
+    launch that reads `weights`."""
+
+    weights: tuple[str, ...]  # the expert weight tensors (gate, up, down), [n_expert, rows, cols] each
+    slots: str  # the slot table buffer
+    route: str  # the route buffer (expert ids first: see codegen/recipes/moe.py)
+    lists: str  # the expert list buffer (`moe.group_kernel`'s layout)
+    x: str  # the layer's MoE input (what a predictive policy applies the next router to)
+    n_expert: int
+    k: int
+    cap: int  # list capacity per expert
+    tokens: str | int  # the launches' token binding ("T", or a fixed row count)
+
+
 @dataclass
 class RecipeContext:
     """What a recipe may know about the compilation: target shape, buffers, KV type, knob overrides."""
@@ -39,6 +57,10 @@ class RecipeContext:
     scratch_buffers: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (dtype, count)
     t_max: int = 256  # most tokens per step the plan serves (sizes per-token scratch buffers)
     wide_loads: bool = False  # the target merges runs of aligned loads into 16-byte loads (`Runtime.wide_loads`)
+    # A plan for expert streaming: expert kernels read their weights through a slot table (`ExpertStream`), and
+    # the recipes record each streamed MoE layer in `expert_streams`.
+    stream_experts: bool = False
+    expert_streams: list[ExpertStream] = field(default_factory=list)
 
     def buf(self, v: Value) -> str:
         """Plan buffer name of a graph value or weight."""

@@ -18,7 +18,11 @@ tokens, weighted combine back), in launches over plan scratch buffers sized for 
 4. `combine` (grid T x row pieces): y[t] = sum_s w(t, s) * d[t*k + s]; each group owns a piece of its
    token's row: no atomics.
 
-Expert e's matrix starts at byte e * rows * row_bytes of the 3-D weight tensor. With one lane (the CPU) dot
+Expert e's matrix starts at byte e * rows * row_bytes of the 3-D weight tensor; in a plan for expert streaming
+(`RecipeContext.stream_experts`) the weight buffers hold a layer's expert slots and the expert kernels read expert
+e's matrix at slot[e] * rows * row_bytes (`slot`: the layer's slot table, `ExpertStream`), h gets quantization
+buffers of its own (the executor may run the expert launches once per group of experts that fits the cache), and
+the recipe records the layer in `RecipeContext.expert_streams`. With one lane (the CPU) dot
 products come from `_matvec.block_dot` on f32 activations, lanes taking rows and walking the expert's tokens,
 with per-element partial sums, non-negative index masks and arithmetic f16 decoding as `linear` does. With more
 lanes (GPUs) and int8-path formats (knob xq), x and then h are quantized to int8 once (`linear.quantize_x_kernel`,
@@ -37,7 +41,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import elements_per_row_bytes, weight_dtype
-from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
+from polystrata.codegen.recipes import ExpertStream, Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,
     Act,
@@ -170,16 +174,29 @@ def _active_grid(n_exp: int, k: int, rest: Expr) -> tuple:
     return (Call("min", Const(n_exp), Var("T") * k), rest)
 
 
-def _active_expert(n_exp: int, cap: int, inner: list) -> list:
-    """`inner` for expert `ex` = the g0-th expert with entries, when there is one."""
+def _active_expert(n_exp: int, cap: int, inner: list, slots: bool = False) -> list:
+    """`inner` for expert `ex` = the g0-th expert with entries, when there is one; its weights are those of
+    expert `xw` (`weight_index`): with `slots`, the slot the slot table gives `ex` (a streaming plan's expert
+    cache); else `ex` itself."""
     a = n_exp * (1 + cap)
-    return [If(Var("g0") < Load("lst", Const(a)), (Let("ex", Load("lst", Const(a + 1) + Var("g0"))), *inner))]
+    lets = [Let("ex", Load("lst", Const(a + 1) + Var("g0")))] + ([Let("xw", Load("slot", Var("ex")))] if slots else [])
+    return [If(Var("g0") < Load("lst", Const(a)), (*lets, *inner))]
+
+
+def _slot_params(slots: bool) -> tuple:
+    return (Buf("slot", "i32"),) if slots else ()
+
+
+def weight_index(slots: bool) -> Var:
+    """The index of the expert's matrix in the weight buffers (see `_active_expert`)."""
+    return Var("xw") if slots else Var("ex")
 
 
 def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
                   act: str, per_token: bool, rows: int, split: str, lanes: int,
-                  epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+                  epilogue: Callable[[list[Expr]], Expr] | None = None, slots: bool = False) -> Kernel:
     """out[entry, r] = epilogue(dot(w_j[e, r], a) for each weight j) for each entry listed for expert e = g0.
+    `slots`: the weights hold expert slots, and a slot table (`slot`) maps each expert to its slot.
 
     Weights [n_exp, n, kd]; the activation row is `act[entry // k]` (`per_token`) or `act[entry]`.
     Grid (experts with entries, ceil(n / rows)) (`_active_grid`): each group reads its weight rows once for all
@@ -192,7 +209,7 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
     rbs = [elements_per_row_bytes(f, kd) for f in fmts]
     masks = [nonneg_mask(n_exp * n * rb) if cpu else 0 for rb in rbs]
     a = Act(act, kd)
-    ex = Var("ex")
+    ex, xw = Var("ex"), weight_index(slots)
     pb = max(fmt_for(f).block_size for f in fmts)
     local: list = []
     body: list = [Let("cnt", Load("lst", ex))]
@@ -226,7 +243,7 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
         body.append(LaneFor("rr", Const(rows), (
             Let("row", Var("g1") * rows + Var("rr")),
             If(Var("row") < n, (
-                *(Let(f"w{j}_rb", (ex * n + Var("row")) * rb) for j, rb in enumerate(rbs)),
+                *(Let(f"w{j}_rb", (xw * n + Var("row")) * rb) for j, rb in enumerate(rbs)),
                 For("j", Const(0), Var("cnt"), tuple(inner)),
             )),
         )))
@@ -239,7 +256,7 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
                 acc = f"acc{j}"
                 red.append(Reduce(f"s{r}_{j}", "+", f"bb{j}", Const(kd // fmt_for(f).block_size), (
                     Decl(acc, "f32", Const(0.0)),
-                    *block_dot(f, wnames[j], (ex * n + rowc) * rbs[j], Var(f"bb{j}"), a, Var(f"ta{r}"), acc,
+                    *block_dot(f, wnames[j], (xw * n + rowc) * rbs[j], Var(f"bb{j}"), a, Var(f"ta{r}"), acc,
                                f"w{j}_"),
                 ), Var(acc)))
             vals = [Var(f"s{r}_{j}") for j in range(len(fmts))]
@@ -247,28 +264,29 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
                 *entry(Var(f"j{r}"), str(r)), *red,
                 If(row < n, (Store("out", Var(f"ent{r}") * n + row, result(vals)),)),
             )))
-    params = (Buf(act, "f32"), Buf("lst", "i32"), *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)),
-              Buf("out", "f32", out=True), Scalar("T"))
+    params = (Buf(act, "f32"), Buf("lst", "i32"), *_slot_params(slots),
+              *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("out", "f32", out=True), Scalar("T"))
     grid = _active_grid(n_exp, k, Const((n + rows - 1) // rows))
     knobs = (("rows", rows), ("split", split), ("vert", int(vert)))
-    return Kernel(name, params, grid, tuple(_active_expert(n_exp, cap, body)), lanes=lanes, local=tuple(local),
+    return Kernel(name, params, grid, tuple(_active_expert(n_exp, cap, body, slots)), lanes=lanes,
+                  local=tuple(local),
                   knobs=knobs,
                   doc=f"moe expert matmul {'+'.join(f.name for f in fmts)} [{n_exp}x{n}x{kd}]")
 
 
 def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
                      per_token: bool, sub: int | str, lanes: int, runs: bool | int | str = "auto", spread: int = 1,
-                     epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+                     epilogue: Callable[[list[Expr]], Expr] | None = None, slots: bool = False) -> Kernel:
     """`expert_kernel` from int8 activations (`linear.quantize_x_kernel`'s buffers; GPU path): grid (experts
     with entries, ceil(n / spread)), `spread` weight rows per group with the lanes spread over them (one row where
     it has as many units as a subgroup has lanes), their dot products swept together (`_matvec.split_dots`)."""
     subs = [sub_lanes(f, sub, runs) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
     act = Act("xq", kd, "xq", "xd", packed=True)
-    ex, ent = Var("ex"), Var("ent")
+    ex, xw, ent = Var("ex"), weight_index(slots), Var("ent")
     first = Var("g1") * spread if spread > 1 else Var("g1")
     row = slot_row(first, spread, n) if spread > 1 else first
-    red = split_dots([(f"s{j}", f, w, (ex * n + row) * elements_per_row_bytes(f, kd), f"w{j}_", subs[j])
+    red = split_dots([(f"s{j}", f, w, (xw * n + row) * elements_per_row_bytes(f, kd), f"w{j}_", subs[j])
                       for j, (w, f) in enumerate(zip(wnames, fmts))], act, Var("ta"), runs, spread=spread)
     guards = group_rows(first, spread, n)[1]
     stores = []
@@ -282,10 +300,10 @@ def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int,
         *red,
         *stores,
     ))]
-    params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("lst", "i32"),
+    params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("lst", "i32"), *_slot_params(slots),
               *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("out", "f32", out=True), Scalar("T"))
     return Kernel(name, params, _active_grid(n_exp, k, Const(-(-n // spread))),
-                  tuple(_active_expert(n_exp, cap, body)), lanes=lanes,
+                  tuple(_active_expert(n_exp, cap, body, slots)), lanes=lanes,
                   knobs=(("sub", ",".join(map(str, subs))),
                          ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)), ("xq", "kernel"),
                          ("spread", spread)),
@@ -402,7 +420,18 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     hb = ctx.scratch("moe_h", "f32", cap * ff)
     db = ctx.scratch("moe_d", "f32", cap * dm)
     tag = f"{n_exp}_{dm}_{ff}_{k}_{cap}"
+    stream = ctx.stream_experts
+    slot: tuple = ()
+    if stream:
+        # The expert launches read the weights through the layer's slot table; the executor may run them in several
+        # passes over subsets of the routed experts (a cache smaller than a step's experts), so nothing they read
+        # may be overwritten by them: h gets its own quantization buffers below.
+        slot = (("slot", f"{g.weight}.slots"),)
+        ctx.expert_streams.append(ExpertStream(
+            weights=(g.weight, u.weight, d.weight), slots=slot[0][1], route=ctx.buf(route), lists=lst,
+            x=ctx.buf(x), n_expert=n_exp, k=k, cap=cap, tokens=tb))
     kg = group_kernel(f"moe_group_{tag}", n_exp, k, cap, ctx.lanes)
+    tag += "_slots" if stream else ""  # the expert kernels' names (the group and combine kernels are the same)
     kc = combine_kernel(f"moe_combine_{dm}_{k}", dm, k, ctx.lanes)
     group = [] if lists_given else [Launch(kg, (("route", ctx.buf(route)), ("lst", lst)), (("T", tb),))]
     combine = Launch(kc, (("route", ctx.buf(route)), ("d", db), ("y", ctx.buf(node.output))), (("T", tb),))
@@ -416,6 +445,9 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
         qb = ctx.scratch("xq", "u32", max(t_max * dm, cap * ff) // 4)
         xd = ctx.scratch("xd", "f32", max(t_max * dm, cap * ff) // QB)
         qbufs = (("xq", qb), ("xd", xd))
+        hq = qbufs
+        if stream:
+            hq = (("xq", ctx.scratch("xq_h", "u32", cap * ff // 4)), ("xd", ctx.scratch("xd_h", "f32", cap * ff // QB)))
         spread = ctx.knob("moe_ffn", "spread", "auto")
 
         def spread_of(fmts, kd):
@@ -424,28 +456,29 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
         kgu = expert_q8_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}_q8".lower(), [fg, fu], n_exp, ff, dm, k, cap,
                                per_token=True, sub=sub, runs=runs, spread=spread_of([fg, fu], dm),
                                lanes=split_lanes([fg, fu], dm, ctx.subgroup, sub, runs),
-                               epilogue=gateup)
+                               epilogue=gateup, slots=stream)
         kd = expert_q8_kernel(f"moe_down_{fd.name}_{tag}_q8".lower(), [fd], n_exp, dm, ff, k, cap, per_token=False,
                               sub=sub, runs=runs, spread=spread_of([fd], ff),
-                              lanes=split_lanes([fd], ff, ctx.subgroup, sub, runs))
+                              lanes=split_lanes([fd], ff, ctx.subgroup, sub, runs), slots=stream)
         return [
             *group,
             Launch(quantize_x_kernel(f"quantize_x_{dm}", dm), (("x", ctx.buf(x)), *qbufs), (("T", tb),)),
-            Launch(kgu, (*qbufs, ("lst", lst), ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)), (("T", tb),)),
-            Launch(quantize_x_kernel(f"quantize_x_{ff}_{k}", ff, rows_per_t=k), (("x", hb), *qbufs),
+            Launch(kgu, (*qbufs, ("lst", lst), *slot, ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)),
                    (("T", tb),)),
-            Launch(kd, (*qbufs, ("lst", lst), ("w0", ctx.buf(d)), ("out", db)), (("T", tb),)),
+            Launch(quantize_x_kernel(f"quantize_x_{ff}_{k}", ff, rows_per_t=k), (("x", hb), *hq),
+                   (("T", tb),)),
+            Launch(kd, (*hq, ("lst", lst), *slot, ("w0", ctx.buf(d)), ("out", db)), (("T", tb),)),
             combine,
         ]
     kgu = expert_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}".lower(), [fg, fu], n_exp, ff, dm, k, cap, act="x",
-                        per_token=True, rows=rows, split=split, lanes=ctx.lanes, epilogue=gateup)
+                        per_token=True, rows=rows, split=split, lanes=ctx.lanes, epilogue=gateup, slots=stream)
     kd = expert_kernel(f"moe_down_{fd.name}_{tag}".lower(), [fd], n_exp, dm, ff, k, cap, act="h", per_token=False,
-                       rows=rows, split=split, lanes=ctx.lanes)
+                       rows=rows, split=split, lanes=ctx.lanes, slots=stream)
     return [
         *group,
-        Launch(kgu, (("x", ctx.buf(x)), ("lst", lst), ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)),
+        Launch(kgu, (("x", ctx.buf(x)), ("lst", lst), *slot, ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)),
                (("T", tb),)),
-        Launch(kd, (("h", hb), ("lst", lst), ("w0", ctx.buf(d)), ("out", db)), (("T", tb),)),
+        Launch(kd, (("h", hb), ("lst", lst), *slot, ("w0", ctx.buf(d)), ("out", db)), (("T", tb),)),
         combine,
     ]
 

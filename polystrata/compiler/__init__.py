@@ -16,17 +16,19 @@ PREFILL_CHUNK = 256
 
 def compile_plans(
     file: GGUFFile, graphs: list[Graph], runtime: Runtime, n_ctx: int, kv_type: str = "f16",
-    steps: dict[int, int] | None = None,
+    steps: dict[int, int] | None = None, stream_experts: bool = False,
 ) -> dict[int, Plan]:
     """Plans of `graphs` for `runtime`: id(graph) -> Plan. `steps`: id(graph) -> the most tokens a step of its
-    plan takes (default `PREFILL_CHUNK`; 1 for a plan of decode steps, whose recipes may then specialize)."""
+    plan takes (default `PREFILL_CHUNK`; 1 for a plan of decode steps, whose recipes may then specialize).
+    `stream_experts`: plans for a device cache of MoE expert slots (`runtimes/memory.py`)."""
     if kv_type not in KV_FORMATS:
         raise PolystrataError(f"unknown KV cache type '{kv_type}' (known: {', '.join(KV_FORMATS)})")
     formats = {name: t.fmt for name, t in file.tensors.items()}
     kv = KV_FORMATS[kv_type]
     return {
         id(g): build_plan(g, formats, kv, n_ctx, (steps or {}).get(id(g), PREFILL_CHUNK), runtime.lanes,
-                          runtime.subgroup, wide_loads=runtime.wide_loads) for g in graphs
+                          runtime.subgroup, wide_loads=runtime.wide_loads, stream_experts=stream_experts)
+        for g in graphs
     }
 
 

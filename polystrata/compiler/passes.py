@@ -94,10 +94,12 @@ def build_plan(
     subgroup: int,
     knobs: dict | None = None,
     wide_loads: bool = False,
+    stream_experts: bool = False,
 ) -> Plan:
     """Compile `graph` into a plan for a target with `lanes` work-items per group (`wide_loads`: see
     `Runtime.wide_loads`; such a target also reads `PADDED_ON_WIDE_LOADS` formats padded and
-    `SLICED_ON_WIDE_LOADS` formats sliced)."""
+    `SLICED_ON_WIDE_LOADS` formats sliced). `stream_experts`: MoE experts read through slot tables
+    (`codegen.recipes.ExpertStream`), for a device cache of expert slots."""
     if wide_loads:
         cols = {name: int(v.type.shape[-1]) for name, v in graph.weights.items()}
         weight_formats = {name: storage_format(f, cols[name]) if name in cols else f
@@ -166,6 +168,7 @@ def build_plan(
     ctx = RecipeContext(
         lanes=lanes, subgroup=subgroup, kv_format=kv_format, n_ctx=n_ctx, buffer_names=names,
         weight_formats=weight_formats, knobs=knobs or {}, t_max=t_max, wide_loads=wide_loads,
+        stream_experts=stream_experts,
     )
     launches = []
     recipes_used = []
@@ -187,6 +190,8 @@ def build_plan(
                         free.append(b)
     for name, (dtype, count) in ctx.scratch_buffers.items():
         buffers[name] = BufferSpec(name, dtype, count, "activation")
+    for st in ctx.expert_streams:
+        buffers[st.slots] = BufferSpec(st.slots, "i32", st.n_expert, "slots")
     out = graph.outputs[0]
     return Plan(
         launches=drop_repeated_launches(launches),
@@ -195,6 +200,7 @@ def build_plan(
         output_shape=tuple(out.type.shape),
         t_max=t_max,
         recipes=recipes_used,
+        expert_streams=list(ctx.expert_streams),
     )
 
 

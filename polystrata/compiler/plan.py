@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from polystrata.codegen.recipes import ExpertStream
 from polystrata.ir.kernel import Launch, dump
 from polystrata.ir.quant import QuantFormat
 
@@ -17,7 +18,7 @@ class BufferSpec:
     name: str
     dtype: str
     count: int
-    kind: str  # "activation", "input", "weight", "kv"
+    kind: str  # "activation", "input", "weight", "kv", "slots" (an expert slot table of a streaming plan)
     fmt: QuantFormat | None = None
 
 
@@ -32,6 +33,7 @@ class Plan:
     t_max: int
     aliases: dict[str, str] = field(default_factory=dict)  # graph value buffer -> buffer it shares (reshapes)
     recipes: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # (recipe, node names) per match
+    expert_streams: list[ExpertStream] = field(default_factory=list)  # streamed MoE layers, in launch order
 
     def kernel_summary(self) -> list[dict[str, Any]]:
         """One entry per distinct kernel: name, grid, lanes, knobs and how many launches use it."""

@@ -1,0 +1,336 @@
+"""The memory manager (runtimes/memory.py): budgets, the memory plan, expert streaming through slot tables on the
+opencl target (PoCL keeps device buffers apart from host arrays), the expert cache's policies and statistics, the
+VRAM guard, and the cpu target left as it was. One tiny MoE (2 layers, 8 experts, top-2), shared by the module."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import yaml
+from ir_constructs import copy_region_check
+
+from polystrata.errors import PolystrataError
+from polystrata.runtimes.memory import (
+    POLICIES,
+    CacheStats,
+    ExpertCache,
+    LFUPolicy,
+    LRUPolicy,
+    VRAMGuard,
+    fit_plans,
+    parse_gpu_mem,
+)
+from polystrata.synth import synth_model
+
+# The kernel target the engine tests run on: opencl (PoCL in CI); scripts/device_check.sh also runs them on cuda.
+TARGET = os.environ.get("POLYSTRATA_MEMORY_TARGET", "opencl")
+
+PROMPT = list(range(5, 40))  # 35 tokens: a prefill step routes to every expert, more than the cache holds
+DECODE = [7, 9, 300, 11]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _home(module_home):
+    """Every test of this module uses its own kernel cache."""
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return synth_model("qwen3moe", tmp_path_factory.mktemp("m") / "moe.gguf", preset="tiny", qtype="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def kernel_target(_home):
+    """The kernel target is present (else the module's engine tests skip)."""
+    from polystrata.targets import make_runtime
+
+    try:
+        make_runtime(TARGET)
+    except PolystrataError as e:
+        pytest.skip(str(e))
+
+
+def _engine(path, **kw):
+    from polystrata.engine import Engine
+
+    return Engine(path, target=TARGET, n_ctx=64, **kw)
+
+
+def _outputs(eng) -> list[np.ndarray]:
+    """Prefill logits of every prompt token, then the logits of each decode step."""
+    eng.reset()
+    out = [eng.forward(PROMPT, all_logits=True)]
+    out += [eng.forward([t]) for t in DECODE]
+    return out
+
+
+@pytest.fixture(scope="module")
+def resident(moe, kernel_target):
+    eng = _engine(moe)
+    return eng, _outputs(eng)
+
+
+# --- budgets and the plan ----------------------------------------------------------------------------------------
+
+
+def test_parse_gpu_mem():
+    assert parse_gpu_mem("8G", None) == 8 << 30
+    assert parse_gpu_mem("512M", None) == 512 << 20
+    assert parse_gpu_mem("1.5g", None) == 3 << 29
+    assert parse_gpu_mem("64KiB", None) == 64 << 10
+    assert parse_gpu_mem("1000", None) == 1000
+    assert parse_gpu_mem("50%", 1000) == 500
+    for bad, free in (("lots", 10), ("0", 10), ("150%", 10), ("50%", None), ("-3G", 10)):
+        with pytest.raises(PolystrataError, match="--gpu-mem"):
+            parse_gpu_mem(bad, free)
+
+
+def test_plan_resident_when_experts_fit(resident):
+    eng, _ = resident
+    mem = eng.memory
+    assert not mem.streaming and mem.slots == mem.n_expert == 8 and mem.expert_layers == 2
+    assert eng.executor.streamer is None
+    assert all(not p.expert_streams for p in eng.executor.plans.values())
+    # KV bytes come from the plans' KV buffers: 2 layers x (K, V) x 64 rows x 2 heads x 32 values x f16.
+    assert mem.kv_bytes == 2 * 2 * 64 * 2 * 32 * 2
+    assert any("all 8 experts" in line for line in mem.describe())
+
+
+def test_budget_decides_the_slots(moe, resident):
+    eng, want = resident
+    mem = eng.memory
+    # Room for everything but the experts, the slot tables and one expert of each layer, with half an expert spare.
+    budget = mem.total - mem.expert_bytes * 2 * 8 + 2 * 8 * 4 + 2 * mem.expert_bytes + mem.expert_bytes // 2
+    small = _engine(moe, gpu_mem=str(budget))
+    assert small.memory.streaming and small.memory.slots == 1 and small.memory.total <= budget
+    got = _outputs(small)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_default_context_reduced_to_the_budget(moe, kernel_target, capsys):
+    """Without --ctx: min(trained, 4096) = 2048 tokens here, unless the budget cannot hold their KV cache beside
+    the weights and one expert slot a layer; then fewer, said on stderr."""
+    from polystrata.engine import Engine
+
+    full = Engine(moe, target=TARGET).memory
+    assert full.n_ctx == 2048 and not full.streaming
+    budget = full.total - full.expert_bytes * 2 * (8 - 1) + 2 * 8 * 4 - full.kv_bytes // 2
+    capsys.readouterr()
+    eng = Engine(moe, target=TARGET, gpu_mem=str(budget))
+    assert 512 < eng.n_ctx < 2048 and eng.memory.n_ctx == eng.n_ctx and eng.memory.total <= budget
+    assert eng.memory.streaming and eng.executor.n_ctx == eng.n_ctx
+    assert f"context: {eng.n_ctx} tokens (the model's is 2048)" in capsys.readouterr().err
+
+
+def test_over_budget_fails_before_any_upload(moe, kernel_target, monkeypatch):
+    from polystrata.targets import make_runtime
+
+    def no_upload(*_a, **_k):
+        raise AssertionError("uploaded before the budget was checked")
+
+    monkeypatch.setattr(type(make_runtime(TARGET)), "upload", no_upload)
+    with pytest.raises(PolystrataError, match=r"--gpu-mem 1\.0 MiB does not hold the model .*KV cache"):
+        _engine(moe, gpu_mem="1M")
+    with pytest.raises(PolystrataError, match="too small: weights"):
+        _engine(moe, gpu_mem="1M", expert_slots=8)
+
+
+def test_cli_over_budget_is_one_line(moe, kernel_target, capsys):
+    from polystrata.cli import main
+
+    assert main(["run", str(moe), "--target", TARGET, "--gpu-mem", "2M", "-n", "1"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --gpu-mem 2.0 MiB does not hold the model")
+
+
+def test_cpu_target_unaffected(moe):
+    """Host memory is the cpu target's device memory: no budget, experts resident, the same plans as before."""
+    from polystrata.compiler import compile_plans
+    from polystrata.engine import tensor_table
+    from polystrata.gguf import GGUFFile
+    from polystrata.models import build_graph
+    from polystrata.runtimes.cpu import CPURuntime
+
+    rt = CPURuntime()
+    with GGUFFile(moe) as f:
+        graphs = [build_graph(f.metadata, tensor_table(f), all_logits=a) for a in (True, False)]
+        steps = {id(graphs[1]): 1}
+        plans, mem = fit_plans(f, graphs, steps, rt, None, 2048, "f16", None, 1, 4096)
+        before = compile_plans(f, graphs, rt, 2048, "f16", steps)
+    assert mem.budget is None and not mem.streaming and mem.n_ctx == 2048
+    for g in graphs:
+        assert [la.kernel.fingerprint() for la in plans[id(g)].launches] == \
+               [la.kernel.fingerprint() for la in before[id(g)].launches]
+
+
+# --- streaming: bit-identical logits for every policy ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("slots", [1, 2])
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_streaming_matches_resident(moe, resident, policy, slots):
+    _, want = resident
+    eng = _engine(moe, expert_slots=slots, expert_policy=policy)
+    st = eng.executor.streamer
+    assert eng.memory.streaming and st.slots == slots
+    assert st.staging is None  # the tiny model's experts are copied into pinned host memory once
+    got = _outputs(eng)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert np.array_equal(a, b), f"step {i} differs"
+    s = st.stats
+    assert s.requests > s.hits and s.uploads >= s.requests - s.hits and s.link_bytes > 0
+    per_expert = sum(h.shape[1] for h in st.layers[0].host)
+    assert s.link_bytes == s.uploads * per_expert
+    summary = st.summary()
+    assert summary["policy"] == policy and summary["slots"] == slots
+    assert 0 <= summary["hit_rate"] < 1 and summary["link_bytes_per_token"] > 0
+    if policy == "prefetch":
+        assert s.prefetches > 0  # layer 1's experts predicted at layer 0 of each decode step
+
+
+def test_streaming_staged_from_the_file(moe, resident, monkeypatch):
+    """With little host memory free the experts are not copied into pinned memory: each upload is staged."""
+    import polystrata.runtimes.memory as mm
+
+    _, want = resident
+    monkeypatch.setattr(mm, "host_memory", lambda: (1 << 20, 1 << 30))
+    eng = _engine(moe, expert_slots=2)
+    assert eng.executor.streamer.staging is not None
+    assert all(np.array_equal(a, b) for a, b in zip(_outputs(eng), want))
+
+
+def test_streaming_kernels_only_in_streaming_plans(resident, moe):
+    eng, _ = resident
+    names = {la.kernel.name for p in eng.executor.plans.values() for la in p.launches}
+    assert not any("slots" in n for n in names)
+    streamed = _engine(moe, expert_slots=3)
+    names = {la.kernel.name for p in streamed.executor.plans.values() for la in p.launches}
+    assert {n.split("_")[1] for n in names if "_slots" in n} == {"gateup", "down"}
+
+
+def test_runtime_copy_async_into_a_region(kernel_target):
+    from polystrata.targets import make_runtime
+
+    assert copy_region_check(make_runtime(TARGET))
+
+
+# --- the cache's bookkeeping against hand-computed traces --------------------------------------------------------
+
+
+def _trace(policy, steps, slots=2, n=6):
+    stats = CacheStats()
+    cache = ExpertCache(n, slots, policy(n), stats)
+    uploads = []
+    for experts in steps:
+        for group in cache.passes(experts):
+            uploads.append(cache.request(group))
+    return cache, stats, uploads
+
+
+def test_lru_trace():
+    # Two slots. [0 1]: two misses. [1 2]: 1 hits, 2 evicts 0 (the least recent) into slot 0. [0]: evicts 1 (used
+    # before 2) from slot 1. [2 0]: two hits, resident experts in id order, so 0 is used before 2. [3]: evicts 0.
+    cache, stats, uploads = _trace(LRUPolicy, [[0, 1], [1, 2], [0], [2, 0], [3]])
+    assert uploads == [[(0, 0), (1, 1)], [(2, 0)], [(0, 1)], [], [(3, 1)]]
+    assert (stats.requests, stats.hits) == (8, 3)
+    assert stats.hit_rate == pytest.approx(3 / 8)
+    assert cache.holds == [2, 3] and list(cache.table()[:4]) == [0, 0, 0, 1]
+
+
+def test_lfu_trace():
+    # Uses: 0 x3, 1 x1 before 2 arrives; 2 evicts 1 (fewest uses), then 3 evicts 2 (1 use vs 0's 3).
+    cache, stats, uploads = _trace(LFUPolicy, [[0, 1], [0], [0], [2], [3]])
+    assert uploads == [[(0, 0), (1, 1)], [], [], [(2, 1)], [(3, 1)]]
+    assert (stats.requests, stats.hits) == (6, 2)
+    assert cache.holds == [0, 3]
+
+
+def test_passes_split_a_step_bigger_than_the_cache():
+    cache, stats, uploads = _trace(LRUPolicy, [[1, 1, 4], [5, 4, 0, 2, 3]], slots=2)
+    # The second step: resident 4 first (with 0), then (2, 3), then 5; each group fits the two slots.
+    assert [len(u) for u in uploads] == [2, 1, 2, 1]
+    assert stats.requests == 2 + 5 and stats.hits == 1
+    assert cache.holds == [3, 5] and cache.passes([5, 4, 0]) == [[5, 0], [4]]
+
+
+def test_resize_keeps_what_the_policy_values():
+    cache, _, _ = _trace(LRUPolicy, [[0, 1, 2, 3], [1], [3]], slots=4)
+    assert sorted(cache.resize(2)) == [1, 3] and cache.holds == [-1, -1]
+    assert cache.prefetch([1, 3]) == [(1, 0), (3, 1)] and cache.resident(3) and not cache.resident(0)
+    cache, _, _ = _trace(LFUPolicy, [[0, 1, 2], [2], [2], [0]], slots=3)
+    assert sorted(cache.resize(1)) == [2]
+
+
+# --- the VRAM guard ----------------------------------------------------------------------------------------------
+
+
+def test_guard_needs_two_low_readings_and_recovers_with_hysteresis():
+    g = VRAMGuard(low=100, high=200, patience=3)
+    moves = [g.reading(f) for f in (90, 150, 90, 90, 150, 250, 250, 90, 250, 250, 250)]
+    assert moves == [0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 1]
+
+
+def test_guard_shrinks_and_grows_the_cache(moe, resident, monkeypatch):
+    _, want = resident
+    logs: list[str] = []
+    eng = _engine(moe, expert_slots=4, verbose=False)
+    ex = eng.executor
+    ex.guard = VRAMGuard(low=1000, high=5000, patience=2)
+    ex.log = logs.append
+    readings = iter([(10**6, 10**7)] + [(500, 10**7)] * 2 + [(10**6, 10**7)] * 2)
+    monkeypatch.setattr(eng.runtime, "memory_info", lambda: next(readings))
+    slots = []
+    eng.reset()
+    got = [eng.forward(PROMPT, all_logits=True)]
+    slots.append(ex.streamer.slots)
+    for t in DECODE:
+        got.append(eng.forward([t]))
+        slots.append(ex.streamer.slots)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    # Readings after each step: high (patience 2: no move), low, low -> shrink to 3, high, high -> grow back to 4.
+    assert slots == [4, 4, 3, 3, 4]
+    assert len(logs) == 2 and "4 -> 3" in logs[0] and "3 -> 4" in logs[1]
+
+
+# --- the CLI's outputs -------------------------------------------------------------------------------------------
+
+
+def test_run_verbose_prints_the_plan(moe, kernel_target, capsys):
+    from polystrata.cli import main
+
+    assert main(["run", str(moe), "--target", TARGET, "-n", "2", "--raw", "-p", "hi", "--ctx", "64",
+                 "--expert-slots", "2", "--expert-policy", "lfu", "--verbose"]) == 0
+    err = capsys.readouterr().err
+    assert "experts stream from host memory: 2 of 8 slots per layer x 2 layers" in err
+    assert "KV cache: 32.0 KiB (f16, n_ctx 64)" in err
+
+
+def test_bench_json_reports_experts(moe, kernel_target):
+    from polystrata.bench import run_bench
+
+    r = run_bench(moe, target=TARGET, n_prompt=8, n_gen=3, repetitions=1,
+                  memory={"expert_slots": 1, "expert_policy": "lru"})
+    assert set(r["experts"]) == {"policy", "slots", "hit_rate", "link_bytes_per_token", "stall_ms_per_token"}
+    assert r["experts"]["slots"] == 1 and r["experts"]["link_bytes_per_token"] > 0
+    assert isinstance(r["gpu_mem"], int) and r["gpu_mem"] > 0
+
+
+def test_compile_manifest_records_the_plan(moe, kernel_target, tmp_path):
+    from polystrata.artifact import MANIFEST, write_artifact
+
+    out, _ = write_artifact(moe, TARGET, tmp_path / "a", expert_slots=2)
+    mem = yaml.safe_load((out / MANIFEST).read_text())["memory"]
+    assert mem["experts_streamed"] is True and mem["expert_slots_per_layer"] == 2 and mem["n_expert"] == 8
+    assert mem["kv_bytes"] > 0 and any("experts stream" in line for line in mem["plan"])
+
+
+def test_streaming_f32_activation_path(tmp_path, kernel_target):
+    """F16 experts take the expert kernels' f32-activation path (not the int8 one): streamed, bit-identical too."""
+    path = synth_model("qwen3moe", tmp_path / "f16.gguf", preset="tiny", qtype="F16", seed=3)
+    want = _outputs(_engine(path))
+    eng = _engine(path, expert_slots=1)
+    names = {la.kernel.name for p in eng.executor.plans.values() for la in p.launches if "_slots" in la.kernel.name}
+    assert names and not any(n.endswith("_q8") for n in names)
+    assert all(np.array_equal(a, b) for a, b in zip(_outputs(eng), want))
