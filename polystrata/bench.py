@@ -1,10 +1,11 @@
 """`polystrata bench`: prefill and decode speed of a model on a target, in the spirit of llama-bench.
 
-Prefill (pp) times one forward over `p` random tokens; decode (tg) times `n` single-token forwards, feeding back
-the argmax. Both start after `depth` tokens of context (llama-bench's `-d`; 0, an empty context, by default): the
-depth is prefilled once, untimed, in chunks, and every timed run rewinds the cache to it. Each shape is run once
-untimed first so JIT compilation and first-touch allocation are not measured. Decode is also put against the
-memory-bandwidth roofline: every decoded token must stream the weights of the decode graph from memory once.
+Prefill (pp) times one forward over `p` random tokens; decode (tg) times `n` single-token forwards, each fed the
+argmax of the last plus a random offset (`_decode_once`). Both start after `depth` tokens of context (llama-bench's
+`-d`; 0, an empty context, by default): the depth is prefilled once, untimed, in chunks, and every timed run rewinds
+the cache to it. Each shape is run once untimed first so JIT compilation and first-touch allocation are not
+measured. Decode is also put against the memory-bandwidth roofline: every decoded token must stream the weights of
+the decode graph from memory once.
 
 For MoE models `--json` has "experts": the expert cache's policy, slots per layer, hit rate, bytes over the host
 link and milliseconds stalled on uploads per decoded token (policy "resident": every expert on the device); and
@@ -192,16 +193,18 @@ def _prefill_once(engine, ids: np.ndarray, depth: int = 0) -> float:
     return time.perf_counter() - t0
 
 
-def _decode_once(engine, first: int, n: int, host: list[float] | None = None, depth: int = 0) -> float:
-    """Seconds for `n` greedy decode steps after `depth` tokens of context; appends each step's host time (wall
-    less device time) to `host`."""
+def _decode_once(engine, first: int, offsets: np.ndarray, host: list[float] | None = None, depth: int = 0) -> float:
+    """Seconds for `len(offsets)` decode steps after `depth` tokens of context; appends each step's host time (wall
+    less device time) to `host`. Step i feeds (argmax + offsets[i]) mod n_vocab: each step depends on the previous
+    one's logits, as real decoding does, while the tokens are as random as llama-bench's (a random model's argmax
+    repeats itself, which would make MoE routing, and so an expert cache, look better than it is)."""
     engine.rewind(depth)
+    n_vocab = engine.hparams.n_vocab
     tok = first
     t0 = time.perf_counter()
-    for _ in range(n):
+    for off in offsets:
         t_step = time.perf_counter()
-        # Feeding back the argmax makes each step depend on the previous one's logits, as real decoding does.
-        tok = int(np.argmax(engine.forward([tok])[-1]))
+        tok = (int(np.argmax(engine.forward([tok])[-1])) + int(off)) % n_vocab
         device_s = getattr(engine.executor, "last_device_s", None)
         if host is not None and device_s is not None:
             host.append(time.perf_counter() - t_step - device_s)
@@ -286,15 +289,17 @@ def run_bench(
 
     if n_gen:
         first = int(rng.integers(0, n_vocab))
+        # A row of token offsets for the warm-up and one for each repetition: no two runs route alike.
+        offsets = rng.integers(0, n_vocab, size=(repetitions + 1, n_gen))
         say(f"tg{n_gen}: warm-up")
-        _decode_once(engine, first, min(n_gen, 4), depth=depth)  # the shape-1 graph at a few cache lengths
+        _decode_once(engine, first, offsets[0, :4], depth=depth)  # the shape-1 graph at a few cache lengths
         rates, host = [], []
         streamer = getattr(engine.executor, "streamer", None)
         if streamer is not None:  # the expert statistics are those of the timed decode runs
             streamer.reset_stats()
         engine.executor.time_device = True  # executors without device timing ignore it
         for i in range(repetitions):
-            rates.append(n_gen / _decode_once(engine, first, n_gen, host, depth))
+            rates.append(n_gen / _decode_once(engine, first, offsets[i + 1], host, depth))
             say(f"tg{n_gen}: {i + 1}/{repetitions} {rates[-1]:.2f} tok/s")
         engine.executor.time_device = False
         result["tg"] = _stats(n_gen, rates)

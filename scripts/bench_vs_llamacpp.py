@@ -50,10 +50,11 @@ def _llamacpp_bench(path, n_prompt: int, n_gen: int, reps: int, threads: int, se
         verbose=False,
     )
     n_vocab = llm.n_vocab()
-    # The same draws as run_bench with the same seed: pp ids first, then the first decode token.
+    # The same draws as run_bench with the same seed: pp ids first, then the first decode token and the offsets.
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, n_vocab, size=n_prompt, dtype=np.int32).tolist() if n_prompt else []
     first = int(rng.integers(0, n_vocab))
+    offsets = rng.integers(0, n_vocab, size=(reps + 1, n_gen)) if n_gen else None
 
     def prefill() -> float:
         llm.reset()  # eval() drops the KV cells past n_tokens, so this empties the context
@@ -61,13 +62,14 @@ def _llamacpp_bench(path, n_prompt: int, n_gen: int, reps: int, threads: int, se
         llm.eval(ids)
         return time.perf_counter() - t0
 
-    def decode(n: int) -> float:
+    def decode(row: np.ndarray) -> float:
         llm.reset()
         tok = first
         t0 = time.perf_counter()
-        for _ in range(n):
+        for off in row:
             llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))  # same feedback as PolyStrata's decode loop
+            # The same feedback as PolyStrata's decode loop: argmax plus a random offset.
+            tok = (int(np.argmax(llm.scores[llm.n_tokens - 1])) + int(off)) % n_vocab
         return time.perf_counter() - t0
 
     out: dict = {"pp": None, "tg": None, "version": _llamacpp_version()}
@@ -76,8 +78,8 @@ def _llamacpp_bench(path, n_prompt: int, n_gen: int, reps: int, threads: int, se
         rates = [n_prompt / prefill() for _ in range(reps)]
         out["pp"] = _entry(n_prompt, rates)
     if n_gen:
-        decode(min(n_gen, 4))
-        rates = [n_gen / decode(n_gen) for _ in range(reps)]
+        decode(offsets[0, :4])
+        rates = [n_gen / decode(offsets[i + 1]) for i in range(reps)]
         out["tg"] = _entry(n_gen, rates)
     if hasattr(llm, "close"):  # frees the model now rather than at interpreter exit
         llm.close()

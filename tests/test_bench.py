@@ -4,6 +4,7 @@ import argparse
 import json
 import re
 
+import numpy as np
 import pytest
 
 from polystrata import bench
@@ -196,3 +197,26 @@ def test_kv_type_and_ctx_reach_the_plans(tiny_model, capsys, monkeypatch):
 def test_bad_depth_or_context(tiny_model, capsys, argv, message):
     with pytest.raises(PolystrataError, match=re.escape(message)):
         _run(capsys, str(tiny_model), "--target", "reference", "-p", "0", *argv)
+
+
+def test_decode_feeds_argmax_plus_a_random_offset():
+    """Each decode step's input depends on the last logits (argmax) and is random (offset), as llama-bench's are."""
+    import types
+
+    fed = []
+
+    class FakeEngine:
+        hparams = types.SimpleNamespace(n_vocab=10)
+        executor = None
+
+        def rewind(self, n_past):
+            assert n_past == 0
+
+        def forward(self, ids):
+            fed.append(ids[0])
+            logits = np.zeros((1, 10), np.float32)
+            logits[0, 7] = 1.0  # the argmax is always 7
+            return logits
+
+    bench._decode_once(FakeEngine(), 3, np.array([0, 5, 9]))
+    assert fed == [3, 7, (7 + 5) % 10]
