@@ -6,8 +6,9 @@ few scalar arguments and grids that use them, and launches.
 Plans made for expert streaming (`ExpertStream`s) run in segments: at each streamed MoE layer the host waits for
 the router, reads the routed expert ids, has the memory manager (`runtimes/memory.ExpertStreamer`) make them
 resident, and continues; when a step routes to more experts than the cache holds, the layer's expert launches
-run once per group of experts that fits. Such steps are launched directly, not through captured device graphs:
-the host must stop at every MoE layer anyway, and a graph per segment would save the launches of a few kernels.
+run once per group of experts that fits. Such steps are launched directly, not through captured device graphs;
+capturing each segment is the open lever (docs/benchmarks.md: launches and stops, not uploads, are most of a
+streamed step's time).
 """
 
 from __future__ import annotations
