@@ -6,6 +6,8 @@ import pytest
 
 from polystrata import zoo
 
+pytest_plugins = ["suite_plugin"]  # the run's kernel cache and the --target option
+
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:

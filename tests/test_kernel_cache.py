@@ -163,6 +163,7 @@ def test_concurrent_builds_of_one_entry_build_once(home, monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.target("opencl")
 def test_opencl_garbled_binary_is_rebuilt(home, capsys):
     from polystrata.runtimes.opencl import OpenCLRuntime
 
@@ -173,6 +174,7 @@ def test_opencl_garbled_binary_is_rebuilt(home, capsys):
     check_rebuilt(OpenCLRuntime, rewrite("affine_*.bin", garble), capsys)
 
 
+@pytest.mark.target("hip")
 def test_hip_garbled_code_object_is_rebuilt(home, capsys):
     from polystrata.runtimes import hip
 

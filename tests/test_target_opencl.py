@@ -5,7 +5,6 @@ pocl-opencl-icd)."""
 
 from __future__ import annotations
 
-import os
 import textwrap
 from pathlib import Path
 
@@ -21,19 +20,11 @@ from polystrata.ir.kernel import Buf, Call, Kernel, LaneFor, Load, Scalar, Store
 g0, n, j = (Var(v) for v in ("g0", "n", "j"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _home(tmp_path_factory):
-    old = os.environ.get("POLYSTRATA_HOME")
-    os.environ["POLYSTRATA_HOME"] = str(tmp_path_factory.mktemp("home"))
-    yield
-    if old is None:
-        os.environ.pop("POLYSTRATA_HOME")
-    else:
-        os.environ["POLYSTRATA_HOME"] = old
+pytestmark = pytest.mark.target("opencl")
 
 
 @pytest.fixture(scope="module")
-def rt(_home):
+def rt():
     from polystrata.runtimes.opencl import OpenCLRuntime
 
     try:
@@ -43,7 +34,7 @@ def rt(_home):
 
 
 @pytest.fixture(scope="module")
-def cpu(_home):
+def cpu():
     from polystrata.runtimes.cpu import CPURuntime
 
     return CPURuntime()
