@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 DEFAULT_HOME = "~/.cache/polystrata"
@@ -28,3 +32,21 @@ def private_dir(path: Path) -> Path:
         # mode applies to this directory only (makedirs gives parents the umask's default), hence one by one.
         d.mkdir(mode=0o700, exist_ok=True)
     return path
+
+
+@contextmanager
+def file_lock(path: Path, waiting: str | None = None) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if missing), waiting for another process that holds it; print
+    `waiting` to stderr first if it has to wait. The kernel drops the lock of a process that dies, however it
+    dies."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

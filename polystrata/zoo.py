@@ -11,7 +11,6 @@ models directory, so any partial file found while holding it is stale).
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import http.client
 import json
@@ -31,7 +30,7 @@ from typing import IO
 
 from polystrata import __version__
 from polystrata.errors import ZooError
-from polystrata.paths import home_dir, private_dir
+from polystrata.paths import file_lock, home_dir, private_dir
 
 DEFAULT_PYPI_URL = "https://pypi.org/pypi"
 _CHUNK = 1 << 20
@@ -185,19 +184,10 @@ def _pull_lock(dest_dir: Path, progress: bool) -> Iterator[None]:
     every partial file it finds: they are what pulls killed by SIGKILL or a power cut left behind. The kernel
     drops the lock of a process that dies, however it dies.
     """
-    fd = os.open(dest_dir / _PULL_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if progress:
-                print(f"waiting for another pull into {dest_dir}", file=sys.stderr)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+    with file_lock(dest_dir / _PULL_LOCK, f"waiting for another pull into {dest_dir}" if progress else None):
         for stale in dest_dir.glob(f".*{_PARTIAL}"):
             stale.unlink(missing_ok=True)
         yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import numpy as np
 
 from polystrata.ir.kernel import Buf, Call, Kernel, Scalar, expr_str, stable_digest
 from polystrata.ir.quant import Bin, Const, Expr, Var
-from polystrata.paths import home_dir, private_dir
+from polystrata.paths import file_lock, home_dir, private_dir
 
 
 def cache_dir(target: str) -> Path:
@@ -63,6 +63,9 @@ class CacheEntry:
         self.path, self.key = path, key
         stem = path.name.split(".", 1)[0]
         self.record = path.with_name(f"{stem}.sha256.json")
+        # Held while the entry is checked, loaded or built: another process that wants the same entry waits for
+        # the build rather than discarding its half-written files. A dot file, so not one of the entry's files.
+        self.lock = path.with_name(f".{stem}.lock")
         self._globs = (f"{stem}.*", f"__pycache__/{stem}.*")
 
     def files(self) -> dict[str, Path]:
@@ -185,6 +188,18 @@ class Runtime(ABC):
         if key in self._compiled:
             return self._compiled[key]
         entry = CacheEntry(cache_dir(self.name) / filename, key)
+        with file_lock(entry.lock):
+            handle, cached = self._load_or_build(entry, load, build)
+        if cached:
+            self.cache_hits += 1
+        else:
+            self.cache_misses += 1
+        ck = self._compiled[key] = CompiledKernel(kernel, handle, source, cached)
+        return ck
+
+    def _load_or_build(self, entry: CacheEntry, load: Callable[[Path], Any],
+                       build: Callable[[Path], Any]) -> tuple[Any, bool]:
+        """`_compile_cached`'s work on the disk, under the entry's lock: (handle, whether it came from the cache)."""
         handle, cached = None, False
         state = entry.verify()
         if not state:  # no files left that a build could trip over (a half-built entry, one from before records)
@@ -203,13 +218,9 @@ class Runtime(ABC):
                 cached = entry.snapshot() == before
         if handle is None:
             handle = build(entry.path)
-        if cached:
-            self.cache_hits += 1
-        else:
-            self.cache_misses += 1
+        if not cached:
             entry.seal()
-        ck = self._compiled[key] = CompiledKernel(kernel, handle, source, cached)
-        return ck
+        return handle, cached
 
     @abstractmethod
     def render(self, kernel: Kernel) -> str:

@@ -1,11 +1,12 @@
 """Shared fixtures: the zoo models (pulled on first use, then cached) and the reference fixtures folder."""
 
-import os
 from pathlib import Path
 
 import pytest
 
 from polystrata import zoo
+
+pytest_plugins = ["suite_plugin"]  # the run's kernel cache and the --target option
 
 
 @pytest.fixture(scope="session")
@@ -24,15 +25,3 @@ def gemma3_path() -> Path:
 def fixtures_dir() -> Path:
     """Reference outputs (logits, tokens) recorded from llama.cpp."""
     return Path(__file__).parent / "data" / "fixtures" / "reference"
-
-
-@pytest.fixture(scope="module")
-def module_home(tmp_path_factory):
-    """A fresh $POLYSTRATA_HOME (kernel cache) for one test module, the old value restored after it."""
-    old = os.environ.get("POLYSTRATA_HOME")
-    os.environ["POLYSTRATA_HOME"] = str(tmp_path_factory.mktemp("home"))
-    yield
-    if old is None:
-        os.environ.pop("POLYSTRATA_HOME")
-    else:
-        os.environ["POLYSTRATA_HOME"] = old

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -122,6 +123,47 @@ def test_cpu_record_lists_the_numba_cache(home):
     assert py.name in names and {Path(n).suffix for n in names} >= {".py", ".nbi", ".nbc"}
 
 
+def test_concurrent_builds_of_one_entry_build_once(home, monkeypatch, capsys):
+    """Two runtimes (two test workers, say) wanting the same kernel while the first is still building it: the
+    second waits for that build and loads it, rather than discarding the unsealed files and building again."""
+    from polystrata.runtimes import cpu
+
+    building, resume, second_wrote = threading.Event(), threading.Event(), threading.Event()
+    write = cpu.atomic_write
+
+    def paused_write(path, data):
+        write(path, data)
+        if not building.is_set():
+            building.set()  # the first build: source written, nothing compiled or recorded yet
+            resume.wait(60)
+        else:
+            second_wrote.set()
+
+    monkeypatch.setattr(cpu, "atomic_write", paused_write)
+    results = {}
+
+    def compile_as(who: str) -> None:
+        results[who] = affine(CPURuntime())
+
+    first = threading.Thread(target=compile_as, args=("first",))
+    first.start()
+    assert building.wait(60)
+    second = threading.Thread(target=compile_as, args=("second",))
+    second.start()
+    second_wrote.wait(2)  # an unlocked cache lets the second build at once
+    resume.set()
+    first.join(120)
+    second.join(120)
+    assert not second_wrote.is_set()
+    (ck1, y1), (ck2, y2) = results["first"], results["second"]
+    assert not ck1.cached and ck2.cached
+    assert np.array_equal(y1, 2 * X + 1) and np.array_equal(y2, 2 * X + 1)
+    py = one_file("cpu", "k_*.py")
+    assert CacheEntry(py, py.stem[2:]).verify() is True
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.target("opencl")
 def test_opencl_garbled_binary_is_rebuilt(home, capsys):
     from polystrata.runtimes.opencl import OpenCLRuntime
 
@@ -132,6 +174,7 @@ def test_opencl_garbled_binary_is_rebuilt(home, capsys):
     check_rebuilt(OpenCLRuntime, rewrite("affine_*.bin", garble), capsys)
 
 
+@pytest.mark.target("hip")
 def test_hip_garbled_code_object_is_rebuilt(home, capsys):
     from polystrata.runtimes import hip
 

@@ -31,11 +31,6 @@ PROMPT = list(range(5, 40))  # 35 tokens: a prefill step routes to every expert,
 DECODE = [7, 9, 300, 11]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _home(module_home):
-    """Every test of this module uses its own kernel cache."""
-
-
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     return synth_model("qwen3moe", tmp_path_factory.mktemp("m") / "moe.gguf", preset="tiny", qtype="Q8_0")

@@ -25,18 +25,19 @@ from polystrata.errors import PolystrataError
 
 INNER = os.environ.get("POLYSTRATA_CUDA_INNER") == "1"
 inner = pytest.mark.skipif(not INNER, reason="runs in the simulator child process (test_simulator)")
+pytestmark = pytest.mark.target("cuda")
 
 
 # --- the simulator child process -------------------------------------------------------------------------
 
 
-def test_simulator(tmp_path):
+def test_simulator():
     """Every runtime test of this file, in a child pytest with the simulator on (isolated from this process)."""
     if INNER:
         pytest.skip("this is the child")
     if importlib.util.find_spec("numba_cuda") is None:
         pytest.skip("numba-cuda not installed (pip install -e '.[test]')")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", POLYSTRATA_CUDA_INNER="1", POLYSTRATA_HOME=str(tmp_path))
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", POLYSTRATA_CUDA_INNER="1")  # the run's kernel cache
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
                           capture_output=True, text=True, env=env, timeout=600, cwd=Path(__file__).parent)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]

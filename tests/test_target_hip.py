@@ -53,10 +53,18 @@ ARCHS = ("gfx1030", "gfx90a")  # wave32 RDNA2, wave64 CDNA2
 OLD_ROCM = AMD and hiprt.supported_archs() is not None  # ROCm <= 5.2: the refusal list applies
 
 
+pytestmark = pytest.mark.target("hip")
+
+
 @pytest.fixture(autouse=True)
-def _home(tmp_path, monkeypatch):
-    monkeypatch.setenv("POLYSTRATA_HOME", str(tmp_path))  # a fresh, empty code-object cache per test
+def _no_forced_arch(monkeypatch):
     monkeypatch.delenv(hiprt.FORCE_ENV, raising=False)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh, empty code-object cache (the run's shared one holds other tests' kernels)."""
+    monkeypatch.setenv("POLYSTRATA_HOME", str(tmp_path))
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +178,7 @@ def test_unknown_arch_refused_up_front(arch):
 
 
 @pytest.mark.skipif(not OLD_ROCM, reason="a ROCm newer than 5.2 compiles gfx1100")
-def test_compiler_crash_does_not_kill_the_caller(monkeypatch):
+def test_compiler_crash_does_not_kill_the_caller(home, monkeypatch):
     monkeypatch.setenv(hiprt.FORCE_ENV, "1")
     rt = hiprt.HIPRuntime("gfx1100", compile_only=True)  # refusal disabled: hiprtc itself gets the arch
     with pytest.raises(PolystrataError, match="hiprtc crashed .* compiling kernel red32 for gfx1100"):
@@ -179,7 +187,7 @@ def test_compiler_crash_does_not_kill_the_caller(monkeypatch):
 
 
 @amd
-def test_code_object_cache_hit_in_fresh_runtime():
+def test_code_object_cache_hit_in_fresh_runtime(home):
     kern = reduce_kernel(64)
     first = hiprt.HIPRuntime("gfx90a", compile_only=True)
     a = first.compile(kern)
@@ -330,7 +338,7 @@ def test_nvrtc_ptx_for_an_arch_newer_than_nvrtc():
 
 
 @nv
-def test_nvrtc_syntax_error_is_clean(monkeypatch):
+def test_nvrtc_syntax_error_is_clean(home, monkeypatch):
     kern = Kernel("broken", (Buf("y", "f32", True),), (1,), (Store("y", 0, Call("rsqrt", Const(2.0))),))
     monkeypatch.setattr(hipgen.HIPPrinter, "rsqrt", lambda self, x: f"ps_no_such_intrinsic({x})")
     rt = hiprt.HIPRuntime("sm_90", compile_only=True)
@@ -343,7 +351,7 @@ def test_nvrtc_syntax_error_is_clean(monkeypatch):
 
 
 @nv
-def test_nvrtc_cubin_cache_hit_in_fresh_runtime():
+def test_nvrtc_cubin_cache_hit_in_fresh_runtime(home):
     kern = reduce_kernel(64)
     first = hiprt.HIPRuntime("sm_90", compile_only=True)
     a = first.compile(kern)

@@ -20,13 +20,11 @@ from polystrata.ir.kernel import Buf, Call, Kernel, LaneFor, Load, Scalar, Store
 g0, n, j = (Var(v) for v in ("g0", "n", "j"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _home(module_home):
-    """Every test of this module uses its own kernel cache."""
+pytestmark = pytest.mark.target("opencl")
 
 
 @pytest.fixture(scope="module")
-def rt(_home):
+def rt():
     from polystrata.runtimes.opencl import OpenCLRuntime
 
     try:
@@ -36,7 +34,7 @@ def rt(_home):
 
 
 @pytest.fixture(scope="module")
-def cpu(_home):
+def cpu():
     from polystrata.runtimes.cpu import CPURuntime
 
     return CPURuntime()

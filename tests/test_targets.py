@@ -8,14 +8,14 @@ import json
 import numpy as np
 import pytest
 from oclgrind import oclgrind_problems
+from suite_plugin import targets_under_test
 
 from polystrata.engine import Engine
 from polystrata.errors import PolystrataError
 from polystrata.parity import Parity
 from polystrata.synth import synth_model
-from polystrata.targets import available_kernel_targets
 
-TARGETS = available_kernel_targets()
+TARGETS = targets_under_test()
 ARCHES = ["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3"]
 
 

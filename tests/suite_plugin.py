@@ -1,0 +1,69 @@
+"""This test suite's pytest plugin (loaded by conftest.py): one home and kernel cache for the whole run, shared by
+the pytest-xdist workers, and the `--target` option that picks the kernel targets to test."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from polystrata import zoo
+from polystrata.paths import private_dir
+from polystrata.targets import KERNEL_TARGETS, available_kernel_targets
+
+RUN_HOME = "run-home"
+_chosen: tuple[str, ...] = KERNEL_TARGETS
+
+
+def pytest_addoption(parser):
+    parser.addoption("--target", default="", metavar="T[,T...]",
+                     help="kernel targets to test: cpu, cuda, hip, opencl (default: every one available here)")
+
+
+def pytest_configure(config):
+    global _chosen
+    names = tuple(n.strip() for n in config.getoption("target").split(",") if n.strip()) or KERNEL_TARGETS
+    unknown = [n for n in names if n not in KERNEL_TARGETS]
+    if unknown:
+        known = ", ".join(KERNEL_TARGETS)
+        raise pytest.UsageError(f"--target: unknown target '{unknown[0]}' (kernel targets: {known})")
+    _chosen = names
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("target")
+        if marker and marker.args[0] not in _chosen:
+            item.add_marker(pytest.mark.skip(reason=f"--target leaves out {marker.args[0]}"))
+
+
+def targets_under_test() -> list[str]:
+    """The kernel targets that run here and that `--target` chose, in `KERNEL_TARGETS` order (for parametrizing:
+    test modules are collected after the option is read)."""
+    return [t for t in available_kernel_targets() if t in _chosen]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def run_home(tmp_path_factory) -> Iterator[Path]:
+    """One POLYSTRATA_HOME for the whole run, shared by the pytest-xdist workers (their temp folders' parent). Its
+    kernel cache starts empty and is keyed by each kernel's source, so a kernel compiles once per run, whichever
+    test or worker needs it first; its `models` links to the user's, so the zoo models are pulled once ever.
+    A pytest that a test starts (test_target_cuda's simulator run) keeps its parent's. Tests that need an empty
+    cache or home on purpose set their own."""
+    old = os.environ.get("POLYSTRATA_HOME")
+    if old and Path(old).name == RUN_HOME:
+        yield Path(old)
+        return
+    base = tmp_path_factory.getbasetemp()
+    home = private_dir((base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / RUN_HOME)
+    with contextlib.suppress(FileExistsError):  # the other worker made it first
+        (home / "models").symlink_to(private_dir(zoo.models_dir()), target_is_directory=True)
+    os.environ["POLYSTRATA_HOME"] = str(home)
+    yield home
+    if old is None:
+        os.environ.pop("POLYSTRATA_HOME", None)
+    else:
+        os.environ["POLYSTRATA_HOME"] = old

@@ -1,0 +1,184 @@
+"""Recipe conformance, codegen/recipes/attention.py: attention over every KV format, with splits and runs, rope and
+the heads' norms fused in, on every target under test, against the numpy reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from recipe_cases import plan_scratch, recipe, recipe_context, run_launches, target_runtimes
+
+from polystrata.ir import quant as Q
+from polystrata.ir.graph import Graph
+from polystrata.runtimes import reference as R
+
+rt = target_runtimes()
+
+
+def _attention_graph(hq: int, hkv: int, d: int, window: int = 0, softcap: float = 0.0) -> Graph:
+    """One attention op over inputs q, k, v, positions (heads of d values), output "o"."""
+    g = Graph("t")
+    q, k, v = (g.input(n, "f32", ("T", h, d)) for n, h in (("q", hq), ("k", hkv), ("v", hkv)))
+    pos = g.input("positions", "i32", ("T",))
+    g.op("attention", q, k, v, pos, layer=0, scale=0.125, window=window, softcap=softcap, name="o")
+    return g
+
+
+def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: int, n_ctx: int, knobs: dict,
+                     steps: tuple[int, ...], seed: int) -> list:
+    """The attention recipe's launches (lanes, knobs) against the reference over `steps` (token counts, the
+    largest first: `keep` holds buffers sized by it), the cache carried between them; returns the launches."""
+    hkv, d = 2, 64
+    hq = hkv * gqa
+    g = _attention_graph(hq, hkv, d, window, softcap)
+    ctx = recipe_context(g, kv=kv, n_ctx=n_ctx, lanes=lanes)
+    ctx.knobs = {"attention": knobs}
+    launches = recipe("attention").lower(g.nodes, ctx)
+    fmt = Q.KV_FORMATS[kv]
+    kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
+    ex = R.ReferenceExecutor({}, n_ctx)
+    keep = {"kv.0.k": rt.alloc((kvb,), "u8"), "kv.0.v": rt.alloc((kvb,), "u8")}
+    n_past = 0
+    rng = np.random.default_rng(seed)
+    for t in steps:
+        qv, kvv, vv = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+        pv = np.arange(n_past, n_past + t, dtype=np.int32)
+        # The reference sees what the cache holds: K/V rounded through the KV format.
+        kq = Q.dequantize(fmt, Q.quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
+        vq = Q.dequantize(fmt, Q.quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
+        ref = R._IMPLS["attention"](ex, g.nodes[0], [qv, kq, vq, pv])
+        sb, so = plan_scratch(ctx)  # split-K partials, poisoned: a run the combine should not read spoils the output
+        out = run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
+                                           "positions": pv, **sb}, {"T": t}, {"o": ((t, hq, d), "f32"), **so},
+                            keep)["o"]
+        # Our encoder may pick the neighbouring f16 scale (round-to-nearest vs. rounding up): a q8 step of a value.
+        np.testing.assert_allclose(out, ref, atol=1e-4 if kv == "f16" else 0.03, rtol=1e-3)
+        n_past += t
+    return launches
+
+
+@pytest.mark.parametrize("kv,gqa,window,softcap", [
+    ("f16", 1, 0, 0.0), ("f16", 3, 4, 0.0), ("q8_0", 3, 0, 30.0), ("q8_0", 1, 4, 0.0), ("q8_g64", 3, 0, 0.0),
+    ("q8_g64", 1, 3, 20.0),
+])
+@pytest.mark.parametrize("lanes,splits", [(1, 1), (128, 1), (1, 4), (128, 4)],
+                         ids=["lanes1", "lanes128", "lanes1-split4", "lanes128-split4"])
+def test_attention(rt, kv, gqa, window, softcap, lanes, splits):
+    """Attention against the reference; 128 lanes: the GPU shapes (keys in tiles, lanes sharing a key's dot
+    product, V sums in registers); split-K: 4 runs of keys (some empty in the first steps) and the combine."""
+    if lanes > 1 and rt.lanes == 1:
+        pytest.skip("GPU-shaped kernels")
+    launches = _check_attention(rt, kv, gqa, window, softcap, lanes, 32, {"splits": splits}, (7, 1, 1, 5), 7)
+    assert len(launches) == (3 if splits > 1 else 2)  # K/V store, attention, [combine]
+
+
+@pytest.mark.parametrize("kv,gqa,window,softcap,lanes,heads,splits", [
+    ("f16", 3, 0, 0.0, 1, 3, 5), ("q8_0", 1, 10, 30.0, 1, 1, 5), ("q8_g64", 4, 0, 0.0, 1, 2, 5),
+    ("f16", 4, 10, 0.0, 128, 4, 5), ("q8_0", 3, 0, 0.0, 128, 3, 5), ("q8_g64", 3, 10, 30.0, 128, 3, 5),
+    ("q8_0", 4, 0, 20.0, 128, 4, 1),
+])
+def test_attention_runs(rt, kv, gqa, window, softcap, lanes, heads, splits):
+    """Split-K as flash-decoding has it: 5 runs of the keys visible at run time, each at least 4 long (knob
+    min_run), so that the runs holding keys, and their lengths, change with the context; the combine reads only
+    those (the partials of the others stay NaN). Contexts with a partial last run, prefill chunks and decode
+    steps, GQA with groups taking several query heads of a KV head (knob heads), gemma3's sliding window and
+    softcap."""
+    if lanes > 1 and rt.lanes == 1:
+        pytest.skip("GPU-shaped kernels")
+    # Runs of the contexts 1..16 of the first step: 1 of 1 to 4 keys, then of 4 (the last partial); 17, 18: 5 runs
+    # of 4, the last 1 or 2 long; 22, 23: 5 runs of 5, the last 2 or 3 long; 36, 37: 5 runs of 8, the last 4 or 5
+    # long (a window of 10: 3 runs of 4, the last 2).
+    knobs = {"splits": splits, "min_run": 4, "heads": heads}
+    launches = _check_attention(rt, kv, gqa, window, softcap, lanes, 40, knobs, (16, 1, 1, 4, 1, 13, 1), 11)
+    attn = launches[1].kernel
+    assert dict(attn.knobs) == {"two_pass": 1, "splits": splits} | ({"min_run": 4} if splits > 1 else {}) | (
+        {"heads": heads} if heads > 1 else {})
+    assert attn.grid[1].value == 2 * gqa // heads
+
+
+def test_attention_splits_grow_with_the_context_in_one_token_steps():
+    """splits "auto": on GPUs up to 8 runs, and in one-token plans enough that none holds more than
+    DECODE_RUN_KEYS keys at a full context (flash-decoding), each group taking the 4 query heads of a KV head
+    beyond LONG_CONTEXT (heads "auto"); on the CPU one group per head."""
+    from polystrata.codegen.recipes.attention import DECODE_RUN_KEYS, LONG_CONTEXT, MIN_RUN_KEYS
+
+    g = _attention_graph(32, 8, 128)
+
+    def attn(lanes, t_max, n_ctx):
+        ctx = recipe_context(g, n_ctx=n_ctx, lanes=lanes)
+        ctx.t_max = t_max
+        launches = recipe("attention").lower(g.nodes, ctx)
+        return dict(launches[1].kernel.knobs), len(launches)
+
+    n_ctx = 32768 + 64
+    runs = {"two_pass": 1, "min_run": MIN_RUN_KEYS}
+    assert attn(128, 1, n_ctx) == ({**runs, "splits": -(-n_ctx // DECODE_RUN_KEYS), "heads": 4}, 3)
+    assert -(-n_ctx // DECODE_RUN_KEYS) == 257
+    assert attn(128, 16, n_ctx) == ({**runs, "splits": 8}, 3)
+    assert attn(128, 1, LONG_CONTEXT) == ({**runs, "splits": LONG_CONTEXT // DECODE_RUN_KEYS}, 3)
+    assert attn(128, 1, 640) == ({**runs, "splits": 8}, 3)
+    assert attn(1, 1, n_ctx) == ({"two_pass": 1, "splits": 1}, 2)
+
+
+@pytest.mark.parametrize("kv,mode,dims,lanes,qk_norm", [
+    ("f16", "normal", 64, 1, False), ("q8_0", "neox", 32, 1, True), ("f16", "neox", 64, 128, True),
+    ("q8_0", "normal", 48, 128, False)])
+def test_rope_attention(rt, kv, mode, dims, lanes, qk_norm):
+    """[per-head RMS norms of q and k,] rope(q), rope(k), attention fused (the K/V store norms and ropes q and K on
+    the way) against the reference running the ops one by one: prefill, then decode steps. GPU-shaped: split-K,
+    and the combine also writes the output as the output projection's int8 activations, the very codes of the
+    quantize launch it provides."""
+    if lanes > 1 and rt.lanes == 1:
+        pytest.skip("GPU-shaped kernels")
+    hkv, d, hq, n_ctx = 2, 64, 6, 32
+    g = Graph("t")
+    q = g.input("q", "f32", ("T", hq, d))
+    k = g.input("k", "f32", ("T", hkv, d))
+    v = g.input("v", "f32", ("T", hkv, d))
+    pos = g.input("positions", "i32", ("T",))
+    rope = dict(base=10000.0, dims=dims, mode=mode, freq_scale=0.5)
+    rng = np.random.default_rng(3)
+    weights = {}
+    if qk_norm:
+        weights = {"qn": rng.standard_normal(d).astype(np.float32), "kn": rng.standard_normal(d).astype(np.float32)}
+        q = g.op("rms_norm", q, g.weight("qn", "F32", (d,)), eps=1e-6, name="qnorm")
+        k = g.op("rms_norm", k, g.weight("kn", "F32", (d,)), eps=1e-6, name="knorm")
+    qr = g.op("rope", q, pos, name="qr", **rope)
+    kr = g.op("rope", k, pos, name="kr", **rope)
+    g.op("attention", qr, kr, v, pos, layer=0, scale=0.125, window=0, softcap=0.0, name="o")
+    ctx = recipe_context(g, kv=kv, n_ctx=n_ctx, lanes=lanes)
+    ctx.knobs = {"attention": {"splits": 4 if lanes > 1 else 1}}
+    launches = recipe("norm_rope_attention" if qk_norm else "rope_attention").lower(g.nodes, ctx)
+    assert launches[0].kernel.name.startswith("rope_norm_kv_store" if qk_norm else "rope_kv_store")
+
+    norm_nodes = {n.inputs[1].name: n for n in g.nodes if n.op == "rms_norm"}
+
+    def normed(x, w):  # the reference's per-head RMS norm, where the graph has one
+        return R._IMPLS["rms_norm"](None, norm_nodes[w], [x, weights[w]]) if qk_norm else x
+    provided = launches[-1].provides
+    assert len(provided) == (lanes > 1)
+    fmt = Q.KV_FORMATS[kv]
+    kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
+    ex = R.ReferenceExecutor({}, n_ctx)
+    keep = {"kv.0.k": rt.alloc((kvb,), "u8"), "kv.0.v": rt.alloc((kvb,), "u8")}
+    n_past = 0
+    for t in (6, 1, 1):
+        qv, kvv, vv = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+        pv = np.arange(n_past, n_past + t, dtype=np.int32)
+        krv = R.apply_rope(normed(kvv, "kn"), pv, dims, 10000.0, 0.5, mode)
+        qrv = R.apply_rope(normed(qv, "qn"), pv, dims, 10000.0, 0.5, mode)
+        kq = Q.dequantize(fmt, Q.quantize(fmt, krv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
+        vq = Q.dequantize(fmt, Q.quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
+        ref = R._IMPLS["attention"](ex, g.nodes[-1], [qrv, kq, vq, pv])
+        sb, so = plan_scratch(ctx)
+        out = run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
+                                           "positions": pv, **sb, **weights}, {"T": t},
+                            {"o": ((t, hq, d), "f32"), "qr": ((t, hq, d), "f32"), **so,
+                             **({"scratch.xq": (sb["scratch.xq"].shape, "u32")} if provided else {})}, keep)
+        np.testing.assert_allclose(out["qr"], qrv, rtol=1e-4, atol=3e-5)
+        np.testing.assert_allclose(out["o"], ref, atol=1e-4 if kv == "f16" else 0.02, rtol=1e-3)
+        if provided:
+            qouts = {"scratch.xq": ((t * hq * d // 4,), "u32"), "scratch.xd": ((t * hq * d // 32,), "f32")}
+            sep = run_launches(rt, provided, {"o": out["o"].reshape(-1)}, {"T": t}, qouts)
+            for name, ((n,), _) in qouts.items():
+                np.testing.assert_array_equal(out[name][:n], sep[name])
+        n_past += t

@@ -1,0 +1,120 @@
+"""Recipe conformance, codegen/recipes/elementwise.py: elementwise ops, RMS norm (also fused with the residual add
+and writing int8 activations) and rope, on every target under test, against the numpy reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from recipe_cases import recipe, recipe_context, run_launches, target_runtimes
+
+from polystrata.ir.graph import Graph
+from polystrata.runtimes import reference as R
+
+rt = target_runtimes()
+
+
+@pytest.mark.parametrize("op", ["add", "mul", "scale", "swiglu", "geglu", "sigmoid_mul", "last_row"])
+def test_elementwise(rt, op):
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", 37))
+    if op in ("add", "mul"):
+        y = g.input("y", "f32", (37,))
+        g.op(op, x, y, name="o")
+    elif op == "scale":
+        g.op(op, x, factor=0.37, name="o")
+    elif op == "sigmoid_mul":
+        y = g.input("y", "f32", ("T", 1))
+        g.op(op, x, y, name="o")
+    elif op == "last_row":
+        g.op(op, x, name="o")
+    else:
+        y = g.input("y", "f32", ("T", 37))
+        g.op(op, x, y, name="o")
+    launches = recipe(op).lower(g.nodes, recipe_context(g))
+    for t in (1, 7):
+        rng = np.random.default_rng(t)
+        vals = {v.name: rng.standard_normal([t if d == "T" else d for d in v.type.shape]).astype(np.float32)
+                for v in g.inputs}
+        ref = R._IMPLS[op](None, g.nodes[0], [vals[v.name] for v in g.nodes[0].inputs])
+        out = run_launches(rt, launches, {k: v.reshape(-1) for k, v in vals.items()}, {"T": t},
+                            {"o": (ref.shape, "f32")})["o"]
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused,heads", [(False, False), (True, False), (False, True)])
+def test_rms_norm(rt, fused, heads):
+    g = Graph("t")
+    shape = ("T", 3, 64) if heads else ("T", 96)
+    x = g.input("x", "f32", shape)
+    w = g.weight("w", "F32", (shape[-1],))
+    if fused:
+        r = g.input("r", "f32", shape)
+        s = g.op("add", x, r, name="s")
+        g.op("rms_norm", s, w, eps=1e-5, name="o")
+        launches = recipe("add_rms_norm").lower(g.nodes, recipe_context(g))
+    else:
+        g.op("rms_norm", x, w, eps=1e-5, name="o")
+        launches = recipe("rms_norm").lower(g.nodes, recipe_context(g))
+    for t in (1, 5):
+        rng = np.random.default_rng(t)
+        xv = rng.standard_normal((t, *shape[1:])).astype(np.float32)
+        rv = rng.standard_normal(xv.shape).astype(np.float32)
+        wv = rng.standard_normal(shape[-1]).astype(np.float32)
+        src = xv + rv if fused else xv
+        ref = R._IMPLS["rms_norm"](None, g.nodes[-1], [src, wv])
+        bufs = {"x": xv.reshape(-1), "w": wv, "r": rv.reshape(-1)}
+        outs = {"o": (xv.shape, "f32")} | ({"s": (xv.shape, "f32")} if fused else {})
+        out = run_launches(rt, launches, bufs, {"T": t}, outs)
+        np.testing.assert_allclose(out["o"], ref, rtol=1e-4, atol=1e-5)
+        if fused:
+            np.testing.assert_array_equal(out["s"], src)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_rms_norm_writes_int8_activations(rt, fused):
+    """GPU path: the norm also writes its output quantized as the next matmuls read it, the very codes and scales
+    of the quantize launch it stands in for (`provides`)."""
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped plans only")
+    g = Graph("t")
+    d = 320
+    x = g.input("x", "f32", ("T", d))
+    w = g.weight("w", "F32", (d,))
+    if fused:
+        s = g.op("add", x, g.input("r", "f32", ("T", d)), name="s")
+        g.op("rms_norm", s, w, eps=1e-5, name="o")
+        (norm,) = recipe("add_rms_norm").lower(g.nodes, recipe_context(g, lanes=32))
+    else:
+        g.op("rms_norm", x, w, eps=1e-5, name="o")
+        (norm,) = recipe("rms_norm").lower(g.nodes, recipe_context(g, lanes=32))
+    (quant,) = norm.provides
+    assert dict(quant.buffers)["x"] == "o" and "_q8_" in norm.kernel.name
+    for t in (1, 3):
+        rng = np.random.default_rng(t)
+        xv, rv = rng.standard_normal((2, t, d)).astype(np.float32)
+        xv[0, :32] = 0.0  # an all-zero block: scale 0, codes 0
+        wv = rng.standard_normal(d).astype(np.float32)
+        bufs = {"x": xv.reshape(-1), "w": wv, "r": rv.reshape(-1)}
+        qouts = {"scratch.xq": ((t * d // 4,), "u32"), "scratch.xd": ((t * d // 32,), "f32")}
+        sums = {"s": ((t, d), "f32")} if fused else {}
+        out = run_launches(rt, [norm], bufs, {"T": t}, {"o": ((t, d), "f32"), **sums, **qouts})
+        ref = R._IMPLS["rms_norm"](None, g.nodes[-1], [xv + rv if fused else xv, wv])
+        np.testing.assert_allclose(out["o"], ref, rtol=1e-4, atol=1e-5)
+        sep = run_launches(rt, [quant], {"o": out["o"].reshape(-1)}, {"T": t}, qouts)
+        np.testing.assert_array_equal(out["scratch.xd"], sep["scratch.xd"])
+        np.testing.assert_array_equal(out["scratch.xq"], sep["scratch.xq"])
+
+
+@pytest.mark.parametrize("mode,dims", [("normal", 64), ("neox", 64), ("neox", 32)])
+def test_rope(rt, mode, dims):
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", 3, 64))
+    pos = g.input("positions", "i32", ("T",))
+    g.op("rope", x, pos, base=10000.0, dims=dims, mode=mode, freq_scale=0.5, name="o")
+    launches = recipe("rope").lower(g.nodes, recipe_context(g))
+    t = 7
+    xv = np.random.default_rng(0).standard_normal((t, 3, 64)).astype(np.float32)
+    pv = np.arange(20, 20 + t, dtype=np.int32)
+    out = run_launches(rt, launches, {"x": xv.reshape(-1), "positions": pv}, {"T": t}, {"o": ((t, 3, 64), "f32")})
+    ref = R.apply_rope(xv, pv, dims, 10000.0, 0.5, mode)
+    np.testing.assert_allclose(out["o"], ref, rtol=1e-4, atol=2e-5)
