@@ -438,8 +438,8 @@ class ExpertCache:
 
     def prefetch(self, experts: list[int]) -> list[tuple[int, int]]:
         """Make predicted `experts` resident (not counted as requests); returns the (expert, slot) uploads."""
+        keep = set(experts[: self.slots])  # at most `slots` of them, so a slot outside them is always free to take
         want = [e for e in experts[: self.slots] if not self.resident(e)]
-        keep = set(experts)
         loads = [(e, self._place(e, keep)) for e in want]
         self.stats.prefetches += len(loads)
         return loads

@@ -18,6 +18,7 @@ from polystrata.runtimes.memory import (
     ExpertCache,
     LFUPolicy,
     LRUPolicy,
+    PrefetchPolicy,
     VRAMGuard,
     fit_plans,
     parse_gpu_mem,
@@ -26,6 +27,7 @@ from polystrata.synth import synth_model
 
 # The kernel target the engine tests run on: opencl (PoCL in CI); scripts/device_check.sh also runs them on cuda.
 TARGET = os.environ.get("POLYSTRATA_MEMORY_TARGET", "opencl")
+pytestmark = pytest.mark.target(TARGET)
 
 PROMPT = list(range(5, 40))  # 35 tokens: a prefill step routes to every expert, more than the cache holds
 DECODE = [7, 9, 300, 11]
@@ -37,7 +39,7 @@ def moe(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def kernel_target(_home):
+def kernel_target():
     """The kernel target is present (else the module's engine tests skip)."""
     from polystrata.targets import make_runtime
 
@@ -256,6 +258,14 @@ def test_resize_keeps_what_the_policy_values():
     assert cache.prefetch([1, 3]) == [(1, 0), (3, 1)] and cache.resident(3) and not cache.resident(0)
     cache, _, _ = _trace(LFUPolicy, [[0, 1, 2], [2], [2], [0]], slots=3)
     assert sorted(cache.resize(1)) == [2]
+
+
+def test_prefetch_of_more_experts_than_slots():
+    """A prediction of k experts into fewer slots keeps the first `slots` of them, evicting what is not predicted
+    (here every resident expert is among the k predicted, but not among the first `slots`)."""
+    cache = ExpertCache(8, 1, PrefetchPolicy(8), CacheStats())
+    cache.request([5])
+    assert cache.prefetch([3, 5]) == [(3, 0)] and cache.resident(3) and not cache.resident(5)
 
 
 # --- the VRAM guard ----------------------------------------------------------------------------------------------
