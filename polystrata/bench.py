@@ -28,9 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from polystrata.cli import ctx_arg, memory_args, memory_kwargs
+from polystrata.cli import ctx_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg
 from polystrata.errors import PolystrataError
-from polystrata.targets import TARGET_HELP
 
 BANDWIDTH_ENV = "POLYSTRATA_BANDWIDTH"
 
@@ -383,15 +382,14 @@ def format_table(r: dict) -> str:
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `bench` subcommand and its options to `subparsers`; returns its parser."""
     p = subparsers.add_parser("bench", help="prefill and decode speed (tok/s), like llama-bench")
-    p.add_argument("model", help="GGUF file path or zoo name (smollm2-135m, gemma3-270m)")
-    p.add_argument("--target", default="auto", help=TARGET_HELP)
-    p.add_argument("--kv-type", default="f16", help="KV cache format: f16, q8_0, q8_g64 (kernel targets)")
+    model_arg(p)
+    target_arg(p)
     ctx_arg(p, "depth + max(p, n)")
     p.add_argument("-d", "--depth", type=int, default=0, help="tokens of context before each test (llama-bench -d)")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill test tokens; 0 skips it")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="decode test tokens; 0 skips it")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random token ids")
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random token ids")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     memory_args(p)
     return p

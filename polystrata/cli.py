@@ -49,7 +49,8 @@ def _output_file(arg: str) -> Path:
     return path
 
 
-def _model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
+def model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    """The MODEL positional argument (a GGUF path or zoo name; `optional`: run's, which has a default)."""
     help_ = "GGUF file path or zoo name (smollm2-135m, gemma3-270m)"
     if optional:
         p.add_argument("model", nargs="?", help=help_ + "; default: smollm2-135m")
@@ -57,7 +58,8 @@ def _model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
         p.add_argument("model", help=help_)
 
 
-def _target_arg(p: argparse.ArgumentParser) -> None:
+def target_arg(p: argparse.ArgumentParser) -> None:
+    """--target and --kv-type."""
     from polystrata.targets import TARGET_HELP
 
     p.add_argument("--target", default="auto", help=TARGET_HELP)
@@ -78,8 +80,13 @@ def _positive_int(text: str) -> int:
     return _int_in(text, 1, 2**31 - 1, "a positive integer")
 
 
+def seed_arg(text: str) -> int:
+    """argparse type of a reproducible --seed: 0 .. 2**64-1."""
+    return _int_in(text, 0, 2**64 - 1, "a seed from 0 to 2**64-1")
+
+
 def _seed(text: str) -> int | None:
-    """--seed: 0 .. 2**64-1, or -1 for a fresh random seed (llama.cpp's convention)."""
+    """run's --seed: 0 .. 2**64-1, or -1 for a fresh random seed (llama.cpp's convention)."""
     return None if text.strip() == "-1" else _int_in(text, 0, 2**64 - 1, "a seed from 0 to 2**64-1, or -1 for random")
 
 
@@ -119,29 +126,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="re-hash a cached model; download it again if it is damaged")
 
     p = sub.add_parser("info", help="architecture, hyper-parameters, tensor types and sizes")
-    _model_arg(p)
+    model_arg(p)
     p.add_argument("--tensors", action="store_true", help="list every tensor")
 
     p = sub.add_parser("tokenize", help="print token ids as a JSON array")
-    _model_arg(p)
+    model_arg(p)
     p.add_argument("--text", required=True)
     p.add_argument("--no-add-special", action="store_true", help="do not add BOS/EOS")
     p.add_argument("--parse-special", action="store_true", help="parse special-token text such as <|im_start|>")
 
     p = sub.add_parser("score", help="one forward pass; write top-k logits per position to an .npz")
-    _model_arg(p)
+    model_arg(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--text")
     src.add_argument("--file", help="text file to score")
     src.add_argument("--ids-file", help="JSON array of token ids, scored exactly")
     p.add_argument("--top-k", type=int, default=40)
-    _target_arg(p)
+    target_arg(p)
     ctx_arg(p, "the text's length, at least 4096")
     memory_args(p)
     p.add_argument("-o", "--output", required=True, type=_output_path)
 
     p = sub.add_parser("run", help="generate text; only the generated text goes to stdout")
-    _model_arg(p, optional=True)
+    model_arg(p, optional=True)
     p.add_argument("-p", "--prompt", default="Tell me a short story about a robot.")
     p.add_argument("-n", "--n-predict", type=int, default=128)
     p.add_argument("--temp", type=float, default=0.8)
@@ -152,21 +159,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=None, help="random seed, 0 .. 2**64-1; -1 or unset: a fresh one")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     ctx_arg(p, "min(trained, 4096), or the artifact's")
-    _target_arg(p)
+    target_arg(p)
     memory_args(p)
     p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")
 
     p = sub.add_parser("parity", help="score llama.cpp's reference prompts and compare (pooled KL, top-1)")
-    _model_arg(p)
+    model_arg(p)
     p.add_argument("--fixtures", required=True, help="folder with prompts.json and one <prompt>.npz per prompt")
-    _target_arg(p)
+    target_arg(p)
     p.add_argument("--against-kv", default=None, metavar="KV_TYPE",
                    help="compare against this target's own run with that KV cache type (e.g. f16) instead of "
                         "llama.cpp's logits, over each prompt and its greedy continuation")
 
     p = sub.add_parser("compile", help="plan the model for a target and write an artifact")
-    _model_arg(p)
-    _target_arg(p)
+    model_arg(p)
+    target_arg(p)
     p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
     ctx_arg(p, "min(trained, 4096)")
     memory_args(p, experts=False)
@@ -180,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3"])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--type", default="Q8_0", help="weight format, e.g. Q4_K, Q8_0, F16, or the mix Q4_K_M")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0)
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--router-skew", type=float, default=0.0,
                    help="MoE routing locality: router rows scaled by exp(-S*r) over a random expert order (0: none)")
@@ -357,8 +364,15 @@ def cmd_parity(a) -> int:
         raise PolystrataError("--against-kv compares KV cache types of a kernel target; the reference keeps f32 K, V")
     base = Engine(path, target=eng.target, kv_type=a.against_kv) if a.against_kv else None
     par = Parity()
+    need = ("ids", "top_ids", "top_logits") + (("greedy",) if base is not None else ())
     for name in names:
-        ref = np.load(fixtures / f"{name}.npz")
+        try:
+            ref = np.load(fixtures / f"{name}.npz")
+            missing = [k for k in need if k not in ref.files]
+        except (OSError, ValueError) as e:
+            raise PolystrataError(f"cannot read the fixture {name}.npz in {fixtures}: {e}") from None
+        if missing:
+            raise PolystrataError(f"the fixture {name}.npz in {fixtures} has no {', '.join(missing)}")
         if base is None:
             par.add(ref["top_ids"], ref["top_logits"], eng.score([int(i) for i in ref["ids"]]))
         else:  # the continuation makes the context longer: more of it read back from the cache

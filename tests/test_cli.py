@@ -299,3 +299,12 @@ def test_against_kv_needs_a_kernel_target(tiny_llama, fixtures_dir):
             "--against-kv", "f16", check=False)
     assert p.returncode == 1 and p.stderr.strip().splitlines() == [
         "error: --against-kv compares KV cache types of a kernel target; the reference keeps f32 K, V"]
+
+
+def test_parity_refuses_fixtures_without_the_arrays_it_needs(tiny_llama, tmp_path):
+    """A folder of `score` outputs (no top-k of llama.cpp's) is not a fixtures folder: one line, no traceback."""
+    (tmp_path / "prompts.json").write_text(json.dumps({"a": "hello"}))
+    np.savez(tmp_path / "a.npz", ids=np.array([1, 2], np.int32))
+    p = cli("parity", str(tiny_llama), "--fixtures", str(tmp_path), "--target", "reference", check=False)
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == [
+        f"error: the fixture a.npz in {tmp_path} has no top_ids, top_logits"]
