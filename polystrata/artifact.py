@@ -233,11 +233,13 @@ def _swap_in(new: Path, out: Path) -> None:
 def load_artifact(path: str | os.PathLike) -> dict[str, Any]:
     """Read and check a manifest: known format, and the model file still the one that was compiled."""
     m = _read_manifest(Path(path))
-    for keys in (("model", "path"), ("model", "sha256"), ("target", "name"), ("memory", "kv_type")):
+    fields = (("model", "path"), ("model", "sha256"), ("target", "name"), ("memory", "kv_type"), ("memory", "n_ctx"))
+    for keys in fields:
         v: Any = m
         for k in keys:
             v = v.get(k) if isinstance(v, dict) else None
-        if not isinstance(v, str) or not v:
+        ok = isinstance(v, int) and not isinstance(v, bool) and v > 0 if keys[-1] == "n_ctx" else isinstance(v, str)
+        if not ok or not v:
             raise PolystrataError(f"{path}: the manifest has no {'.'.join(keys)}; compile the model again")
     model = Path(m["model"]["path"])
     if not model.is_file():

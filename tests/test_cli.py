@@ -176,6 +176,16 @@ def test_run_refuses_a_manifest_that_is_not_an_artifact(tmp_path, manifest, mess
     assert message in one_line_error(cli("run", str(tmp_path), "-n", "1", check=False))
 
 
+def test_run_refuses_a_manifest_without_a_context_length(tiny_llama, tmp_path):
+    art = tmp_path / "art"
+    cli("compile", str(tiny_llama), "--target", "reference", "-o", str(art))
+    m = yaml.safe_load((art / "manifest.yaml").read_text())
+    for bad in ("4096", -1, None):
+        m["memory"]["n_ctx"] = bad
+        (art / "manifest.yaml").write_text(yaml.safe_dump(m, sort_keys=False))
+        assert "the manifest has no memory.n_ctx" in one_line_error(cli("run", str(art), "-n", "1", check=False))
+
+
 def test_synth_output_must_be_a_file_name(tmp_path):
     p = cli("synth", "--arch", "llama", "-o", "", check=False, cwd=tmp_path)
     assert p.returncode == 2
