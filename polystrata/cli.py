@@ -395,6 +395,9 @@ def cmd_run(a) -> int:
         path, target = Path(manifest["model"]["path"]), manifest["target"]["name"]
         kv_type = manifest["memory"]["kv_type"] if target != "reference" else kv_type
         n_ctx = n_ctx or manifest["memory"]["n_ctx"]
+        slots = manifest["memory"].get("expert_slots_per_layer")
+        if a.expert_slots is None and manifest["memory"].get("experts_streamed") and isinstance(slots, int):
+            a.expert_slots = slots  # the compiled plan's expert cache, unless --expert-slots says otherwise
     else:
         path = _resolve(a.model)
     if a.n_predict < 0:

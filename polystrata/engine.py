@@ -116,7 +116,9 @@ class Engine:
         info = rt.memory_info()
         guard = mm.VRAMGuard(mm.margin(info[1]), 2 * mm.margin(info[1])) if info else None
         log = (lambda msg: print(msg, file=sys.stderr)) if self.verbose else None
-        routers = {la.weights[0]: la.router for la in mm.moe_layers(self.graph_step)}
+        # Only a predicting policy reads the routers on the host (dequantized once, in f32).
+        routers = ({la.weights[0]: la.router for la in mm.moe_layers(self.graph_step)}
+                   if mm.policy_class(self.expert_policy).predicts else {})
         return plans, {"slots": self.memory.slots, "policy": self.expert_policy, "guard": guard, "log": log,
                        "routers": routers}
 

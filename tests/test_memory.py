@@ -331,6 +331,17 @@ def test_compile_manifest_records_the_plan(moe, kernel_target, tmp_path):
     assert mem["kv_bytes"] > 0 and any("experts stream" in line for line in mem["plan"])
 
 
+def test_run_artifact_keeps_the_compiled_expert_cache(moe, kernel_target, tmp_path, capsys):
+    from polystrata.artifact import write_artifact
+    from polystrata.cli import main
+
+    out, _ = write_artifact(moe, TARGET, tmp_path / "a", expert_slots=2)
+    assert main(["run", str(out), "-n", "1", "--raw", "-p", "hi", "--verbose"]) == 0
+    assert "experts stream from host memory: 2 of 8 slots per layer" in capsys.readouterr().err
+    assert main(["run", str(out), "-n", "1", "--raw", "-p", "hi", "--verbose", "--expert-slots", "3"]) == 0
+    assert "3 of 8 slots per layer" in capsys.readouterr().err
+
+
 def test_streaming_f32_activation_path(tmp_path, kernel_target):
     """F16 experts take the expert kernels' f32-activation path (not the int8 one): streamed, bit-identical too."""
     path = synth_model("qwen3moe", tmp_path / "f16.gguf", preset="tiny", qtype="F16", seed=3)
