@@ -1,11 +1,13 @@
 """Where PolyStrata keeps its files: one home directory (`$POLYSTRATA_HOME`, else `~/.cache/polystrata`) holding
-`models/` (the zoo) and `kernels/` (the kernel cache)."""
+`models/` (the zoo) and `kernels/` (the kernel cache), and how files there are written and locked."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,3 +52,19 @@ def file_lock(path: Path, waiting: str | None = None) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def atomic_write(path: Path, data: bytes | str, mode: int | None = None) -> None:
+    """Write `path` through a temporary file and a rename: no reader ever sees half of it. `mode`: the file's
+    permissions (default: mkstemp's user-only 0o600)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise

@@ -30,7 +30,7 @@ from typing import IO
 
 from polystrata import __version__
 from polystrata.errors import ZooError
-from polystrata.paths import file_lock, home_dir, private_dir
+from polystrata.paths import atomic_write, file_lock, home_dir, private_dir
 
 DEFAULT_PYPI_URL = "https://pypi.org/pypi"
 _CHUNK = 1 << 20
@@ -124,18 +124,10 @@ def _stat_key(path: Path) -> dict[str, int]:
 
 def _write_sidecar(path: Path, digest: str, key: dict[str, int]) -> None:
     """Record that `path`, as `key` describes it, has sha256 `digest`."""
-    side = _sidecar(path)
     try:
-        fd, tmp = tempfile.mkstemp(dir=side.parent, prefix=f".{side.name}.", suffix=_PARTIAL)
+        atomic_write(_sidecar(path), json.dumps({**key, "sha256": digest}) + "\n", mode=0o644)
     except OSError:
-        return  # the sidecar is only a speed-up: a read-only cache still works, it is just re-hashed each time
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps({**key, "sha256": digest}) + "\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, side)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)
+        pass  # the sidecar is only a speed-up: a read-only cache still works, it is just re-hashed each time
 
 
 def _recorded_digest(path: Path, key: dict[str, int]) -> str | None:

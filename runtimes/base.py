@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 
 from polystrata.ir.kernel import Buf, Call, Kernel, Scalar, expr_str, stable_digest
 from polystrata.ir.quant import Bin, Const, Expr, Var
-from polystrata.paths import file_lock, home_dir, private_dir
+from polystrata.paths import atomic_write, file_lock, home_dir, private_dir
 
 
 def cache_dir(target: str) -> Path:
@@ -34,19 +33,6 @@ def cache_dir(target: str) -> Path:
 def cache_key(source: str, target: str, device: str, compiler: str) -> str:
     """Binary-cache key: a hash of the source, target, device and compiler version."""
     return stable_digest((source, target, device, compiler), 24)
-
-
-def atomic_write(path: Path, data: bytes | str) -> None:
-    """Write `path` through a temporary file and a rename: no reader ever sees half of it."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
 
 
 def _sha256(path: Path) -> str:

@@ -20,7 +20,8 @@ import numpy as np
 
 from polystrata.codegen.cpu import NUMPY_DTYPES, render
 from polystrata.ir.kernel import Buf, Kernel
-from polystrata.runtimes.base import CompiledKernel, Runtime, atomic_write, cache_key, host_memory
+from polystrata.paths import atomic_write
+from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key, host_memory
 
 
 def _cpu_name() -> str:

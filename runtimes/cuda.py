@@ -30,7 +30,8 @@ from polystrata.codegen.cuda import render
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Buf, Kernel
-from polystrata.runtimes.base import CompiledKernel, Runtime, atomic_write, cache_key
+from polystrata.paths import atomic_write
+from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key
 
 
 def _check(result) -> tuple:

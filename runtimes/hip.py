@@ -27,7 +27,8 @@ from polystrata.codegen.cpu import NUMPY_DTYPES
 from polystrata.codegen.hip import base_arch, render, wave_of
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import DTYPE_BYTES, Kernel
-from polystrata.runtimes.base import CompiledKernel, Runtime, atomic_write, cache_key
+from polystrata.paths import atomic_write
+from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key
 
 # Sonames, newest first: ROCm 6 ships hiprtc as its own library, ROCm 5.2 (Debian) inside libamdhip64.
 _HIP_LIBS = ("libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so")

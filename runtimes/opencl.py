@@ -17,7 +17,8 @@ from polystrata.codegen.cpu import NUMPY_DTYPES
 from polystrata.codegen.opencl import render
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import DTYPE_BYTES, Kernel
-from polystrata.runtimes.base import CompiledKernel, Runtime, atomic_write, cache_key
+from polystrata.paths import atomic_write
+from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key
 
 try:
     import pyopencl as cl
