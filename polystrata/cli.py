@@ -103,7 +103,7 @@ def memory_args(p: argparse.ArgumentParser, experts: bool = True) -> None:
     p.add_argument("--gpu-mem", default=None, metavar="SIZE",
                    help="device-memory budget: bytes with a K/M/G suffix (8G, 512M) or a percentage of free memory "
                         "(80%%); default: free memory less a margin")
-    p.add_argument("--expert-slots", type=int, default=None, metavar="N",
+    p.add_argument("--expert-slots", type=_positive_int, default=None, metavar="N",
                    help="MoE experts kept on the device per layer (default: what the budget holds)")
     if experts:
         p.add_argument("--expert-policy", default="lru", choices=list(POLICIES),

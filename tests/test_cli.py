@@ -238,6 +238,7 @@ def test_info_lists_architecture_and_types(tiny_llama):
         (("score", "x.gguf", "--text", "a", "--ctx-size", "-3", "-o", "o.npz"), 2, "got '-3'"),
         (("compile", "x.gguf", "-c", "many", "-o", "art"), 2, "got 'many'"),
         (("bench", "x.gguf", "-c", "0"), 2, "expected a positive integer"),
+        (("run", "--target", "reference", "--expert-slots", "0"), 2, "--expert-slots: expected a positive integer"),
     ],
 )
 def test_errors_are_one_line_with_exit_code(args, code, message):
