@@ -30,6 +30,7 @@ import numpy as np
 
 from polystrata.cli import ctx_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg
 from polystrata.errors import PolystrataError
+from polystrata.runtimes.memory import fmt_bytes
 
 BANDWIDTH_ENV = "POLYSTRATA_BANDWIDTH"
 
@@ -325,10 +326,6 @@ def run_bench(
 # --- output ----------------------------------------------------------------------------------------------------
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def format_table(r: dict) -> str:
     """llama-bench-style markdown table, then the roofline line and, where measured, the host time a token."""
     head = ["model", "size", "params", "target", "device", "threads", "test", "t/s"]
@@ -340,7 +337,7 @@ def format_table(r: dict) -> str:
         rows.append(
             [
                 r["model_label"],
-                _mib(r["model_size_bytes"]),
+                fmt_bytes(r["model_size_bytes"]),
                 f"{r['n_params'] / 1e6:.1f} M",
                 r["target"],
                 r["device"],
@@ -362,7 +359,7 @@ def format_table(r: dict) -> str:
     sep = "| " + " | ".join("-" * (w - 1) + (":" if i in right else "-") for i, w in enumerate(widths)) + " |"
     out = [line(head), sep, *(line(row) for row in rows), ""]
     bw = r["bandwidth_bytes_s"]
-    mem = f"decode reads {_mib(r['bytes_per_token'])} of weights per token"
+    mem = f"decode reads {fmt_bytes(r['bytes_per_token'])} of weights per token"
     if bw:
         mem += f"; memory bandwidth {bw / 1e9:.1f} GB/s, {r['bandwidth_source']}"
         if r["roofline_pct"] is not None:
