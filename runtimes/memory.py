@@ -504,9 +504,9 @@ class ExpertStreamer:
     experts per layer, the slot tables, and the uploads between them, copied on the runtime's second queue.
 
     Where the streamed experts take at most half the host's available memory, they are copied once into pinned
-    host memory (`Runtime.alloc_host`) and every upload reads them there; otherwise uploads are staged from the
-    mmapped file through a ring of pinned buffers, a host copy of each expert per upload (about 0.25 ms for a
-    2.65 MB Qwen3-30B-A3B expert, five times its 48 µs over PCIe 5). Statistics accumulate in `stats`."""
+    host memory (`Runtime.alloc_host`) and every upload reads them there; otherwise each upload is copied through
+    a ring of pinned buffers from `host_experts`' arrays (views of the mmapped file where the plans keep the file's
+    layout, host copies where the target repacks it: sliced or padded rows). Statistics accumulate in `stats`."""
 
     def __init__(self, rt: Any, host_experts: Callable[[str], np.ndarray], streams: list[Any], slots: int,
                  policy: str = "lru", routers: Mapping[str, np.ndarray] | None = None,
