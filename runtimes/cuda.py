@@ -273,8 +273,8 @@ class CUDARuntime(Runtime):
                                                  self.stream.handle))
 
     def alloc_host(self, nbytes: int) -> np.ndarray:
-        """Page-locked host memory (`cuda.pinned_array`): host-to-device copies from it run at the link's speed
-        (H200: 55 GB/s pinned, 8-11 GB/s pageable)."""
+        """Page-locked host memory (`cuda.pinned_array`): host-to-device copies from it run at the link's speed,
+        several times faster than from pageable memory (figures in docs/benchmarks.md)."""
         return np.empty(nbytes, np.uint8) if self.simulator else self.cuda.pinned_array(nbytes, np.uint8)
 
     def copy_async(self, buf: Any, offset: int, host: np.ndarray) -> Any:
