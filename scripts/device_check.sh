@@ -3,7 +3,7 @@
 # the benchmarks, and print a short table last. Run from the repository root with the wheels in .whl/:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl numpy==2.4.4 \
 #       pyopencl pytools platformdirs siphash24 gguf   (see docs/benchmarks.md)
-# Stages (default: all but receive, depth and moe): receive selftest tests parity bench depth moe.
+# Stages (default: all but receive, attention, depth and moe): receive selftest tests parity bench attention depth moe.
 # Example: scripts/device_check.sh bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -134,6 +134,29 @@ tg = r["tg"]
 print(f"{'llama3-8b tg' + str(tg['n']) + ' @ d' + str(r['depth']) + ' ' + r['kv_type']:34s} "
       f"{tg['tok_s_mean']:.1f}±{tg['tok_s_sd']:.1f} tok/s  (n_ctx {r['n_ctx']}, host {r.get('host_ms_per_token')} ms/token)")
 EOF
+        done
+        # The anchor in the same call: llama.cpp's decode at the same depth, flash attention, f16 and q8_0 KV.
+        if bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1 && bash scripts/device_llamacpp.sh wait 540 >> "$LOG"; then
+            for kv in ${LCPP_KV_TYPES:-f16 q8_0}; do
+                timeout 300 /tmp/llamacpp-build/bin/llama-bench -m "$M/llama3-8b-q4km.gguf" -p 0 -n "${DEPTH_N:-64}" \
+                    -r "${DEPTH_R:-2}" -d "$dp" -fa 1 -ctk "$kv" -ctv "$kv" -o json > "$OUT/lcpp_depth_${dp}_$kv.json" \
+                    2>> "$LOG" || { row "llama.cpp @ d$dp $kv" "failed (exit $?)"; continue; }
+                python3 -c "import json,sys; r=json.load(open(sys.argv[1]))[0]; print(f\"{'llama.cpp tg' + str(r['n_gen']) + ' @ d' + sys.argv[2] + ' ' + sys.argv[3]:34s} {r['avg_ts']:.1f}±{r['stddev_ts']:.1f} tok/s\")" \
+                    "$OUT/lcpp_depth_${dp}_$kv.json" "$dp" "$kv" | tee -a "$SUMMARY"
+            done
+        fi
+    done
+fi
+
+if [[ " $STAGES " == *" attention "* ]]; then
+    # One-token attention alone at depth (scripts/attention_bench.py): microseconds a layer and KV bandwidth, each KV
+    # type; ATTN_KNOBS adds variants (e.g. "attention.splits=130 attention.heads=1").
+    for dp in ${DEPTHS:-8192 32768}; do
+        for kv in ${KV_TYPES:-f16 q8_0 q8_g64}; do
+            for kn in "" ${ATTN_KNOBS:-}; do
+                timeout 180 python3 scripts/attention_bench.py --target cuda --depth "$dp" --kv-type "$kv" \
+                    --iters 50 ${kn:+--knob "$kn"} 2>> "$LOG" | tail -1 | cut -c1-150 | tee -a "$SUMMARY"
+            done
         done
     done
 fi

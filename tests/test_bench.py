@@ -170,6 +170,27 @@ def test_depth_decodes_after_that_many_tokens(tiny_model, capsys, monkeypatch):
                               "-r", "1")
 
 
+def test_depth_on_a_kernel_target_repeats_the_prefilled_rows(tiny_model, monkeypatch):
+    """-d on a kernel target: DEPTH_PREFILL tokens prefilled for real, their K/V rows repeated up to the depth."""
+    from polystrata.engine import Engine
+
+    monkeypatch.setattr(bench, "DEPTH_PREFILL", 4)
+    eng = Engine(tiny_model, target="cpu", n_ctx=16)
+    fed = []
+    forward = eng.forward
+    monkeypatch.setattr(eng, "forward", lambda ids, all_logits=False: fed.append(len(ids)) or forward(ids))
+    bench._fill_depth(eng, 10, np.random.default_rng(0))
+    assert fed == [4] and eng.n_past == 10
+    ex = eng.executor
+    kv = [n for plan in ex.plans.values() for n, s in plan.buffers.items() if s.kind == "kv"]
+    assert kv
+    for name in kv:
+        count = ex.plans[next(iter(ex.plans))].buffers[name].count
+        rows = ex.rt.download(ex.handles[name], (count,), "u8").reshape(16, -1)
+        assert rows[:4].any()
+        assert np.array_equal(rows[4:8], rows[:4]) and np.array_equal(rows[8:10], rows[:2])
+
+
 def test_kv_type_and_ctx_reach_the_plans(tiny_model, capsys, monkeypatch):
     import polystrata.compiler
 

@@ -349,28 +349,36 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     return Kernel(name, params, grid, body, lanes=lanes, local=local, knobs=knobs)
 
 
+# The combine's sum over the runs takes COMBINE_UNROLL partials an iteration, their loads issued together: its
+# few groups (one per token and head) leave a GPU too few warps to hide a load's latency with others' work.
+COMBINE_UNROLL = 8
+
+
 def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int, quant: bool = False,
                              min_run: int = 1, window: int = 0) -> Kernel:
     """out[t, h] from the split-K partials of `attention_kernel` (its `splits`, `min_run` and `window`): with M the
     largest partial max, out = sum_s po_s * exp(pm_s - M) / sum_s pz_s * exp(pm_s - M) over the runs that hold
-    visible keys (`_runs`, from the position read at run time).
+    visible keys (`_runs`, from the position read at run time). M and the denominator are reductions over the
+    group's lanes; the weights exp(pm_s - M) go to local memory for the lanes' sums over s, one per element.
     `quant`: also write out as the output projection's int8 activations (`linear.quantize_staged`)."""
     r = Var("g0") * hq + Var("g1")
-    w = Call("exp", Load("pm", r * splits + Var("s")) - Var("mx"))
-    e = Var("e")
+    s, e, runs, u = Var("s"), Var("e"), Var("runs"), COMBINE_UNROLL
     store = (Store("out", r * dv + e, Var("ov")),) + ((Store("ol", staged(e), Var("ov")),) if quant else ())
-    runs = Var("runs")
+    # Partial s0 * u + i of the sum; past the last run a zero weight on the last run's (valid) row.
+    nth = [(Call("min", Var("s0") * u + i, runs - 1), Var("s0") * u + i < runs) for i in range(u)]
     body = (
         Let("pos", Load("positions", Var("g0"))),
         *_runs(Var("pos"), window, splits, min_run),
-        Decl("mx", "f32", Const(float("-inf"))),
-        For("s", Const(0), runs, (Assign("mx", Call("max", Var("mx"), Load("pm", r * splits + Var("s")))),)),
+        Reduce("mx", "max", "s", runs, (), Load("pm", r * splits + s)),
+        LaneFor("s", runs, (Store("cw", s, Call("exp", Load("pm", r * splits + s) - Var("mx"))),)),
+        Reduce("zs", "+", "s", runs, (), Load("pz", r * splits + s) * Load("cw", s)),
         LaneFor("e", Const(dv), (
-            Decl("zs", "f32", Const(0.0)), Decl("acc", "f32", Const(0.0)),
-            For("s", Const(0), runs, (
-                Let("w", w),
-                Assign("zs", Var("zs") + Load("pz", r * splits + Var("s")) * Var("w")),
-                Assign("acc", Var("acc") + Load("po", (r * splits + Var("s")) * dv + e) * Var("w")),
+            Decl("acc", "f32", Const(0.0)),
+            For("s0", Const(0), (runs + (u - 1)) // u, (
+                *(Let(f"x{i}", Load("po", (r * splits + j) * dv + e)) for i, (j, _) in enumerate(nth)),
+                *(Let(f"w{i}", Select(ok, Load("cw", j), 0.0)) for i, (j, ok) in enumerate(nth)),
+                Assign("acc", sum((Var(f"x{i}") * Var(f"w{i}") for i in range(1, u)),
+                                  Var("acc") + Var("x0") * Var("w0"))),
             )),
             Let("ov", Var("acc") / Var("zs")),
             *store,
@@ -378,11 +386,11 @@ def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: in
     )
     params = (Buf("po", "f32"), Buf("pm", "f32"), Buf("pz", "f32"), Buf("positions", "i32"),
               Buf("out", "f32", out=True))
-    local = ()
+    local = (LocalArray("cw", "f32", splits),)
     if quant:
         body += tuple(quantize_staged("ol", dv, r * (dv // 4), r * (dv // QB)))
         params += (Buf("xq", "u32", out=True), Buf("xd", "f32", out=True))
-        local = staged_locals("ol", dv)
+        local += staged_locals("ol", dv)
     return Kernel(name, (*params, Scalar("T")), (Var("T"), Const(hq)), body, lanes=lanes, local=local,
                   doc=f"attention split-K combine x{splits}")
 
