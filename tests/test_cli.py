@@ -253,7 +253,7 @@ def test_errors_are_one_line_with_exit_code(args, code, message):
 def test_corrupt_model_is_a_clean_error(tiny_llama, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(tiny_llama.read_bytes()[:5000])
-    for cmd in (["info", str(bad)], ["run", str(bad), "-n", "1"], ["score", str(bad), "--text", "a", "-o",
+    for cmd in (["info", str(bad)], ["run", str(bad), "-n", "1", "-p", "hi"], ["score", str(bad), "--text", "a", "-o",
                                                                       str(tmp_path / "o.npz")]):
         p = cli(*cmd, check=False)
         assert p.returncode == 1 and "Traceback" not in p.stderr

@@ -181,7 +181,7 @@ def test_bad_arguments_are_one_line_errors(args, ids, code, message, base, tmp_p
 
 def test_seed_minus_one_means_random(base):
     """llama.cpp's habit: --seed -1 asks for a fresh random seed."""
-    rc, _, err = run_cli("run", str(base["path"]), "--target", "reference", "-n", "1", "--seed", "-1")
+    rc, _, err = run_cli("run", str(base["path"]), "--target", "reference", "-n", "1", "--seed", "-1", "-p", "hi")
     assert_clean(rc, err, code=0)
 
 
