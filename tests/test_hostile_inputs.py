@@ -159,7 +159,7 @@ def test_text_that_is_not_utf8_in_vocabulary_template_and_prompt(base, tmp_path)
 @pytest.mark.parametrize(
     ("args", "ids", "code", "message"),
     [
-        (("--seed", "-2"), None, 2, "argument --seed"),
+        (("--seed", "-2"), None, 2, "argument -s/--seed"),
         (("--ctx", "0"), None, 2, "argument -c/--ctx-size/--ctx: expected a positive integer"),
         (("--ctx", "-3"), None, 2, "argument -c/--ctx-size/--ctx: expected a positive integer"),
         ((), [1, 10**20], 1, "token id 100000000000000000000 is out of range"),
