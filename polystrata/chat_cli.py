@@ -119,28 +119,37 @@ def _strip_newline(text: str) -> str:
 
 
 def read_prompt(a, stdin: bool) -> str | None:
-    """The prompt of -p, else of -f FILE, else (`stdin`) all of standard input; None if there is none."""
+    """The prompt of -p, else of -f FILE, else (`stdin`) all of standard input; None if there is none. A file or
+    stdin that holds nothing is refused (most likely a mistake); -p "" is taken as given."""
     if a.prompt is not None:
         return a.prompt
     if a.file is not None:
+        source = a.file
         try:
-            return _strip_newline(Path(a.file).read_text(encoding="utf-8"))
+            text = Path(a.file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             reason = getattr(e, "strerror", None) or e
             raise PolystrataError(f"cannot read the prompt from {a.file}: {reason}") from None
-    if not stdin:
+    elif not stdin:
         return None
-    if sys.stdin is None or sys.stdin.isatty():
+    elif sys.stdin is None or sys.stdin.isatty():
         raise UsageError("no prompt: give -p PROMPT or -f FILE, or pipe it on stdin (`polystrata chat` to talk)")
-    try:
-        return _strip_newline(sys.stdin.read())
-    except UnicodeDecodeError as e:
-        raise PolystrataError(f"cannot read the prompt from stdin: {e}") from None
+    else:
+        source = "stdin"
+        try:
+            text = sys.stdin.read()
+        except UnicodeDecodeError as e:
+            raise PolystrataError(f"cannot read the prompt from stdin: {e}") from None
+    if not text.strip():
+        raise PolystrataError(f"the prompt read from {source} is empty")
+    return _strip_newline(text)
 
 
 def cmd_run(a) -> int:
     """`polystrata run`: generate after one prompt; the text to stdout, the speeds to stderr."""
     if a.interactive:
+        if a.raw:
+            raise UsageError("a conversation goes through the chat template: -i/-cnv and --raw do not go together")
         return cmd_chat(a)
     if a.raw and a.system_prompt is not None:
         raise UsageError("--raw feeds the prompt without the chat template, which is where -sys would go")
@@ -223,6 +232,10 @@ def _read_message(interactive: bool) -> str | None:
     return "\n".join(lines) if lines else None
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _notice(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -242,8 +255,8 @@ class _Session:
         self.last = s
 
     def summary(self) -> str:
-        return (f"chat: {self.turns} turns; prompts: {self.prefilled} tokens prefilled, {self.cached} reused from "
-                f"the cache; replies: {self.generated} tokens")
+        return (f"chat: {_count(self.turns, 'turn')}; prompts: {self.prefilled} tokens prefilled, {self.cached} reused "
+                f"from the cache; replies: {self.generated} tokens")
 
 
 def cmd_chat(a) -> int:
@@ -280,7 +293,7 @@ def cmd_chat(a) -> int:
         if command == "/stats":
             if session.last is not None:
                 _notice(f"last turn: {session.last.summary()}")
-            _notice(f"context: {eng.n_past} of {eng.n_ctx} tokens; {len(conv.turns)} turns kept")
+            _notice(f"context: {eng.n_past} of {eng.n_ctx} tokens; {_count(len(conv.turns), 'turn')} kept")
             _notice(session.summary())
             continue
         if command.startswith("/") and " " not in command:
@@ -292,7 +305,7 @@ def cmd_chat(a) -> int:
             print(f"error: {e}", file=sys.stderr)
             continue
         if dropped:
-            _notice(f"the context is full: dropped the oldest {dropped} turn{'s' if dropped > 1 else ''}")
+            _notice(f"the context is full: dropped the oldest {_count(dropped, 'turn')}")
         reply, stats = stream_reply(eng, ids, n_predict, sampler, a.stop, reuse_cache=True)
         sys.stdout.write("\n")
         sys.stdout.flush()

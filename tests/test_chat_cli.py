@@ -45,8 +45,10 @@ def chat(capsys, monkeypatch, tiny, stdin: str, *args: str) -> tuple[int, str, s
 # --- the engine: a turn prefills only what follows the cached prefix ---------------------------------------------
 
 
-def test_generate_prefills_only_what_follows_the_cached_prefix(tiny):
-    eng = Engine(tiny, target="reference", n_ctx=128)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliding-window layers too
+def test_generate_prefills_only_what_follows_the_cached_prefix(arch, tiny, tmp_path):
+    model = tiny if arch == "llama" else synth_model(arch, tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=1)
+    eng = Engine(model, target="reference", n_ctx=128)
     greedy = Sampler(SamplerConfig(temperature=0))
     first = eng.tokenizer.encode("the first turn of a conversation")
     s1 = GenerationStats()
@@ -149,7 +151,7 @@ def test_chat_through_a_pipe(tiny):
     """As a user pipes it: a subprocess whose stdin ends (Ctrl-D)."""
     p = subprocess.run([sys.executable, "-m", "polystrata", "chat", str(tiny), "--target", "reference", "-n", "4",
                         "--stop", "\n"], input="hello\n", capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0 and p.stdout.count("\n") == 1 and "chat: 1 turns" in p.stderr
+    assert p.returncode == 0 and p.stdout.count("\n") == 1 and "chat: 1 turn;" in p.stderr
 
 
 # --- run: the prompt from -p, -f or stdin ------------------------------------------------------------------------
@@ -178,10 +180,14 @@ def test_run_without_a_prompt_on_a_terminal_is_a_usage_error(capsys, monkeypatch
         "error: no prompt: give -p PROMPT or -f FILE, or pipe it on stdin (`polystrata chat` to talk)"]
     rc, _, err = polystrata(capsys, monkeypatch, "run", str(tiny), "-f", str(tmp_path / "missing.txt"))
     assert rc == 1 and err.startswith("error: cannot read the prompt from") and len(err.splitlines()) == 1
+    rc, _, err = polystrata(capsys, monkeypatch, "run", str(tiny), stdin="\n")
+    assert rc == 1 and err == "error: the prompt read from stdin is empty\n"
     rc, _, err = polystrata(capsys, monkeypatch, "run", str(tiny), "-p", "x", "-f", "y")
     assert rc == 2 and "not allowed with argument" in err
     rc, _, err = polystrata(capsys, monkeypatch, "run", str(tiny), "--raw", "-sys", "x", "-p", "y")
     assert rc == 2 and err.startswith("error: --raw feeds the prompt without the chat template")
+    rc, _, err = polystrata(capsys, monkeypatch, "run", str(tiny), "--raw", "-i")
+    assert rc == 2 and err.startswith("error: a conversation goes through the chat template")
 
 
 def test_run_stop_string_ends_the_text(capsys, monkeypatch, tiny):

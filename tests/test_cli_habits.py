@@ -80,6 +80,8 @@ def test_ngl_is_a_number_never_n_gl(capsys, tiny):
     assert rc == 2 and "-ngl/--n-gpu-layers/--gpu-layers: expected a layer count" in one_line_error(err)
     rc, _, err = polystrata(capsys, "run", str(tiny), "-ngl", "0", "--target", "cuda", "-p", "a")
     assert rc == 1 and one_line_error(err) == "error: -ngl 0 keeps the model on the CPU, but the target cuda is a GPU"
+    rc, _, err = polystrata(capsys, "compile", str(tiny), "-ngl", "0", "--target", "hip", "-o", "unused")
+    assert rc == 1 and one_line_error(err) == "error: -ngl 0 keeps the model on the CPU, but the target hip is a GPU"
 
 
 def test_bench_output_formats(capsys, tiny):

@@ -288,7 +288,7 @@ def test_hanging_template_through_the_command(template_models):
     t0 = time.monotonic()
     r = subprocess.run(
         [sys.executable, "-m", "polystrata", "run", str(template_models["nested_range_loops"]), "--target",
-         "reference", "-n", "2"], capture_output=True, text=True, timeout=120,
+         "reference", "-n", "2", "-p", "hi"], capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 1 and r.stderr.startswith("error: chat template stopped:"), r.stderr
     assert r.stderr.count("\n") == 1
