@@ -10,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+from suite_plugin import targets_under_test
 
 from polystrata.chat import encode_chat
 from polystrata.chat_cli import StopStrings
@@ -67,6 +69,24 @@ def test_generate_prefills_only_what_follows_the_cached_prefix(arch, tiny, tmp_p
     s3 = GenerationStats()
     list(eng.generate(first[:2] + [5, 6, 7], 1, greedy, s3, reuse_cache=True))
     assert (s3.n_cached, s3.n_prompt) == (2, 3)
+
+
+@pytest.mark.parametrize("target", targets_under_test())
+def test_kernel_targets_continue_a_rewound_cache(target, tmp_path):
+    """A turn's prefill after rewinding past tokens of another continuation (what the cache reuse does), then decode
+    steps: the logits match a fresh prefill of the same tokens. The shapes of test_targets' tiny llama (its kernels
+    come from the run's cache). On the H200: `pytest tests/test_chat_cli.py --target cuda -k kernel_targets`."""
+    path = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=7)
+    rng = np.random.default_rng(0)
+    shared, other, turn = (rng.integers(3, 1000, size=n).tolist() for n in (20, 5, 6))
+    eng = Engine(path, target=target, n_ctx=64)
+    eng.forward(shared + other)
+    eng.rewind(len(shared))
+    reused = [eng.forward(turn)] + [eng.forward([t]) for t in (11, 12)]
+    eng.reset()
+    fresh = [eng.forward(shared + turn)] + [eng.forward([t]) for t in (11, 12)]
+    for have, want in zip(reused, fresh):
+        assert np.linalg.norm(have - want) / np.linalg.norm(want) < 1e-2
 
 
 def test_generate_stops_at_a_full_context(tiny):
