@@ -207,13 +207,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     p = sub.add_parser("pull", help="download a zoo model into the cache and print its path")
-    p.add_argument("name")
+    p.add_argument("name", help=f"zoo model: {', '.join(ZOO)}")
     p.add_argument("--verify", action="store_true", help="re-hash a cached model; download it again if it is damaged")
 
     sub.add_parser("list", help="the zoo models pulled into the cache: name, size, path")
 
     p = sub.add_parser("rm", help="remove a pulled zoo model from the cache")
-    p.add_argument("name")
+    p.add_argument("name", help=f"zoo model: {', '.join(ZOO)}")
 
     p = sub.add_parser("info", help="architecture, hyper-parameters, tensor types and sizes")
     model_arg(p)
@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--text")
     src.add_argument("--file", help="text file to score")
     src.add_argument("--ids-file", help="JSON array of token ids, scored exactly")
-    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-k", type=int, default=40, help="logits kept per position, the largest")
     target_arg(p)
     ctx_arg(p, "the text's length, at least 4096")
     memory_args(p)
@@ -266,9 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("synth", help="write a random-weight model at a real shape")
     p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3"])
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny", help=f"the shape; per architecture: {presets}")
     p.add_argument("--type", default="Q8_0", help="weight format, e.g. Q4_K, Q8_0, F16, or the mix Q4_K_M")
-    p.add_argument("--seed", type=seed_arg, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random weights")
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--router-skew", type=float, default=0.0,
                    help="MoE routing locality: router rows scaled by exp(-S*r) over a random expert order (0: none)")

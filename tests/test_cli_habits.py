@@ -84,7 +84,8 @@ def test_ngl_is_a_number_never_n_gl(capsys, tiny):
     assert rc == 1 and one_line_error(err) == "error: -ngl 0 keeps the model on the CPU, but the target hip is a GPU"
 
 
-def test_bench_output_formats(capsys, tiny):
+def test_bench_output_formats(capsys, monkeypatch, tiny):
+    monkeypatch.setenv("POLYSTRATA_BANDWIDTH", "1e11")  # no bandwidth measurement: a quick test
     args = ("bench", str(tiny), "--target", "reference", "-p", "4", "-n", "2", "-r", "1")
     rc, out, _ = polystrata(capsys, *args, "-o", "csv")
     assert rc == 0
