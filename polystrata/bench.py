@@ -17,6 +17,8 @@ The `--json` keys are read by other tools (scripts/bench_vs_llamacpp.py among th
 from __future__ import annotations
 
 import argparse
+import csv
+import io
 import json
 import os
 import platform
@@ -396,6 +398,27 @@ def format_table(r: dict) -> str:
     return "\n".join(out)
 
 
+CSV_FIELDS = ("model", "size_bytes", "n_params", "target", "device", "n_threads", "kv_type", "n_ctx", "depth", "test",
+              "n_tokens", "tok_s_mean", "tok_s_sd", "bytes_per_token", "roofline_pct")
+
+
+def format_csv(r: dict) -> str:
+    """A CSV header and one row per test (pp, tg), as llama-bench -o csv; the fields of `CSV_FIELDS`."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_FIELDS)
+    for test in ("pp", "tg"):
+        e = r[test]
+        if e is not None:
+            w.writerow([r["model_label"], r["model_size_bytes"], r["n_params"], r["target"], r["device"],
+                        r["n_threads"], r["kv_type"], r["n_ctx"], r.get("depth", 0), test, e["n"], e["tok_s_mean"],
+                        e["tok_s_sd"], r["bytes_per_token"], r["roofline_pct"] if test == "tg" else None])
+    return buf.getvalue().rstrip("\n")
+
+
+OUTPUT_FORMATS = ("md", "json", "csv")
+
+
 # --- CLI -------------------------------------------------------------------------------------------------------
 
 
@@ -410,14 +433,16 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-gen", type=int, default=128, help="decode test tokens; 0 skips it")
     p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs of each test")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random token ids")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("-o", "--output", dest="output_format", choices=OUTPUT_FORMATS, default="md",
+                   help="md: the table; json: one JSON object; csv: a header and one row per test (llama-bench -o)")
+    p.add_argument("--json", dest="output_format", action="store_const", const="json", help="the same as -o json")
     memory_args(p)
     return p
 
 
 def cmd_bench(a) -> int:
     """Run `polystrata bench`: the table (or one JSON object) on stdout, progress on stderr."""
-    progress = None if a.json else (lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True))
+    progress = None if a.output_format != "md" else (lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True))
     r = run_bench(
         a.model,
         target=a.target,
@@ -431,5 +456,5 @@ def cmd_bench(a) -> int:
         n_ctx=a.ctx,
         memory=memory_kwargs(a),
     )
-    print(json.dumps(r) if a.json else format_table(r))
+    print({"json": json.dumps, "csv": format_csv, "md": format_table}[a.output_format](r))
     return 0

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from polystrata import interrupt
-from polystrata.errors import PolystrataError, writing
+from polystrata.errors import PolystrataError, UsageError, writing
 
 if TYPE_CHECKING:
     import numpy as np
@@ -25,8 +25,23 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help with each option's default, where it has one to show (not None, False or empty) and the help does not
+    state it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        default, text = action.default, action.help or ""
+        if default is None or default is False or default == [] or default is argparse.SUPPRESS or "default" in text:
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse with `error: ...` on one line and exit code 2, like the rest of the CLI."""
+    """argparse with `error: ...` on one line and exit code 2, like the rest of the CLI, and defaults in the help."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # noqa: D102 - argparse hook
         self.print_usage(sys.stderr)
@@ -50,12 +65,25 @@ def _output_file(arg: str) -> Path:
 
 
 def model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
-    """The MODEL positional argument (a GGUF path or zoo name; `optional`: run's, which has a default)."""
-    help_ = "GGUF file path or zoo name (smollm2-135m, gemma3-270m)"
-    if optional:
-        p.add_argument("model", nargs="?", help=help_ + "; default: smollm2-135m")
-    else:
-        p.add_argument("model", help=help_)
+    """The MODEL argument, given as a positional or as llama.cpp's -m/--model (`optional`: run's and chat's, which
+    have a default); `main` merges the two (`_merge_model`)."""
+    from polystrata.zoo import DEFAULT_MODEL, ZOO
+
+    help_ = f"GGUF file path or zoo name ({', '.join(ZOO)})" + (f"; default: {DEFAULT_MODEL}" if optional else "")
+    p.add_argument("model", nargs="?", metavar="MODEL", help=help_)
+    p.add_argument("-m", "--model", dest="model_flag", metavar="MODEL", help="the model, as llama.cpp spells it")
+    p.set_defaults(model_required=not optional, command_parser=p)
+
+
+def _merge_model(a) -> None:
+    """MODEL from the positional or -m (not both), and present where the command needs one."""
+    flag = getattr(a, "model_flag", None)
+    if flag is not None:
+        if a.model is not None:
+            a.command_parser.error("give the model once, as MODEL or as -m MODEL")
+        a.model = flag
+    if getattr(a, "model_required", False) and a.model is None:
+        a.command_parser.error("the following arguments are required: MODEL (or -m MODEL)")
 
 
 def target_arg(p: argparse.ArgumentParser) -> None:
@@ -85,6 +113,15 @@ def seed_arg(text: str) -> int:
     return _int_in(text, 0, 2**64 - 1, "a seed from 0 to 2**64-1")
 
 
+def _n_predict(text: str) -> int:
+    return _int_in(text, -1, 2**31 - 1, "a token count, or -1 for no limit")
+
+
+def _gpu_layers(text: str) -> int:
+    """-ngl's type: a layer count, or -1 (also `all`, `auto`) for every layer."""
+    return -1 if text.strip() in ("all", "auto") else _int_in(text, -1, 2**31 - 1, "a layer count, or -1 for all")
+
+
 def _seed(text: str) -> int | None:
     """run's --seed: 0 .. 2**64-1, or -1 for a fresh random seed (llama.cpp's convention)."""
     return None if text.strip() == "-1" else _int_in(text, 0, 2**64 - 1, "a seed from 0 to 2**64-1, or -1 for random")
@@ -108,26 +145,80 @@ def memory_args(p: argparse.ArgumentParser, experts: bool = True) -> None:
     if experts:
         p.add_argument("--expert-policy", default="lru", choices=list(POLICIES),
                        help="which experts the device cache keeps when they do not all fit (default: lru)")
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=_gpu_layers, default=None,
+                   metavar="N", help="llama.cpp's layers on the GPU: 0 runs on the CPU (target auto becomes cpu); "
+                                     "-1 or at least the layer count runs all of them on the device; PolyStrata does "
+                                     "not split a model between GPU and CPU, so a number in between is refused")
 
 
 def memory_kwargs(a) -> dict:
     """Engine keyword arguments of the memory options (`memory_args`)."""
-    return {"gpu_mem": a.gpu_mem, "expert_slots": a.expert_slots, "expert_policy": a.expert_policy}
+    return {"gpu_mem": a.gpu_mem, "expert_slots": a.expert_slots, "expert_policy": a.expert_policy,
+            "n_gpu_layers": a.n_gpu_layers}
+
+
+def generation_args(p: argparse.ArgumentParser, chat: bool) -> None:
+    """The options of `run` and (`chat`) `chat`: model, prompt, sampling, stop strings, context, target, memory."""
+    model_arg(p, optional=True)
+    src = p.add_mutually_exclusive_group()
+    first = "the first message, answered before stdin's" if chat else "the prompt"
+    src.add_argument("-p", "--prompt", default=None,
+                     help=f"{first}" + ("" if chat else "; without -p and -f it is read from stdin"))
+    src.add_argument("-f", "--file", default=None, help=f"a UTF-8 file that holds {first}")
+    p.add_argument("-sys", "--system-prompt", default=None, metavar="TEXT",
+                   help="a system message, put first through the chat template")
+    p.add_argument("-n", "--n-predict", type=_n_predict, default=None, metavar="N",
+                   help="tokens to generate (a reply) at most; -1: until the model ends it or the context is full "
+                        "(default: 128 for run, -1 for chat)")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0: greedy, the most likely token")
+    p.add_argument("--top-k", type=int, default=40, help="keep the K most likely tokens; 0: all")
+    p.add_argument("--top-p", type=float, default=0.95, help="keep the most likely tokens that hold this much "
+                                                             "probability; 1.0: all")
+    p.add_argument("--min-p", type=float, default=0.05, help="drop tokens less likely than this times the most "
+                                                             "likely one; 0: none")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalty of recent tokens; 1.0: off")
+    p.add_argument("--repeat-last-n", type=int, default=64, metavar="N",
+                   help="how many of the last tokens the repeat penalty looks at; 0: none, -1: all")
+    p.add_argument("-s", "--seed", type=_seed, default=None, help="random seed, 0 .. 2**64-1; -1 or unset: a fresh one")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="end the reply where this text appears (not printed); repeatable")
+    if not chat:
+        p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+        p.add_argument("-i", "--interactive", "-cnv", "--conversation", dest="interactive", action="store_true",
+                       help="talk: the same as `polystrata chat`")
+    ctx_arg(p, "min(trained, 4096), or the artifact's")
+    target_arg(p)
+    memory_args(p)
+    p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    ap = _Parser(prog="polystrata", description="Compile and run GGUF language models on any accelerator.")
+    from polystrata import __version__
+    from polystrata.synth import PRESETS
+    from polystrata.zoo import ZOO
+
+    zoo = "; ".join(f"{m.name}: {m.description}" for m in ZOO.values())
+    presets = "; ".join(f"{arch}: {', '.join(names)}" for arch, names in PRESETS.items())
+    ap = _Parser(prog="polystrata", description="Compile and run GGUF language models on any accelerator.",
+                 epilog=f"zoo models (MODEL by name): {zoo}. synth presets (--preset): {presets}.")
     ap.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    ap.add_argument("--version", action="version", version=f"polystrata {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
     p = sub.add_parser("pull", help="download a zoo model into the cache and print its path")
-    p.add_argument("name")
+    p.add_argument("name", help=f"zoo model: {', '.join(ZOO)}")
     p.add_argument("--verify", action="store_true", help="re-hash a cached model; download it again if it is damaged")
+
+    sub.add_parser("list", help="the zoo models pulled into the cache: name, size, path")
+
+    p = sub.add_parser("rm", help="remove a pulled zoo model from the cache")
+    p.add_argument("name", help=f"zoo model: {', '.join(ZOO)}")
 
     p = sub.add_parser("info", help="architecture, hyper-parameters, tensor types and sizes")
     model_arg(p)
     p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
 
     p = sub.add_parser("tokenize", help="print token ids as a JSON array")
     model_arg(p)
@@ -141,27 +232,17 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--text")
     src.add_argument("--file", help="text file to score")
     src.add_argument("--ids-file", help="JSON array of token ids, scored exactly")
-    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-k", type=int, default=40, help="logits kept per position, the largest")
     target_arg(p)
     ctx_arg(p, "the text's length, at least 4096")
     memory_args(p)
     p.add_argument("-o", "--output", required=True, type=_output_path)
 
     p = sub.add_parser("run", help="generate text; only the generated text goes to stdout")
-    model_arg(p, optional=True)
-    p.add_argument("-p", "--prompt", default="Tell me a short story about a robot.")
-    p.add_argument("-n", "--n-predict", type=int, default=128)
-    p.add_argument("--temp", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=_seed, default=None, help="random seed, 0 .. 2**64-1; -1 or unset: a fresh one")
-    p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
-    ctx_arg(p, "min(trained, 4096), or the artifact's")
-    target_arg(p)
-    memory_args(p)
-    p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")
+    generation_args(p, chat=False)
+
+    p = sub.add_parser("chat", help="talk with the model: a conversation on stdin, replies streamed to stdout")
+    generation_args(p, chat=True)
 
     p = sub.add_parser("parity", help="score llama.cpp's reference prompts and compare (pooled KL, top-1)")
     model_arg(p)
@@ -185,9 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("synth", help="write a random-weight model at a real shape")
     p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3"])
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny", help=f"the shape; per architecture: {presets}")
     p.add_argument("--type", default="Q8_0", help="weight format, e.g. Q4_K, Q8_0, F16, or the mix Q4_K_M")
-    p.add_argument("--seed", type=seed_arg, default=0)
+    p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random weights")
     p.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
     p.add_argument("--router-skew", type=float, default=0.0,
                    help="MoE routing locality: router rows scaled by exp(-S*r) over a random expert order (0: none)")
@@ -211,34 +292,76 @@ def cmd_pull(a) -> int:
     return 0
 
 
-def cmd_info(a) -> int:
+def cmd_list(a) -> int:
+    """`polystrata list`: the pulled zoo models, one a line (nothing on stdout when there are none)."""
+    from polystrata import zoo
+
+    models = zoo.pulled()
+    if not models:
+        print(f"no zoo models in {zoo.models_dir()}; `polystrata pull NAME` fetches one of: {', '.join(zoo.ZOO)}",
+              file=sys.stderr)
+    width = max((len(m.name) for m, _ in models), default=0)
+    for model, path in models:
+        print(f"{model.name:{width}s}  {path.stat().st_size / 2**20:8.1f} MiB  {path}")
+    return 0
+
+
+def cmd_rm(a) -> int:
+    from polystrata import zoo
+
+    print(f"removed {zoo.remove(a.name)}", file=sys.stderr)
+    return 0
+
+
+def model_info(path: Path, tensors: bool = False) -> dict:
+    """What `info` shows: file, architecture, hyper-parameters, tokenizer, tensor counts and sizes by type (and
+    with `tensors` every tensor's name, type, shape and size)."""
     from polystrata.engine import tensor_table
     from polystrata.gguf import GGUFFile
     from polystrata.models import model_hparams
 
-    path = _resolve(a.model)
     with GGUFFile(path) as f:
         md = f.metadata
-        print(f"file: {path} ({path.stat().st_size / 2**20:.1f} MiB, GGUF v{f.version})")
-        print(f"name: {md.get('general.name', '?')}")
         hp = model_hparams(md, tensor_table(f))
-        print(f"architecture: {hp.arch}")
-        for k, v in vars(hp).items():
-            if k not in ("arch", "extra") and v not in (0, 0.0):
-                print(f"  {k}: {v}")
-        print(f"tokenizer: {md.get('tokenizer.ggml.model', '?')} (pre: {md.get('tokenizer.ggml.pre', '-')})")
-        by_type: dict[str, list[int]] = {}
+        by_type: dict[str, dict[str, int]] = {}
         for t in f.tensors.values():
-            n, b = by_type.setdefault(t.fmt.name, [0, 0])
-            by_type[t.fmt.name] = [n + 1, b + t.nbytes]
-        total = sum(b for _, b in by_type.values())
-        n_params = sum(t.n_elements for t in f.tensors.values())
-        print(f"tensors: {len(f.tensors)}, {n_params / 1e6:.1f} M parameters, {total / 2**20:.1f} MiB")
-        for name, (n, b) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
-            print(f"  {name:8s} {n:5d} tensors {b / 2**20:10.1f} MiB")
-        if a.tensors:
-            for t in f.tensors.values():
-                print(f"  {t.name:40s} {t.fmt.name:7s} {str(t.shape):22s} {t.nbytes:>12d} B")
+            entry = by_type.setdefault(t.fmt.name, {"tensors": 0, "bytes": 0})
+            entry["tensors"] += 1
+            entry["bytes"] += t.nbytes
+        info = {
+            "file": str(path), "file_bytes": path.stat().st_size, "gguf_version": f.version,
+            "name": md.get("general.name"), "architecture": hp.arch,
+            "hparams": {k: v for k, v in vars(hp).items() if k not in ("arch", "extra")},
+            "tokenizer": {"model": md.get("tokenizer.ggml.model"), "pre": md.get("tokenizer.ggml.pre")},
+            "n_tensors": len(f.tensors), "n_params": sum(t.n_elements for t in f.tensors.values()),
+            "tensor_bytes": sum(e["bytes"] for e in by_type.values()),
+            "types": dict(sorted(by_type.items(), key=lambda kv: -kv[1]["bytes"])),
+        }
+        if tensors:
+            info["tensors"] = [{"name": t.name, "type": t.fmt.name, "shape": list(t.shape), "bytes": t.nbytes}
+                               for t in f.tensors.values()]
+    return info
+
+
+def cmd_info(a) -> int:
+    info = model_info(_resolve(a.model), a.tensors)
+    if a.json:
+        # Hyper-parameters may be tuples (per-layer values) or numpy scalars: lists and plain numbers in JSON.
+        print(json.dumps(info, default=lambda v: v.tolist() if hasattr(v, "tolist") else str(v)))
+        return 0
+    print(f"file: {info['file']} ({info['file_bytes'] / 2**20:.1f} MiB, GGUF v{info['gguf_version']})")
+    print(f"name: {info['name'] or '?'}")
+    print(f"architecture: {info['architecture']}")
+    for k, v in info["hparams"].items():
+        if v not in (0, 0.0):
+            print(f"  {k}: {v}")
+    print(f"tokenizer: {info['tokenizer']['model'] or '?'} (pre: {info['tokenizer']['pre'] or '-'})")
+    print(f"tensors: {info['n_tensors']}, {info['n_params'] / 1e6:.1f} M parameters, "
+          f"{info['tensor_bytes'] / 2**20:.1f} MiB")
+    for name, e in info["types"].items():
+        print(f"  {name:8s} {e['tensors']:5d} tensors {e['bytes'] / 2**20:10.1f} MiB")
+    for t in info.get("tensors", []):
+        print(f"  {t['name']:40s} {t['type']:7s} {str(tuple(t['shape'])):22s} {t['bytes']:>12d} B")
     return 0
 
 
@@ -344,28 +467,24 @@ def cmd_score(a) -> int:
     return 0
 
 
-def cmd_parity(a) -> int:
+def _read_fixtures(fixtures: Path, path: Path, need: tuple[str, ...]) -> list:
+    """llama.cpp's reference outputs in `fixtures`, one npz per prompt of prompts.json (there or one folder up), with
+    the arrays `need` names; refused if they were made with another model than `path`'s: its tokenizer must turn
+    each prompt into the fixture's ids, and every id must be in its vocabulary."""
     import numpy as np
 
-    from polystrata.engine import Engine
-    from polystrata.parity import Parity
-
-    fixtures = Path(a.fixtures)
     prompts = fixtures / "prompts.json"
     if not prompts.is_file():
         prompts = fixtures.parent / "prompts.json"
     try:
-        names = list(json.loads(prompts.read_text()))
+        texts = json.loads(prompts.read_text())
     except (OSError, ValueError) as e:
         raise PolystrataError(f"cannot read the fixtures' prompts.json near {fixtures}: {e}") from None
-    path = _resolve(a.model)
-    eng = Engine(path, target=a.target, kv_type=a.kv_type)
-    if a.against_kv and eng.target == "reference":
-        raise PolystrataError("--against-kv compares KV cache types of a kernel target; the reference keeps f32 K, V")
-    base = Engine(path, target=eng.target, kv_type=a.against_kv) if a.against_kv else None
-    par = Parity()
-    need = ("ids", "top_ids", "top_logits") + (("greedy",) if base is not None else ())
-    for name in names:
+    if not isinstance(texts, dict):
+        texts = dict.fromkeys(texts)
+    tok = _load_tokenizer(path)
+    refs = []
+    for name, text in texts.items():
         try:
             ref = np.load(fixtures / f"{name}.npz")
             missing = [k for k in need if k not in ref.files]
@@ -373,6 +492,31 @@ def cmd_parity(a) -> int:
             raise PolystrataError(f"cannot read the fixture {name}.npz in {fixtures}: {e}") from None
         if missing:
             raise PolystrataError(f"the fixture {name}.npz in {fixtures} has no {', '.join(missing)}")
+        ids = [int(i) for i in ref["ids"]]
+        foreign = max(ids + [int(ref["top_ids"].max(initial=0))]) >= tok.vocab_size or (
+            isinstance(text, str) and tok.encode(text) != ids)
+        if foreign:
+            raise PolystrataError(f"the fixtures in {fixtures} were not made with {path.name}: the prompt {name!r} "
+                                  "is not tokenized as this model tokenizes it")
+        refs.append(ref)
+    return refs
+
+
+def cmd_parity(a) -> int:
+    import numpy as np
+
+    from polystrata.engine import Engine
+    from polystrata.parity import Parity
+    from polystrata.targets import resolve_target
+
+    if a.against_kv and resolve_target(a.target) == "reference":
+        raise PolystrataError("--against-kv compares KV cache types of a kernel target; the reference keeps f32 K, V")
+    path = _resolve(a.model)
+    refs = _read_fixtures(Path(a.fixtures), path, ("ids", "top_ids", "top_logits") + (("greedy",) * bool(a.against_kv)))
+    eng = Engine(path, target=a.target, kv_type=a.kv_type)
+    base = Engine(path, target=eng.target, kv_type=a.against_kv) if a.against_kv else None
+    par = Parity()
+    for ref in refs:
         if base is None:
             par.add(ref["top_ids"], ref["top_logits"], eng.score([int(i) for i in ref["ids"]]))
         else:  # the continuation makes the context longer: more of it read back from the cache
@@ -384,68 +528,19 @@ def cmd_parity(a) -> int:
     return 0 if par.ok() else EXIT_ERROR
 
 
-def cmd_run(a) -> int:
-    from polystrata.artifact import is_artifact, load_artifact
-    from polystrata.engine import Engine, GenerationStats
-    from polystrata.sampling import Sampler, SamplerConfig
-
-    target, kv_type, n_ctx = a.target, a.kv_type, a.ctx
-    if a.model and is_artifact(a.model):
-        manifest = load_artifact(a.model)
-        path, target = Path(manifest["model"]["path"]), manifest["target"]["name"]
-        kv_type = manifest["memory"]["kv_type"] if target != "reference" else kv_type
-        n_ctx = n_ctx or manifest["memory"]["n_ctx"]
-        slots = manifest["memory"].get("expert_slots_per_layer")
-        if a.expert_slots is None and manifest["memory"].get("experts_streamed") and isinstance(slots, int):
-            a.expert_slots = slots  # the compiled plan's expert cache, unless --expert-slots says otherwise
-    else:
-        path = _resolve(a.model)
-    if a.n_predict < 0:
-        raise PolystrataError("-n must be >= 0")
-    eng = Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, **memory_kwargs(a))
-    tok = eng.tokenizer
-    template = eng.metadata.get("tokenizer.chat_template")
-    if template and not a.raw:
-        from polystrata.chat import render_chat
-
-        text = render_chat(
-            template,
-            [{"role": "user", "content": a.prompt}],
-            add_generation_prompt=True,
-            bos_token=tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "",
-            eos_token=tok.id_to_token(tok.eos_id) if tok.eos_id is not None else "",
-        )
-        # The template already holds BOS where the model wants it; special-token text is meant literally.
-        ids = tok.encode(text, add_special=False, parse_special=True)
-        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-            ids = [tok.bos_id] + ids
-    else:
-        ids = tok.encode(a.prompt)
-    sampler = Sampler(
-        SamplerConfig(
-            temperature=a.temp, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
-            repeat_penalty=a.repeat_penalty, seed=a.seed,
-        )
-    )
-    stats = GenerationStats()
-    stream = tok.stream()
-    out = sys.stdout
-    for t in eng.generate(ids, a.n_predict, sampler, stats):
-        piece = stream.feed(t)
-        if piece:
-            out.write(piece)
-            out.flush()
-    out.write(stream.flush())
-    out.write("\n")
-    out.flush()
-    print(stats.summary(), file=sys.stderr)
-    return 0
-
-
 def cmd_compile(a) -> int:
     from polystrata.artifact import write_artifact
+    from polystrata.engine import gpu_layers_target, tensor_table
+    from polystrata.gguf import GGUFFile
+    from polystrata.models import model_hparams
+    from polystrata.targets import resolve_target
 
-    out, report = write_artifact(_resolve(a.model), a.target, a.output, kv_type=a.kv_type, arch=a.arch, n_ctx=a.ctx,
+    path, target = _resolve(a.model), a.target
+    if a.n_gpu_layers is not None:
+        with GGUFFile(path) as f:
+            n_layer = model_hparams(f.metadata, tensor_table(f)).n_layer
+        target = gpu_layers_target(target, resolve_target(target), a.n_gpu_layers, n_layer)
+    out, report = write_artifact(path, target, a.output, kv_type=a.kv_type, arch=a.arch, n_ctx=a.ctx,
                                  gpu_mem=a.gpu_mem, expert_slots=a.expert_slots)
     print(f"wrote {out}: {report}", file=sys.stderr)
     return 0
@@ -467,13 +562,28 @@ def cmd_bench(a) -> int:
     return run(a)
 
 
+def cmd_run(a) -> int:
+    from polystrata.chat_cli import cmd_run as run
+
+    return run(a)
+
+
+def cmd_chat(a) -> int:
+    from polystrata.chat_cli import cmd_chat as chat
+
+    return chat(a)
+
+
 COMMANDS = {
     "bench": cmd_bench,
     "pull": cmd_pull,
+    "list": cmd_list,
+    "rm": cmd_rm,
     "info": cmd_info,
     "tokenize": cmd_tokenize,
     "score": cmd_score,
     "run": cmd_run,
+    "chat": cmd_chat,
     "compile": cmd_compile,
     "parity": cmd_parity,
     "synth": cmd_synth,
@@ -496,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv is None:
             interrupt.arm()
         args = build_parser().parse_args(argv)
+        _merge_model(args)
     except KeyboardInterrupt:
         return interrupt.report()
     try:
@@ -504,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+        return EXIT_USAGE if isinstance(e, UsageError) else EXIT_ERROR
     except KeyboardInterrupt:
         return interrupt.report()
     except BrokenPipeError:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from polystrata.compiler import PREFILL_CHUNK
-from polystrata.errors import PolystrataError
+from polystrata.errors import PolystrataError, UnsupportedError
 from polystrata.gguf import GGUFFile
 from polystrata.ir.graph import Graph
 from polystrata.models import HParams, build_graph, model_hparams
@@ -31,20 +31,59 @@ def tensor_table(f: GGUFFile) -> dict[str, tuple[tuple[int, ...], str]]:
 class GenerationStats:
     """Token counts and wall times of one generation, for the speed line on stderr."""
 
-    n_prompt: int = 0
+    n_prompt: int = 0  # prompt tokens prefilled
+    n_cached: int = 0  # prompt tokens whose K, V were already in the cache (not prefilled again)
     n_generated: int = 0
     prompt_s: float = 0.0
     decode_s: float = 0.0
+    # Why generation ended: "eog" (an end-of-generation token), "length" (max_tokens), "context" (the context is
+    # full), or "" while it runs or when the caller stopped reading.
+    finish: str = ""
 
     def summary(self) -> str:
         pp = self.n_prompt / self.prompt_s if self.prompt_s > 0 else 0.0
         # The first generated token comes out of the prefill; decode speed counts the rest.
         n_dec = max(self.n_generated - 1, 0)
         tg = n_dec / self.decode_s if self.decode_s > 0 else 0.0
+        cached = f" (+{self.n_cached} cached)" if self.n_cached else ""
         return (
-            f"prompt: {self.n_prompt} tokens, {pp:.1f} tok/s | "
+            f"prompt: {self.n_prompt} tokens{cached}, {pp:.1f} tok/s | "
             f"decode: {self.n_generated} tokens, {tg:.1f} tok/s"
         )
+
+
+def gpu_layers_target(asked: str, resolved: str, n_gpu_layers: int | None, n_layer: int) -> str:
+    """The target that llama.cpp's `-ngl N` asks for, given the target asked for and what it resolved to.
+
+    PolyStrata runs every layer on one device: N = 0 keeps the model on the CPU (target `auto` becomes `cpu`); N < 0
+    or N >= the layer count is the whole model on the device; some layers on a GPU and the rest on the CPU is
+    refused. On a host target (cpu, reference) there is nothing to offload, so any N runs there, as in a llama.cpp
+    build without GPU support.
+    """
+    if n_gpu_layers is None:
+        return resolved
+    host = resolved in ("cpu", "reference")
+    if n_gpu_layers == 0:
+        if asked == "auto":
+            return "cpu"
+        if host:
+            return resolved
+        raise UnsupportedError(f"-ngl 0 keeps the model on the CPU, but the target {asked} is a GPU")
+    if n_gpu_layers < 0 or n_gpu_layers >= n_layer or host:
+        return resolved
+    raise UnsupportedError(
+        f"-ngl {n_gpu_layers} would split the model's {n_layer} layers between the GPU and the CPU, which PolyStrata "
+        f"does not do: use -ngl 0 (CPU) or -ngl {n_layer} (all on the GPU; --gpu-mem bounds its memory)")
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class Engine:
@@ -53,24 +92,25 @@ class Engine:
     def __init__(
         self, model_path: str | Path, target: str = "auto", n_ctx: int | None = None, kv_type: str = "f16",
         gpu_mem: str | None = None, expert_policy: str = "lru", expert_slots: int | None = None,
-        verbose: bool = False,
+        n_gpu_layers: int | None = None, verbose: bool = False,
     ):
         """`n_ctx` None: min(trained context, `DEFAULT_CTX`), reduced to what the device-memory budget holds (see
         `runtimes.memory.fit_plans`). `gpu_mem`: the budget (`--gpu-mem`: bytes with a K/M/G suffix or a
         percentage of free memory; default: free memory less a margin). `expert_policy`, `expert_slots`: the MoE
         expert cache where the experts do not all fit (`runtimes/memory.py`). `verbose`: the memory plan and the
-        VRAM guard's actions on stderr."""
+        VRAM guard's actions on stderr. `n_gpu_layers`: llama.cpp's -ngl (see `gpu_layers_target`)."""
         if n_ctx is not None and n_ctx < 1:
             raise PolystrataError(f"the context length must be at least 1, not {n_ctx}")
         from polystrata.runtimes.memory import policy_class
 
-        target = resolve_target(target)
+        asked, target = target, resolve_target(target)
         policy_class(expert_policy)  # an unknown name fails before anything is loaded
         self.path = Path(model_path)
         self.file = GGUFFile(self.path)
         self.metadata = self.file.metadata
         tensors = tensor_table(self.file)
         self.hparams: HParams = model_hparams(self.metadata, tensors)
+        target = gpu_layers_target(asked, target, n_gpu_layers, self.hparams.n_layer)
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
         self.graph_all: Graph = build_graph(self.metadata, tensors, all_logits=True)
         self.graph_last: Graph = build_graph(self.metadata, tensors, all_logits=False)
@@ -86,6 +126,9 @@ class Engine:
         self.runtime = None if target == "reference" else make_runtime(target)
         self.device = self.runtime.device if self.runtime else "host CPU (numpy float32)"
         self.executor = self._make_executor()
+        # The token ids whose K, V the cache holds, in order: `generate(reuse_cache=True)` prefills only what follows
+        # the longest prefix a new prompt shares with them.
+        self.cache_ids: list[int] = []
 
     def _make_executor(self):
         if self.runtime is None:
@@ -129,12 +172,14 @@ class Engine:
     def reset(self) -> None:
         """Start a new sequence (the KV cache is reused, its contents ignored)."""
         self.executor.reset()
+        self.cache_ids.clear()
 
     def rewind(self, n_past: int) -> None:
         """Keep only the first `n_past` tokens of the cache: the next forward continues after them."""
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot rewind to {n_past} tokens: the cache holds {self.n_past}")
         self.executor.n_past = n_past  # rows past n_past are never read
+        del self.cache_ids[n_past:]
 
     def forward(self, ids: list[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Feed tokens after those already in the cache; logits of every token, or of the last one only."""
@@ -157,6 +202,7 @@ class Engine:
                 out = self.executor.forward(self.graph_step if len(chunk) == 1 else self.graph_last, chunk)
                 if last_chunk:
                     outs.append(out)
+            self.cache_ids.extend(chunk.tolist())
         return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)  # the runtime's array is a copy
 
     def score(self, ids: list[int]) -> np.ndarray:
@@ -171,25 +217,44 @@ class Engine:
         sampler: Sampler,
         stats: GenerationStats | None = None,
         stop: Callable[[int], bool] | None = None,
+        reuse_cache: bool = False,
     ) -> Iterator[int]:
-        """Yield up to `max_tokens` sampled tokens after the prompt, stopping at end-of-generation tokens."""
+        """Yield up to `max_tokens` sampled tokens after the prompt (a negative `max_tokens`: until the context is
+        full), stopping at end-of-generation tokens; `stats.finish` says why it ended.
+
+        `reuse_cache`: keep the K, V of the longest prefix the prompt shares with the tokens in the cache (the
+        previous prompt and what was generated after it) and prefill only the rest, as a conversation's next turn
+        needs; otherwise the prompt is prefilled from an empty cache.
+        """
         stats = stats if stats is not None else GenerationStats()
         stop = stop or self.tokenizer.is_eog
-        self.reset()
+        # At least the last prompt token is fed again: its logits give the first generated token.
+        keep = max(min(common_prefix(self.cache_ids, prompt_ids), len(prompt_ids) - 1), 0) if reuse_cache else 0
+        if keep:
+            self.rewind(keep)
+        else:
+            self.reset()
         history = list(prompt_ids)
         t0 = time.perf_counter()
-        logits = self.forward(prompt_ids)[-1]
-        stats.n_prompt = len(prompt_ids)
+        logits = self.forward(prompt_ids[self.n_past:])[-1]
+        stats.n_cached = keep
+        stats.n_prompt = len(prompt_ids) - keep
         stats.prompt_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        for i in range(max_tokens):
+        limit = max_tokens if max_tokens >= 0 else self.n_ctx
+        for i in range(limit):
             tok = sampler.sample(logits, history)
             if stop(tok):
-                break
+                stats.finish = "eog"
+                return
             stats.n_generated += 1
             history.append(tok)
             yield tok
-            if i + 1 == max_tokens or self.n_past >= self.n_ctx:
+            if self.n_past >= self.n_ctx:
+                stats.finish = "context"
+                return
+            if i + 1 == limit:
                 break
             logits = self.forward([tok])[-1]
             stats.decode_s = time.perf_counter() - t0
+        stats.finish = "length"

@@ -11,6 +11,10 @@ class PolystrataError(Exception):
     """Base of every error whose message is shown to the user as is."""
 
 
+class UsageError(PolystrataError):
+    """The command line asks for something impossible or misses something (exit code 2, as argparse's errors)."""
+
+
 class GGUFError(PolystrataError):
     """A GGUF file is malformed, truncated, or uses something this build does not know."""
 

@@ -420,6 +420,25 @@ def pull(name: str, progress: bool = True, verify: bool = False) -> Path:
     return final
 
 
+def pulled() -> list[tuple[ZooModel, Path]]:
+    """The zoo models whose files are in the cache, with their paths (not hashed: `pull --verify` checks them)."""
+    return [(m, models_dir() / m.filename) for m in ZOO.values() if (models_dir() / m.filename).is_file()]
+
+
+def remove(name: str) -> Path:
+    """Delete zoo model `name` and its sha256 record from the cache, holding the pull lock so that no pull is
+    writing it meanwhile; returns the path it had."""
+    model = _lookup(name)
+    dest_dir = models_dir()
+    final = dest_dir / model.filename
+    if not final.is_file():
+        raise ZooError(f"{name} is not pulled: there is no {final}")
+    with file_lock(dest_dir / _PULL_LOCK, f"waiting for a pull into {dest_dir}"):
+        final.unlink()
+        _sidecar(final).unlink(missing_ok=True)
+    return final
+
+
 def resolve_model(arg: str | os.PathLike[str], progress: bool = True) -> Path:
     """Turn a CLI model argument into a GGUF path: an existing file as is, or a zoo name, pulled."""
     path = Path(arg).expanduser()

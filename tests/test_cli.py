@@ -102,7 +102,7 @@ def test_artifact_refuses_changed_model(tmp_path):
     model = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="F16", seed=1)
     cli("compile", str(model), "-o", str(tmp_path / "art"))
     synth_model("llama", model, preset="tiny", qtype="F16", seed=2)
-    p = cli("run", str(tmp_path / "art"), "-n", "2", check=False)
+    p = cli("run", str(tmp_path / "art"), "-n", "2", "-p", "hi", check=False)
     assert p.returncode == 1 and "changed since it was compiled" in p.stderr
 
 
@@ -173,7 +173,7 @@ def test_compile_replaces_an_artifact_but_not_one_with_foreign_files(tiny_llama,
 )
 def test_run_refuses_a_manifest_that_is_not_an_artifact(tmp_path, manifest, message):
     (tmp_path / "manifest.yaml").write_bytes(manifest)
-    assert message in one_line_error(cli("run", str(tmp_path), "-n", "1", check=False))
+    assert message in one_line_error(cli("run", str(tmp_path), "-n", "1", "-p", "hi", check=False))
 
 
 def test_run_refuses_a_manifest_without_a_context_length(tiny_llama, tmp_path):
@@ -183,7 +183,8 @@ def test_run_refuses_a_manifest_without_a_context_length(tiny_llama, tmp_path):
     for bad in ("4096", -1, None):
         m["memory"]["n_ctx"] = bad
         (art / "manifest.yaml").write_text(yaml.safe_dump(m, sort_keys=False))
-        assert "the manifest has no memory.n_ctx" in one_line_error(cli("run", str(art), "-n", "1", check=False))
+        assert "the manifest has no memory.n_ctx" in one_line_error(cli("run", str(art), "-n", "1", "-p", "hi",
+                                                                         check=False))
 
 
 def test_synth_output_must_be_a_file_name(tmp_path):
@@ -253,7 +254,7 @@ def test_errors_are_one_line_with_exit_code(args, code, message):
 def test_corrupt_model_is_a_clean_error(tiny_llama, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(tiny_llama.read_bytes()[:5000])
-    for cmd in (["info", str(bad)], ["run", str(bad), "-n", "1"], ["score", str(bad), "--text", "a", "-o",
+    for cmd in (["info", str(bad)], ["run", str(bad), "-n", "1", "-p", "hi"], ["score", str(bad), "--text", "a", "-o",
                                                                       str(tmp_path / "o.npz")]):
         p = cli(*cmd, check=False)
         assert p.returncode == 1 and "Traceback" not in p.stderr

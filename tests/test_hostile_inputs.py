@@ -159,7 +159,7 @@ def test_text_that_is_not_utf8_in_vocabulary_template_and_prompt(base, tmp_path)
 @pytest.mark.parametrize(
     ("args", "ids", "code", "message"),
     [
-        (("--seed", "-2"), None, 2, "argument --seed"),
+        (("--seed", "-2"), None, 2, "argument -s/--seed"),
         (("--ctx", "0"), None, 2, "argument -c/--ctx-size/--ctx: expected a positive integer"),
         (("--ctx", "-3"), None, 2, "argument -c/--ctx-size/--ctx: expected a positive integer"),
         ((), [1, 10**20], 1, "token id 100000000000000000000 is out of range"),
@@ -181,7 +181,7 @@ def test_bad_arguments_are_one_line_errors(args, ids, code, message, base, tmp_p
 
 def test_seed_minus_one_means_random(base):
     """llama.cpp's habit: --seed -1 asks for a fresh random seed."""
-    rc, _, err = run_cli("run", str(base["path"]), "--target", "reference", "-n", "1", "--seed", "-1")
+    rc, _, err = run_cli("run", str(base["path"]), "--target", "reference", "-n", "1", "--seed", "-1", "-p", "hi")
     assert_clean(rc, err, code=0)
 
 
@@ -288,7 +288,7 @@ def test_hanging_template_through_the_command(template_models):
     t0 = time.monotonic()
     r = subprocess.run(
         [sys.executable, "-m", "polystrata", "run", str(template_models["nested_range_loops"]), "--target",
-         "reference", "-n", "2"], capture_output=True, text=True, timeout=120,
+         "reference", "-n", "2", "-p", "hi"], capture_output=True, text=True, timeout=120,
     )
     assert r.returncode == 1 and r.stderr.startswith("error: chat template stopped:"), r.stderr
     assert r.stderr.count("\n") == 1

@@ -137,7 +137,7 @@ def test_over_budget_fails_before_any_upload(moe, kernel_target, monkeypatch):
 def test_cli_over_budget_is_one_line(moe, kernel_target, capsys):
     from polystrata.cli import main
 
-    assert main(["run", str(moe), "--target", TARGET, "--gpu-mem", "2M", "-n", "1"]) == 1
+    assert main(["run", str(moe), "--target", TARGET, "--gpu-mem", "2M", "-n", "1", "-p", "hi"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: --gpu-mem 2.0 MiB does not hold the model")
 
