@@ -112,10 +112,11 @@ def test_attention_splits_grow_with_the_context_in_one_token_steps():
     n_ctx = 32768 + 64
     runs = {"two_pass": 1, "min_run": MIN_RUN_KEYS}
     assert attn(128, 1, n_ctx) == ({**runs, "splits": -(-n_ctx // DECODE_RUN_KEYS), "heads": 4}, 3)
-    assert -(-n_ctx // DECODE_RUN_KEYS) == 257
+    assert -(-n_ctx // DECODE_RUN_KEYS) == 513
     assert attn(128, 16, n_ctx) == ({**runs, "splits": 8}, 3)
     assert attn(128, 1, LONG_CONTEXT) == ({**runs, "splits": LONG_CONTEXT // DECODE_RUN_KEYS}, 3)
-    assert attn(128, 1, 640) == ({**runs, "splits": 8}, 3)
+    assert attn(128, 1, 640) == ({**runs, "splits": 10}, 3)
+    assert attn(128, 1, 256) == ({**runs, "splits": 8}, 3)
     assert attn(1, 1, n_ctx) == ({"two_pass": 1, "splits": 1}, 2)
 
 

@@ -58,11 +58,11 @@ from polystrata.ir.kernel import (
 from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 # Split-K in one-token steps on GPUs (flash-decoding): runs enough that none holds more than DECODE_RUN_KEYS keys
-# at a full context (llama3-8b at depth 8192: 65 runs of each of its 8 KV heads, 520 groups for an H200's 132
-# SMs, each reading ~64 KiB of f16 K and V), and never fewer than 8 (what short contexts had before). Knob
-# `min_run`: no run shorter than MIN_RUN_KEYS keys, so a short context keeps few groups at work and the combine
-# few partials.
-DECODE_RUN_KEYS = 128
+# at a full context (llama3-8b at depth 8192: 129 runs of each of its 8 KV heads, 1032 groups), and never fewer
+# than 8. A group's time grows with its run's length (its loops over the keys wait on loads), the combine's barely
+# with the number of runs: shorter runs won on the H200 (docs/benchmarks.md). Knob `min_run`: no run shorter than
+# MIN_RUN_KEYS keys, so a short context keeps few groups at work and the combine few partials.
+DECODE_RUN_KEYS = 64
 MIN_RUN_KEYS = 8
 # Knob `heads` ("auto"): in one-token GPU plans of a context longer than LONG_CONTEXT a group takes all the query
 # heads of a KV head (GQA: 4 on llama3-8b), so each K and V value is read once, not once a head, as long as their
