@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 import yaml
-from ir_constructs import copy_region_check
+from ir_constructs import copy_region_check, expert_cache_resize_check
 
 from polystrata.errors import PolystrataError
 from polystrata.runtimes.memory import (
@@ -323,6 +323,12 @@ def test_runtime_copy_async_into_a_region(kernel_target):
     from polystrata.targets import make_runtime
 
     assert copy_region_check(make_runtime(TARGET))
+
+
+def test_runtime_expert_cache_resize(kernel_target):
+    from polystrata.targets import make_runtime
+
+    assert expert_cache_resize_check(make_runtime(TARGET))
 
 
 # --- the cache's bookkeeping against hand-computed traces --------------------------------------------------------
