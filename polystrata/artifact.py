@@ -123,11 +123,15 @@ def write_artifact(
     model_path: Path, target: str, out: str | os.PathLike, kv_type: str = "f16", arch: str | None = None,
     n_ctx: int | None = None, gpu_mem: str | None = None, expert_slots: int | None = None,
 ) -> tuple[Path, str]:
-    """Plan `model_path` for `target` with a KV cache of `n_ctx` tokens (default: min(trained, 4096), reduced to what
+    """Plan `model_path` for `target` with a KV cache of `n_ctx` tokens (default: the trained context, reduced to what
     the device-memory budget `gpu_mem` holds, as `run` would: see `runtimes.memory.fit_plans`), compile its kernels
     (through the binary cache), and write the artifact directory `out` atomically. Returns the path and a one-line
     report of the kernel cache."""
     target = resolve_target(target)
+    if target == "reference":
+        from polystrata.runtimes.memory import check_reference_flags
+
+        check_reference_flags(gpu_mem, expert_slots)
     out = Path(os.path.abspath(out))  # absolute, so that `-o .` has a name and a parent to write the temp dir in
     check_replaceable(out)  # before compiling, to fail fast; again before the swap
     with GGUFFile(model_path) as f:
@@ -138,7 +142,7 @@ def write_artifact(
         weight_bytes = sum(f.tensors[n].nbytes for n in decode.weights)
         meta = dict(decode.meta)
         n_ctx_asked = n_ctx
-        n_ctx = n_ctx or min(int(meta["n_ctx_train"]), DEFAULT_CTX)
+        n_ctx = n_ctx or min(int(meta["n_ctx_train"]), DEFAULT_CTX)  # the reference's (kernel targets: fit_plans)
         kernels: list[dict[str, Any]] = []
         sources: dict[str, str] = {}
         binaries: dict[str, bytes] = {}
@@ -153,7 +157,7 @@ def write_artifact(
             device = rt.device
             # As the engine runs them: one-token steps, prompt chunks (last logits), scoring (every token's).
             plans, mem = fit_plans(f, [score, prefill, decode], {id(decode): 1}, rt, n_ctx_asked,
-                                   int(meta["n_ctx_train"]), kv_type, gpu_mem, expert_slots, DEFAULT_CTX)
+                                   int(meta["n_ctx_train"]), kv_type, gpu_mem, expert_slots)
             n_ctx = mem.n_ctx
             memory_plan = {**mem.manifest(), "plan": mem.describe()}
             for name, plan in (("decode", plans[id(decode)]), ("prefill", plans[id(prefill)]),

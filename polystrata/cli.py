@@ -143,7 +143,7 @@ def memory_args(p: argparse.ArgumentParser, experts: bool = True) -> None:
     p.add_argument("--expert-slots", type=_positive_int, default=None, metavar="N",
                    help="MoE experts kept on the device per layer (default: what the budget holds)")
     if experts:
-        p.add_argument("--expert-policy", default="lru", choices=list(POLICIES),
+        p.add_argument("--expert-policy", default=None, choices=list(POLICIES),
                        help="which experts the device cache keeps when they do not all fit (default: lru)")
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=_gpu_layers, default=None,
                    metavar="N", help="llama.cpp's layers on the GPU: 0 runs on the CPU (target auto becomes cpu); "
@@ -186,7 +186,7 @@ def generation_args(p: argparse.ArgumentParser, chat: bool) -> None:
         p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
         p.add_argument("-i", "--interactive", "-cnv", "--conversation", dest="interactive", action="store_true",
                        help="talk: the same as `polystrata chat`")
-    ctx_arg(p, "min(trained, 4096), or the artifact's")
+    ctx_arg(p, "the model's, reduced to what the memory budget holds; or the artifact's")
     target_arg(p)
     memory_args(p)
     p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")
@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_arg(p)
     target_arg(p)
     p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
-    ctx_arg(p, "min(trained, 4096)")
+    ctx_arg(p, "the model's, reduced to what the memory budget holds")
     memory_args(p, experts=False)
     p.add_argument("-o", "--output", required=True, type=_output_path)
 

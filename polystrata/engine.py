@@ -19,6 +19,7 @@ from polystrata.sampling import Sampler
 from polystrata.targets import make_runtime, resolve_target
 from polystrata.tokenizer import Tokenizer
 
+# The reference target's default context (its numpy KV cache holds f32), and `score`'s least context.
 DEFAULT_CTX = 4096
 
 
@@ -91,19 +92,23 @@ class Engine:
 
     def __init__(
         self, model_path: str | Path, target: str = "auto", n_ctx: int | None = None, kv_type: str = "f16",
-        gpu_mem: str | None = None, expert_policy: str = "lru", expert_slots: int | None = None,
+        gpu_mem: str | None = None, expert_policy: str | None = None, expert_slots: int | None = None,
         n_gpu_layers: int | None = None, verbose: bool = False,
     ):
-        """`n_ctx` None: min(trained context, `DEFAULT_CTX`), reduced to what the device-memory budget holds (see
-        `runtimes.memory.fit_plans`). `gpu_mem`: the budget (`--gpu-mem`: bytes with a K/M/G suffix or a
-        percentage of free memory; default: free memory less a margin). `expert_policy`, `expert_slots`: the MoE
-        expert cache where the experts do not all fit (`runtimes/memory.py`). `verbose`: the memory plan and the
+        """`n_ctx` None: the model's trained context, reduced to what the device-memory budget holds (see
+        `runtimes.memory.fit_plans`; the reference target: min(trained, `DEFAULT_CTX`)). `gpu_mem`: the budget
+        (`--gpu-mem`: bytes with a K/M/G suffix or a percentage of free memory; default: free memory less a
+        margin). `expert_policy` (default lru), `expert_slots`: the MoE expert cache where the experts do not all
+        fit (`runtimes/memory.py`). The reference target refuses these three. `verbose`: the memory plan and the
         VRAM guard's actions on stderr. `n_gpu_layers`: llama.cpp's -ngl (see `gpu_layers_target`)."""
         if n_ctx is not None and n_ctx < 1:
             raise PolystrataError(f"the context length must be at least 1, not {n_ctx}")
-        from polystrata.runtimes.memory import policy_class
+        from polystrata.runtimes.memory import check_reference_flags, policy_class
 
         asked, target = target, resolve_target(target)
+        if target == "reference":
+            check_reference_flags(gpu_mem, expert_slots, expert_policy)
+        expert_policy = expert_policy or "lru"
         policy_class(expert_policy)  # an unknown name fails before anything is loaded
         self.path = Path(model_path)
         self.file = GGUFFile(self.path)
@@ -148,17 +153,17 @@ class Engine:
         graphs = [self.graph_all, self.graph_last, self.graph_step]
         plans, self.memory = mm.fit_plans(
             self.file, graphs, {id(self.graph_step): 1}, self.runtime, self.n_ctx if self.n_ctx_given else None,
-            self.hparams.n_ctx_train, self.kv_type, self.gpu_mem, self.expert_slots, DEFAULT_CTX)
+            self.hparams.n_ctx_train, self.kv_type, self.gpu_mem, self.expert_slots)
         self.n_ctx = self.memory.n_ctx
         if self.verbose:
             for line in self.memory.describe():
                 print(line, file=sys.stderr)
         if not self.memory.streaming:
             return plans, None
-        rt = self.runtime
-        info = rt.memory_info()
-        guard = mm.VRAMGuard(mm.margin(info[1]), 2 * mm.margin(info[1])) if info else None
+        guard = mm.vram_guard(self.memory, self.runtime.memory_info(), explicit=self.gpu_mem is not None)
         log = (lambda msg: print(msg, file=sys.stderr)) if self.verbose else None
+        if guard is None and log is not None:
+            log("vram guard: off (the device does not report its free memory, or the budget leaves none free)")
         # Only a predicting policy reads the routers on the host (dequantized once, in f32).
         routers = ({la.weights[0]: la.router for la in mm.moe_layers(self.graph_step)}
                    if mm.policy_class(self.expert_policy).predicts else {})

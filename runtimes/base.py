@@ -108,7 +108,14 @@ def _warn_rebuilt(path: Path) -> None:
 
 
 def host_memory() -> tuple[int, int] | None:
-    """(available, total) bytes of host memory, where the system says."""
+    """(available, total) bytes of host memory, where the system says. Available, on Linux, is the kernel's
+    MemAvailable: free memory and the page cache it can reclaim (an mmapped model file already read is there)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {k: int(v.split()[0]) << 10 for k, v in (line.split(":", 1) for line in f if ":" in line)}
+        return info["MemAvailable"], info["MemTotal"]
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
     try:
         pages, avail = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_AVPHYS_PAGES")
         size = os.sysconf("SC_PAGE_SIZE")

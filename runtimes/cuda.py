@@ -212,6 +212,16 @@ class CUDARuntime(Runtime):
         _check(self.driver.cuMemsetD8Async(_ptr(buf), 0, buf.nbytes, self.stream.handle))  # zeros, like the CPU
         return buf
 
+    def free(self, buf: Any) -> None:
+        """Release a device buffer now. numba-cuda frees an array's memory only after its last reference goes,
+        and then defers it to a batch; the memory manager frees a resized expert cache's old slot buffers before
+        it allocates the new ones while the bound launches still refer to them (until they are rebound), so the
+        memory is forced free and the batch flushed here. The simulator's arrays are host memory: nothing to do."""
+        if self.simulator:
+            return
+        buf.gpu_data.free()
+        self.cuda.current_context().deallocations.clear()
+
     def upload(self, array: np.ndarray) -> Any:
         host = np.ascontiguousarray(array).reshape(-1)
         if host.size == 0:

@@ -26,11 +26,13 @@ import numpy as np
 from polystrata.errors import PolystrataError
 from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import DTYPE_BYTES
+from polystrata.ir.quant import dequantize, repack
 from polystrata.runtimes.base import host_memory
 
 # What the default budget leaves free on the device (other processes, the driver's own allocations): the larger
 # of this many bytes (a quarter of the device at most) and this fraction of the device's memory. It is also the VRAM
-# guard's low-water mark.
+# guard's low-water mark (`vram_guard`). On the cpu target the device is the host, and the same margin of its
+# memory is left to the rest of the system.
 MARGIN_BYTES = 512 << 20
 MARGIN_FRACTION = 0.05
 
@@ -59,9 +61,9 @@ def parse_gpu_mem(text: str, free_bytes: int | None) -> int:
 
 
 def default_budget(runtime: Any) -> int | None:
-    """The device's free memory at start less a margin; None where the runtime does not report it, and on the
-    cpu target (host memory is its device memory: nothing is planned there)."""
-    if runtime is None or runtime.name == "cpu":
+    """The device's free memory at start less a margin (on the cpu target: the host's available memory, its
+    device memory); None where the runtime does not report it."""
+    if runtime is None:
         return None
     info = runtime.memory_info()
     if info is None:
@@ -82,6 +84,16 @@ def resolve_budget(runtime: Any, gpu_mem: str | None) -> int | None:
         return default_budget(runtime)
     info = runtime.memory_info() if runtime is not None else None
     return parse_gpu_mem(gpu_mem, info[0] if info else None)
+
+
+def check_reference_flags(gpu_mem: str | None, expert_slots: int | None, expert_policy: str | None = None) -> None:
+    """Refuse the memory options on the reference target: it runs the graph in numpy, every weight in host
+    memory, with no device memory to plan and no expert cache."""
+    given = [flag for flag, value in (("--gpu-mem", gpu_mem), ("--expert-slots", expert_slots),
+                                      ("--expert-policy", expert_policy)) if value is not None]
+    if given:
+        raise PolystrataError(f"{', '.join(given)}: the reference target plans no device memory (numpy keeps every "
+                              "weight in host memory); leave them out or pick a kernel target with --target")
 
 
 def fmt_bytes(n: float) -> str:
@@ -258,50 +270,58 @@ def _check_fits(plan: MemoryPlan, flag: str) -> None:
 _ADVICE = "give a larger --gpu-mem (where the device has it), a shorter context (--ctx) or fewer --expert-slots"
 
 
-def fit_context(plan: MemoryPlan, n_ctx: int) -> int:
+def fit_context(plan: MemoryPlan, n_ctx: int, slots: int = 1) -> int:
     """The default context: `n_ctx`, reduced where the budget cannot hold its KV cache beside the weights, the
-    scratch buffers of `plan` (made at context `plan.n_ctx`) and the smallest expert cache (one slot a layer).
-    Where not even one token fits, `n_ctx` (`plan_memory` then says what does not fit)."""
+    scratch buffers of `plan` (made at context `plan.n_ctx`, at least as large as at any shorter context) and an
+    expert cache of `slots` experts a layer (the context comes first: one slot, unless --expert-slots says more or
+    the experts cannot stream). Where not even one token fits, `n_ctx` (`plan_memory` then says what does not
+    fit)."""
     if plan.budget is None or plan.kv_bytes == 0:
         return n_ctx
     per_token = plan.kv_bytes / max(plan.n_ctx, 1)
     layer_expert = plan.expert_bytes * plan.expert_layers
     others = plan.weight_bytes - (0 if plan.streaming else layer_expert * plan.n_expert) + plan.scratch_bytes
-    fits = int((plan.budget - others - layer_expert) // per_token)
+    fits = int((plan.budget - others - layer_expert * min(slots, plan.n_expert)) // per_token)
     return min(n_ctx, fits) if fits >= 1 else n_ctx
 
 
 def fit_plans(
     file: Any, graphs: list[Graph], steps: dict[int, int], runtime: Any, n_ctx: int | None, n_ctx_train: int,
-    kv_type: str, gpu_mem: str | None, expert_slots: int | None, default_ctx: int,
+    kv_type: str, gpu_mem: str | None, expert_slots: int | None,
 ) -> tuple[dict[int, Any], MemoryPlan]:
     """Plans of `graphs` (`compile_plans`) that fit the device-memory budget, and their memory plan. `n_ctx` None:
-    min(n_ctx_train, default_ctx), reduced to what the budget holds (`fit_context`, with a line on stderr). The
-    default stays below the trained context because the attention kernels keep a step's scores in local memory
-    sized by the context (`codegen/recipes/attention.py`): a 128K context would not fit a GPU's shared memory.
-    The plans are made for streaming where the experts do not all fit. Raises PolystrataError, before anything
-    is uploaded, when the budget cannot hold the model."""
+    the model's context `n_ctx_train`, reduced to what the budget holds (`fit_context`, with a line on stderr;
+    the attention kernels' local memory does not grow with the context: `codegen/recipes/attention.py`). The
+    plans are made for streaming where the experts do not all fit. Raises PolystrataError, before anything is
+    uploaded, when the budget cannot hold the model; on the cpu target only under an explicit `gpu_mem` (its
+    default budget, the host's available memory less a margin, only sizes the default context: a model larger
+    than that still runs from the mmapped file, as llama.cpp's does)."""
     import sys
 
     from polystrata.compiler import compile_plans
 
     budget = resolve_budget(runtime, gpu_mem)
     layers = moe_layers(graphs[0])
-    opts = {"stream": runtime.name != "cpu",  # host memory is the cpu target's device memory: experts stay resident
+    on_host = runtime.name == "cpu"
+    opts = {"stream": not on_host,  # host memory is the cpu target's device memory: experts stay resident
             "kv_type": kv_type, "expert_slots": expert_slots}
-    reduced = False
+    reduced, plans = False, None
     if n_ctx is None:
-        n_ctx = min(n_ctx_train, default_ctx)
+        n_ctx = n_ctx_train
         if budget is not None:
-            sizing = plan_memory(compile_plans(file, graphs, runtime, n_ctx, kv_type, steps), layers, n_ctx, budget,
-                                 check=False, **opts)
-            fitted = fit_context(sizing, n_ctx)
-            reduced, n_ctx = fitted < n_ctx, fitted
-    plans = compile_plans(file, graphs, runtime, n_ctx, kv_type, steps)
+            plans = compile_plans(file, graphs, runtime, n_ctx, kv_type, steps)
+            sizing = plan_memory(plans, layers, n_ctx, budget, check=False, **opts)
+            fitted = fit_context(sizing, n_ctx, sizing.n_expert if on_host else expert_slots or 1)
+            if fitted < n_ctx:
+                reduced, n_ctx, plans = True, fitted, None
+    if plans is None:
+        plans = compile_plans(file, graphs, runtime, n_ctx, kv_type, steps)
     flag = "--gpu-mem" if gpu_mem is not None else "the free device memory less a margin,"
-    memory = plan_memory(plans, layers, n_ctx, budget, budget_flag=flag, **opts)
+    memory = plan_memory(plans, layers, n_ctx, budget, budget_flag=flag, check=not on_host or gpu_mem is not None,
+                         **opts)
     if reduced:
-        print(f"context: {n_ctx} tokens (the model's is {n_ctx_train}): what the device-memory budget "
+        where = "--gpu-mem" if gpu_mem is not None else "host-memory" if on_host else "device-memory"
+        print(f"context: {n_ctx} tokens (the model's is {n_ctx_train}): what the {where} budget "
               f"{fmt_bytes(budget)} holds beside the weights", file=sys.stderr)
     if memory.streaming:
         plans = compile_plans(file, graphs, runtime, n_ctx, kv_type, steps, stream_experts=True)
@@ -487,36 +507,69 @@ class _Staging:
         return i, self.bufs[i]
 
 
+@dataclass(frozen=True)
+class ExpertSource:
+    """One expert weight tensor of a GGUF file as the expert kernels read it: `expert(e)` is expert e's bytes
+    (uint8, `nbytes` of them) in the plans' storage layout, for a slot buffer of IR dtype `dtype`. Where the plans
+    keep the file's layout (`mapped`) that is a view of the mmapped file, read only when it is copied; otherwise a
+    copy made on each call (rows repacked: sliced or padded; or dequantized to f32), never the whole tensor."""
+
+    nbytes: int
+    dtype: str
+    mapped: bool
+    expert: Callable[[int], np.ndarray]
+
+
+def expert_source(file: Any, spec: Any) -> ExpertSource:
+    """The `ExpertSource` of plan buffer `spec` (a `BufferSpec` of an expert weight) in GGUF file `file`."""
+    info = file.tensors[spec.name]
+    raw = file.raw(spec.name)  # [n_expert, rows, row bytes], a view of the mapping
+    if spec.dtype == "f32":
+        def expert(e: int) -> np.ndarray:
+            values = dequantize(info.fmt, raw[e].reshape(-1), info.shape[1:])
+            return np.ascontiguousarray(values, np.float32).reshape(-1).view(np.uint8)
+        mapped = False
+    elif spec.fmt.name == info.fmt.name:
+        def expert(e: int) -> np.ndarray:
+            return raw[e].reshape(-1)
+        mapped = True
+    else:
+        def expert(e: int) -> np.ndarray:
+            return repack(raw[e], info.fmt, spec.fmt)
+        mapped = False
+    return ExpertSource(int(expert(0).nbytes), spec.dtype, mapped, expert)
+
+
 @dataclass
 class _Layer:
     stream: Any  # codegen.recipes.ExpertStream
-    host: list[np.ndarray]  # per weight: [n_expert, bytes of one expert] in the plans' storage layout
+    host: list[ExpertSource]  # per weight
     cache: ExpertCache
     table_handle: Any
     device: list[Any] = field(default_factory=list)  # per weight: the slot buffer
+    pinned: list[np.ndarray] | None = None  # per weight: [n_expert, bytes of one expert] in pinned host memory
     router: np.ndarray | None = None  # [n_expert, n_embd] f32, for predictive policies
     pending: list[Any] = field(default_factory=list)  # prefetch events the next use must wait for
     stale: bool = True  # the device's slot table differs from the cache's
 
 
 class ExpertStreamer:
-    """Expert residency for an executor: host copies of every MoE layer's experts, a device cache of `slots`
+    """Expert residency for an executor: every MoE layer's experts in host memory, a device cache of `slots`
     experts per layer, the slot tables, and the uploads between them, copied on the runtime's second queue.
 
-    Where the streamed experts take at most half the host's available memory, they are copied once into pinned
-    host memory (`Runtime.alloc_host`) and every upload reads them there; otherwise each upload is copied through
-    a ring of pinned buffers from `host_experts`' arrays (views of the mmapped file where the plans keep the file's
-    layout, host copies where the target repacks it: sliced or padded rows). Statistics accumulate in `stats`."""
+    Where the streamed experts take at most half the host's available memory, they are copied once, expert by
+    expert, into pinned host memory (`Runtime.alloc_host`) and every upload reads them there; otherwise each
+    upload is copied through a ring of pinned buffers straight from its `ExpertSource` (the mmapped file, or one
+    expert repacked), so host memory holds no copy of the experts beyond the file's pages. Statistics accumulate
+    in `stats`."""
 
-    def __init__(self, rt: Any, host_experts: Callable[[str], np.ndarray], streams: list[Any], slots: int,
+    def __init__(self, rt: Any, sources: Callable[[str], ExpertSource], streams: list[Any], slots: int,
                  policy: str = "lru", routers: Mapping[str, np.ndarray] | None = None,
-                 log: Callable[[str], None] | None = None, dtypes: Mapping[str, str] | None = None,
-                 pin: bool | None = None) -> None:
-        """`host_experts(name)`: an expert weight tensor as uint8 bytes in the plans' storage layout,
-        [n_expert, bytes per expert]. `streams`: one `ExpertStream` per MoE layer, in layer order. `routers`:
-        gate weight name -> the layer's router weights (f32 [n_expert, n_embd]), for predictive policies.
-        `dtypes`: the IR dtype of each expert weight's buffer (default u8: quantized bytes). `pin`: keep the
-        experts in pinned host memory (default: where they take at most half the available host memory)."""
+                 log: Callable[[str], None] | None = None, pin: bool | None = None) -> None:
+        """`sources(name)`: the `ExpertSource` of an expert weight tensor. `streams`: one `ExpertStream` per MoE
+        layer, in layer order. `routers`: gate weight name -> the layer's router weights (f32 [n_expert,
+        n_embd]), for predictive policies. `pin`: keep the experts in pinned host memory (default: where they
+        take at most half the available host memory)."""
         cls = policy_class(policy)
         self.rt = rt
         self.policy = cls.name
@@ -524,31 +577,29 @@ class ExpertStreamer:
         self.log = log or (lambda _msg: None)
         self.layers: list[_Layer] = []
         self.planned_slots = slots
-        self.dtypes = dict(dtypes or {})
-        biggest = 1
         for st in streams:
-            host = [np.ascontiguousarray(host_experts(w)).reshape(st.n_expert, -1) for w in st.weights]
-            biggest = max(biggest, *(h.shape[1] for h in host))
             cache = ExpertCache(st.n_expert, slots, cls(st.n_expert), self.stats)
             router = routers.get(st.weights[0]) if routers and cls.predicts else None
-            layer = _Layer(st, host, cache, rt.alloc((st.n_expert,), "i32"), router=router)
+            layer = _Layer(st, [sources(w) for w in st.weights], cache, rt.alloc((st.n_expert,), "i32"),
+                           router=router)
             self._alloc_slots(layer, slots)
             self.layers.append(layer)
-        total = sum(h.nbytes for layer in self.layers for h in layer.host)
+        total = sum(src.nbytes * la.stream.n_expert for la in self.layers for src in la.host)
         if pin is None:
             host = host_memory()
             pin = host is not None and total <= host[0] // 2
         self.staging: _Staging | None = None
         if pin:
             for layer in self.layers:
-                layer.host = [self._pinned(h) for h in layer.host]
+                layer.pinned = [self._pinned(src, layer.stream.n_expert) for src in layer.host]
         else:
-            self.staging = _Staging(rt, biggest)
+            self.staging = _Staging(rt, max((src.nbytes for la in self.layers for src in la.host), default=1))
         self.tokens = 0  # tokens stepped, for per-token statistics
 
-    def _pinned(self, h: np.ndarray) -> np.ndarray:
-        out = self.rt.alloc_host(h.nbytes).reshape(h.shape)
-        out[:] = h
+    def _pinned(self, src: ExpertSource, n_expert: int) -> np.ndarray:
+        out = self.rt.alloc_host(src.nbytes * n_expert).reshape(n_expert, src.nbytes)
+        for e in range(n_expert):  # one expert at a time: no copy of the whole tensor on the way
+            out[e] = src.expert(e)
         return out
 
     @property
@@ -556,12 +607,13 @@ class ExpertStreamer:
         return self.layers[0].cache.slots if self.layers else 0
 
     def _alloc_slots(self, layer: _Layer, slots: int) -> None:
+        layer.device = [self.rt.alloc((max(slots, 1) * src.nbytes // DTYPE_BYTES[src.dtype],), src.dtype)
+                        for src in layer.host]
+
+    def _free_slots(self, layer: _Layer) -> None:
         for buf in layer.device:
             self.rt.free(buf)
         layer.device = []
-        for name, h in zip(layer.stream.weights, layer.host):
-            dtype = self.dtypes.get(name, "u8")
-            layer.device.append(self.rt.alloc((max(slots, 1) * h.shape[1] // DTYPE_BYTES[dtype],), dtype))
 
     def handles(self) -> dict[str, Any]:
         """Plan buffer name -> device handle, for the expert weights (slot buffers) and the slot tables."""
@@ -577,13 +629,13 @@ class ExpertStreamer:
     def _upload(self, layer: _Layer, loads: list[tuple[int, int]]) -> list[Any]:
         events = []
         for e, slot in loads:
-            for h, dev in zip(layer.host, layer.device):
-                nb = h.shape[1]
-                if self.staging is None:  # pinned already
-                    ev = self.rt.copy_async(dev, slot * nb, h[e])
+            for w, (src, dev) in enumerate(zip(layer.host, layer.device)):
+                nb = src.nbytes
+                if layer.pinned is not None:
+                    ev = self.rt.copy_async(dev, slot * nb, layer.pinned[w][e])
                 else:
                     i, stage = self.staging.take()
-                    stage[:nb] = h[e]
+                    stage[:nb] = src.expert(e)
                     ev = self.rt.copy_async(dev, slot * nb, stage[:nb])
                     self.staging.events[i] = ev
                 if ev is not None:
@@ -634,13 +686,17 @@ class ExpertStreamer:
 
     def resize(self, slots: int) -> dict[str, Any]:
         """Change every layer's cache to `slots` slots (new slot buffers; the most valuable experts re-uploaded),
-        returning the new handles to bind."""
+        returning the new handles to bind. Every old slot buffer is freed before the first new one is allocated,
+        so the device never holds both caches (the launches bound to the old buffers run no more: the caller
+        rebinds them before the next step)."""
         self.rt.sync()
         for layer in self.layers:
             for ev in layer.pending:  # prefetches still copying into the buffers about to go
                 self.rt.wait_host(ev)
-            keep = layer.cache.resize(slots)
             layer.pending = []
+            self._free_slots(layer)
+        for layer in self.layers:
+            keep = layer.cache.resize(slots)
             self._alloc_slots(layer, slots)
             for ev in self._upload(layer, layer.cache.prefetch(keep)):
                 self.rt.wait_host(ev)
@@ -664,6 +720,22 @@ class ExpertStreamer:
 
 
 # --- the VRAM guard ----------------------------------------------------------------------------------------------
+
+
+def vram_guard(plan: MemoryPlan, info: tuple[int, int] | None, explicit: bool) -> VRAMGuard | None:
+    """The VRAM guard of a streaming `plan`, from the device's (free, total) memory `info` read before anything
+    was uploaded: low-water mark at the margin the default budget leaves free (`margin`), high-water mark at twice
+    it. An `explicit` budget (`--gpu-mem`) may leave less free than the margin: then the marks are half and all of
+    what it leaves (free memory less the budget), so the guard does not shrink the cache at once, only when
+    another process takes half of that. None where the device does not report its memory, or the budget leaves
+    nothing free to watch."""
+    if info is None or plan.budget is None:
+        return None
+    free, total = info
+    low = margin(total)
+    if explicit:
+        low = min(low, (free - plan.budget) // 2)
+    return VRAMGuard(low, 2 * low) if low > 0 else None
 
 
 class VRAMGuard:
@@ -695,7 +767,7 @@ def guard_step(streamer: ExpertStreamer, guard: VRAMGuard, free: int, log: Calla
     growing adds one slot per layer at a time, up to the planned size."""
     move = guard.reading(free)
     slots = streamer.slots
-    per_slot = sum(h.shape[1] for la in streamer.layers for h in la.host)
+    per_slot = sum(src.nbytes for la in streamer.layers for src in la.host)
     if move < 0 and slots > 1:
         drop = max(1, math.ceil((guard.low - free) / max(per_slot, 1)))
         new = max(1, slots - drop)

@@ -330,3 +330,48 @@ def copy_region_check(r) -> bool:
     out = r.download(x, (300,), "f32")
     return (r.download(s, (1,), "f32")[0] == 4950 and np.array_equal(out[100:200], np.arange(100))
             and not out[:100].any() and not out[200:299].any() and out[299] == 5)
+
+
+def expert_cache_resize_check(r) -> bool:
+    """The memory manager's expert cache on a runtime (`Runtime.alloc`, `free`, `copy_async`, `write`): two MoE
+    layers with caches of 3 slots over 6 experts of two weights (64 and 32 bytes an expert, staged from their
+    sources), shrunk to 2 slots and grown to 4, free all 4 old slot buffers before the first new one is
+    allocated, and after each change the slot the table names for a resident expert holds that expert's bytes."""
+    from polystrata.codegen.recipes import ExpertStream
+    from polystrata.runtimes.memory import ExpertSource, ExpertStreamer
+
+    sizes = {"g": 64, "d": 32}
+    data = {f"{w}{li}": ((np.arange(6 * n) * (3 + li) + n) % 251).astype(np.uint8).reshape(6, n)
+            for li in (0, 1) for w, n in sizes.items()}
+    streams = [ExpertStream((f"g{li}", f"d{li}"), f"t{li}", "r", "l", "x", 6, 2, 4, 1) for li in (0, 1)]
+    st = ExpertStreamer(r, lambda w: ExpertSource(data[w].shape[1], "u8", True, data[w].__getitem__), streams, 3,
+                        pin=False)
+
+    def holds() -> bool:
+        ok = True
+        for layer in st.layers:
+            table = r.download(layer.table_handle, (6,), "i32")
+            n = layer.cache.slots
+            slots = [r.download(dev, (n * data[w].shape[1],), "u8").reshape(n, -1)
+                     for w, dev in zip(layer.stream.weights, layer.device)]
+            resident = [e for e in range(6) if layer.cache.resident(e)]
+            ok &= bool(resident) and all(np.array_equal(s[table[e]], data[w][e])
+                                         for e in resident for w, s in zip(layer.stream.weights, slots))
+        return ok
+
+    for li in (0, 1):
+        st.load(li, [1, 4])
+        st.load(li, [5, 0])  # evicts 1 (least recently used) for 0
+    ok = holds()
+    moves: list[str] = []
+    alloc, free = r.alloc, r.free
+    r.alloc = lambda *a: moves.append("alloc") or alloc(*a)
+    r.free = lambda buf: moves.append("free") or free(buf)
+    try:
+        for slots in (2, 4):
+            moves.clear()
+            st.resize(slots)
+            ok &= moves == ["free"] * 4 + ["alloc"] * 4 and st.slots == slots and holds()
+    finally:
+        del r.alloc, r.free
+    return ok

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 import yaml
-from ir_constructs import copy_region_check
+from ir_constructs import copy_region_check, expert_cache_resize_check
 
 from polystrata.errors import PolystrataError
 from polystrata.runtimes.memory import (
@@ -20,8 +20,12 @@ from polystrata.runtimes.memory import (
     LRUPolicy,
     PrefetchPolicy,
     VRAMGuard,
+    expert_source,
     fit_plans,
+    fmt_bytes,
+    margin,
     parse_gpu_mem,
+    vram_guard,
 )
 from polystrata.synth import synth_model
 
@@ -142,24 +146,76 @@ def test_cli_over_budget_is_one_line(moe, kernel_target, capsys):
     assert len(err) == 1 and err[0].startswith("error: --gpu-mem 2.0 MiB does not hold the model")
 
 
+def _fit(path, rt, n_ctx_train, gpu_mem=None, expert_slots=None):
+    """`fit_plans` of the model's graphs (as the engine has them: all logits, last logits, one-token steps) with
+    no context given: the plans (IR only, nothing compiled) and the memory plan."""
+    from polystrata.engine import tensor_table
+    from polystrata.gguf import GGUFFile
+    from polystrata.models import build_graph
+
+    with GGUFFile(path) as f:
+        graphs = [build_graph(f.metadata, tensor_table(f), all_logits=a) for a in (True, False, False)]
+        return fit_plans(f, graphs, {id(graphs[2]): 1}, rt, None, n_ctx_train, "f16", gpu_mem, expert_slots)
+
+
 def test_cpu_target_unaffected(moe):
-    """Host memory is the cpu target's device memory: no budget, experts resident, the same plans as before."""
+    """Host memory is the cpu target's device memory: experts resident, the same plans as before; the budget,
+    the host's available memory less a margin, only sizes the default context."""
     from polystrata.compiler import compile_plans
     from polystrata.engine import tensor_table
     from polystrata.gguf import GGUFFile
     from polystrata.models import build_graph
+    from polystrata.runtimes.base import host_memory
     from polystrata.runtimes.cpu import CPURuntime
 
     rt = CPURuntime()
     with GGUFFile(moe) as f:
         graphs = [build_graph(f.metadata, tensor_table(f), all_logits=a) for a in (True, False)]
         steps = {id(graphs[1]): 1}
-        plans, mem = fit_plans(f, graphs, steps, rt, None, 2048, "f16", None, 1, 4096)
+        plans, mem = fit_plans(f, graphs, steps, rt, None, 2048, "f16", None, 1)
         before = compile_plans(f, graphs, rt, 2048, "f16", steps)
-    assert mem.budget is None and not mem.streaming and mem.n_ctx == 2048
+    total = host_memory()[1]  # what is available changes from one reading to the next on a shared machine
+    assert 0 < mem.budget <= total - margin(total) and not mem.streaming and mem.n_ctx == 2048
     for g in graphs:
         assert [la.kernel.fingerprint() for la in plans[id(g)].launches] == \
                [la.kernel.fingerprint() for la in before[id(g)].launches]
+
+
+def test_default_context_is_the_models(moe, kernel_target):
+    """Without --ctx the context is the model's (here said to be 64K tokens), its KV cache within the budget; the
+    attention kernels' local memory does not grow with it."""
+    from polystrata.targets import make_runtime
+
+    plans, mem = _fit(moe, make_runtime(TARGET), 65536)
+    assert mem.n_ctx == 65536 and mem.kv_bytes == 2 * 2 * 65536 * 2 * 32 * 2
+    for plan in plans.values():
+        for la in plan.launches:
+            if la.kernel.name.startswith("attn_f16"):
+                assert sum(a.size for a in la.kernel.local if a.name == "s") * 4 <= 16 << 10
+
+
+def test_default_context_on_the_cpu_is_what_host_memory_holds(moe, capsys, monkeypatch):
+    """On the cpu target the host's available memory less a margin sizes the default context, with one line on
+    stderr when it is reduced; a host too small for the model is no error there (the file is mmapped), unless
+    --gpu-mem says so."""
+    from polystrata.runtimes.cpu import CPURuntime
+
+    rt = CPURuntime()
+    full = _fit(moe, rt, 65536)[1]
+    assert full.n_ctx == 65536
+    per_token = full.kv_bytes // 65536
+    host = full.total - full.kv_bytes + 1000 * per_token + margin(16 << 30)  # room for 1000 tokens of KV
+    monkeypatch.setattr(rt, "memory_info", lambda: (host, 16 << 30))
+    capsys.readouterr()
+    mem = _fit(moe, rt, 65536)[1]
+    assert 900 < mem.n_ctx <= 1000 and mem.total <= mem.budget
+    assert capsys.readouterr().err.splitlines() == [
+        f"context: {mem.n_ctx} tokens (the model's is 65536): what the host-memory budget "
+        f"{fmt_bytes(mem.budget)} holds beside the weights"]
+    monkeypatch.setattr(rt, "memory_info", lambda: (1 << 20, 16 << 30))
+    assert _fit(moe, rt, 2048)[1].n_ctx == 2048  # nothing fits: no error, the model's context
+    with pytest.raises(PolystrataError, match=r"--gpu-mem 1\.0 MiB is too small: weights"):
+        _fit(moe, rt, 2048, gpu_mem="1M")
 
 
 # --- streaming: bit-identical logits for every policy ---------------------------------------------------------
@@ -178,7 +234,7 @@ def test_streaming_matches_resident(moe, resident, policy, slots):
         assert np.array_equal(a, b), f"step {i} differs"
     s = st.stats
     assert s.requests > s.hits and s.uploads >= s.requests - s.hits and s.link_bytes > 0
-    per_expert = sum(h.shape[1] for h in st.layers[0].host)
+    per_expert = sum(src.nbytes for src in st.layers[0].host)
     assert s.link_bytes == s.uploads * per_expert
     summary = st.summary()
     assert summary["policy"] == policy and summary["slots"] == slots
@@ -187,15 +243,71 @@ def test_streaming_matches_resident(moe, resident, policy, slots):
         assert s.prefetches > 0  # layer 1's experts predicted at layer 0 of each decode step
 
 
+def _host_bytes(monkeypatch, engine) -> list[int]:
+    """Bytes of each host buffer that runtimes of `engine`'s kind allocate from now on (`alloc_host`), in a list
+    that grows."""
+    sizes: list[int] = []
+    cls = type(engine.runtime)
+    alloc_host = cls.alloc_host
+    monkeypatch.setattr(cls, "alloc_host", lambda rt, n: sizes.append(n) or alloc_host(rt, n))
+    return sizes
+
+
 def test_streaming_staged_from_the_file(moe, resident, monkeypatch):
-    """With little host memory free the experts are not copied into pinned memory: each upload is staged."""
+    """With little host memory free the experts are not copied into host memory at all: each upload is staged
+    from the mmapped file (the plans keep the file's Q8_0 layout) through the ring of 4 buffers of one expert."""
     import polystrata.runtimes.memory as mm
 
     _, want = resident
     monkeypatch.setattr(mm, "host_memory", lambda: (1 << 20, 1 << 30))
+    sizes = _host_bytes(monkeypatch, resident[0])
     eng = _engine(moe, expert_slots=2)
-    assert eng.executor.streamer.staging is not None
+    st = eng.executor.streamer
+    assert st.staging is not None and all(la.pinned is None for la in st.layers)
+    assert all(src.mapped and src.expert(3).base is not None for la in st.layers for src in la.host)
+    assert sizes == [max(src.nbytes for la in st.layers for src in la.host)] * 4
     assert all(np.array_equal(a, b) for a, b in zip(_outputs(eng), want))
+
+
+def test_pinned_experts_copied_once_expert_by_expert(moe, resident, monkeypatch):
+    """With host memory to spare the experts are copied into pinned memory, one expert at a time from the file:
+    the host holds that copy (the size of the streamed tensors) and nothing else of them."""
+    sizes = _host_bytes(monkeypatch, resident[0])
+    eng = _engine(moe, expert_slots=2)
+    st = eng.executor.streamer
+    files = {w: eng.file.tensors[w].nbytes for la in st.layers for w in la.stream.weights}
+    assert st.staging is None and sorted(sizes) == sorted(files.values())
+    la = st.layers[1]
+    assert np.array_equal(la.pinned[2][5], np.asarray(eng.file.raw(la.stream.weights[2])[5]).reshape(-1))
+
+
+@pytest.mark.parametrize("fmt_name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_expert_source_repacks_one_expert(fmt_name):
+    """Where a target keeps a layout of its own (sliced Q4_K, padded Q6_K rows on wide-load GPUs) or f32, an
+    expert's bytes are repacked alone, the same bytes as that expert's share of the whole tensor repacked."""
+    from types import SimpleNamespace
+
+    from polystrata.compiler.passes import storage_format
+    from polystrata.compiler.plan import BufferSpec
+    from polystrata.ir import quant as Q
+
+    fmt = Q.FORMATS[fmt_name]
+    shape = (3, 4, 512)  # experts, rows, columns
+    raw = np.random.default_rng(0).integers(0, 256, (3, 4, Q.row_bytes(fmt, 512)), dtype=np.uint8)
+    if fmt_name == "Q8_0":  # decodable values for the f32 path
+        raw = Q.quantize(fmt, np.random.default_rng(1).standard_normal((12, 512)).astype(np.float32))
+        raw = np.asarray(raw).reshape(3, 4, -1)
+    file = SimpleNamespace(tensors={"w": SimpleNamespace(fmt=fmt, shape=shape)}, raw=lambda _name: raw)
+    store = storage_format(fmt, 512)
+    src = expert_source(file, BufferSpec("w", "u8", raw.size, "weight", store))
+    whole = Q.repack(raw, fmt, store).reshape(3, -1)
+    assert src.mapped == (store == fmt) and src.nbytes == whole.shape[1]
+    assert all(np.array_equal(src.expert(e), whole[e]) for e in range(3))
+    if fmt_name == "Q8_0":
+        f32 = expert_source(file, BufferSpec("w", "f32", 3 * 4 * 512, "weight", store))
+        values = Q.dequantize(fmt, raw.reshape(-1), shape).reshape(3, -1)
+        assert not f32.mapped and f32.nbytes == 4 * 4 * 512
+        assert all(np.array_equal(f32.expert(e).view(np.float32), values[e]) for e in range(3))
 
 
 def test_streaming_kernels_only_in_streaming_plans(resident, moe):
@@ -211,6 +323,12 @@ def test_runtime_copy_async_into_a_region(kernel_target):
     from polystrata.targets import make_runtime
 
     assert copy_region_check(make_runtime(TARGET))
+
+
+def test_runtime_expert_cache_resize(kernel_target):
+    from polystrata.targets import make_runtime
+
+    assert expert_cache_resize_check(make_runtime(TARGET))
 
 
 # --- the cache's bookkeeping against hand-computed traces --------------------------------------------------------
@@ -286,6 +404,11 @@ def test_guard_shrinks_and_grows_the_cache(moe, resident, monkeypatch):
     ex.log = logs.append
     readings = iter([(10**6, 10**7)] + [(500, 10**7)] * 2 + [(10**6, 10**7)] * 2)
     monkeypatch.setattr(eng.runtime, "memory_info", lambda: next(readings))
+    moves: list[tuple[str, int]] = []  # device allocations and frees, in order
+    alloc, free = eng.runtime.alloc, eng.runtime.free
+    monkeypatch.setattr(eng.runtime, "alloc", lambda *a: moves.append(("alloc", id(buf := alloc(*a)))) or buf)
+    monkeypatch.setattr(eng.runtime, "free", lambda buf: moves.append(("free", id(buf))) or free(buf))
+    old = [id(b) for la in ex.streamer.layers for b in la.device]
     slots = []
     eng.reset()
     got = [eng.forward(PROMPT, all_logits=True)]
@@ -296,10 +419,68 @@ def test_guard_shrinks_and_grows_the_cache(moe, resident, monkeypatch):
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
     # Readings after each step: high (patience 2: no move), low, low -> shrink to 3, high, high -> grow back to 4.
     assert slots == [4, 4, 3, 3, 4]
+    # Each resize frees all 6 slot buffers (2 layers x gate, up, down) before it allocates the first new one.
+    assert [m for m, _ in moves] == ["free"] * 6 + ["alloc"] * 6 + ["free"] * 6 + ["alloc"] * 6
+    assert [b for _, b in moves[:6]] == old and [b for _, b in moves[12:18]] == [b for _, b in moves[6:12]]
     assert len(logs) == 2 and "4 -> 3" in logs[0] and "3 -> 4" in logs[1]
 
 
+def test_guard_marks_follow_an_explicit_budget():
+    """The marks are the default margin and twice it, unless an explicit budget leaves less free than the
+    margin: then half and all of what it leaves; nothing left free (or no reading): no guard."""
+    from polystrata.runtimes.memory import MemoryPlan
+
+    def marks(budget, explicit, info=(4 << 30, 8 << 30)):
+        g = vram_guard(MemoryPlan(budget, 0, 1, 1, 8, 2, 0, 0, 64), info, explicit)
+        return None if g is None else (g.low, g.high)
+
+    m = margin(8 << 30)
+    assert m == 512 << 20
+    assert marks((4 << 30) - m, False) == (m, 2 * m)
+    assert marks(1 << 30, True) == (m, 2 * m)  # leaves 3 GiB: the default marks
+    left = (4 << 30) - int(0.99 * (4 << 30))
+    assert marks(int(0.99 * (4 << 30)), True) == (left // 2, left // 2 * 2)
+    assert marks(4 << 30, True) is None and marks(5 << 30, True) is None
+    assert marks(1 << 30, True, None) is None
+
+
+def test_guard_under_an_explicit_budget_waits_for_real_pressure(moe, resident, monkeypatch):
+    """--gpu-mem 99% of a (scripted) device leaves 41 MiB free: readings of 30 MiB, far below the default margin
+    of 512 MiB, do not shrink the cache; two of 10 MiB (below half of what the budget left) do."""
+    _, want = resident
+    free, total = 4 << 30, 8 << 30
+    state = {"free": free}
+    monkeypatch.setattr(type(resident[0].runtime), "memory_info", lambda _rt: (state["free"], total))
+    eng = _engine(moe, expert_slots=4, gpu_mem="99%")
+    ex = eng.executor
+    left = free - int(0.99 * free)
+    assert eng.memory.budget == int(0.99 * free) and (ex.guard.low, ex.guard.high) == (left // 2, left // 2 * 2)
+    slots, got = [], []
+    eng.reset()
+    for i, tokens in enumerate([PROMPT, *[[t] for t in DECODE]]):
+        state["free"] = (30 << 20) if i < 3 else (10 << 20)
+        got.append(eng.forward(tokens, all_logits=i == 0))
+        slots.append(ex.streamer.slots)
+    assert slots == [4, 4, 4, 4, 1]
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
 # --- the CLI's outputs -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cmd", [
+    ["run", "--gpu-mem", "1G", "-n", "1"], ["score", "--text", "hi", "-o", "x.npz", "--expert-policy", "lfu"],
+    ["compile", "--expert-slots", "2", "-o", "art"], ["bench", "--gpu-mem", "50%", "--expert-slots", "1"]])
+def test_reference_target_refuses_the_memory_options(moe, capsys, tmp_path, monkeypatch, cmd):
+    """The reference target has no device memory to plan: --gpu-mem, --expert-slots and --expert-policy are one
+    line of error there, before the model is loaded, and nothing is written."""
+    from polystrata.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([cmd[0], str(moe), "--target", "reference", *cmd[1:]]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --") and "reference target plans no device memory" in err[0]
+    assert not list(tmp_path.iterdir())
 
 
 def test_run_verbose_prints_the_plan(moe, kernel_target, capsys):

@@ -96,10 +96,16 @@ def test_attention_runs(rt, kv, gqa, window, softcap, lanes, heads, splits):
 
 
 def test_attention_splits_grow_with_the_context_in_one_token_steps():
-    """splits "auto": on GPUs up to 8 runs, and in one-token plans enough that none holds more than
-    DECODE_RUN_KEYS keys at a full context (flash-decoding), each group taking the 4 query heads of a KV head
-    beyond LONG_CONTEXT (heads "auto"); on the CPU one group per head."""
-    from polystrata.codegen.recipes.attention import DECODE_RUN_KEYS, LONG_CONTEXT, MIN_RUN_KEYS
+    """splits "auto": on GPUs up to 8 runs, and enough that none holds more than DECODE_RUN_KEYS keys (one-token
+    plans: flash-decoding) or PREFILL_RUN_KEYS keys at a full context, each group taking the 4 query heads of a KV
+    head beyond LONG_CONTEXT (heads "auto"); on the CPU one group per head. All by the key span, not n_ctx."""
+    from polystrata.codegen.recipes.attention import (
+        DECODE_RUN_KEYS,
+        LONG_CONTEXT,
+        MIN_RUN_KEYS,
+        PREFILL_RUN_KEYS,
+        key_span,
+    )
 
     g = _attention_graph(32, 8, 128)
 
@@ -110,14 +116,42 @@ def test_attention_splits_grow_with_the_context_in_one_token_steps():
         return dict(launches[1].kernel.knobs), len(launches)
 
     n_ctx = 32768 + 64
+    span = key_span(n_ctx)
+    assert span == 33792
     runs = {"two_pass": 1, "min_run": MIN_RUN_KEYS}
-    assert attn(128, 1, n_ctx) == ({**runs, "splits": -(-n_ctx // DECODE_RUN_KEYS), "heads": 4}, 3)
-    assert -(-n_ctx // DECODE_RUN_KEYS) == 513
-    assert attn(128, 16, n_ctx) == ({**runs, "splits": 8}, 3)
+    assert attn(128, 1, n_ctx) == ({**runs, "splits": span // DECODE_RUN_KEYS, "heads": 4}, 3)
+    assert attn(128, 16, n_ctx) == ({**runs, "splits": 9}, 3)  # 33792 / 4096, rounded up
+    assert attn(128, 16, 131072) == ({**runs, "splits": 131072 // PREFILL_RUN_KEYS}, 3)
     assert attn(128, 1, LONG_CONTEXT) == ({**runs, "splits": LONG_CONTEXT // DECODE_RUN_KEYS}, 3)
-    assert attn(128, 1, 640) == ({**runs, "splits": 10}, 3)
-    assert attn(128, 1, 256) == ({**runs, "splits": 8}, 3)
+    assert attn(128, 1, 640) == ({**runs, "splits": 16}, 3)  # the span, 1024, in runs of 64
+    assert attn(128, 1, 256) == ({**runs, "splits": 4}, 3)
     assert attn(1, 1, n_ctx) == ({"two_pass": 1, "splits": 1}, 2)
+
+
+def test_attention_kernels_depend_on_the_key_span_only():
+    """Contexts within one key span compile to the same kernels (the kernel cache is shared); a GPU group's scores
+    stay within 16 KiB of local memory at any context. (test_attention_runs checks kernels whose span, 64, exceeds
+    the context, 40.)"""
+    from polystrata.codegen.recipes.attention import key_span
+
+    assert [key_span(n) for n in (1, 2, 40, 64, 65, 1024, 1025, 5000, 8192)] == \
+        [1, 2, 64, 64, 128, 1024, 2048, 5120, 8192]
+    g = _attention_graph(32, 8, 128)
+
+    def kernels(lanes, t_max, n_ctx):
+        ctx = recipe_context(g, n_ctx=n_ctx, lanes=lanes)
+        ctx.t_max = t_max
+        return [la.kernel for la in recipe("attention").lower(g.nodes, ctx)]
+
+    for lanes, t_max in ((1, 16), (128, 16), (128, 1)):
+        assert [k.fingerprint() for k in kernels(lanes, t_max, 4100)] == \
+               [k.fingerprint() for k in kernels(lanes, t_max, 5120)]
+        assert [k.fingerprint() for k in kernels(lanes, t_max, 5120)] != \
+               [k.fingerprint() for k in kernels(lanes, t_max, 5121)]
+    for t_max in (1, 16):
+        for n_ctx in (8192, 131072, 262144):
+            attn = kernels(128, t_max, n_ctx)[1]
+            assert sum(a.size for a in attn.local if a.name == "s") * 4 <= 16 << 10
 
 
 @pytest.mark.parametrize("kv,mode,dims,lanes,qk_norm", [

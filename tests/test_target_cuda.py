@@ -18,7 +18,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ir_constructs import GRID, cases, check_case, copy_region_check, grid_kernel, reduce_kernel, run, shared_kernel
+from ir_constructs import (
+    GRID,
+    cases,
+    check_case,
+    copy_region_check,
+    expert_cache_resize_check,
+    grid_kernel,
+    reduce_kernel,
+    run,
+    shared_kernel,
+)
 
 from polystrata.codegen.cuda import render
 from polystrata.errors import PolystrataError
@@ -130,6 +140,12 @@ def test_buffers_and_empty_grid(rt):
 @inner
 def test_copy_async_into_a_region(rt):
     assert copy_region_check(rt)
+
+
+@inner
+def test_expert_cache_resize(rt):
+    """A resized expert cache frees its old slot buffers before allocating the new (`CUDARuntime.free`)."""
+    assert expert_cache_resize_check(rt)
 
 
 # --- render-only checks (this process: no numba.cuda import) ---------------------------------------------

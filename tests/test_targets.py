@@ -69,14 +69,14 @@ def test_long_context_decode_splits_and_groups_heads(tiny_models, target):
     """Past LONG_CONTEXT, one-token plans on GPU-shaped targets split each KV head's keys into many runs and give a
     group all its query heads (gemma3: GQA 4 to 1, sliding windows of 8 and global layers); decode steps after a
     prompt of two prefill chunks agree with the reference."""
-    from polystrata.codegen.recipes.attention import DECODE_RUN_KEYS, LONG_CONTEXT
+    from polystrata.codegen.recipes.attention import DECODE_RUN_KEYS, LONG_CONTEXT, key_span
 
     path = tiny_models("gemma3", "Q8_0")
     n_ctx = LONG_CONTEXT + 64
     got = Engine(path, target=target, n_ctx=n_ctx)
     attn = [dict(la.kernel.knobs) for la in got.executor.plans[id(got.graph_step)].launches
             if la.kernel.name.startswith("attn_") and not la.kernel.name.startswith("attn_combine")]
-    assert attn and all(k["heads"] == 4 and k["splits"] == -(-n_ctx // DECODE_RUN_KEYS) for k in attn), attn
+    assert attn and all(k["heads"] == 4 and k["splits"] == key_span(n_ctx) // DECODE_RUN_KEYS for k in attn), attn
     ref = Engine(path, target="reference", n_ctx=n_ctx)
     ids = _prompt(300)
     _close(got.forward(ids), ref.forward(ids))

@@ -8,19 +8,23 @@ d = max|x| / |anchor| as f16 and codes round(x / d) clipped to the anchor. Recip
 launch: n_head more groups rope q into the rope's output, and the K groups rope K on its way into the cache.
 
 Launch 2 (`attn`): grid (T, n_head / heads); two-pass softmax with the scores of the visible keys in local memory
-(size n_ctx): scores (K decoded block by block; with lanes, keys in tiles, `kparts` lanes per key adding their
-shares of the dot product through a local array), Reduce max, LaneFor exp, Reduce
+(room for a run's: the key span / splits): scores (K decoded block by block; with lanes, keys in tiles, `kparts`
+lanes per key adding their shares of the dot product through a local array), Reduce max, LaneFor exp, Reduce
 sum, then a LaneFor over (V block, part) accumulates p_j * v_j, `parts` lanes sharing a block (`Decoder.walk`'s
 split; with one element a lane, in registers, else into a local output row). Knob `heads` (GQA): a group takes
 that many query heads of one KV head, each K and V value decoded once for all of them ("auto": all of them in
 one-token GPU plans of contexts longer than LONG_CONTEXT, where their scores fit GROUP_SCORES).
 
-Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by n_ctx, and in one-token plans at least
-n_ctx / DECODE_RUN_KEYS: flash-decoding): one group per head leaves most of a GPU idle at decode, so launch 2
-runs `splits` groups per (token, head), each over its run of the keys (equal shares of the keys visible at run
-time, at least knob `min_run` long), writing unnormalised partials (output row, max score, sum of exponentials)
-to plan scratch, and launch 3 (`attention_combine_kernel`) rescales and adds those of the runs holding keys;
-where the output projection takes int8 activations, the combine writes them too (`Launch.provides`).
+The kernels depend on the context only through its key span (`key_span`: n_ctx rounded up), so contexts that
+differ a little share kernel sources; and however long the context, a GPU group's run of keys holds at most
+DECODE_RUN_KEYS (one-token plans) or PREFILL_RUN_KEYS keys, so their scores fit local memory.
+
+Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by the span, and at least span / PREFILL_RUN_KEYS,
+in one-token plans span / DECODE_RUN_KEYS: flash-decoding): one group per head leaves most of a GPU idle at
+decode, so launch 2 runs `splits` groups per (token, head), each over its run of the keys (equal shares of the
+keys visible at run time, at least knob `min_run` long), writing unnormalised partials (output row, max score, sum
+of exponentials) to plan scratch, and launch 3 (`attention_combine_kernel`) rescales and adds those of the runs
+holding keys; where the output projection takes int8 activations, the combine writes them too (`Launch.provides`).
 """
 
 from __future__ import annotations
@@ -70,6 +74,21 @@ MIN_RUN_KEYS = 8
 # a head: reading the cache costs little there, and a group's softmax reductions, one a head, would add up.
 LONG_CONTEXT = 4096
 GROUP_SCORES = 4096
+# Steps of several tokens on GPUs: runs of at most PREFILL_RUN_KEYS keys, so a group's scores (16 KiB of f32) fit
+# the local memory of any GPU at any context (a 128K context would need 64 KiB a group with 8 runs).
+PREFILL_RUN_KEYS = 4096
+# Contexts longer than SPAN_GRANULE keys are rounded up to a multiple of it for the kernels, shorter ones to a power
+# of two (`key_span`).
+SPAN_GRANULE = 1024
+
+
+def key_span(n_ctx: int) -> int:
+    """The context the attention kernels are made for: `n_ctx` rounded up to a power of two, or beyond
+    SPAN_GRANULE to a multiple of it. The kernels serve any context up to their span (runs of keys are worked out
+    at run time), so contexts that differ a little compile to the same kernel sources."""
+    if n_ctx <= SPAN_GRANULE:
+        return 1 << max(n_ctx - 1, 0).bit_length()
+    return -(-n_ctx // SPAN_GRANULE) * SPAN_GRANULE
 
 
 def _kv_fmt(fmt: QuantFormat, d: int) -> QuantFormat:
@@ -421,24 +440,25 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     else:
         store = Launch(kv_store_kernel(f"kv_store_{heads}", fmt, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
     tag = f"{heads}_{a['window']}_{stable_digest((a['scale'], a['softcap']), 8)}"
+    span = key_span(ctx.n_ctx)
     splits = ctx.knob("attention", "splits", "auto")
     if splits == "auto":  # GPUs: enough groups to fill the device (one per head is 32 for 132 SMs)
-        splits = 1 if ctx.lanes == 1 else max(1, min(8, ctx.n_ctx // 64))
-        if ctx.lanes > 1 and ctx.t_max == 1:  # one token: runs of at most DECODE_RUN_KEYS keys (flash-decoding)
-            splits = max(splits, -(-ctx.n_ctx // DECODE_RUN_KEYS))
+        splits = 1 if ctx.lanes == 1 else max(1, min(8, span // 64))
+        if ctx.lanes > 1:  # one token: runs of at most DECODE_RUN_KEYS keys (flash-decoding); else PREFILL_RUN_KEYS
+            splits = max(splits, -(-span // (DECODE_RUN_KEYS if ctx.t_max == 1 else PREFILL_RUN_KEYS)))
     splits = int(splits)
     min_run = ctx.knob("attention", "min_run", "auto")
     min_run = int(MIN_RUN_KEYS if min_run == "auto" and ctx.lanes > 1 else 1 if min_run == "auto" else min_run)
     heads = ctx.knob("attention", "heads", "auto")
     if heads == "auto":  # long one-token GPU plans: a KV head's query heads together, their scores in local memory
-        run = max(-(-ctx.n_ctx // splits), min_run)
+        run = max(-(-span // splits), min_run)
         heads = 1
-        if ctx.lanes > 1 and ctx.t_max == 1 and ctx.n_ctx > LONG_CONTEXT:
+        if ctx.lanes > 1 and ctx.t_max == 1 and span > LONG_CONTEXT:
             heads = max(h for h in range(1, hq // hkv + 1) if (hq // hkv) % h == 0 and h * run <= GROUP_SCORES)
     heads = int(heads)
     window = int(a["window"])
     at = attention_kernel(f"attn_{tag}_{splits}" + (f"_r{min_run}" if splits > 1 else "") +
-                          (f"_h{heads}" if heads > 1 else ""), fmt, hq, hkv, d, dv, ctx.n_ctx, float(a["scale"]),
+                          (f"_h{heads}" if heads > 1 else ""), fmt, hq, hkv, d, dv, span, float(a["scale"]),
                           window, float(a["softcap"] or 0.0), ctx.lanes, splits, min_run, heads)
     io = (("q", q), ("kc", kn), ("vc", vn), ("positions", p))
     if splits == 1:

@@ -25,7 +25,7 @@ from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import STEP_SYMBOLS, Buf
 from polystrata.ir.quant import repack
 from polystrata.runtimes.base import CompiledKernel, Runtime, eval_int
-from polystrata.runtimes.memory import ExpertStreamer, VRAMGuard, guard_step
+from polystrata.runtimes.memory import ExpertStreamer, VRAMGuard, expert_source, guard_step
 
 
 class _BoundLaunch:
@@ -141,17 +141,10 @@ class PlanExecutor:
         if not streams:
             return None
 
-        def host_bytes(name: str) -> np.ndarray:
-            spec = specs[name]
-            if spec.dtype == "f32":
-                return np.ascontiguousarray(file.dequantize(name), np.float32).view(np.uint8)
-            return repack(np.asarray(file.raw(name)), file.tensors[name].fmt, spec.fmt)
-
         routers = {gate: np.asarray(file.dequantize(r), np.float32)
                    for gate, r in (experts.get("routers") or {}).items() if r is not None}
-        return ExpertStreamer(self.rt, host_bytes, list(streams.values()), experts["slots"],
-                              experts.get("policy", "lru"), routers, experts.get("log"),
-                              {name: spec.dtype for name, spec in specs.items()})
+        return ExpertStreamer(self.rt, lambda name: expert_source(file, specs[name]), list(streams.values()),
+                              experts["slots"], experts.get("policy", "lru"), routers, experts.get("log"))
 
     def reset(self) -> None:
         """Start a new sequence; KV rows past n_past are never read, so nothing is cleared."""
