@@ -469,7 +469,7 @@ def test_guard_under_an_explicit_budget_waits_for_real_pressure(moe, resident, m
 
 
 @pytest.mark.parametrize("cmd", [
-    ["run", "--gpu-mem", "1G", "-n", "1"], ["score", "--text", "hi", "-o", "x.npz", "--expert-policy", "lfu"],
+    ["run", "-p", "hi", "--gpu-mem", "1G", "-n", "1"], ["score", "--text", "hi", "-o", "x.npz", "--expert-policy", "lfu"],
     ["compile", "--expert-slots", "2", "-o", "art"], ["bench", "--gpu-mem", "50%", "--expert-slots", "1"]])
 def test_reference_target_refuses_the_memory_options(moe, capsys, tmp_path, monkeypatch, cmd):
     """The reference target has no device memory to plan: --gpu-mem, --expert-slots and --expert-policy are one
