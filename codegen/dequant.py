@@ -1,9 +1,9 @@
-"""Quantization formats (`ir.quant.QuantFormat`) -> kernel IR, derived from the description alone.
+"""Quantization formats (`ir.formats.QuantFormat`) -> kernel IR, derived from the description alone.
 
 A format says how element `i` of a block decodes (`lets` + `value`). This module turns that into kernel IR that
 reads a weight buffer (raw `u8` bytes; `f32` elements for the F32 format) at a run-time block address:
 
-* `Load(field, idx)` becomes byte loads at `block_base + field.offset + idx * size`, assembled little-endian
+* `FieldLoad(field, idx)` becomes byte loads at `block_base + field.offset + idx * size`, assembled little-endian
   (u16/u32 by shifts and ors, i8 by sign extension); f16 fields go through the `f16_bits_to_f32` intrinsic and
   bf16 fields through exact arithmetic on their bits (no bit-cast intrinsic needed).
 * Lets are hoisted by their `group`: block lets once per block, each group's lets once per group, per-element
@@ -23,9 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from polystrata.ir import quant as Q
-from polystrata.ir.kernel import Call, Cast, Decl, For, Let, Load, Select, rewrite, substitute
-from polystrata.ir.quant import Bin, Const, Expr, QuantFormat, Table, ToF32, Var
+from polystrata.ir.expr import PY_OPS, Bin, Const, Expr, FieldLoad, Table, ToF32, Var, expr_children
+from polystrata.ir.formats import SLICE, Field, QuantFormat
+from polystrata.ir.kernel import Call, Cast, Decl, For, Let, Load, Select, substitute
+from polystrata.ir.layout import place_slices
 
 _SIZES = {"u8": 1, "i8": 1, "u16": 2, "bf16": 2, "f16": 2, "u32": 4, "i32": 4, "f32": 4}
 
@@ -45,67 +46,7 @@ def block_stride(fmt: QuantFormat) -> int:
     (the blocks' first slices lie side by side)."""
     if weight_dtype(fmt) == "f32":
         return fmt.block_size
-    return Q.SLICE if fmt.row_blocks else fmt.block_bytes
-
-
-def place_slices(stmts, buf: str, base: Expr, fmt: QuantFormat):
-    """`stmts` with each load of `buf` at `base + off` (`off` a byte offset inside a block of `fmt`, as the
-    decoders address fields) moved to where a `sliced` layout keeps that byte: `base + (off // 16) * S + off % 16`
-    for a row of S / 16 blocks (`base` is then the block's first slice). Where `off` is a constant plus multiples
-    of 16 (a lane's run starting on a slice) the result is folded to the same form, so addresses stay a base plus
-    constants and lane terms (what wide loads and alignment proofs need); otherwise it is computed at run time.
-    Unsliced formats: `stmts` as they are."""
-    if not fmt.row_blocks:
-        return stmts
-    stride = fmt.row_blocks * Q.SLICE
-
-    def place(off: Expr) -> Expr:
-        lin = _linear(off)
-        if lin is not None and all(c % Q.SLICE == 0 for c in lin[1].values()):
-            k, terms = lin
-            out: Expr = Const(k // Q.SLICE * stride + k % Q.SLICE)
-            for t, c in terms.items():
-                out = out + t * (c // Q.SLICE * stride)
-            return out
-        return (off // Q.SLICE) * stride + off % Q.SLICE
-
-    def addr(a: Expr) -> Expr:
-        if a == base:
-            return a
-        if isinstance(a, Bin) and a.op == "+" and a.a == base:
-            return base + place(a.b)
-        raise ValueError(f"{fmt.name}: a load of {buf} at {a!r}, not at the block base plus an offset")
-
-    def fn(e):
-        if isinstance(e, Load) and e.buf == buf:
-            return Load(buf, addr(e.index), e.align)
-        if isinstance(e, Call) and e.fn == "load_u32" and e.args[0] == Var(buf):
-            return Call("load_u32", e.args[0], addr(e.args[1]), e.args[2])
-        return e
-
-    return rewrite(stmts, fn)
-
-
-def _linear(e: Expr) -> tuple[int, dict] | None:
-    """`e` as (constant, {term: coefficient}): a sum of integer multiples of subexpressions taken whole (any but
-    sums, differences and products with a constant); None where a constant in it is not an integer."""
-    if isinstance(e, Const):
-        return (e.value, {}) if isinstance(e.value, int) and not isinstance(e.value, bool) else None
-    if isinstance(e, Bin) and e.op in ("+", "-"):
-        a, b = _linear(e.a), _linear(e.b)
-        if a is None or b is None:
-            return None
-        sign = 1 if e.op == "+" else -1
-        terms = dict(a[1])
-        for t, c in b[1].items():
-            terms[t] = terms.get(t, 0) + sign * c
-        return a[0] + sign * b[0], {t: c for t, c in terms.items() if c}
-    if isinstance(e, Bin) and e.op == "*":
-        for x, y in ((e.a, e.b), (e.b, e.a)):
-            if isinstance(y, Const) and isinstance(y.value, int) and not isinstance(y.value, bool):
-                lin = _linear(x)
-                return None if lin is None else (lin[0] * y.value, {t: c * y.value for t, c in lin[1].items()})
-    return 0, {e: 1}
+    return SLICE if fmt.row_blocks else fmt.block_bytes
 
 
 # --- symbolic index values: ints, affine forms a*i0 + b (0 <= i0 < L), or opaque kernel expressions ---------
@@ -143,7 +84,7 @@ class _Lowerer:
             r = _fold(e.op, a, b, self.span)
             if r is not None:
                 return r
-        if isinstance(e, Q.Select):
+        if isinstance(e, Select):
             c = self.sym(e.cond)
             if isinstance(c, bool):
                 return self.sym(e.a if c else e.b)
@@ -179,7 +120,7 @@ class _Lowerer:
             if e.name in self._index_lets:
                 return self.expr(self.fmt.let(e.name).expr)
             return self.env[e.name]
-        if isinstance(e, Q.Load):
+        if isinstance(e, FieldLoad):
             f = self.fmt.field(e.field)
             idx = self.sym(e.index)
             if not isinstance(idx, int | _Aff):
@@ -187,18 +128,18 @@ class _Lowerer:
             return self.load_field(f, idx)
         if isinstance(e, Bin):
             return Bin(e.op, self.expr(e.a), self.expr(e.b))
-        if isinstance(e, Q.Select):
+        if isinstance(e, Select):
             return Select(self.expr(e.cond), self.expr(e.a), self.expr(e.b))
         if isinstance(e, ToF32):
             a = e.a
-            if isinstance(a, Q.Load) and self.fmt.field(a.field).dtype in ("f16", "bf16", "f32"):
+            if isinstance(a, FieldLoad) and self.fmt.field(a.field).dtype in ("f16", "bf16", "f32"):
                 return self.lower(a)  # float loads already decode to f32
             return Cast("f32", self.expr(a))
         if isinstance(e, Table):
             return Table(e.name, self.expr(e.index))
         raise TypeError(f"cannot lower {e!r}")
 
-    def load_field(self, f: Q.Field, idx) -> Expr:
+    def load_field(self, f: Field, idx) -> Expr:
         size = _SIZES[f.dtype]
         if weight_dtype(self.fmt) == "f32":  # F32 format: the buffer holds floats (base counts elements)
             return Load(self.buf, self.base + self.to_expr(idx) if idx != 0 else self.base)
@@ -287,7 +228,7 @@ def _fold(op: str, a, b, span: int):
     """Constant / affine folding of `a op b`; None when the result is not int, bool or affine."""
     ints = isinstance(a, int) and not isinstance(a, bool) and isinstance(b, int) and not isinstance(b, bool)
     if ints:
-        return Q._PY_OPS[op](a, b)
+        return PY_OPS[op](a, b)
     if isinstance(a, _Aff) and isinstance(b, int) and not isinstance(b, bool):
         lo, hi = a.b, a.b + a.a * (span - 1)  # a.a >= 0 in every format
         if op == "+":
@@ -309,7 +250,7 @@ def _fold(op: str, a, b, span: int):
             if lo // m == hi // m:
                 return _Aff(a.a, a.b - (lo // m) * m)
         if op in ("<", "<=", "==", "!="):
-            vals = [Q._PY_OPS[op](lo, b), Q._PY_OPS[op](hi, b)]
+            vals = [PY_OPS[op](lo, b), PY_OPS[op](hi, b)]
             if op in ("<", "<=") and vals[0] == vals[1]:
                 return vals[0]
     if isinstance(a, int) and isinstance(b, _Aff) and op == "+":
@@ -340,7 +281,7 @@ def _depends_only_on_i(e: Expr, ok: set[str]) -> bool:
         return e.name == "i" or e.name in ok
     if isinstance(e, Bin):
         return _depends_only_on_i(e.a, ok) and _depends_only_on_i(e.b, ok)
-    if isinstance(e, Q.Select):
+    if isinstance(e, Select):
         return all(_depends_only_on_i(x, ok) for x in (e.cond, e.a, e.b))
     return False
 
@@ -353,12 +294,12 @@ def widen(fmt: QuantFormat, n: int = 32) -> QuantFormat:
     if fmt.block_size != 1:
         return fmt
     (f,) = fmt.fields
-    return QuantFormat(f"{fmt.name}x{n}", None, n, n * f.nbytes, (Q.Field(f.name, 0, f.dtype, n),), (),
+    return QuantFormat(f"{fmt.name}x{n}", None, n, n * f.nbytes, (Field(f.name, 0, f.dtype, n),), (),
                        _subst_i(fmt.value))
 
 
 def _subst_i(e: Expr) -> Expr:
-    # Field indices of one-element formats are `i` already (Load("v", i)); nothing to rewrite but keep a copy.
+    # Field indices of one-element formats are `i` already (FieldLoad("v", i)); nothing to rewrite but keep a copy.
     return e
 
 
@@ -560,12 +501,12 @@ def inline_elem_lets(fmt: QuantFormat, e: Expr) -> Expr:
         return inline_elem_lets(fmt, lt.expr) if lt.group == 1 else e
     if isinstance(e, Bin):
         return Bin(e.op, inline_elem_lets(fmt, e.a), inline_elem_lets(fmt, e.b))
-    if isinstance(e, Q.Select):
-        return Q.Select(inline_elem_lets(fmt, e.cond), inline_elem_lets(fmt, e.a), inline_elem_lets(fmt, e.b))
+    if isinstance(e, Select):
+        return Select(inline_elem_lets(fmt, e.cond), inline_elem_lets(fmt, e.a), inline_elem_lets(fmt, e.b))
     if isinstance(e, ToF32):
         return ToF32(inline_elem_lets(fmt, e.a))
-    if isinstance(e, Q.Load):
-        return Q.Load(e.field, inline_elem_lets(fmt, e.index))
+    if isinstance(e, FieldLoad):
+        return FieldLoad(e.field, inline_elem_lets(fmt, e.index))
     if isinstance(e, Table):
         return Table(e.name, inline_elem_lets(fmt, e.index))
     return e
@@ -594,9 +535,9 @@ def _group_of(fmt: QuantFormat, e: Expr) -> int:
             if x.name == "i":
                 return 1
             g = min(g, fmt.let(x.name).group)
-        elif isinstance(x, Q.Load):
+        elif isinstance(x, FieldLoad):
             return 1 if not _const_index(x.index) else g
-        stack.extend(Q._children(x))
+        stack.extend(expr_children(x))
     return g
 
 
@@ -606,7 +547,7 @@ def _const_index(e: Expr) -> bool:
 
 def _iter(e: Expr):
     yield e
-    for c in Q._children(e):
+    for c in expr_children(e):
         yield from _iter(c)
 
 
@@ -634,4 +575,4 @@ def affine(fmt: QuantFormat) -> Affine | None:
 
 
 def _is_float_load(fmt: QuantFormat, e: Expr) -> bool:
-    return isinstance(e, Q.Load) and fmt.field(e.field).dtype in ("f16", "bf16", "f32")
+    return isinstance(e, FieldLoad) and fmt.field(e.field).dtype in ("f16", "bf16", "f32")

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 
 from polystrata.errors import GGUFError
+from polystrata.ir import evaluate
+from polystrata.ir.formats import by_ggml_type
 
 __all__ = [
     "DEFAULT_ALIGNMENT",
@@ -144,14 +146,6 @@ _NATIVE_TENSOR_DTYPES: dict[int, np.dtype] = {
 }
 
 
-def _quant():
-    # Imported on use: ir.quant may import from this module, and the reader should still give a
-    # clean error (rather than an ImportError at import time) while the package is half-built.
-    from polystrata.ir import quant
-
-    return quant
-
-
 def _q(name: str) -> str:
     """`name` quoted for a one-line message: corrupt files can put newlines or junk in names."""
     if len(name) > 200:
@@ -168,7 +162,7 @@ class TensorInfo:
     """One tensor of a GGUF file.
 
     `shape` is in numpy order (outermost first: the reverse of GGUF's `ne`), `fmt` the format object
-    from `polystrata.ir.quant.by_ggml_type`, `offset` the absolute file offset of its first byte and
+    from `polystrata.ir.formats.by_ggml_type`, `offset` the absolute file offset of its first byte and
     `nbytes` its exact size in bytes.
     """
 
@@ -422,7 +416,6 @@ class GGUFFile:
         return int(value)
 
     def _parse_tensor_infos(self, cur: _Cursor, n_tensors: int) -> list[_PendingTensor]:
-        quant = _quant()
         seen: set[str] = set()
         pending = []
         for i in range(n_tensors):
@@ -442,7 +435,7 @@ class GGUFFile:
                 raise cur.error(f"tensor {_q(name)} has a zero-sized dimension (shape {shape})")
             type_id = cur.unpack(_U32, f"type of tensor {_q(name)}")
             try:
-                fmt = quant.by_ggml_type(type_id)
+                fmt = by_ggml_type(type_id)
             except GGUFError as e:
                 raise cur.error(f"tensor {_q(name)} has unsupported ggml type {type_id}: {e}") from None
             except (KeyError, ValueError, IndexError):
@@ -502,7 +495,7 @@ class GGUFFile:
         """Tensor `name` as a new float32 array of shape `TensorInfo.shape`."""
         info = self.info(name)
         flat = self._raw_flat(info)
-        out = _quant().dequantize(info.fmt, flat, info.shape)
+        out = evaluate.dequantize(info.fmt, flat, info.shape)
         return np.asarray(out, dtype=np.float32).reshape(info.shape)
 
     def get(self, key: str, default: Any = None) -> Any:
@@ -531,19 +524,18 @@ class GGUFFile:
 
 def _format_and_id(fmt: Any) -> tuple[Any, int]:
     """Resolve `fmt` (ggml type id, format name, or format object) to (format object, type id)."""
-    quant = _quant()
     if isinstance(fmt, int | np.integer) and not isinstance(fmt, bool):
-        return quant.by_ggml_type(int(fmt)), int(fmt)
+        return by_ggml_type(int(fmt)), int(fmt)
     for attr in ("ggml_type", "type_id"):
         tid = getattr(fmt, attr, None)
         if isinstance(tid, int | np.integer) and not isinstance(tid, bool):
-            return quant.by_ggml_type(int(tid)), int(tid)
-    # The quant contract only promises `.name`, so find the id by name among the known ids.
+            return by_ggml_type(int(tid)), int(tid)
+    # The format contract only promises `.name`, so find the id by name among the known ids.
     wanted = fmt if isinstance(fmt, str) else getattr(fmt, "name", None)
     if isinstance(wanted, str):
         tid = _ids_by_name().get(wanted.upper())
         if tid is not None:
-            return quant.by_ggml_type(tid), tid
+            return by_ggml_type(tid), tid
     raise GGUFError(f"unknown tensor format {fmt!r}")
 
 
@@ -552,11 +544,10 @@ _NAME_TO_ID: dict[str, int] = {}
 
 def _ids_by_name() -> dict[str, int]:
     if not _NAME_TO_ID:
-        quant = _quant()
         # ggml type ids are small (below 64 in every release so far).
         for tid in range(64):
             try:
-                f = quant.by_ggml_type(tid)
+                f = by_ggml_type(tid)
             except (GGUFError, KeyError, ValueError, IndexError):
                 continue  # not a known id
             _NAME_TO_ID.setdefault(str(f.name).upper(), tid)
@@ -725,7 +716,7 @@ def write_gguf(
     `GGUFFile`. `general.alignment` is written when `alignment` != 32.
 
     `tensors` yields `(name, shape, fmt, data)`: shape in numpy order, fmt a format object from
-    `ir.quant`, a ggml type id or a format name, and data either exactly `tensor_bytes(fmt, shape)`
+    `ir.formats`, a ggml type id or a format name, and data either exactly `tensor_bytes(fmt, shape)`
     raw bytes (uint8 array / bytes) or, for F32/F16/F64/I8..I64, a numeric array of that shape,
     converted. `data` may also be a zero-argument callable returning it, called only when that
     tensor is streamed to disk, so multi-GB models need not be held in memory at once.

@@ -44,6 +44,8 @@ import numpy as np
 
 from polystrata.errors import UnsupportedError
 from polystrata.gguf import write_gguf
+from polystrata.ir.encode import quantize
+from polystrata.ir.formats import by_name
 from polystrata.tokenizer import gpt2_byte_chars
 
 __all__ = [
@@ -67,7 +69,7 @@ POOL_ELEMENTS = 1 << 22
 
 ARCHES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3")
 
-# Plain tensor formats (names of polystrata.ir.quant formats) and llama.cpp-style mixes.
+# Plain tensor formats (format names of polystrata.ir.formats) and llama.cpp-style mixes.
 QTYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
@@ -391,20 +393,13 @@ def tensor_plan(arch: str, preset: str = "tiny", qtype: str = "Q8_0", n_layer: i
 # --- values ----------------------------------------------------------------------------------------------
 
 
-def _quant():
-    from polystrata.ir import quant
-
-    return quant
-
-
 def _encode(fmt_name: str, x: np.ndarray) -> np.ndarray:
     """float32 rows -> raw bytes (..., row_bytes) in format `fmt_name`."""
     if fmt_name == "F32":
         return np.ascontiguousarray(x, dtype="<f4").view(np.uint8)
     if fmt_name == "F16":
         return np.ascontiguousarray(x.astype("<f2")).view(np.uint8)
-    quant = _quant()
-    return np.asarray(quant.quantize(quant.by_name(fmt_name), np.ascontiguousarray(x, dtype=np.float32)))
+    return np.asarray(quantize(by_name(fmt_name), np.ascontiguousarray(x, dtype=np.float32)))
 
 
 def _rng(seed: int, key: str) -> np.random.Generator:

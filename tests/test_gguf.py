@@ -18,7 +18,7 @@ import pytest
 from polystrata.errors import GGUFError, PolystrataError
 from polystrata.gguf import GGUFFile, GGUFValueType, TensorInfo, write_gguf
 
-quant = pytest.importorskip("polystrata.ir.quant", reason="polystrata.ir.quant is not available")
+formats = pytest.importorskip("polystrata.ir.formats", reason="polystrata.ir.formats is not available")
 
 VT = GGUFValueType
 MODELS = Path.home() / ".cache" / "polystrata" / "models"
@@ -29,7 +29,7 @@ F32, F16, Q4_0, Q8_0, Q4_K = 0, 1, 2, 8, 12
 
 
 def _fmt(type_id: int):
-    return quant.by_ggml_type(type_id)
+    return formats.by_ggml_type(type_id)
 
 
 def _oracle_value(field: gguf.ReaderField):

@@ -17,7 +17,7 @@ from polystrata.models import build_graph
 from polystrata.parity import Parity
 from polystrata.synth import ARCHES, MIXES, PRESETS, QTYPES, synth_model, synth_vocab, tensor_plan
 
-pytest.importorskip("polystrata.ir.quant", reason="polystrata.ir.quant is not available")
+pytest.importorskip("polystrata.ir.formats", reason="polystrata.ir.formats is not available")
 
 # Token ids used for forward passes: more than the gemma3 tiny window (8), so local layers really slide.
 IDS = [1, 5, 300, 700, 20, 33, 900, 12, 45, 600, 601, 3, 77, 88, 99, 1000, 40, 41, 42, 43]

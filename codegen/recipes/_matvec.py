@@ -37,6 +37,8 @@ from polystrata.codegen.dequant import (
     weight_dtype,
     widen,
 )
+from polystrata.ir.expr import Bin, Const, Expr, Var
+from polystrata.ir.formats import QuantFormat
 from polystrata.ir.kernel import (
     Assign,
     Call,
@@ -53,7 +55,6 @@ from polystrata.ir.kernel import (
     rewrite,
     substitute,
 )
-from polystrata.ir.quant import Bin, Const, Expr, QuantFormat, Var
 
 QB = 32  # activation quantization block
 NONNEG = (1 << 31) - 1  # index mask: see the module docstring

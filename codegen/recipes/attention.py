@@ -33,7 +33,8 @@ from polystrata.codegen.recipes import Recipe, RecipeContext, register
 from polystrata.codegen.recipes._matvec import QB, round_half_away
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
 from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
-from polystrata.ir import quant as Q
+from polystrata.ir.expr import Const, Expr, FieldLoad, Var
+from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
     Assign,
@@ -55,7 +56,6 @@ from polystrata.ir.kernel import (
     Store,
     stable_digest,
 )
-from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 # Split-K in one-token steps on GPUs (flash-decoding): runs enough that none holds more than DECODE_RUN_KEYS keys
 # at a full context (llama3-8b at depth 8192: 65 runs of each of its 8 KV heads, 520 groups for an H200's 132
@@ -89,7 +89,7 @@ def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str) -> list:
                 Store(cache, dst, Var("enc_h") & 255), Store(cache, dst + 1, (Var("enc_h") >> 8) & 255)]
     s = fmt.scheme
     code = fmt.let(s.code).expr
-    ok = (s is not None and s.min is None and s.step.code is None and isinstance(code, Q.Load)
+    ok = (s is not None and s.min is None and s.step.code is None and isinstance(code, FieldLoad)
           and fmt.field(code.field).dtype == "i8" and s.table is None and s.group == fmt.block_size)
     if not ok:
         raise NotImplementedError(f"in-kernel encoding of {fmt.name}")

@@ -61,6 +61,8 @@ from polystrata.codegen.recipes._matvec import (
 )
 from polystrata.codegen.recipes.elementwise import Addend, match_add_rms, norm_launch
 from polystrata.codegen.recipes.linear import quantize_x_kernel, silu
+from polystrata.ir.expr import Const, Expr, Var
+from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
     Assign,
@@ -81,7 +83,6 @@ from polystrata.ir.kernel import (
     Select,
     Store,
 )
-from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 Q30 = float(1 << 30)
 
