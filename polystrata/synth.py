@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from polystrata.errors import UnsupportedError
-from polystrata.gguf import write_gguf
+from polystrata.gguf_writer import write_gguf
 from polystrata.ir.encode import quantize
 from polystrata.ir.formats import by_name
 from polystrata.tokenizer import gpt2_byte_chars

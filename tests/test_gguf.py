@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from polystrata.errors import GGUFError, PolystrataError
-from polystrata.gguf import GGUFFile, GGUFValueType, TensorInfo, write_gguf
+from polystrata.gguf import GGUFFile, GGUFValueType, TensorInfo
+from polystrata.gguf_writer import write_gguf
 
 formats = pytest.importorskip("polystrata.ir.formats", reason="polystrata.ir.formats is not available")
 
