@@ -24,14 +24,11 @@ from __future__ import annotations
 
 import math
 
-from polystrata.codegen.dequant import (
+from polystrata.codegen.dequant import Decoder, _Aff, _Lowerer, chunk_len
+from polystrata.codegen.format_analysis import (
     Affine,
-    Decoder,
-    _Aff,
-    _Lowerer,
     affine,
     block_stride,
-    chunk_len,
     finest_group,
     inline_elem_lets,
     weight_dtype,

@@ -28,7 +28,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from polystrata.codegen.dequant import Decoder, block_stride, chunk_len, finest_group, widen
+from polystrata.codegen.dequant import Decoder, chunk_len
+from polystrata.codegen.format_analysis import block_stride, finest_group, widen
 from polystrata.codegen.recipes import Recipe, RecipeContext, register
 from polystrata.codegen.recipes._matvec import QB, round_half_away
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value

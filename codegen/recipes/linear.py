@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from polystrata.codegen.dequant import Decoder, block_stride, elements_per_row_bytes, weight_dtype, widen
+from polystrata.codegen.dequant import Decoder
+from polystrata.codegen.format_analysis import block_stride, elements_per_row_bytes, weight_dtype, widen
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,

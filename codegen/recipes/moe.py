@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from polystrata.codegen.dequant import elements_per_row_bytes, weight_dtype
+from polystrata.codegen.format_analysis import elements_per_row_bytes, weight_dtype
 from polystrata.codegen.recipes import ExpertStream, Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,
