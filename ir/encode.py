@@ -14,7 +14,7 @@ import numpy as np
 from polystrata.errors import UnsupportedError
 from polystrata.ir.evaluate import CHUNK_ELEMENTS
 from polystrata.ir.expr import PY_OPS, TABLES, Bin, Const, Expr, FieldLoad, Select, Var
-from polystrata.ir.formats import DTYPES, INT_DTYPES, Param, QuantFormat, row_bytes
+from polystrata.ir.formats import FIELD_DTYPES, INT_DTYPES, GroupParam, QuantFormat, row_bytes
 
 
 def _index_value(fmt: QuantFormat, e: Expr, i_val: int) -> int | bool:
@@ -52,7 +52,7 @@ def _slices(fmt: QuantFormat, e: Expr, i_val: int, pos: int = 0) -> list[_Slice]
         return _slices(fmt, e.a, i_val, pos + _index_value(fmt, e.b, i_val))
     if isinstance(e, FieldLoad):
         f = fmt.field(e.field)
-        width = 8 * np.dtype(DTYPES[f.dtype]).itemsize
+        width = 8 * np.dtype(FIELD_DTYPES[f.dtype]).itemsize
         return [_Slice(f.name, _index_value(fmt, e.index, i_val), 0, width, pos, f.dtype == "i8")]
     if isinstance(e, Bin) and e.op == "&" and isinstance(e.b, Const):
         width = int(e.b.value + 1).bit_length() - 1
@@ -140,7 +140,7 @@ def _f16_down(v: np.ndarray) -> np.ndarray:
     return h
 
 
-def _store_param(fmt: QuantFormat, p: Param, target: np.ndarray, ints: dict, floats: dict) -> np.ndarray:
+def _store_param(fmt: QuantFormat, p: GroupParam, target: np.ndarray, ints: dict, floats: dict) -> np.ndarray:
     """Store per-group `target` (n, groups) as `p`, rounding magnitudes up; return the decoded float32."""
     if p.code is None:
         if target.shape[1] != 1:
@@ -201,7 +201,7 @@ def _pack(fmt: QuantFormat, ints: dict, floats: dict, n: int) -> np.ndarray:
             acc[field][:, elems] |= ((stored[:, pos] >> code_pos) & ((1 << width) - 1)) << shift
     out = np.zeros((n, fmt.block_bytes), dtype=np.uint8)
     for f in fmt.fields:
-        dt = np.dtype(DTYPES[f.dtype])
+        dt = np.dtype(FIELD_DTYPES[f.dtype])
         if f.name in floats:
             vals = floats[f.name].astype(dt).reshape(n, f.count)
         else:
@@ -234,7 +234,7 @@ def quantize(fmt: QuantFormat, x: np.ndarray) -> np.ndarray:
         elif dt == "i32":
             out = np.rint(xb).astype("<i4")
         else:
-            out = xb.astype(DTYPES[dt])
+            out = xb.astype(FIELD_DTYPES[dt])
         return out.view(np.uint8).reshape(x.shape[:-1] + (rb,))
     out = np.empty((xb.shape[0], fmt.block_bytes), dtype=np.uint8)
     step = max(1, CHUNK_ELEMENTS // 4 // fmt.block_size)  # float64 temporaries: smaller chunks

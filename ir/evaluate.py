@@ -12,7 +12,7 @@ import numpy as np
 
 from polystrata.errors import GGUFError, UnsupportedError
 from polystrata.ir.expr import TABLES, Bin, Const, Expr, FieldLoad, Select, Table, ToF32, Var
-from polystrata.ir.formats import DTYPES, Param, QuantFormat, f16, tensor_bytes
+from polystrata.ir.formats import FIELD_DTYPES, GroupParam, QuantFormat, f16, tensor_bytes
 from polystrata.ir.layout import slice_rows
 
 CHUNK_ELEMENTS = 1 << 18  # keeps temporaries cache-friendly and memory bounded
@@ -48,7 +48,7 @@ def _index_arrays(fmt: QuantFormat) -> dict[int, np.ndarray]:
 def _block_fields(fmt: QuantFormat, blocks: np.ndarray) -> dict[str, np.ndarray]:
     out = {}
     for f in fmt.fields:
-        raw = np.ascontiguousarray(blocks[:, f.offset:f.offset + f.nbytes]).view(DTYPES[f.dtype])
+        raw = np.ascontiguousarray(blocks[:, f.offset:f.offset + f.nbytes]).view(FIELD_DTYPES[f.dtype])
         if f.dtype == "u32":
             raw = raw.view("<i4")  # int32 math; shifts and masks see the same bits
         elif f.dtype in ("u8", "i8", "u16"):
@@ -139,7 +139,7 @@ def dequantize(fmt: QuantFormat, raw: np.ndarray, shape: int | Sequence[int] | N
     return out.reshape(shape)
 
 
-def _param_expr(p: Param) -> Expr:
+def _param_expr(p: GroupParam) -> Expr:
     e = f16(p.field) if p.code is None else f16(p.field) * ToF32(Var(p.code))
     return e if p.sign == 1 else Const(0.0) - e
 

@@ -14,7 +14,7 @@ can hoist it; it may only use lets whose group is a multiple of its own.
 Encoding (`Scheme`): the integer code of element i is the let `scheme.code`, written in a canonical bit-slice
 form `(s0 | s1 << k | ...) - offset`, each slice `(FieldLoad(f, idx) >> shift) & mask` (or a bare load), where
 `Select` conditions and indices depend only on `i`. The encoder inverts that form to pack bits. Each group of
-`scheme.group` elements decodes as `x = step * level + min`; `step` and `min` are `Param`s stored either as an
+`scheme.group` elements decodes as `x = step * level + min`; `step` and `min` are `GroupParam`s stored either as an
 f16 field directly or as f16 super-block field times a small integer code (another bit-slice let).
 """
 
@@ -44,7 +44,7 @@ from polystrata.ir.expr import (
     walk_expr,
 )
 
-DTYPES: dict[str, str] = {  # our dtype name -> little-endian numpy dtype
+FIELD_DTYPES: dict[str, str] = {  # a block field's dtype name -> little-endian numpy dtype
     "u8": "u1", "i8": "i1", "u16": "<u2", "u32": "<u4", "i32": "<i4",
     "f16": "<f2", "bf16": "<u2", "f32": "<f4",
 }
@@ -64,7 +64,7 @@ class Field:
     @property
     def nbytes(self) -> int:
         """Bytes the field occupies in a block."""
-        return np.dtype(DTYPES[self.dtype]).itemsize * self.count
+        return np.dtype(FIELD_DTYPES[self.dtype]).itemsize * self.count
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class GroupLet:
 
 
 @dataclass(frozen=True)
-class Param:
+class GroupParam:
     """How a group's step or min is stored: `sign * f16 field` or `sign * f16 field * int let`."""
 
     field: str
@@ -96,8 +96,8 @@ class Scheme:
 
     code: str
     group: int
-    step: Param
-    min: Param | None = None
+    step: GroupParam
+    min: GroupParam | None = None
     anchor: int = 0
     table: str | None = None
 
@@ -189,7 +189,7 @@ def _typeof(fmt: QuantFormat, e: Expr, env: dict[str, tuple[str, int]], group: i
 def _validate(fmt: QuantFormat) -> None:
     end = 0
     for f in fmt.fields:
-        if f.dtype not in DTYPES or f.offset < end:
+        if f.dtype not in FIELD_DTYPES or f.offset < end:
             raise ValueError(f"{fmt.name}: bad or overlapping field {f.name}")
         end = f.offset + f.nbytes
     if end != fmt.block_bytes:
@@ -251,7 +251,7 @@ def _q8(name: str, ggml_type: int | None, block: int) -> QuantFormat:
         name, ggml_type, block, **_layout(("d", "f16"), ("qs", "i8", block)),
         lets=(GroupLet("d", f16("d"), block), GroupLet("q", FieldLoad("qs", i))),
         value=ToF32(Var("q")) * Var("d"),
-        scheme=Scheme("q", block, step=Param("d"), anchor=127),
+        scheme=Scheme("q", block, step=GroupParam("d"), anchor=127),
     )
 
 
@@ -271,28 +271,28 @@ Q4_0 = QuantFormat(
     "Q4_0", 2, 32, **_layout(("d", "f16"), ("qs", "u8", 16)),
     lets=(GroupLet("d", f16("d"), 32), GroupLet("q", _nib32 - 8)),
     value=d * ToF32(Var("q")),
-    scheme=Scheme("q", 32, step=Param("d"), anchor=-8),
+    scheme=Scheme("q", 32, step=GroupParam("d"), anchor=-8),
 )
 
 Q4_1 = QuantFormat(
     "Q4_1", 3, 32, **_layout(("d", "f16"), ("m", "f16"), ("qs", "u8", 16)),
     lets=(GroupLet("d", f16("d"), 32), GroupLet("m", f16("m"), 32), GroupLet("q", _nib32)),
     value=d * ToF32(Var("q")) + Var("m"),
-    scheme=Scheme("q", 32, step=Param("d"), min=Param("m")),
+    scheme=Scheme("q", 32, step=GroupParam("d"), min=GroupParam("m")),
 )
 
 Q5_0 = QuantFormat(
     "Q5_0", 6, 32, **_layout(("d", "f16"), ("qh", "u32"), ("qs", "u8", 16)),
     lets=(GroupLet("d", f16("d"), 32), GroupLet("q", (_nib32 | (bits("qh", 0, i, 1) << 4)) - 16)),
     value=d * ToF32(Var("q")),
-    scheme=Scheme("q", 32, step=Param("d"), anchor=-16),
+    scheme=Scheme("q", 32, step=GroupParam("d"), anchor=-16),
 )
 
 Q5_1 = QuantFormat(
     "Q5_1", 7, 32, **_layout(("d", "f16"), ("m", "f16"), ("qh", "u32"), ("qs", "u8", 16)),
     lets=(GroupLet("d", f16("d"), 32), GroupLet("m", f16("m"), 32), GroupLet("q", _nib32 | (bits("qh", 0, i, 1) << 4))),
     value=d * ToF32(Var("q")) + Var("m"),
-    scheme=Scheme("q", 32, step=Param("d"), min=Param("m")),
+    scheme=Scheme("q", 32, step=GroupParam("d"), min=GroupParam("m")),
 )
 
 Q8_0 = _q8("Q8_0", 8, 32)
@@ -310,7 +310,7 @@ Q2_K = QuantFormat(
         GroupLet("q", _crumb),
     ),
     value=Var("dl") * ToF32(Var("q")) - Var("ml"),
-    scheme=Scheme("q", 16, step=Param("d", "sc"), min=Param("dmin", "m", sign=-1)),
+    scheme=Scheme("q", 16, step=GroupParam("d", "sc"), min=GroupParam("dmin", "m", sign=-1)),
 )
 
 Q3_K = QuantFormat(
@@ -326,7 +326,7 @@ Q3_K = QuantFormat(
         GroupLet("q", (_crumb | (bits("hmask", i % 32, i // 32, 1) << 2)) - 4),
     ),
     value=Var("dl") * ToF32(Var("q")),
-    scheme=Scheme("q", 16, step=Param("d", "sc"), anchor=-4),
+    scheme=Scheme("q", 16, step=GroupParam("d", "sc"), anchor=-4),
 )
 
 # Q4_K/Q5_K: 8 sub-blocks of 32 with 6-bit scale and min codes packed in 12 bytes.
@@ -340,7 +340,7 @@ _k_scale_lets = (
     GroupLet("dl", d * ToF32(Var("sc")), 32), GroupLet("ml", dmin * ToF32(Var("m")), 32),
 )
 _k_nibble = bits("qs", 32 * (i // 64) + i % 32, 4 * ((i // 32) % 2), 4)
-_k_scheme = Scheme("q", 32, step=Param("d", "sc"), min=Param("dmin", "m", sign=-1))
+_k_scheme = Scheme("q", 32, step=GroupParam("d", "sc"), min=GroupParam("dmin", "m", sign=-1))
 
 Q4_K = QuantFormat(
     "Q4_K", 12, 256, **_layout(("d", "f16"), ("dmin", "f16"), ("scales", "u8", 12), ("qs", "u8", 128)),
@@ -367,14 +367,14 @@ Q6_K = QuantFormat(
                   | (bits("qh", 32 * (i // 128) + i % 32, 2 * ((i // 32) % 4), 2) << 4)) - 32),
     ),
     value=Var("dl") * ToF32(Var("q")),
-    scheme=Scheme("q", 16, step=Param("d", "sc"), anchor=-32),
+    scheme=Scheme("q", 16, step=GroupParam("d", "sc"), anchor=-32),
 )
 
 IQ4_NL = QuantFormat(
     "IQ4_NL", 20, 32, **_layout(("d", "f16"), ("qs", "u8", 16)),
     lets=(GroupLet("d", f16("d"), 32), GroupLet("q", _nib32)),
     value=d * ToF32(Table("iq4nl", Var("q"))),
-    scheme=Scheme("q", 32, step=Param("d"), anchor=-127, table="iq4nl"),
+    scheme=Scheme("q", 32, step=GroupParam("d"), anchor=-127, table="iq4nl"),
 )
 
 IQ4_XS = QuantFormat(
@@ -387,7 +387,7 @@ IQ4_XS = QuantFormat(
         GroupLet("q", bits("qs", 16 * (i // 32) + i % 16, 4 * ((i // 16) % 2), 4)),
     ),
     value=Var("dl") * ToF32(Table("iq4nl", Var("q"))),
-    scheme=Scheme("q", 32, step=Param("d", "sc"), anchor=-127, table="iq4nl"),
+    scheme=Scheme("q", 32, step=GroupParam("d", "sc"), anchor=-127, table="iq4nl"),
 )
 
 # --------------------------------------------------------------------------------------------------
