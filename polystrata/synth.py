@@ -90,13 +90,15 @@ _K_FALLBACK = {"Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "IQ4_XS": "IQ4_NL", "Q4_K": "
 
 def _preset_hparams(
     arch: str, n_vocab: int, n_embd: int, n_layer: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int,
-    n_ctx_train: int = 4096, rope_base: float = 10000.0, rms_eps: float = 1e-6, **more: Any,
+    n_ctx_train: int = 4096, rope_base: float = 10000.0, rms_eps: float = 1e-6, rope_dims: int | None = None,
+    **more: Any,
 ) -> HParams:
-    """A preset's shapes and hyper-parameters (value heads and rotary dimensions as wide as the key heads)."""
+    """A preset's shapes and hyper-parameters: value heads as wide as the key heads, rotary embeddings over
+    `rope_dims` dimensions of each head (default: all of them)."""
     return HParams(
         arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
         head_dim_v=head_dim, n_ff=n_ff, n_vocab=n_vocab, n_ctx_train=n_ctx_train, rms_eps=rms_eps,
-        rope_base=rope_base, rope_dims=head_dim, **more,
+        rope_base=rope_base, rope_dims=head_dim if rope_dims is None else rope_dims, **more,
     )
 
 
