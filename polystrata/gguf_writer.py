@@ -5,12 +5,11 @@ The file layout is described in `polystrata/gguf.py`, whose definitions (value t
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import struct
-import tempfile
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,6 +33,7 @@ from polystrata.gguf import (
     _q,
 )
 from polystrata.ir.formats import by_ggml_type
+from polystrata.paths import atomic_file
 
 __all__ = ["write_gguf"]
 
@@ -333,47 +333,22 @@ def write_gguf(
     data_offset = _align_up(len(header), alignment)
     header += bytes(data_offset - len(header))
 
-    _atomic_write(path, header, specs, offsets, data_offset, alignment)
-
-
-def _atomic_write(
-    path: str, header: bytes, specs: list[_TensorSpec], offsets: list[int], data_offset: int, alignment: int
-) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    # A model file should be as readable as one written by open() (mkstemp makes 0600 files), or keep the mode of
+    # the file it replaces.
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            for spec, rel in zip(specs, offsets, strict=True):
-                try:
-                    payload = _tensor_payload(spec)
-                except GGUFError as e:
-                    raise GGUFError(f"{path}: {e}") from None
-                pos = data_offset + rel
-                f.write(bytes(pos - f.tell()))  # padding from the previous tensor
-                f.write(payload)
-                del payload  # let a lazily produced tensor be freed before the next one is made
-            end = f.tell()
-            f.write(bytes(_align_up(end, alignment) - end))
-            f.flush()
-            os.fsync(f.fileno())
-        # mkstemp creates 0600 files; a model file should be as readable as one written by open().
-        with contextlib.suppress(OSError):
-            mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
-            os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(directory)
-
-
-def _fsync_dir(directory: str) -> None:
-    # Makes the rename itself durable; not possible on every platform, hence best effort.
-    with contextlib.suppress(OSError, AttributeError):
-        dfd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        mode = os.stat(path).st_mode & 0o777 if os.path.exists(path) else 0o644
+    except OSError:
+        mode = None
+    with atomic_file(Path(path), mode, durable=True) as f:
+        f.write(header)
+        for spec, rel in zip(specs, offsets, strict=True):
+            try:
+                payload = _tensor_payload(spec)
+            except GGUFError as e:
+                raise GGUFError(f"{path}: {e}") from None
+            pos = data_offset + rel
+            f.write(bytes(pos - f.tell()))  # padding from the previous tensor
+            f.write(payload)
+            del payload  # let a lazily produced tensor be freed before the next one is made
+        end = f.tell()
+        f.write(bytes(_align_up(end, alignment) - end))

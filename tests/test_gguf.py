@@ -399,6 +399,20 @@ def test_atomic_write_leaves_existing_file_untouched(tmp_path, bad_second):
     assert sorted(os.listdir(tmp_path)) == ["model.gguf"]
 
 
+def test_written_file_is_readable_like_open_and_a_replaced_one_keeps_its_mode(tmp_path):
+    """mkstemp makes user-only files: a new model file gets open()'s 0o644, a replaced one keeps its mode."""
+    dest = tmp_path / "model.gguf"
+    tensors = [("a", (32,), F32, np.ones(32, np.float32))]
+    write_gguf(dest, {"general.name": "first"}, tensors)
+    assert dest.stat().st_mode & 0o777 == 0o644
+    dest.chmod(0o640)
+    write_gguf(dest, {"general.name": "second"}, tensors)
+    assert dest.stat().st_mode & 0o777 == 0o640
+    with GGUFFile(dest) as f:
+        assert f.metadata["general.name"] == "second"
+    assert sorted(os.listdir(tmp_path)) == ["model.gguf"]
+
+
 # -- corrupt inputs ----------------------------------------------------------------------------
 
 
