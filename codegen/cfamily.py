@@ -17,6 +17,7 @@ import re
 import numpy as np
 
 from polystrata.codegen.lanes import Barrier, LaneAbilities, LaneId, SubgroupReduce, lower
+from polystrata.ir.expr import TABLES, Table
 from polystrata.ir.kernel import (
     INTRINSICS,
     MATH,
@@ -39,7 +40,6 @@ from polystrata.ir.kernel import (
     ToF32,
     Var,
 )
-from polystrata.ir.quant import TABLES, Table
 
 # Value types of expressions: "i" (int), "u" (unsigned int), "f" (float).
 _VALUE_TYPE = {"f32": "f", "f16": "f", "u32": "u"}

@@ -1,9 +1,9 @@
-"""Quantization formats (`ir.quant.QuantFormat`) -> kernel IR, derived from the description alone.
+"""Quantization formats (`ir.formats.QuantFormat`) -> kernel IR, derived from the description alone.
 
 A format says how element `i` of a block decodes (`lets` + `value`). This module turns that into kernel IR that
 reads a weight buffer (raw `u8` bytes; `f32` elements for the F32 format) at a run-time block address:
 
-* `Load(field, idx)` becomes byte loads at `block_base + field.offset + idx * size`, assembled little-endian
+* `FieldLoad(field, idx)` becomes byte loads at `block_base + field.offset + idx * size`, assembled little-endian
   (u16/u32 by shifts and ors, i8 by sign extension); f16 fields go through the `f16_bits_to_f32` intrinsic and
   bf16 fields through exact arithmetic on their bits (no bit-cast intrinsic needed).
 * Lets are hoisted by their `group`: block lets once per block, each group's lets once per group, per-element
@@ -13,9 +13,8 @@ reads a weight buffer (raw `u8` bytes; `f32` elements for the F32 format) at a r
   as the largest power of two that keeps every index affine in `i0` (falls back to unfolded expressions).
 * `Table` nodes stay as they are (targets render constant tables).
 
-`affine(fmt)` factors `value` as `S_g * level + M_g` (S_g, M_g group-level, level an integer per element, a code
-or a table lookup) when the tree has that shape, so dot products can accumulate `sum(level * x)` per group and
-scale once (the int8-activation matvec path); `None` when it does not.
+What it needs to know of a format first (let groups, index-only lets, buffer addressing, the affine factorization
+dot products use) is `codegen/format_analysis.py`; where a sliced layout moves the loads, `ir/layout.py`.
 """
 
 from __future__ import annotations
@@ -23,89 +22,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from polystrata.ir import quant as Q
-from polystrata.ir.kernel import Call, Cast, Decl, For, Let, Load, Select, rewrite, substitute
-from polystrata.ir.quant import Bin, Const, Expr, QuantFormat, Table, ToF32, Var
+from polystrata.codegen.format_analysis import block_stride, finest_group, groups, index_only_lets, weight_dtype
+from polystrata.ir.expr import PY_OPS, Bin, Const, Expr, FieldLoad, Table, ToF32, Var
+from polystrata.ir.formats import Field, QuantFormat
+from polystrata.ir.kernel import Call, Cast, Decl, For, Let, Load, Select, substitute
+from polystrata.ir.layout import place_slices
 
 _SIZES = {"u8": 1, "i8": 1, "u16": 2, "bf16": 2, "f16": 2, "u32": 4, "i32": 4, "f32": 4}
-
-
-def weight_dtype(fmt: QuantFormat) -> str:
-    """IR dtype of a weight buffer of this format (the plan stores F32 tensors as f32, all else as u8 bytes)."""
-    return "f32" if all(f.dtype == "f32" for f in fmt.fields) else "u8"
-
-
-def elements_per_row_bytes(fmt: QuantFormat, cols: int) -> int:
-    """Row stride of a [rows, cols] weight in buffer elements (bytes, or floats for F32)."""
-    return cols if weight_dtype(fmt) == "f32" else cols // fmt.block_size * fmt.block_bytes
-
-
-def block_stride(fmt: QuantFormat) -> int:
-    """Buffer elements from one block's start to the next's: the block's size, or in a `sliced` layout one slice
-    (the blocks' first slices lie side by side)."""
-    if weight_dtype(fmt) == "f32":
-        return fmt.block_size
-    return Q.SLICE if fmt.row_blocks else fmt.block_bytes
-
-
-def place_slices(stmts, buf: str, base: Expr, fmt: QuantFormat):
-    """`stmts` with each load of `buf` at `base + off` (`off` a byte offset inside a block of `fmt`, as the
-    decoders address fields) moved to where a `sliced` layout keeps that byte: `base + (off // 16) * S + off % 16`
-    for a row of S / 16 blocks (`base` is then the block's first slice). Where `off` is a constant plus multiples
-    of 16 (a lane's run starting on a slice) the result is folded to the same form, so addresses stay a base plus
-    constants and lane terms (what wide loads and alignment proofs need); otherwise it is computed at run time.
-    Unsliced formats: `stmts` as they are."""
-    if not fmt.row_blocks:
-        return stmts
-    stride = fmt.row_blocks * Q.SLICE
-
-    def place(off: Expr) -> Expr:
-        lin = _linear(off)
-        if lin is not None and all(c % Q.SLICE == 0 for c in lin[1].values()):
-            k, terms = lin
-            out: Expr = Const(k // Q.SLICE * stride + k % Q.SLICE)
-            for t, c in terms.items():
-                out = out + t * (c // Q.SLICE * stride)
-            return out
-        return (off // Q.SLICE) * stride + off % Q.SLICE
-
-    def addr(a: Expr) -> Expr:
-        if a == base:
-            return a
-        if isinstance(a, Bin) and a.op == "+" and a.a == base:
-            return base + place(a.b)
-        raise ValueError(f"{fmt.name}: a load of {buf} at {a!r}, not at the block base plus an offset")
-
-    def fn(e):
-        if isinstance(e, Load) and e.buf == buf:
-            return Load(buf, addr(e.index), e.align)
-        if isinstance(e, Call) and e.fn == "load_u32" and e.args[0] == Var(buf):
-            return Call("load_u32", e.args[0], addr(e.args[1]), e.args[2])
-        return e
-
-    return rewrite(stmts, fn)
-
-
-def _linear(e: Expr) -> tuple[int, dict] | None:
-    """`e` as (constant, {term: coefficient}): a sum of integer multiples of subexpressions taken whole (any but
-    sums, differences and products with a constant); None where a constant in it is not an integer."""
-    if isinstance(e, Const):
-        return (e.value, {}) if isinstance(e.value, int) and not isinstance(e.value, bool) else None
-    if isinstance(e, Bin) and e.op in ("+", "-"):
-        a, b = _linear(e.a), _linear(e.b)
-        if a is None or b is None:
-            return None
-        sign = 1 if e.op == "+" else -1
-        terms = dict(a[1])
-        for t, c in b[1].items():
-            terms[t] = terms.get(t, 0) + sign * c
-        return a[0] + sign * b[0], {t: c for t, c in terms.items() if c}
-    if isinstance(e, Bin) and e.op == "*":
-        for x, y in ((e.a, e.b), (e.b, e.a)):
-            if isinstance(y, Const) and isinstance(y.value, int) and not isinstance(y.value, bool):
-                lin = _linear(x)
-                return None if lin is None else (lin[0] * y.value, {t: c * y.value for t, c in lin[1].items()})
-    return 0, {e: 1}
 
 
 # --- symbolic index values: ints, affine forms a*i0 + b (0 <= i0 < L), or opaque kernel expressions ---------
@@ -143,7 +66,7 @@ class _Lowerer:
             r = _fold(e.op, a, b, self.span)
             if r is not None:
                 return r
-        if isinstance(e, Q.Select):
+        if isinstance(e, Select):
             c = self.sym(e.cond)
             if isinstance(c, bool):
                 return self.sym(e.a if c else e.b)
@@ -152,7 +75,7 @@ class _Lowerer:
     @property
     def _index_lets(self) -> set[str]:
         # Integer lets whose value depends only on `i` (like K-quants' `j = i // 32`): fold them symbolically.
-        return _index_only_lets(self.fmt)
+        return index_only_lets(self.fmt)
 
     def expr(self, e: Expr) -> Expr:
         """Kernel expression of a format expression."""
@@ -179,7 +102,7 @@ class _Lowerer:
             if e.name in self._index_lets:
                 return self.expr(self.fmt.let(e.name).expr)
             return self.env[e.name]
-        if isinstance(e, Q.Load):
+        if isinstance(e, FieldLoad):
             f = self.fmt.field(e.field)
             idx = self.sym(e.index)
             if not isinstance(idx, int | _Aff):
@@ -187,18 +110,18 @@ class _Lowerer:
             return self.load_field(f, idx)
         if isinstance(e, Bin):
             return Bin(e.op, self.expr(e.a), self.expr(e.b))
-        if isinstance(e, Q.Select):
+        if isinstance(e, Select):
             return Select(self.expr(e.cond), self.expr(e.a), self.expr(e.b))
         if isinstance(e, ToF32):
             a = e.a
-            if isinstance(a, Q.Load) and self.fmt.field(a.field).dtype in ("f16", "bf16", "f32"):
+            if isinstance(a, FieldLoad) and self.fmt.field(a.field).dtype in ("f16", "bf16", "f32"):
                 return self.lower(a)  # float loads already decode to f32
             return Cast("f32", self.expr(a))
         if isinstance(e, Table):
             return Table(e.name, self.expr(e.index))
         raise TypeError(f"cannot lower {e!r}")
 
-    def load_field(self, f: Q.Field, idx) -> Expr:
+    def load_field(self, f: Field, idx) -> Expr:
         size = _SIZES[f.dtype]
         if weight_dtype(self.fmt) == "f32":  # F32 format: the buffer holds floats (base counts elements)
             return Load(self.buf, self.base + self.to_expr(idx) if idx != 0 else self.base)
@@ -287,7 +210,7 @@ def _fold(op: str, a, b, span: int):
     """Constant / affine folding of `a op b`; None when the result is not int, bool or affine."""
     ints = isinstance(a, int) and not isinstance(a, bool) and isinstance(b, int) and not isinstance(b, bool)
     if ints:
-        return Q._PY_OPS[op](a, b)
+        return PY_OPS[op](a, b)
     if isinstance(a, _Aff) and isinstance(b, int) and not isinstance(b, bool):
         lo, hi = a.b, a.b + a.a * (span - 1)  # a.a >= 0 in every format
         if op == "+":
@@ -309,7 +232,7 @@ def _fold(op: str, a, b, span: int):
             if lo // m == hi // m:
                 return _Aff(a.a, a.b - (lo // m) * m)
         if op in ("<", "<=", "==", "!="):
-            vals = [Q._PY_OPS[op](lo, b), Q._PY_OPS[op](hi, b)]
+            vals = [PY_OPS[op](lo, b), PY_OPS[op](hi, b)]
             if op in ("<", "<=") and vals[0] == vals[1]:
                 return vals[0]
     if isinstance(a, int) and isinstance(b, _Aff) and op == "+":
@@ -319,58 +242,7 @@ def _fold(op: str, a, b, span: int):
     return None
 
 
-_INDEX_CACHE: dict[str, set[str]] = {}
-
-
-def _index_only_lets(fmt: QuantFormat) -> set[str]:
-    if fmt.name in _INDEX_CACHE:
-        return _INDEX_CACHE[fmt.name]
-    out: set[str] = set()
-    for lt in fmt.lets:
-        if _depends_only_on_i(lt.expr, out):
-            out.add(lt.name)
-    _INDEX_CACHE[fmt.name] = out
-    return out
-
-
-def _depends_only_on_i(e: Expr, ok: set[str]) -> bool:
-    if isinstance(e, Const):
-        return isinstance(e.value, int)
-    if isinstance(e, Var):
-        return e.name == "i" or e.name in ok
-    if isinstance(e, Bin):
-        return _depends_only_on_i(e.a, ok) and _depends_only_on_i(e.b, ok)
-    if isinstance(e, Q.Select):
-        return all(_depends_only_on_i(x, ok) for x in (e.cond, e.a, e.b))
-    return False
-
-
 # --- hoisting plan -----------------------------------------------------------------------------------------
-
-
-def widen(fmt: QuantFormat, n: int = 32) -> QuantFormat:
-    """A one-element format (F32/F16/BF16) seen as blocks of `n` elements, so loops get a chunk to work on."""
-    if fmt.block_size != 1:
-        return fmt
-    (f,) = fmt.fields
-    return QuantFormat(f"{fmt.name}x{n}", None, n, n * f.nbytes, (Q.Field(f.name, 0, f.dtype, n),), (),
-                       _subst_i(fmt.value))
-
-
-def _subst_i(e: Expr) -> Expr:
-    # Field indices of one-element formats are `i` already (Load("v", i)); nothing to rewrite but keep a copy.
-    return e
-
-
-def groups(fmt: QuantFormat) -> tuple[int, ...]:
-    """Nested let group sizes, block first, ending at 1: e.g. (256, 32, 1)."""
-    return tuple(sorted({fmt.block_size, 1, *(lt.group for lt in fmt.lets)}, reverse=True))
-
-
-def finest_group(fmt: QuantFormat) -> int:
-    """Size of the format's smallest let group above single elements (the block size when there is none)."""
-    gs = groups(fmt)
-    return gs[-2] if len(gs) > 1 else 1
 
 
 def chunk_len(fmt: QuantFormat, group: int) -> int:
@@ -422,7 +294,7 @@ class Decoder:
         out = []
         lw = _Lowerer(self.fmt, self.buf, self.base, env, start if i_val is None else i_val, span, i0, self.f16_arith,
                        self.word_loads)
-        idx_only = _index_only_lets(self.fmt)
+        idx_only = index_only_lets(self.fmt)
         for lt in self.fmt.lets:
             if lt.group != group or lt.name in idx_only or (names is not None and lt.name not in names):
                 continue
@@ -550,88 +422,3 @@ class Decoder:
     def value(self, lw: _Lowerer) -> Expr:
         """The element value (f32) inside a chunk."""
         return lw.expr(self.fmt.value)
-
-
-def inline_elem_lets(fmt: QuantFormat, e: Expr) -> Expr:
-    """`e` with every per-element let (group 1, not an index-only let) replaced by its definition, recursively."""
-    idx = _index_only_lets(fmt)
-    if isinstance(e, Var) and e.name != "i" and e.name not in idx:
-        lt = fmt.let(e.name)
-        return inline_elem_lets(fmt, lt.expr) if lt.group == 1 else e
-    if isinstance(e, Bin):
-        return Bin(e.op, inline_elem_lets(fmt, e.a), inline_elem_lets(fmt, e.b))
-    if isinstance(e, Q.Select):
-        return Q.Select(inline_elem_lets(fmt, e.cond), inline_elem_lets(fmt, e.a), inline_elem_lets(fmt, e.b))
-    if isinstance(e, ToF32):
-        return ToF32(inline_elem_lets(fmt, e.a))
-    if isinstance(e, Q.Load):
-        return Q.Load(e.field, inline_elem_lets(fmt, e.index))
-    if isinstance(e, Table):
-        return Table(e.name, inline_elem_lets(fmt, e.index))
-    return e
-
-
-# --- affine factorization -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Affine:
-    """value = scale * ToF32(level) + offset, with scale/offset constant over groups of `group` elements."""
-
-    scale: Expr
-    level: Expr  # integer per-element expression (format expression language)
-    offset: Expr | None
-    group: int
-
-
-def _group_of(fmt: QuantFormat, e: Expr) -> int:
-    """Largest group over which `e` is constant (block size if it uses no per-element part)."""
-    g = fmt.block_size
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, Var):
-            if x.name == "i":
-                return 1
-            g = min(g, fmt.let(x.name).group)
-        elif isinstance(x, Q.Load):
-            return 1 if not _const_index(x.index) else g
-        stack.extend(Q._children(x))
-    return g
-
-
-def _const_index(e: Expr) -> bool:
-    return all(not (isinstance(x, Var)) for x in _iter(e))
-
-
-def _iter(e: Expr):
-    yield e
-    for c in Q._children(e):
-        yield from _iter(c)
-
-
-def affine(fmt: QuantFormat) -> Affine | None:
-    """Factor `fmt.value` as S_g * level + M_g when its expression tree allows it (see module docstring)."""
-    v = fmt.value
-    if v is None or fmt.block_size == 1:
-        return None
-    offset = None
-    if isinstance(v, Bin) and v.op in ("+", "-"):
-        prod, off = v.a, v.b
-        offset = off if v.op == "+" else Bin("-", Const(0.0), off)
-        v = prod
-    if not (isinstance(v, Bin) and v.op == "*"):
-        return None
-    for s, lvl in ((v.a, v.b), (v.b, v.a)):
-        if isinstance(lvl, ToF32) and _group_of(fmt, s) > 1 and not _is_float_load(fmt, lvl.a):
-            g = _group_of(fmt, s)
-            if offset is not None:
-                g = min(g, _group_of(fmt, offset))
-                if g == 1:
-                    return None
-            return Affine(s, lvl.a, offset, g)
-    return None
-
-
-def _is_float_load(fmt: QuantFormat, e: Expr) -> bool:
-    return isinstance(e, Q.Load) and fmt.field(e.field).dtype in ("f16", "bf16", "f32")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from polystrata.ir.expr import Expr
 from polystrata.ir.kernel import (
     Assign,
     Bin,
@@ -48,7 +49,6 @@ from polystrata.ir.kernel import (
     stmt_exprs,
     walk,
 )
-from polystrata.ir.quant import Expr
 
 # The local array the lowering adds for reductions that combine through local memory.
 SCRATCH = "ps_red"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from polystrata.codegen.lanes import ONE_LANE, Barrier, LaneAbilities, LaneId, SubgroupReduce, lower
+from polystrata.ir.expr import TABLES, Table
 from polystrata.ir.kernel import (
     Assign,
     Bin,
@@ -34,7 +35,6 @@ from polystrata.ir.kernel import (
     ToF32,
     Var,
 )
-from polystrata.ir.quant import TABLES, Table
 
 # Storage dtype of each IR buffer dtype (numpy names); f16 is kept as its bits.
 NUMPY_DTYPES = {"f32": "float32", "f16": "uint16", "i32": "int32", "u32": "uint32", "i16": "int16",

@@ -17,7 +17,7 @@ Execution model (what a recipe writer may assume, and what every target must hon
   condition is not uniform). Inside them: `Let`, `Decl`, `Assign`, `Store`, `For`, `If`.
 
 Expressions reuse the quantization expression nodes (`Const`, `Var`, `Bin`, `Select`, `ToF32`) from
-`ir/quant.py` and add buffer loads, casts and calls. Calls are math functions and **intrinsics**; each intrinsic
+`ir/expr.py` and add buffer loads, casts and calls. Calls are math functions and **intrinsics**; each intrinsic
 has a portable definition (`INTRINSICS`) that a target without a native instruction renders instead.
 
 Schedule knobs (`Kernel.knobs`) are the named choices a recipe made (lanes, rows per group, unroll, tile
@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from polystrata.ir.quant import Bin, Const, Expr, Select, ToF32, Var, _e
+from polystrata.ir.expr import Bin, Const, Expr, Select, ToF32, Var, as_expr
 
 # Element types of buffers and values. Arithmetic happens in i32 / u32 / f32; narrower types are storage.
 DTYPES = ("f32", "f16", "i32", "u32", "i16", "u16", "i8", "u8")
@@ -102,7 +102,7 @@ class Load(Expr):
         if align < 1 or align & (align - 1):
             raise ValueError(f"load alignment {align} is not a power of two")
         object.__setattr__(self, "buf", buf)
-        object.__setattr__(self, "index", _e(index))
+        object.__setattr__(self, "index", as_expr(index))
         object.__setattr__(self, "align", align)
 
 
@@ -115,7 +115,7 @@ class Cast(Expr):
 
     def __init__(self, dtype: str, a: Expr | int | float):
         object.__setattr__(self, "dtype", dtype)
-        object.__setattr__(self, "a", _e(a))
+        object.__setattr__(self, "a", as_expr(a))
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class Call(Expr):
         if len(args) != arity:
             raise ValueError(f"{fn} takes {arity} arguments, got {len(args)}")
         object.__setattr__(self, "fn", fn)
-        object.__setattr__(self, "args", tuple(_e(a) for a in args))
+        object.__setattr__(self, "args", tuple(as_expr(a) for a in args))
 
 
 # --- statements ------------------------------------------------------------------------------------------

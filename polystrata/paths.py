@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 DEFAULT_HOME = "~/.cache/polystrata"
 
@@ -54,13 +55,19 @@ def file_lock(path: Path, waiting: str | None = None) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def atomic_write(path: Path, data: bytes | str, mode: int | None = None) -> None:
-    """Write `path` through a temporary file and a rename: no reader ever sees half of it. `mode`: the file's
-    permissions (default: mkstemp's user-only 0o600)."""
+@contextmanager
+def atomic_file(path: Path, mode: int | None = None, durable: bool = False) -> Iterator[BinaryIO]:
+    """A temporary file (opened for binary writing) that replaces `path` in one rename when the block ends: no
+    reader ever sees half of it, and on an exception it is removed and `path` left as it was. `mode`: the file's
+    permissions (default: mkstemp's user-only 0o600); `durable`: the file and the rename are on disk (fsync)
+    before the block returns."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            yield f
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, path)
@@ -68,3 +75,18 @@ def atomic_write(path: Path, data: bytes | str, mode: int | None = None) -> None
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    if durable:
+        # Makes the rename itself durable; not possible on every platform, hence best effort.
+        with contextlib.suppress(OSError, AttributeError):
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+
+def atomic_write(path: Path, data: bytes | str, mode: int | None = None) -> None:
+    """Write `path` through a temporary file and a rename (`atomic_file`). `mode`: the file's permissions
+    (default: mkstemp's user-only 0o600)."""
+    with atomic_file(path, mode) as f:
+        f.write(data.encode() if isinstance(data, str) else data)

@@ -9,7 +9,7 @@ Conventions (llama.cpp's, so its loader accepts the files):
 
 * Tensor names are llama.cpp's (`token_embd.weight`, `blk.N.attn_q.weight`, ...); shapes are given here in
   numpy order (the reverse of GGUF's `ne`). 1-D tensors (norms, biases) and MoE routers are always F32.
-* Tied models (gemma3 and the presets marked `tied`) have no `output.weight`.
+* Tied models (gemma3 and the presets marked `tied_embeddings`) have no `output.weight`.
 * Formats whose block is 256 values (K-quants, IQ4_XS) cannot hold rows of other lengths; such tensors fall
   back as llama.cpp's quantizer does: Q2_K / Q3_K / IQ4_XS -> IQ4_NL, Q4_K -> Q5_0, Q5_K -> Q5_1,
   Q6_K -> Q8_0.
@@ -43,7 +43,10 @@ from typing import Any
 import numpy as np
 
 from polystrata.errors import UnsupportedError
-from polystrata.gguf import write_gguf
+from polystrata.gguf_writer import write_gguf
+from polystrata.ir.encode import quantize
+from polystrata.ir.formats import by_name
+from polystrata.models.hparams import HParams
 from polystrata.tokenizer import gpt2_byte_chars
 
 __all__ = [
@@ -52,7 +55,6 @@ __all__ = [
     "MIXES",
     "POOL_ELEMENTS",
     "PRESETS",
-    "Preset",
     "QTYPES",
     "print_progress",
     "synth_model",
@@ -67,7 +69,7 @@ POOL_ELEMENTS = 1 << 22
 
 ARCHES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3")
 
-# Plain tensor formats (names of polystrata.ir.quant formats) and llama.cpp-style mixes.
+# Plain tensor formats (format names of polystrata.ir.formats) and llama.cpp-style mixes.
 QTYPES = (
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
     "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
@@ -86,60 +88,53 @@ _QK_K = 256
 _K_FALLBACK = {"Q2_K": "IQ4_NL", "Q3_K": "IQ4_NL", "IQ4_XS": "IQ4_NL", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
-@dataclass(frozen=True)
-class Preset:
-    """Shapes and hyper-parameters of one synthetic model."""
-
-    arch: str
-    n_vocab: int
-    n_embd: int
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int
-    n_ff: int
-    n_ctx: int = 4096
-    rope_base: float = 10000.0
-    rms_eps: float = 1e-6
-    n_expert: int = 0
-    n_expert_used: int = 0
-    n_ff_exp: int = 0
-    n_ff_shexp: int = 0
-    sliding_window: int = 0
-    tied: bool = False
+def _preset_hparams(
+    arch: str, n_vocab: int, n_embd: int, n_layer: int, n_head: int, n_head_kv: int, head_dim: int, n_ff: int,
+    n_ctx_train: int = 4096, rope_base: float = 10000.0, rms_eps: float = 1e-6, rope_dims: int | None = None,
+    **more: Any,
+) -> HParams:
+    """A preset's shapes and hyper-parameters: value heads as wide as the key heads, rotary embeddings over
+    `rope_dims` dimensions of each head (default: all of them)."""
+    return HParams(
+        arch=arch, n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=n_head_kv, head_dim=head_dim,
+        head_dim_v=head_dim, n_ff=n_ff, n_vocab=n_vocab, n_ctx_train=n_ctx_train, rms_eps=rms_eps,
+        rope_base=rope_base, rope_dims=head_dim if rope_dims is None else rope_dims, **more,
+    )
 
 
-_P = Preset
+_P = _preset_hparams
 # One table: (arch, preset name) -> shapes. Benchmark presets use a 49152-token vocabulary (SmolLM2's size)
 # whatever the original model's, so tokenizer and embedding sizes are comparable across architectures.
-_TABLE: dict[tuple[str, str], Preset] = {
+_TABLE: dict[tuple[str, str], HParams] = {
     ("llama", "tiny"): _P("llama", 1024, 128, 2, 4, 2, 32, 256, 2048),
-    ("llama", "smollm2-135m"): _P("llama", 49152, 576, 30, 9, 3, 64, 1536, 8192, 100000.0, 1e-5, tied=True),
+    ("llama", "smollm2-135m"): _P("llama", 49152, 576, 30, 9, 3, 64, 1536, 8192, 100000.0, 1e-5, tied_embeddings=True),
     ("llama", "llama3-8b"): _P("llama", 49152, 4096, 32, 32, 8, 128, 14336, 8192, 500000.0, 1e-5),
     ("qwen2", "tiny"): _P("qwen2", 1024, 128, 2, 4, 2, 32, 256, 2048, 1000000.0),
-    ("qwen2", "qwen2.5-0.5b"): _P("qwen2", 49152, 896, 24, 14, 2, 64, 4864, 32768, 1000000.0, tied=True),
+    ("qwen2", "qwen2.5-0.5b"): _P("qwen2", 49152, 896, 24, 14, 2, 64, 4864, 32768, 1000000.0, tied_embeddings=True),
     ("qwen3", "tiny"): _P("qwen3", 1024, 128, 2, 4, 2, 32, 256, 2048, 1000000.0),
-    ("qwen3", "qwen3-0.6b"): _P("qwen3", 49152, 1024, 28, 16, 8, 128, 3072, 40960, 1000000.0, tied=True),
+    ("qwen3", "qwen3-0.6b"): _P("qwen3", 49152, 1024, 28, 16, 8, 128, 3072, 40960, 1000000.0, tied_embeddings=True),
     ("qwen2moe", "tiny"): _P(
         "qwen2moe", 1024, 128, 2, 4, 2, 32, 256, 2048, 1000000.0,
-        n_expert=8, n_expert_used=2, n_ff_exp=128, n_ff_shexp=256,
+        n_expert=8, n_expert_used=2, n_ff_expert=128, n_ff_shared=256,
     ),  # fmt: skip
     ("qwen3moe", "tiny"): _P(
-        "qwen3moe", 1024, 128, 2, 4, 2, 32, 256, 2048, 1000000.0, n_expert=8, n_expert_used=2, n_ff_exp=256
+        "qwen3moe", 1024, 128, 2, 4, 2, 32, 256, 2048, 1000000.0, n_expert=8, n_expert_used=2, n_ff_expert=256
     ),
     ("qwen3moe", "qwen3-30b-a3b"): _P(
         "qwen3moe", 49152, 2048, 48, 32, 4, 128, 6144, 40960, 1000000.0,
-        n_expert=128, n_expert_used=8, n_ff_exp=768,
+        n_expert=128, n_expert_used=8, n_ff_expert=768,
     ),  # fmt: skip
     # Six layers with a window of 8: layers 0-4 are sliding-window, layer 5 global (llama.cpp's pattern).
-    ("gemma3", "tiny"): _P("gemma3", 1024, 128, 6, 4, 1, 32, 256, 2048, 1000000.0, sliding_window=8, tied=True),
+    ("gemma3", "tiny"): _P(
+        "gemma3", 1024, 128, 6, 4, 1, 32, 256, 2048, 1000000.0, sliding_window=8, tied_embeddings=True
+    ),
     ("gemma3", "gemma3-270m"): _P(
-        "gemma3", 49152, 640, 18, 4, 1, 256, 2048, 32768, 1000000.0, sliding_window=512, tied=True
+        "gemma3", 49152, 640, 18, 4, 1, 256, 2048, 32768, 1000000.0, sliding_window=512, tied_embeddings=True
     ),
 }
 del _P
 
-PRESETS: dict[str, dict[str, Preset]] = {arch: {} for arch in ARCHES}
+PRESETS: dict[str, dict[str, HParams]] = {arch: {} for arch in ARCHES}
 for (_arch, _name), _preset in _TABLE.items():
     PRESETS[_arch][_name] = _preset
 
@@ -274,7 +269,7 @@ class _Tensor:
     std: float
 
 
-def _tensors(p: Preset) -> Iterator[_Tensor]:
+def _tensors(p: HParams) -> Iterator[_Tensor]:
     """Every tensor of the model, in file order, with its shape (numpy order) and init scale."""
     n, d = p.n_embd, p.head_dim
     q_out, kv_out = p.n_head * d, p.n_head_kv * d
@@ -309,14 +304,14 @@ def _tensors(p: Preset) -> Iterator[_Tensor]:
             yield vec(f"{b}.post_attention_norm.weight", n)
         yield vec(f"{b}.ffn_norm.weight", n)
         if p.n_expert:
-            e, f = p.n_expert, p.n_ff_exp
+            e, f = p.n_expert, p.n_ff_expert
             # Router logits of std ~3 across experts: a clear but token-dependent top-k.
             yield _Tensor(f"{b}.ffn_gate_inp.weight", (e, n), "router", 3.0 / math.sqrt(n))
             yield mat(f"{b}.ffn_gate_exps.weight", f, n, e)
             yield mat(f"{b}.ffn_up_exps.weight", f, n, e)
             yield mat(f"{b}.ffn_down_exps.weight", n, f, e)
-            if p.n_ff_shexp:
-                s = p.n_ff_shexp
+            if p.n_ff_shared:
+                s = p.n_ff_shared
                 yield _Tensor(f"{b}.ffn_gate_inp_shexp.weight", (n,), "router", 1.0 / math.sqrt(n))
                 yield mat(f"{b}.ffn_gate_shexp.weight", s, n)
                 yield mat(f"{b}.ffn_up_shexp.weight", s, n)
@@ -328,7 +323,7 @@ def _tensors(p: Preset) -> Iterator[_Tensor]:
         if p.arch == "gemma3":
             yield vec(f"{b}.post_ffw_norm.weight", n)
     yield vec("output_norm.weight", n)
-    if not p.tied:
+    if not p.tied_embeddings:
         yield _Tensor("output.weight", (p.n_vocab, n), "matrix", 2.0 / math.sqrt(n))
 
 
@@ -337,7 +332,7 @@ def _use_more_bits(i_layer: int, n_layer: int) -> bool:
     return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
 
 
-def _mix_type(mix: str, t: _Tensor, p: Preset) -> str:
+def _mix_type(mix: str, t: _Tensor, p: HParams) -> str:
     """The format llama.cpp's quantizer picks for tensor `t` under mix `mix` (before the row-length fallback).
 
     Approximation of `llama_tensor_get_type` for Q4_K_M / Q4_K_S:
@@ -351,7 +346,7 @@ def _mix_type(mix: str, t: _Tensor, p: Preset) -> str:
     * everything else Q4_K.
     """
     name = t.name
-    if name == "output.weight" or (name == "token_embd.weight" and p.tied):
+    if name == "output.weight" or (name == "token_embd.weight" and p.tied_embeddings):
         return "Q6_K"
     m = re.match(r"blk\.(\d+)\.", name)
     il = int(m.group(1)) if m else 0
@@ -372,7 +367,7 @@ def _mix_type(mix: str, t: _Tensor, p: Preset) -> str:
     return "Q4_K"
 
 
-def _tensor_type(qtype: str, t: _Tensor, p: Preset) -> str:
+def _tensor_type(qtype: str, t: _Tensor, p: HParams) -> str:
     if len(t.shape) == 1 or t.kind == "router":
         return "F32"  # llama.cpp requires 1-D tensors in F32 and never quantizes routers
     fmt = _mix_type(qtype, t, p) if qtype in MIXES else qtype
@@ -391,20 +386,13 @@ def tensor_plan(arch: str, preset: str = "tiny", qtype: str = "Q8_0", n_layer: i
 # --- values ----------------------------------------------------------------------------------------------
 
 
-def _quant():
-    from polystrata.ir import quant
-
-    return quant
-
-
 def _encode(fmt_name: str, x: np.ndarray) -> np.ndarray:
     """float32 rows -> raw bytes (..., row_bytes) in format `fmt_name`."""
     if fmt_name == "F32":
         return np.ascontiguousarray(x, dtype="<f4").view(np.uint8)
     if fmt_name == "F16":
         return np.ascontiguousarray(x.astype("<f2")).view(np.uint8)
-    quant = _quant()
-    return np.asarray(quant.quantize(quant.by_name(fmt_name), np.ascontiguousarray(x, dtype=np.float32)))
+    return np.asarray(quantize(by_name(fmt_name), np.ascontiguousarray(x, dtype=np.float32)))
 
 
 def _rng(seed: int, key: str) -> np.random.Generator:
@@ -461,7 +449,7 @@ def _make(t: _Tensor, fmt: str, seed: int, pools: _Pools, router_skew: float = 0
 # --- driver ----------------------------------------------------------------------------------------------
 
 
-def _preset(arch: str, preset: str, n_layer: int | None) -> Preset:
+def _preset(arch: str, preset: str, n_layer: int | None) -> HParams:
     if arch not in PRESETS:
         raise UnsupportedError(f"unknown architecture '{arch}' (supported: {', '.join(ARCHES)})")
     if preset not in PRESETS[arch]:
@@ -483,7 +471,7 @@ def _check_qtype(qtype: str) -> str:
     return q
 
 
-def _metadata(p: Preset, preset: str, qtype: str) -> dict[str, Any]:
+def _metadata(p: HParams, preset: str, qtype: str) -> dict[str, Any]:
     a = p.arch
     md: dict[str, Any] = {
         "general.architecture": a,
@@ -493,23 +481,23 @@ def _metadata(p: Preset, preset: str, qtype: str) -> dict[str, Any]:
         "general.quantization_version": 2,
         f"{a}.vocab_size": p.n_vocab,
         f"{a}.block_count": p.n_layer,
-        f"{a}.context_length": p.n_ctx,
+        f"{a}.context_length": p.n_ctx_train,
         f"{a}.embedding_length": p.n_embd,
         f"{a}.feed_forward_length": p.n_ff,
         f"{a}.attention.head_count": p.n_head,
         f"{a}.attention.head_count_kv": p.n_head_kv,
         f"{a}.attention.key_length": p.head_dim,
-        f"{a}.attention.value_length": p.head_dim,
+        f"{a}.attention.value_length": p.head_dim_v,
         f"{a}.attention.layer_norm_rms_epsilon": float(p.rms_eps),
         f"{a}.rope.freq_base": float(p.rope_base),
-        f"{a}.rope.dimension_count": p.head_dim,
+        f"{a}.rope.dimension_count": p.rope_dims,
     }
     if p.n_expert:
         md[f"{a}.expert_count"] = p.n_expert
         md[f"{a}.expert_used_count"] = p.n_expert_used
-        md[f"{a}.expert_feed_forward_length"] = p.n_ff_exp
-        if p.n_ff_shexp:
-            md[f"{a}.expert_shared_feed_forward_length"] = p.n_ff_shexp
+        md[f"{a}.expert_feed_forward_length"] = p.n_ff_expert
+        if p.n_ff_shared:
+            md[f"{a}.expert_shared_feed_forward_length"] = p.n_ff_shared
     if p.sliding_window:
         md[f"{a}.attention.sliding_window"] = p.sliding_window
     md.update(_tokenizer_metadata(p.n_vocab))

@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from polystrata.ir.expr import Bin, Const, Expr, Var
 from polystrata.ir.kernel import Buf, Call, Kernel, Scalar, expr_str, stable_digest
-from polystrata.ir.quant import Bin, Const, Expr, Var
 from polystrata.paths import atomic_write, file_lock, home_dir, private_dir
 
 

@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from polystrata.errors import PolystrataError
+from polystrata.ir.evaluate import dequantize
 from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import DTYPE_BYTES
-from polystrata.ir.quant import dequantize, repack
+from polystrata.ir.layout import repack
 from polystrata.runtimes.base import host_memory
 
 # What the default budget leaves free on the device (other processes, the driver's own allocations): the larger

@@ -17,7 +17,9 @@ import time
 import numpy as np
 
 from polystrata.compiler import build_plan
-from polystrata.ir import quant as Q
+from polystrata.ir.encode import quantize
+from polystrata.ir.evaluate import dequantize
+from polystrata.ir.formats import FORMATS, KV_FORMATS
 from polystrata.ir.graph import Graph
 from polystrata.runtimes.base import eval_int
 from polystrata.targets import make_runtime
@@ -36,7 +38,7 @@ def parse_knobs(items: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="cuda")
-    ap.add_argument("--kv-type", default="f16", choices=sorted(Q.KV_FORMATS))
+    ap.add_argument("--kv-type", default="f16", choices=sorted(KV_FORMATS))
     ap.add_argument("--depth", type=int, default=8192, help="tokens in the cache before the timed one")
     ap.add_argument("--heads", default="32,8,128", help="query heads, KV heads, head size")
     ap.add_argument("--layers", type=int, default=4, help="caches rotated to defeat the L2 cache")
@@ -45,7 +47,7 @@ def main() -> None:
     ap.add_argument("--knob", action="append", default=[], metavar="RECIPE.NAME=VALUE")
     a = ap.parse_args()
     hq, hkv, d = (int(x) for x in a.heads.split(","))
-    kvf = Q.KV_FORMATS[a.kv_type]
+    kvf = KV_FORMATS[a.kv_type]
     rt = make_runtime(a.target)
     n_ctx = a.depth + 64
     g = Graph(arch="bench")
@@ -58,7 +60,7 @@ def main() -> None:
         o = g.op("attention", *qkv, pos, layer=il, scale=1.0 / np.sqrt(d), window=0, softcap=0.0)
         outs.append(g.op("reshape", o, shape=("T", hq * d)))
     g.outputs.extend(outs)
-    weights = {w: Q.FORMATS["F32"] for w in g.weights}
+    weights = {w: FORMATS["F32"] for w in g.weights}
     plan = build_plan(g, weights, kvf, n_ctx, 1, rt.lanes, rt.subgroup, parse_knobs(a.knob), wide_loads=rt.wide_loads)
     rng = np.random.default_rng(0)
     bufs, want = {}, []
@@ -73,9 +75,9 @@ def main() -> None:
         caches = []
         for n, new in (("k", k), ("v", v)):
             rows = rng.standard_normal((n_ctx, hkv * d)).astype(np.float32)
-            raw = Q.quantize(kvf, rows)
-            deq = Q.dequantize(kvf, raw, rows.shape)
-            deq[a.depth] = Q.dequantize(kvf, Q.quantize(kvf, new[None]), (1, hkv * d))[0]  # the step's own row
+            raw = quantize(kvf, rows)
+            deq = dequantize(kvf, raw, rows.shape)
+            deq[a.depth] = dequantize(kvf, quantize(kvf, new[None]), (1, hkv * d))[0]  # the step's own row
             spec = plan.buffers[f"kv.{il}.{n}"]
             bufs[spec.name] = rt.upload(np.frombuffer(raw.tobytes(), np.uint8)[:spec.count].copy())
             caches.append(deq[: a.depth + 1].reshape(-1, hkv, d))

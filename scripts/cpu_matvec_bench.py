@@ -16,7 +16,9 @@ import time
 import numpy as np
 
 from polystrata.codegen.recipes.linear import MATMUL_KNOBS, matmul_kernel, matmul_kernel_knobs
-from polystrata.ir import quant as Q
+from polystrata.ir.encode import quantize
+from polystrata.ir.evaluate import dequantize
+from polystrata.ir.formats import FORMATS
 from polystrata.runtimes.base import eval_int
 from polystrata.runtimes.cpu import CPURuntime
 
@@ -45,9 +47,9 @@ def main() -> None:
     rt = CPURuntime()
     rng = np.random.default_rng(0)
     for fmt_name, n, k in shapes:
-        fmt = Q.FORMATS[fmt_name]
-        raw = Q.quantize(fmt, rng.standard_normal((n, k)).astype(np.float32))
-        wd = Q.dequantize(fmt, raw, (n, k))
+        fmt = FORMATS[fmt_name]
+        raw = quantize(fmt, rng.standard_normal((n, k)).astype(np.float32))
+        wd = dequantize(fmt, raw, (n, k))
         wb = raw.reshape(-1).view(np.float32) if fmt.name == "F32" else raw.reshape(-1)
         x = rng.standard_normal((a.T, k)).astype(np.float32)
         ref = x @ wd.T

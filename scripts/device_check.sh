@@ -88,7 +88,7 @@ if [[ " $STAGES " == *" bench "* ]]; then
     [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
     [ -f "$M/qwen3moe-8l-q4km.gguf" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b --layers 8 --type Q4_K_M -o "$M/qwen3moe-8l-q4km.gguf"
     for t in cuda hip opencl; do python3 scripts/matvec_bench.py --target "$t" 2>&1 | tee -a "$LOG" | tail -2; done
-    # Q6_K in the qwen3-30b-a3b output head's shape (cuda keeps Q6_K in 224-byte blocks: ir.quant.padded).
+    # Q6_K in the qwen3-30b-a3b output head's shape (cuda keeps Q6_K in 224-byte blocks: ir.layout.padded).
     python3 scripts/matvec_bench.py --target cuda --format Q6_K --rows 49152 --cols 2048 2>&1 | tee -a "$LOG" | tail -2
     # MATVEC_KNOBS: extra cuda runs with knob overrides, one run per space-separated item, several knobs of a run
     # joined by commas, e.g. "matmul.rows=4 matmul.sub=8,matmul.lanes=448".

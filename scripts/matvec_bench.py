@@ -16,8 +16,11 @@ import time
 import numpy as np
 
 from polystrata.compiler import build_plan
-from polystrata.ir import quant as Q
+from polystrata.ir.encode import quantize
+from polystrata.ir.evaluate import dequantize
+from polystrata.ir.formats import FORMATS, KV_FORMATS, by_name
 from polystrata.ir.graph import Graph
+from polystrata.ir.layout import repack
 from polystrata.runtimes.base import eval_int
 from polystrata.targets import make_runtime
 
@@ -39,7 +42,7 @@ def main() -> None:
         key, val = kv.split("=", 1)
         recipe, name = key.split(".", 1)
         knobs.setdefault(recipe, {})[name] = int(val) if val.lstrip("-").isdigit() else val
-    fmt = Q.by_name(a.format)
+    fmt = by_name(a.format)
     rt = make_runtime(a.target)
     # tokens -> one row of an F32 table (the activation) -> the matmul under test; only the latter is timed.
     g = Graph(arch="bench")
@@ -48,15 +51,15 @@ def main() -> None:
     x = g.op("embed", g.weight("table", "F32", (1, a.cols)), tok)
     y = g.op("matmul", x, g.weight("w", fmt.name, (a.rows, a.cols)))
     g.outputs.append(y)
-    plan = build_plan(g, {"w": fmt, "table": Q.FORMATS["F32"]}, Q.KV_FORMATS["f16"], 16, 1, rt.lanes, rt.subgroup,
+    plan = build_plan(g, {"w": fmt, "table": FORMATS["F32"]}, KV_FORMATS["f16"], 16, 1, rt.lanes, rt.subgroup,
                       knobs, wide_loads=rt.wide_loads)
     rng = np.random.default_rng(0)
-    raw = Q.quantize(fmt, rng.standard_normal((a.rows, a.cols)).astype(np.float32))
+    raw = quantize(fmt, rng.standard_normal((a.rows, a.cols)).astype(np.float32))
     xs = rng.standard_normal(a.cols).astype(np.float32)
     bufs = {name: rt.alloc((spec.count,), spec.dtype) for name, spec in plan.buffers.items() if spec.kind != "weight"}
     rt.write(bufs["tokens"], np.zeros(1, np.int32))
     bufs["table"] = rt.upload(xs)
-    packed = Q.repack(raw, fmt, plan.buffers["w"].fmt)  # in the layout the plan reads
+    packed = repack(raw, fmt, plan.buffers["w"].fmt)  # in the layout the plan reads
     weights = [rt.upload(packed) for _ in range(a.copies)]
     embed, *rest = plan.launches
     launches = []
@@ -78,7 +81,7 @@ def main() -> None:
     run(0, first=0)
     rt.sync()
     got = rt.download(bufs[plan.output], (1, a.rows), "f32")[0]
-    want = Q.dequantize(fmt, raw, (a.rows, a.cols)) @ xs
+    want = dequantize(fmt, raw, (a.rows, a.cols)) @ xs
     err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     for c in range(a.copies):
         run(c)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
+from polystrata.ir.expr import TABLES, Table
 from polystrata.ir.kernel import (
     Assign,
     Buf,
@@ -30,7 +31,6 @@ from polystrata.ir.kernel import (
     ToF32,
     Var,
 )
-from polystrata.ir.quant import TABLES, Table
 
 g0, g1, g2, n, j, k = (Var(v) for v in ("g0", "g1", "g2", "n", "j", "k"))
 ROWS = Scalar("rows")

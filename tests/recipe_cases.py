@@ -10,12 +10,15 @@ from suite_plugin import targets_under_test
 
 from polystrata.codegen.recipes import RECIPES, Recipe, RecipeContext, load_all
 from polystrata.compiler.passes import SLICED_ON_WIDE_LOADS
-from polystrata.ir import quant as Q
+from polystrata.ir.encode import quantize
+from polystrata.ir.evaluate import dequantize
+from polystrata.ir.formats import FORMATS, KV_FORMATS, QuantFormat
 from polystrata.ir.graph import Graph
+from polystrata.ir.layout import padded, repack, sliced
 from polystrata.runtimes.base import eval_int
 from polystrata.targets import make_runtime
 
-FORMATS = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+FORMAT_NAMES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
            "IQ4_NL", "IQ4_XS"]
 # The formats cuda keeps with rows sliced, by their `weight_format` names (NAME_S).
 SLICED = [f"{name}_S" for name in SLICED_ON_WIDE_LOADS]
@@ -50,21 +53,21 @@ def run(rt, kernel, buffers: dict[str, np.ndarray], scalars: dict, outs: dict[st
     return {n: rt.download(dev[n], s, d) for n, (s, d) in outs.items()}
 
 
-def weight_format(fmt_name: str, cols: int = 0) -> Q.QuantFormat:
-    """A GGUF format by name, or device layouts of one: NAME_A16, its blocks padded to 16 bytes (`Q.padded`);
-    NAME_S, its rows of `cols` sliced (`Q.sliced`)."""
+def weight_format(fmt_name: str, cols: int = 0) -> QuantFormat:
+    """A GGUF format by name, or device layouts of one: NAME_A16, its blocks padded to 16 bytes (`padded`);
+    NAME_S, its rows of `cols` sliced (`sliced`)."""
     name = fmt_name.removesuffix("_S")
     base, _, align = name.partition("_A")
-    fmt = Q.padded(Q.FORMATS[base], int(align)) if align else Q.FORMATS[name]
-    return Q.sliced(fmt, cols) if name != fmt_name else fmt
+    fmt = padded(FORMATS[base], int(align)) if align else FORMATS[name]
+    return sliced(fmt, cols) if name != fmt_name else fmt
 
 
 def weight(fmt_name: str, rows: int, cols: int, seed: int = 0):
     fmt = weight_format(fmt_name, cols)
-    base = Q.FORMATS[fmt_name.removesuffix("_S").partition("_A")[0]]
+    base = FORMATS[fmt_name.removesuffix("_S").partition("_A")[0]]
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
-    raw = Q.repack(Q.quantize(base, w), base, fmt)
-    deq = Q.dequantize(base, Q.quantize(base, w), (rows, cols))
+    raw = repack(quantize(base, w), base, fmt)
+    deq = dequantize(base, quantize(base, w), (rows, cols))
     buf = raw.reshape(-1).view(np.float32) if fmt.name == "F32" else raw.reshape(-1)
     return fmt, buf, deq
 
@@ -83,7 +86,7 @@ def recipe_context(g: Graph, kv="f16", n_ctx=64, formats=None, lanes=1):
         names[id(v)] = v.name
     for nd in g.nodes:
         names[id(nd.output)] = nd.output.name
-    return RecipeContext(lanes=lanes, subgroup=min(lanes, 32), kv_format=Q.KV_FORMATS[kv], n_ctx=n_ctx,
+    return RecipeContext(lanes=lanes, subgroup=min(lanes, 32), kv_format=KV_FORMATS[kv], n_ctx=n_ctx,
                          buffer_names=names, weight_formats=formats or {}, t_max=16)
 
 

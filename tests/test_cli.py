@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import yaml
 
-from polystrata.gguf import GGUFFile, write_gguf
+from polystrata.gguf import GGUFFile
+from polystrata.gguf_writer import write_gguf
 from polystrata.parity import Parity
 from polystrata.synth import synth_model
 

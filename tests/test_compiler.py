@@ -5,9 +5,10 @@ from __future__ import annotations
 from polystrata.compiler.passes import build_plan, drop_repeated_launches
 from polystrata.engine import tensor_table
 from polystrata.gguf import GGUFFile
-from polystrata.ir import quant as Q
+from polystrata.ir.formats import FORMATS, KV_FORMATS
 from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import Buf, Kernel, LaneFor, Launch, Load, Scalar, Store, Var
+from polystrata.ir.layout import padded, sliced
 from polystrata.models import build_graph
 from polystrata.synth import synth_model
 
@@ -59,7 +60,7 @@ def test_gpu_plan_fuses_quantization_and_stacks_qkv(tmp_path):
     read (the quantize launches they provide are dropped), so only the attention output and the FFN activation
     product are quantized by launches of their own."""
     f, graph, formats = _tiny_llama(tmp_path)
-    plan = build_plan(graph, formats, Q.KV_FORMATS["f16"], 64, 16, 128, 32)
+    plan = build_plan(graph, formats, KV_FORMATS["f16"], 64, 16, 128, 32)
     n_layer = int(f.metadata["llama.block_count"])
     names = [la.kernel.name for la in plan.launches]
     quantize = [n for n in names if n.startswith("quantize_x")]
@@ -87,7 +88,7 @@ def test_runs_layout_only_on_wide_load_targets(tmp_path):
     """Q8_0 matvecs take runs of words where the target merges aligned loads (cuda), interleaved words elsewhere."""
     _, graph, formats = _tiny_llama(tmp_path)
     for wide in (False, True):
-        plan = build_plan(graph, formats, Q.KV_FORMATS["f16"], 64, 16, 128, 32, wide_loads=wide)
+        plan = build_plan(graph, formats, KV_FORMATS["f16"], 64, 16, 128, 32, wide_loads=wide)
         runs = {r for la in plan.launches if la.kernel.name.endswith("_q8")
                 for r in la.kernel.knob_dict["runs"].split(",")}  # one per weight (gate+up: two)
         assert runs == {str(int(wide))}, (wide, runs)
@@ -95,7 +96,7 @@ def test_runs_layout_only_on_wide_load_targets(tmp_path):
 
 def test_q4_k_q5_k_rows_sliced_only_on_wide_load_targets():
     """A target with wide loads keeps Q4_K and Q5_K weights whose rows hold several blocks sliced
-    (`ir.quant.sliced`, per row length) and Q6_K ones padded; any other target reads the file's layouts."""
+    (`ir.layout.sliced`, per row length) and Q6_K ones padded; any other target reads the file's layouts."""
     g = Graph(arch="t")
     tok = g.input("tokens", "i32", ("T",))
     g.input("positions", "i32", ("T",))
@@ -105,15 +106,15 @@ def test_q4_k_q5_k_rows_sliced_only_on_wide_load_targets():
     for name, (fmt_name, shape) in shapes.items():
         x = g.op("matmul", x, g.weight(name, fmt_name, shape))
     g.outputs.append(x)
-    formats = {"table": Q.FORMATS["F32"], **{n: Q.FORMATS[f] for n, (f, _) in shapes.items()}}
+    formats = {"table": FORMATS["F32"], **{n: FORMATS[f] for n, (f, _) in shapes.items()}}
     for wide in (False, True):
-        fmts = {n: build_plan(g, formats, Q.KV_FORMATS["f16"], 16, 1, 128, 32, wide_loads=wide).buffers[n].fmt
+        fmts = {n: build_plan(g, formats, KV_FORMATS["f16"], 16, 1, 128, 32, wide_loads=wide).buffers[n].fmt
                 for n in shapes}
         if wide:
-            assert fmts == {"wide": Q.sliced(Q.FORMATS["Q4_K"], 512), "one_block": Q.FORMATS["Q4_K"],
-                            "q5": Q.sliced(Q.FORMATS["Q5_K"], 512), "q6": Q.padded(Q.FORMATS["Q6_K"], 16)}
+            assert fmts == {"wide": sliced(FORMATS["Q4_K"], 512), "one_block": FORMATS["Q4_K"],
+                            "q5": sliced(FORMATS["Q5_K"], 512), "q6": padded(FORMATS["Q6_K"], 16)}
         else:
-            assert fmts == {n: Q.FORMATS[f] for n, (f, _) in shapes.items()}
+            assert fmts == {n: FORMATS[f] for n, (f, _) in shapes.items()}
 
 
 def test_kernel_names_from_extreme_values_are_identifiers(tmp_path, monkeypatch):

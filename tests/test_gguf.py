@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 from polystrata.errors import GGUFError, PolystrataError
-from polystrata.gguf import GGUFFile, GGUFValueType, TensorInfo, write_gguf
+from polystrata.gguf import GGUFFile, GGUFValueType, TensorInfo
+from polystrata.gguf_writer import write_gguf
 
-quant = pytest.importorskip("polystrata.ir.quant", reason="polystrata.ir.quant is not available")
+formats = pytest.importorskip("polystrata.ir.formats", reason="polystrata.ir.formats is not available")
 
 VT = GGUFValueType
 MODELS = Path.home() / ".cache" / "polystrata" / "models"
@@ -29,7 +30,7 @@ F32, F16, Q4_0, Q8_0, Q4_K = 0, 1, 2, 8, 12
 
 
 def _fmt(type_id: int):
-    return quant.by_ggml_type(type_id)
+    return formats.by_ggml_type(type_id)
 
 
 def _oracle_value(field: gguf.ReaderField):
@@ -395,6 +396,20 @@ def test_atomic_write_leaves_existing_file_untouched(tmp_path, bad_second):
     with pytest.raises((GGUFError, RuntimeError)):
         write_gguf(dest, {"general.name": "new"}, tensors)
     assert dest.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["model.gguf"]
+
+
+def test_written_file_is_readable_like_open_and_a_replaced_one_keeps_its_mode(tmp_path):
+    """mkstemp makes user-only files: a new model file gets open()'s 0o644, a replaced one keeps its mode."""
+    dest = tmp_path / "model.gguf"
+    tensors = [("a", (32,), F32, np.ones(32, np.float32))]
+    write_gguf(dest, {"general.name": "first"}, tensors)
+    assert dest.stat().st_mode & 0o777 == 0o644
+    dest.chmod(0o640)
+    write_gguf(dest, {"general.name": "second"}, tensors)
+    assert dest.stat().st_mode & 0o777 == 0o640
+    with GGUFFile(dest) as f:
+        assert f.metadata["general.name"] == "second"
     assert sorted(os.listdir(tmp_path)) == ["model.gguf"]
 
 

@@ -25,7 +25,8 @@ import pytest
 from polystrata import chat
 from polystrata.cli import main
 from polystrata.errors import GGUFError
-from polystrata.gguf import GGUFFile, write_gguf
+from polystrata.gguf import GGUFFile
+from polystrata.gguf_writer import write_gguf
 from polystrata.synth import synth_model
 
 DATA = Path(__file__).parent / "data"

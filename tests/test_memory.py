@@ -289,23 +289,26 @@ def test_expert_source_repacks_one_expert(fmt_name):
 
     from polystrata.compiler.passes import storage_format
     from polystrata.compiler.plan import BufferSpec
-    from polystrata.ir import quant as Q
+    from polystrata.ir.encode import quantize
+    from polystrata.ir.evaluate import dequantize
+    from polystrata.ir.formats import FORMATS, row_bytes
+    from polystrata.ir.layout import repack
 
-    fmt = Q.FORMATS[fmt_name]
+    fmt = FORMATS[fmt_name]
     shape = (3, 4, 512)  # experts, rows, columns
-    raw = np.random.default_rng(0).integers(0, 256, (3, 4, Q.row_bytes(fmt, 512)), dtype=np.uint8)
+    raw = np.random.default_rng(0).integers(0, 256, (3, 4, row_bytes(fmt, 512)), dtype=np.uint8)
     if fmt_name == "Q8_0":  # decodable values for the f32 path
-        raw = Q.quantize(fmt, np.random.default_rng(1).standard_normal((12, 512)).astype(np.float32))
+        raw = quantize(fmt, np.random.default_rng(1).standard_normal((12, 512)).astype(np.float32))
         raw = np.asarray(raw).reshape(3, 4, -1)
     file = SimpleNamespace(tensors={"w": SimpleNamespace(fmt=fmt, shape=shape)}, raw=lambda _name: raw)
     store = storage_format(fmt, 512)
     src = expert_source(file, BufferSpec("w", "u8", raw.size, "weight", store))
-    whole = Q.repack(raw, fmt, store).reshape(3, -1)
+    whole = repack(raw, fmt, store).reshape(3, -1)
     assert src.mapped == (store == fmt) and src.nbytes == whole.shape[1]
     assert all(np.array_equal(src.expert(e), whole[e]) for e in range(3))
     if fmt_name == "Q8_0":
         f32 = expert_source(file, BufferSpec("w", "f32", 3 * 4 * 512, "weight", store))
-        values = Q.dequantize(fmt, raw.reshape(-1), shape).reshape(3, -1)
+        values = dequantize(fmt, raw.reshape(-1), shape).reshape(3, -1)
         assert not f32.mapped and f32.nbytes == 4 * 4 * 512
         assert all(np.array_equal(f32.expert(e).view(np.float32), values[e]) for e in range(3))
 
@@ -469,7 +472,8 @@ def test_guard_under_an_explicit_budget_waits_for_real_pressure(moe, resident, m
 
 
 @pytest.mark.parametrize("cmd", [
-    ["run", "-p", "hi", "--gpu-mem", "1G", "-n", "1"], ["score", "--text", "hi", "-o", "x.npz", "--expert-policy", "lfu"],
+    ["run", "-p", "hi", "--gpu-mem", "1G", "-n", "1"],
+    ["score", "--text", "hi", "-o", "x.npz", "--expert-policy", "lfu"],
     ["compile", "--expert-slots", "2", "-o", "art"], ["bench", "--gpu-mem", "50%", "--expert-slots", "1"]])
 def test_reference_target_refuses_the_memory_options(moe, capsys, tmp_path, monkeypatch, cmd):
     """The reference target has no device memory to plan: --gpu-mem, --expert-slots and --expert-policy are one

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 from recipe_cases import plan_scratch, recipe, recipe_context, run_launches, target_runtimes
 
-from polystrata.ir import quant as Q
+from polystrata.ir.encode import quantize
+from polystrata.ir.evaluate import dequantize
+from polystrata.ir.formats import KV_FORMATS, row_bytes
 from polystrata.ir.graph import Graph
 from polystrata.runtimes import reference as R
 
@@ -33,8 +35,8 @@ def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: 
     ctx = recipe_context(g, kv=kv, n_ctx=n_ctx, lanes=lanes)
     ctx.knobs = {"attention": knobs}
     launches = recipe("attention").lower(g.nodes, ctx)
-    fmt = Q.KV_FORMATS[kv]
-    kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
+    fmt = KV_FORMATS[kv]
+    kvb = n_ctx * row_bytes(fmt, hkv * d)
     ex = R.ReferenceExecutor({}, n_ctx)
     keep = {"kv.0.k": rt.alloc((kvb,), "u8"), "kv.0.v": rt.alloc((kvb,), "u8")}
     n_past = 0
@@ -43,8 +45,8 @@ def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: 
         qv, kvv, vv = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
         pv = np.arange(n_past, n_past + t, dtype=np.int32)
         # The reference sees what the cache holds: K/V rounded through the KV format.
-        kq = Q.dequantize(fmt, Q.quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
-        vq = Q.dequantize(fmt, Q.quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
+        kq = dequantize(fmt, quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
+        vq = dequantize(fmt, quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
         ref = R._IMPLS["attention"](ex, g.nodes[0], [qv, kq, vq, pv])
         sb, so = plan_scratch(ctx)  # split-K partials, poisoned: a run the combine should not read spoils the output
         out = run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
@@ -191,8 +193,8 @@ def test_rope_attention(rt, kv, mode, dims, lanes, qk_norm):
         return R._IMPLS["rms_norm"](None, norm_nodes[w], [x, weights[w]]) if qk_norm else x
     provided = launches[-1].provides
     assert len(provided) == (lanes > 1)
-    fmt = Q.KV_FORMATS[kv]
-    kvb = n_ctx * Q.row_bytes(fmt, hkv * d)
+    fmt = KV_FORMATS[kv]
+    kvb = n_ctx * row_bytes(fmt, hkv * d)
     ex = R.ReferenceExecutor({}, n_ctx)
     keep = {"kv.0.k": rt.alloc((kvb,), "u8"), "kv.0.v": rt.alloc((kvb,), "u8")}
     n_past = 0
@@ -201,8 +203,8 @@ def test_rope_attention(rt, kv, mode, dims, lanes, qk_norm):
         pv = np.arange(n_past, n_past + t, dtype=np.int32)
         krv = R.apply_rope(normed(kvv, "kn"), pv, dims, 10000.0, 0.5, mode)
         qrv = R.apply_rope(normed(qv, "qn"), pv, dims, 10000.0, 0.5, mode)
-        kq = Q.dequantize(fmt, Q.quantize(fmt, krv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
-        vq = Q.dequantize(fmt, Q.quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
+        kq = dequantize(fmt, quantize(fmt, krv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
+        vq = dequantize(fmt, quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
         ref = R._IMPLS["attention"](ex, g.nodes[-1], [qrv, kq, vq, pv])
         sb, so = plan_scratch(ctx)
         out = run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),

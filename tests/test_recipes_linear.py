@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from recipe_cases import (
-    FORMATS,
+    FORMAT_NAMES,
     SLICED,
     int8_bound,
     q8_rounded,
@@ -25,7 +25,7 @@ from recipe_cases import (
 
 from polystrata.codegen.recipes._matvec import use_int8
 from polystrata.codegen.recipes.linear import embed_kernel, matmul_kernel, matvec_q8_kernel, quantize_x_kernel
-from polystrata.ir import quant as Q
+from polystrata.ir.formats import FORMATS
 from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import Launch
 from polystrata.runtimes import reference as R
@@ -37,7 +37,7 @@ rt = target_runtimes()
 # --- matmul: every format, odd row counts, several T on one compiled kernel ---------------------------------
 
 
-@pytest.mark.parametrize("fmt_name", [*FORMATS, *SLICED])
+@pytest.mark.parametrize("fmt_name", [*FORMAT_NAMES, *SLICED])
 def test_matmul_formats(rt, fmt_name):
     n, k = 37, 256
     fmt, wb, wd = weight(fmt_name, n, k)
@@ -74,7 +74,7 @@ def test_matmul_schedules(rt, fmt_name, split, int8, rows):
             np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt_name", [*FORMATS, *SLICED])
+@pytest.mark.parametrize("fmt_name", [*FORMAT_NAMES, *SLICED])
 def test_embed(rt, fmt_name):
     """Rows of every format decoded whole (NAME_S: sliced rows, each byte's address computed at run time)."""
     vocab, cols = 7, 512
@@ -85,7 +85,7 @@ def test_embed(rt, fmt_name):
     np.testing.assert_array_equal(y, wd[tok])
 
 
-@pytest.mark.parametrize("fmt_name", [f for f in FORMATS if use_int8(Q.FORMATS[f], True)] + ["Q6_K_A16", *SLICED])
+@pytest.mark.parametrize("fmt_name", [f for f in FORMAT_NAMES if use_int8(FORMATS[f], True)] + ["Q6_K_A16", *SLICED])
 def test_matvec_q8_formats(rt, fmt_name):
     """The GPU matvec (quantize kernel + one row per group, `sub` lanes per block, interleaved words or runs) on every
     int8-path format, against a float64 product with x rounded as the quantize kernel rounds it: only float error
@@ -153,7 +153,7 @@ def test_stacked_matvecs(rt):
     shapes = {"wq": ("Q4_K", 19), "wk": ("Q6_K", 7), "wv": ("Q8_0", 5)}
     for name, (fmt_name, n) in shapes.items():
         g.op("matmul", x, g.weight(name, fmt_name, (n, k)), name=f"y{name}")
-    ctx = recipe_context(g, formats={nm: Q.FORMATS[f] for nm, (f, _) in shapes.items()}, lanes=32)
+    ctx = recipe_context(g, formats={nm: FORMATS[f] for nm, (f, _) in shapes.items()}, lanes=32)
     ctx.knobs = {"matmul": {"rows": 2}}  # 19, 7 and 5 rows: each weight's last group has one
     launches = recipe("matmul_stack3").lower(g.nodes, ctx)
     assert [la.kernel.name.startswith("matmul_stack") for la in launches] == [False, True]
@@ -217,7 +217,7 @@ def test_glu_fused(rt):
         a = g.op("matmul", x, wg, name="a")
         b = g.op("matmul", x, wu, name="b")
         g.op(act, a, b, name="o")
-        ctx = recipe_context(g, formats={"wg": Q.FORMATS[fmt_name], "wu": Q.FORMATS[fmt_name]})
+        ctx = recipe_context(g, formats={"wg": FORMATS[fmt_name], "wu": FORMATS[fmt_name]})
         launches = recipe(f"matmul_{act}").lower(g.nodes, ctx)
         _, bg, dg = weight(fmt_name, 19, 256, 5)
         _, bu, du = weight(fmt_name, 19, 256, 6)

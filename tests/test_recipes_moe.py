@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from recipe_cases import plan_scratch, q8_rounded, recipe, recipe_context, run, run_launches, target_runtimes, weight
 
-from polystrata.ir import quant as Q
+from polystrata.ir.formats import FORMATS
 from polystrata.ir.graph import Graph
 from polystrata.runtimes import reference as R
 
@@ -48,7 +48,7 @@ def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=Non
     uw = g.weight("u", fmt_name, (e, ff, dm))
     dw = g.weight("d", fmt_name, (e, dm, ff))
     g.op("moe_ffn", x, route, gw, uw, dw, name="o")
-    ctx = recipe_context(g, formats={n: Q.FORMATS[fmt_name] for n in "gud"})
+    ctx = recipe_context(g, formats={n: FORMATS[fmt_name] for n in "gud"})
     ctx.lanes, ctx.t_max = lanes, t_max
     ctx.knobs = {"moe_ffn": knobs or {}}
     rl = recipe("router").lower(g.nodes[:1], ctx)
@@ -124,7 +124,7 @@ def test_moe_residual_norm_sums_the_experts(rt, fmt_name):
     nwv = rng.uniform(0.5, 1.5, dm).astype(np.float32)
     for lanes in sorted({1, rt.lanes}):
         for t_max, t in ((1, 1), (16, 9)):
-            ctx = recipe_context(g, formats={n: Q.FORMATS[fmt_name] for n in "gud"})
+            ctx = recipe_context(g, formats={n: FORMATS[fmt_name] for n in "gud"})
             ctx.lanes, ctx.t_max = lanes, t_max
             launches = recipe("router_moe_add_rms_norm").lower(g.nodes, ctx)
             names = [la.kernel.name for la in launches]

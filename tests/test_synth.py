@@ -17,7 +17,7 @@ from polystrata.models import build_graph
 from polystrata.parity import Parity
 from polystrata.synth import ARCHES, MIXES, PRESETS, QTYPES, synth_model, synth_vocab, tensor_plan
 
-pytest.importorskip("polystrata.ir.quant", reason="polystrata.ir.quant is not available")
+pytest.importorskip("polystrata.ir.formats", reason="polystrata.ir.formats is not available")
 
 # Token ids used for forward passes: more than the gemma3 tiny window (8), so local layers really slide.
 IDS = [1, 5, 300, 700, 20, 33, 900, 12, 45, 600, 601, 3, 77, 88, 99, 1000, 40, 41, 42, 43]
@@ -63,7 +63,7 @@ def test_every_arch_and_type_builds(tiny, arch, qtype):
             elif qtype not in MIXES:
                 want = synth._K_FALLBACK.get(qtype, qtype) if shape[-1] % 256 else qtype
                 assert fmt == want, name
-        assert ("output.weight" in table) == (not PRESETS[arch]["tiny"].tied)
+        assert ("output.weight" in table) == (not PRESETS[arch]["tiny"].tied_embeddings)
 
 
 def test_moe_tensors_and_metadata(tiny):
@@ -72,12 +72,12 @@ def test_moe_tensors_and_metadata(tiny):
         e, n = p.n_expert, p.n_embd
         t = f.tensors
         assert t["blk.0.ffn_gate_inp.weight"].shape == (e, n)
-        assert t["blk.0.ffn_gate_exps.weight"].shape == (e, p.n_ff_exp, n)
-        assert t["blk.0.ffn_down_exps.weight"].shape == (e, n, p.n_ff_exp)
+        assert t["blk.0.ffn_gate_exps.weight"].shape == (e, p.n_ff_expert, n)
+        assert t["blk.0.ffn_down_exps.weight"].shape == (e, n, p.n_ff_expert)
         assert t["blk.0.ffn_gate_inp_shexp.weight"].shape == (n,)
-        assert t["blk.1.ffn_down_shexp.weight"].shape == (n, p.n_ff_shexp)
+        assert t["blk.1.ffn_down_shexp.weight"].shape == (n, p.n_ff_shared)
         assert "blk.0.attn_q.bias" in t
-        assert f.metadata["qwen2moe.expert_shared_feed_forward_length"] == p.n_ff_shexp
+        assert f.metadata["qwen2moe.expert_shared_feed_forward_length"] == p.n_ff_shared
         assert f.metadata["qwen2moe.expert_used_count"] == 2
     with GGUFFile(tiny("gemma3", "Q8_0")) as f:
         assert f.metadata["gemma3.attention.sliding_window"] == 8
@@ -112,14 +112,14 @@ def test_presets_build_without_writing(arch, preset):
 
 def test_big_presets_have_their_shapes():
     p = PRESETS["llama"]["llama3-8b"]
-    assert (p.n_embd, p.n_layer, p.n_head, p.n_head_kv, p.n_ff, p.rope_base, p.n_vocab, p.n_ctx) == (
+    assert (p.n_embd, p.n_layer, p.n_head, p.n_head_kv, p.n_ff, p.rope_base, p.n_vocab, p.n_ctx_train) == (
         4096, 32, 32, 8, 14336, 500000.0, 49152, 8192,
     )  # fmt: skip
     q = PRESETS["qwen3moe"]["qwen3-30b-a3b"]
     assert (q.n_embd, q.n_layer, q.n_head, q.n_head_kv, q.head_dim, q.n_expert, q.n_expert_used) == (
         2048, 48, 32, 4, 128, 128, 8,
     )  # fmt: skip
-    assert q.n_ff_exp == 768 and q.rope_base == 1e6
+    assert q.n_ff_expert == 768 and q.rope_base == 1e6
     n_params = sum(math.prod(s) for _n, s, _t in tensor_plan("llama", "llama3-8b"))
     assert 7.0e9 < n_params < 8.0e9
 

@@ -169,7 +169,7 @@ def test_wide_loads_render():
     """The runs-layout Q4_K matvec renders its 16-byte-aligned promises as the intrinsics that declare them (NVVM
     merges each run into one vector load), and cuda plans choose runs."""
     from polystrata.codegen.recipes.linear import matvec_q8_kernel
-    from polystrata.ir.quant import FORMATS
+    from polystrata.ir.formats import FORMATS
 
     kern = matvec_q8_kernel("t_wide", [FORMATS["Q4_K"]], 64, 1024, tokens=1, lanes=32, runs=1)
     src = render(kern, shuffles=True, native=True)
@@ -191,7 +191,7 @@ def test_one_pass_lowering_scan_matches_numba_cuda(tmp_path):
     from numba.cuda import lowering
 
     from polystrata.codegen.recipes.linear import matvec_q8_kernel
-    from polystrata.ir.quant import FORMATS
+    from polystrata.ir.formats import FORMATS
     from polystrata.runtimes import cuda as runtime
     from polystrata.runtimes.cuda import _signature, _singly_assigned_in_one_pass
 

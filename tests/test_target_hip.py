@@ -303,7 +303,7 @@ def test_nvrtc_reuses_loads_across_dp4a():
     import re
 
     from polystrata.codegen.recipes.linear import matvec_q8_kernel
-    from polystrata.ir.quant import FORMATS
+    from polystrata.ir.formats import FORMATS
 
     kern = matvec_q8_kernel("t_mv", [FORMATS["Q4_K"]], 4096, 4096, tokens=1, lanes=128, runs=0)
     rt = hiprt.HIPRuntime("sm_90", compile_only=True)

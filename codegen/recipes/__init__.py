@@ -20,9 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node, Value
 from polystrata.ir.kernel import Launch
-from polystrata.ir.quant import QuantFormat
 
 
 @dataclass(frozen=True)

@@ -17,26 +17,26 @@ Two dot-product paths, both generated from the format description (`codegen.dequ
 
 `nonneg` (with one lane) masks each block's base addresses with `NONNEG`, a no-op on valid indices that tells a
 compiler the indices are non-negative (Numba otherwise wraps every signed index like Python, which defeats
-vectorization).
+vectorization). What alignment the final addresses prove (for wide loads) is `_alignment.py`'s analysis.
 """
 
 from __future__ import annotations
 
 import math
 
-from polystrata.codegen.dequant import (
+from polystrata.codegen.dequant import Decoder, _Aff, _Lowerer, chunk_len
+from polystrata.codegen.format_analysis import (
     Affine,
-    Decoder,
-    _Aff,
-    _Lowerer,
     affine,
     block_stride,
-    chunk_len,
     finest_group,
     inline_elem_lets,
     weight_dtype,
     widen,
 )
+from polystrata.codegen.recipes._alignment import ALIGN_MAX, align_of, is_int, realign
+from polystrata.ir.expr import Bin, Const, Expr, Var
+from polystrata.ir.formats import QuantFormat
 from polystrata.ir.kernel import (
     Assign,
     Call,
@@ -50,10 +50,8 @@ from polystrata.ir.kernel import (
     Reduce,
     Select,
     Store,
-    rewrite,
     substitute,
 )
-from polystrata.ir.quant import Bin, Const, Expr, QuantFormat, Var
 
 QB = 32  # activation quantization block
 NONNEG = (1 << 31) - 1  # index mask: see the module docstring
@@ -210,7 +208,7 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
         if not act.packed:
             return out
         bs_align = min(ALIGN_MAX, block_stride(wf) & -block_stride(wf))  # block bases: multiples of the block size
-        xw_align = max(1, _align(xo, {}) // 4)  # words of 4 codes
+        xw_align = max(1, align_of(xo, {}) // 4)  # words of 4 codes
         return realign(out, wbuf, {dec.base: bs_align}, act.xq, {f"{prefix}xw": xw_align})
 
     if part is not None:
@@ -402,10 +400,10 @@ def _vec_level(wf: QuantFormat, wbuf: str, lw, level: Expr, i0: str, base: Expr)
     bs = block_stride(wf)
     ctx = (wbuf, i0, base, bs & -bs)
     bias = 0
-    if isinstance(e, Bin) and e.op == "-" and _is_int(e.b):
+    if isinstance(e, Bin) and e.op == "-" and is_int(e.b):
         x = e.a
-        if (isinstance(x, Bin) and x.op == "&" and _is_int(x.b, 255) and isinstance(x.a, Bin) and x.a.op == "+"
-                and _is_int(x.a.b, 128) and e.b.value == 128):
+        if (isinstance(x, Bin) and x.op == "&" and is_int(x.b, 255) and isinstance(x.a, Bin) and x.a.op == "+"
+                and is_int(x.a.b, 128) and e.b.value == 128):
             w, _ = _vec(x.a.a, ctx)  # ((b + 128) & 255) - 128: the byte as signed int8
             return w, 0
         e, bias = x, e.b.value
@@ -413,10 +411,6 @@ def _vec_level(wf: QuantFormat, wbuf: str, lw, level: Expr, i0: str, base: Expr)
     if mx > 127:
         raise _NoWide
     return w, bias
-
-
-def _is_int(e: Expr, v: int | None = None) -> bool:
-    return isinstance(e, Const) and isinstance(e.value, int) and (v is None or e.value == v)
 
 
 _ONES = 0x01010101
@@ -430,8 +424,8 @@ def _vec(e: Expr, ctx: tuple) -> tuple[Expr, int]:
         if e.buf != wbuf or _coef(e.index, i0) != 1:
             raise _NoWide
         index = substitute(e.index, i0, Var(i0) * 4)
-        return Call("load_u32", Var(wbuf), index, Const(_align(index, {base: base_align}, 4))), 255
-    if isinstance(e, Bin) and _is_int(e.b) and e.op in (">>", "<<", "&"):
+        return Call("load_u32", Var(wbuf), index, Const(align_of(index, {base: base_align}, 4))), 255
+    if isinstance(e, Bin) and is_int(e.b) and e.op in (">>", "<<", "&"):
         w, mx = _vec(e.a, ctx)
         s = e.b.value
         if e.op == ">>" and 0 <= s < 8:
@@ -452,45 +446,6 @@ def _vec(e: Expr, ctx: tuple) -> tuple[Expr, int]:
     raise _NoWide
 
 
-ALIGN_MAX = 16  # the widest load a target merges (16 bytes)
-
-
-def _align(e: Expr, known: dict, cap: int = ALIGN_MAX) -> int:
-    """The largest power of two up to `cap` known to divide the integer `e` (`known`: expression or variable
-    name -> a power of two dividing it)."""
-    if e in known:
-        return min(cap, known[e])
-    if isinstance(e, Var):
-        return min(cap, known.get(e.name, 1))
-    if isinstance(e, Const) and isinstance(e.value, int) and not isinstance(e.value, bool):
-        v = e.value
-        return cap if v == 0 else min(cap, v & -v)
-    if isinstance(e, Bin) and e.op in ("+", "-"):
-        return min(_align(e.a, known, cap), _align(e.b, known, cap))
-    if isinstance(e, Bin) and e.op == "*":
-        return min(cap, _align(e.a, known, cap) * _align(e.b, known, cap))
-    if isinstance(e, Bin) and e.op == "<<" and _is_int(e.b) and 0 <= e.b.value < 8:
-        return min(cap, _align(e.a, known, cap) << e.b.value)
-    return 1
-
-
-def realign(stmts: list, wbuf: str, wknown: dict, act_buf: str | None, aknown: dict) -> list:
-    """`stmts` with the alignment promises of `load_u32` calls on `wbuf` (byte addresses) and of loads from
-    `act_buf` (u32 words, at most 4: 16 bytes) raised to what `_align` proves (never lowered): run once the
-    addresses are final, after `Decoder.walk` has substituted each lane's word index."""
-
-    def fn(e):
-        if isinstance(e, Call) and e.fn == "load_u32" and e.args[0] == Var(wbuf):
-            a = _align(e.args[1], wknown)
-            return Call("load_u32", e.args[0], e.args[1], Const(a)) if a > e.args[2].value else e
-        if isinstance(e, Load) and e.buf == act_buf:
-            a = _align(e.index, aknown, 4)
-            return Load(e.buf, e.index, a) if a > e.align else e
-        return e
-
-    return rewrite(stmts, fn)
-
-
 def _coef(e: Expr, i0: str) -> int | None:
     """Coefficient of Var(i0) in `e` when `e` is affine in it (+, -, * by constants), 0 when free of it."""
     if isinstance(e, Var):
@@ -505,9 +460,9 @@ def _coef(e: Expr, i0: str) -> int | None:
             return a + b
         if e.op == "-":
             return a - b
-        if e.op == "*" and a == 0 and _is_int(e.a):
+        if e.op == "*" and a == 0 and is_int(e.a):
             return e.a.value * b
-        if e.op == "*" and b == 0 and _is_int(e.b):
+        if e.op == "*" and b == 0 and is_int(e.b):
             return a * e.b.value
         return 0 if a == 0 and b == 0 else None
     if isinstance(e, Load):

@@ -32,12 +32,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from polystrata.codegen.dequant import Decoder, block_stride, chunk_len, finest_group, widen
+from polystrata.codegen.dequant import Decoder, chunk_len
+from polystrata.codegen.format_analysis import block_stride, finest_group, widen
 from polystrata.codegen.recipes import Recipe, RecipeContext, register
 from polystrata.codegen.recipes._matvec import QB, round_half_away
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
 from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
-from polystrata.ir import quant as Q
+from polystrata.ir.expr import Const, Expr, FieldLoad, Var
+from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
     Assign,
@@ -59,7 +61,6 @@ from polystrata.ir.kernel import (
     Store,
     stable_digest,
 )
-from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 # Split-K in one-token steps on GPUs (flash-decoding): runs enough that none holds more than DECODE_RUN_KEYS keys
 # at a full context (llama3-8b at depth 8192: 129 runs of each of its 8 KV heads, 1032 groups), and never fewer
@@ -108,7 +109,7 @@ def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str) -> list:
                 Store(cache, dst, Var("enc_h") & 255), Store(cache, dst + 1, (Var("enc_h") >> 8) & 255)]
     s = fmt.scheme
     code = fmt.let(s.code).expr
-    ok = (s is not None and s.min is None and s.step.code is None and isinstance(code, Q.Load)
+    ok = (s is not None and s.min is None and s.step.code is None and isinstance(code, FieldLoad)
           and fmt.field(code.field).dtype == "i8" and s.table is None and s.group == fmt.block_size)
     if not ok:
         raise NotImplementedError(f"in-kernel encoding of {fmt.name}")

@@ -21,6 +21,7 @@ from polystrata.codegen.recipes.linear import (
     staged,
     staged_locals,
 )
+from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.graph import Node, Value
 from polystrata.ir.kernel import (
     Buf,
@@ -39,7 +40,6 @@ from polystrata.ir.kernel import (
     name_tag,
     stable_digest,
 )
-from polystrata.ir.quant import Const, Expr, Var
 
 CHUNK = 256
 QUANT_LOCAL_BYTES = 40 * 1024  # the most local memory a norm may keep its row (and int8 output) in (of 48 KB)

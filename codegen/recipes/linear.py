@@ -32,7 +32,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from polystrata.codegen.dequant import Decoder, block_stride, elements_per_row_bytes, weight_dtype, widen
+from polystrata.codegen.dequant import Decoder
+from polystrata.codegen.format_analysis import block_stride, elements_per_row_bytes, weight_dtype, widen
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,
@@ -53,6 +54,8 @@ from polystrata.codegen.recipes._matvec import (
     use_int8,
     use_runs,
 )
+from polystrata.ir.expr import Const, Expr, Var
+from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
     Assign,
@@ -72,7 +75,6 @@ from polystrata.ir.kernel import (
     Select,
     Store,
 )
-from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 MATMUL_KNOBS = (("rows", "auto"), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"), ("xq", "auto"),
                 ("sub", "auto"), ("runs", "auto"), ("lanes", "auto"), ("spread", "auto"))
@@ -442,7 +444,7 @@ def stacked_matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], ns: Sequenc
 
 
 def _fmt(ctx: RecipeContext, v) -> QuantFormat:
-    from polystrata.ir.quant import F32
+    from polystrata.ir.formats import F32
 
     return ctx.weight_formats.get(v.weight, F32) if v.weight is not None else F32
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 
-from polystrata.codegen.dequant import elements_per_row_bytes, weight_dtype
+from polystrata.codegen.format_analysis import elements_per_row_bytes, weight_dtype
 from polystrata.codegen.recipes import ExpertStream, Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,
@@ -61,6 +61,8 @@ from polystrata.codegen.recipes._matvec import (
 )
 from polystrata.codegen.recipes.elementwise import Addend, match_add_rms, norm_launch
 from polystrata.codegen.recipes.linear import quantize_x_kernel, silu
+from polystrata.ir.expr import Const, Expr, Var
+from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
     Assign,
@@ -81,7 +83,6 @@ from polystrata.ir.kernel import (
     Select,
     Store,
 )
-from polystrata.ir.quant import Const, Expr, QuantFormat, Var
 
 Q30 = float(1 << 30)
 

@@ -6,8 +6,8 @@ from polystrata.compiler.passes import build_plan
 from polystrata.compiler.plan import Plan
 from polystrata.errors import PolystrataError
 from polystrata.gguf import GGUFFile
+from polystrata.ir.formats import KV_FORMATS
 from polystrata.ir.graph import Graph
-from polystrata.ir.quant import KV_FORMATS
 from polystrata.runtimes.base import Runtime
 
 # Largest number of tokens one step processes; prefill runs in chunks of this many.

@@ -23,7 +23,7 @@ from polystrata.compiler.plan import Plan
 from polystrata.gguf import GGUFFile
 from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import STEP_SYMBOLS, Buf
-from polystrata.ir.quant import repack
+from polystrata.ir.layout import repack
 from polystrata.runtimes.base import CompiledKernel, Runtime, eval_int
 from polystrata.runtimes.memory import ExpertStreamer, VRAMGuard, expert_source, guard_step
 

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from polystrata.codegen.recipes import RECIPES, Recipe, RecipeContext, load_all
 from polystrata.compiler.plan import BufferSpec, Plan
 from polystrata.errors import UnsupportedError
+from polystrata.ir.formats import QuantFormat, row_bytes
 from polystrata.ir.graph import Graph, Node, Value
 from polystrata.ir.kernel import Buf, Launch, buffers_read
-from polystrata.ir.quant import QuantFormat, padded, row_bytes, sliced
+from polystrata.ir.layout import padded, sliced
 
 
 @dataclass
@@ -63,10 +64,10 @@ def value_storage(v: Value, t_max: int) -> tuple[str, int]:
     return "f32", math.prod(dims)
 
 
-# Formats whose blocks a target with wide loads reads padded to 16 bytes (`ir.quant.padded`): Q6_K's 210-byte
+# Formats whose blocks a target with wide loads reads padded to 16 bytes (`ir.layout.padded`): Q6_K's 210-byte
 # blocks are only 2-byte aligned, so each of their loads was a 2-byte one. Costs 14 bytes a block (6.7 %).
 PADDED_ON_WIDE_LOADS = ("Q6_K",)
-# Formats whose rows a target with wide loads keeps `sliced` (`ir.quant.sliced`): the matvecs' lanes, two a
+# Formats whose rows a target with wide loads keeps `sliced` (`ir.layout.sliced`): the matvecs' lanes, two a
 # block, each load 16 bytes of their block, so in the GGUF layout a warp's load touched 16 cache lines; sliced,
 # 2 lines of 256 bytes. Same bytes, moved at upload. H200, 4096 x 14336 matvec kernel: Q4_K 15.5 -> 12.2 us,
 # Q5_K 17.6 -> 14.7 us. (Q6_K's matvec reads interleaved words, whose slices' addresses would be computed at run

@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from polystrata.codegen.recipes import ExpertStream
+from polystrata.ir.formats import QuantFormat
 from polystrata.ir.kernel import Launch, dump
-from polystrata.ir.quant import QuantFormat
 
 
 @dataclass(frozen=True)
 class BufferSpec:
     """A plan buffer: `count` elements of IR dtype `dtype` (sized for the largest step, `t_max` tokens); a quantized
-    weight's `fmt` is the layout its kernels read (`ir.quant.repack` turns the file's into it)."""
+    weight's `fmt` is the layout its kernels read (`ir.layout.repack` turns the file's into it)."""
 
     name: str
     dtype: str

@@ -26,6 +26,7 @@ def model_hparams(metadata: dict[str, Any], tensors: dict[str, tuple[tuple[int, 
     if "token_embd.weight" not in tensors:
         raise GGUFError("tensor 'token_embd.weight' is missing; the file is not a complete model")
     hp = read_hparams(metadata, arch, n_vocab=tensors["token_embd.weight"][0][0])
+    hp.tied_embeddings = "output.weight" not in tensors
     tokens = metadata.get("tokenizer.ggml.tokens")
     if isinstance(tokens, list) and len(tokens) != hp.n_vocab:
         # llama.cpp refuses this too: ids past the shorter side would embed or decode garbage.

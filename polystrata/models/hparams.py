@@ -13,7 +13,8 @@ from polystrata.gguf import typed_value
 
 @dataclass
 class HParams:
-    """What a model builder needs to know, with llama.cpp's defaults where the metadata is silent."""
+    """What a model builder needs to know, with llama.cpp's defaults where the metadata is silent; also the shapes
+    of `polystrata synth`'s presets, which it writes as metadata."""
 
     arch: str
     n_layer: int
@@ -37,6 +38,7 @@ class HParams:
     sliding_window: int = 0
     attn_softcap: float = 0.0
     final_softcap: float = 0.0
+    tied_embeddings: bool = False  # the output projection is token_embd (the file has no output.weight)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
