@@ -209,6 +209,17 @@ class PyPrinter:
         elif isinstance(s, Decl):
             conv = "np.float32" if s.dtype == "f32" else "np.int64"
             self.emit(d, f"{s.name} = {conv}({self.e(s.init)})")
+        elif isinstance(s, For) and s.unroll > 1 and s.step == 1:
+            # Python has no unroll pragma: the body `unroll` times a trip (each copy re-binds the body's names),
+            # so the copies' loads can be in flight together, then the remaining iterations one at a time.
+            u, start, stop, trip, end = s.unroll, self.e(s.start), self.e(s.stop), f"_{s.var}_u", f"_{s.var}_end"
+            self.emit(d, f"{end} = {start} + max(0, {stop} - {start}) // {u} * {u}")
+            self.emit(d, f"for {trip} in range({start}, {end}, {u}):")
+            for k in range(u):
+                self.emit(d + 1, f"{s.var} = {trip} + {k}" if k else f"{s.var} = {trip}")
+                self.body(s.body, d + 1)
+            self.emit(d, f"for {s.var} in range({end}, {stop}):")
+            self.body(s.body, d + 1)
         elif isinstance(s, For):
             step = f", {s.step}" if s.step != 1 else ""
             self.emit(d, f"for {s.var} in range({self.e(s.start)}, {self.e(s.stop)}{step}):")

@@ -82,7 +82,8 @@ def shared_ref(x: np.ndarray, rows: int, n_: int) -> tuple[np.ndarray, np.ndarra
 
 
 def int_kernel(lanes: int = 16) -> Kernel:
-    """Integer ops on every narrow load type, If (on a Call) / Select / Cast, int abs / max / min; 4 outputs a value."""
+    """Integer ops on every narrow load type, If (on a Call) / Select / Cast, int abs / max / min, an unrolled For
+    with a run-time trip count; 4 outputs a value."""
     a, b, c, h, s, w = (Load(name, j) for name in ("a", "b", "c", "h", "s", "w"))
     body = (
         Let("q", a // 7 + (a % 7) * 100),
@@ -94,9 +95,13 @@ def int_kernel(lanes: int = 16) -> Kernel:
         Store("o", j * 4 + 2, Cast("i32", ToF32(s) * 0.5) + Call("abs", s) + Call("max", a, c) - Call("min", b, s)),
         Store("u", j, ((w >> 4) & 0xFFFFFFF) | (w << 28)),
         If(Call("min", b, 3).ne(3), (Store("o", j * 4 + 3, Const(1)),), (Store("o", j * 4 + 3, Const(2)),)),
+        # An unrolled loop whose trip count (0..8) is rarely a multiple of the unroll, a Let re-bound each trip.
+        Decl("acc", "i32", Const(0)),
+        For("k", Const(0), b % 9, (Let("kc", Var("k") * 3 + c), Assign("acc", Var("acc") + Var("kc"))), unroll=4),
+        Store("t", j, Var("acc")),
     )
     params = (Buf("a", "i32"), Buf("b", "u8"), Buf("c", "i8"), Buf("h", "u16"), Buf("s", "i16"), Buf("w", "u32"),
-              Buf("o", "i32", True), Buf("u", "u32", True), Scalar("n"))
+              Buf("o", "i32", True), Buf("u", "u32", True), Buf("t", "i32", True), Scalar("n"))
     return Kernel("ints", params, (1,), (LaneFor("j", n, body),), lanes=lanes)
 
 
@@ -226,8 +231,10 @@ def cases(scale: int = 1) -> list[tuple]:
     o[:, 2] = (S * 0.5).astype(np.int64) + np.abs(S) + np.maximum(A, C) - np.minimum(B, S)
     o[:, 3] = np.where(B < 3, 1, 2)
     w = ins["w"]
-    out.append(("ints/select/if", int_kernel(), ins, {"o": (4 * m, "i32"), "u": (m, "u32")}, {"n": m}, (1,),
-                {"o": o.reshape(-1), "u": ((w >> 4) & 0xFFFFFFF) | (w << 28)}))
+    trips = B % 9
+    out.append(("ints/select/if/unroll", int_kernel(), ins, {"o": (4 * m, "i32"), "u": (m, "u32"), "t": (m, "i32")},
+                {"n": m}, (1,), {"o": o.reshape(-1), "u": ((w >> 4) & 0xFFFFFFF) | (w << 28),
+                                 "t": 3 * trips * (trips - 1) // 2 + trips * C}))
     x = rng.uniform(-4, 4, m).astype(np.float32)
     xs = (x * np.float32(0.75)).astype(np.float64)
     ax = np.abs(xs)

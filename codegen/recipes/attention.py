@@ -314,7 +314,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         v_pass = [LaneFor("vu", Const(nvb * parts), (
             Let("vb", Var("vu") // parts), Let("part", Var("vu") % parts),
             *(Decl(f"va{c}_{hh}", "f32", Const(0.0)) for c in starts for hh in hs),
-            For("jj", Const(0), n, (*keys, *vwalk)),
+            For("jj", Const(0), n, (*keys, *vwalk), unroll=UNROLL),
             *(out_store(hh, vb * vdec_bs + c + Var("part"), Var(f"va{c}_{hh}")) for c in starts for hh in hs),
         ))]
     else:
@@ -369,9 +369,9 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     return Kernel(name, params, grid, body, lanes=lanes, local=local, knobs=knobs)
 
 
-# The combine's sum over the runs takes COMBINE_UNROLL partials an iteration, their loads issued together: its
-# few groups (one per token and head) leave a GPU too few warps to hide a load's latency with others' work.
-COMBINE_UNROLL = 8
+# Serial loops over keys or runs issue UNROLL iterations' loads together (`For.unroll`): a group's lanes each
+# walk a run of keys waiting on loads, and the combine's few groups leave a GPU few other warps to switch to.
+UNROLL = 4
 
 
 def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int, quant: bool = False,
@@ -382,10 +382,8 @@ def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: in
     group's lanes; the weights exp(pm_s - M) go to local memory for the lanes' sums over s, one per element.
     `quant`: also write out as the output projection's int8 activations (`linear.quantize_staged`)."""
     r = Var("g0") * hq + Var("g1")
-    s, e, runs, u = Var("s"), Var("e"), Var("runs"), COMBINE_UNROLL
+    s, e, runs = Var("s"), Var("e"), Var("runs")
     store = (Store("out", r * dv + e, Var("ov")),) + ((Store("ol", staged(e), Var("ov")),) if quant else ())
-    # Partial s0 * u + i of the sum; past the last run a zero weight on the last run's (valid) row.
-    nth = [(Call("min", Var("s0") * u + i, runs - 1), Var("s0") * u + i < runs) for i in range(u)]
     body = (
         Let("pos", Load("positions", Var("g0"))),
         *_runs(Var("pos"), window, splits, min_run),
@@ -394,12 +392,8 @@ def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: in
         Reduce("zs", "+", "s", runs, (), Load("pz", r * splits + s) * Load("cw", s)),
         LaneFor("e", Const(dv), (
             Decl("acc", "f32", Const(0.0)),
-            For("s0", Const(0), (runs + (u - 1)) // u, (
-                *(Let(f"x{i}", Load("po", (r * splits + j) * dv + e)) for i, (j, _) in enumerate(nth)),
-                *(Let(f"w{i}", Select(ok, Load("cw", j), 0.0)) for i, (j, ok) in enumerate(nth)),
-                Assign("acc", sum((Var(f"x{i}") * Var(f"w{i}") for i in range(1, u)),
-                                  Var("acc") + Var("x0") * Var("w0"))),
-            )),
+            For("s", Const(0), runs, (Assign("acc", Var("acc") + Load("po", (r * splits + s) * dv + e)
+                                             * Load("cw", s)),), unroll=2 * UNROLL),
             Let("ov", Var("acc") / Var("zs")),
             *store,
         )),
