@@ -31,6 +31,7 @@ import numpy as np
 from polystrata.cli import ctx_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg
 from polystrata.errors import PolystrataError
 from polystrata.runtimes.memory import fmt_bytes
+from polystrata.targets import is_host
 
 BANDWIDTH_ENV = "POLYSTRATA_BANDWIDTH"
 
@@ -38,9 +39,6 @@ BANDWIDTH_ENV = "POLYSTRATA_BANDWIDTH"
 KNOWN_BANDWIDTH: dict[str, float] = {
     "H200": 4.29e12,  # measured read bandwidth, not the 4.8 TB/s datasheet figure
 }
-
-# Targets that compute on the host CPU, whose memory bandwidth we can measure from here.
-HOST_TARGETS = ("reference", "cpu")
 
 _MEASURE_BYTES = 256 * 2**20
 _MEASURE_REPS = 4
@@ -71,19 +69,14 @@ def cpu_threads() -> int:
         return os.cpu_count() or 1
 
 
-def engine_threads(engine, target: str) -> int:
-    """Threads the engine computes with: what it says, else Numba's count for `cpu`, else the usable CPUs."""
+def engine_threads(engine) -> int:
+    """Threads the engine computes with: what it says, else what its runtime says (host targets), else the
+    usable CPUs."""
     n = getattr(engine, "n_threads", None)
     if isinstance(n, int) and n > 0:
         return n
-    if target == "cpu":
-        try:
-            import numba
-
-            return int(numba.get_num_threads())
-        except ImportError:
-            pass
-    return cpu_threads()
+    runtime = getattr(engine, "runtime", None)
+    return (runtime.threads() if runtime is not None else None) or cpu_threads()
 
 
 def measure_cpu_bandwidth(nbytes: int | None = None, reps: int = _MEASURE_REPS, threads: int | None = None) -> float:
@@ -108,7 +101,7 @@ def measure_cpu_bandwidth(nbytes: int | None = None, reps: int = _MEASURE_REPS, 
 def describe_device(engine, target: str) -> str:
     """What runs the model: the engine's own description, with the CPU model name added for host targets."""
     dev = getattr(engine, "device", None)
-    if target not in HOST_TARGETS:
+    if not is_host(target):
         return str(dev) if dev else target
     name = cpu_name()
     if not dev or str(dev) == name:
@@ -247,9 +240,9 @@ def run_bench(
     # Every test starts after `depth` tokens, so the cache only needs to hold that and the longest test.
     engine = Engine(path, target=target, n_ctx=n_ctx or need, kv_type=kv_type, **(memory or {}))
     target = getattr(engine, "target", target)  # `auto` resolved to what actually runs
-    threads = engine_threads(engine, target)
+    threads = engine_threads(engine)
     device = describe_device(engine, target)
-    is_host_cpu = target in HOST_TARGETS
+    is_host_cpu = is_host(target)
 
     rng = np.random.default_rng(seed)
     n_vocab = engine.hparams.n_vocab

@@ -60,8 +60,8 @@ def parse_gpu_mem(text: str, free_bytes: int | None) -> int:
 
 def default_budget(runtime: Any) -> int | None:
     """The device's free memory at start less a margin; None where the runtime does not report it, and on the
-    cpu target (host memory is its device memory: nothing is planned there)."""
-    if runtime is None or runtime.name == "cpu":
+    host targets (host memory is their device memory: nothing is planned there)."""
+    if runtime is None or runtime.host:
         return None
     info = runtime.memory_info()
     if info is None:
@@ -287,7 +287,7 @@ def fit_plans(
 
     budget = resolve_budget(runtime, gpu_mem)
     layers = moe_layers(graphs[0])
-    opts = {"stream": runtime.name != "cpu",  # host memory is the cpu target's device memory: experts stay resident
+    opts = {"stream": not runtime.host,  # host memory is a host target's device memory: experts stay resident
             "kv_type": kv_type, "expert_slots": expert_slots}
     reduced = False
     if n_ctx is None:

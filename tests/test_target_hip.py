@@ -214,7 +214,8 @@ def test_compile_only_launch_error():
 
 
 def test_child_entry_usage():
-    p = subprocess.run([sys.executable, "-m", "polystrata.runtimes.hip"], capture_output=True, text=True)
+    """The compiler's child process (`runtimes.base.compile_in_child`) asked without a compiler says how to call it."""
+    p = subprocess.run([sys.executable, "-m", "polystrata.runtimes.base"], capture_output=True, text=True)
     assert p.returncode != 0 and "usage" in p.stderr
 
 
