@@ -168,7 +168,7 @@ def _params(engine) -> int:
 # --- timing ----------------------------------------------------------------------------------------------------
 
 
-def _stats(n: int, rates: list[float]) -> dict:
+def rate_stats(n: int, rates: list[float]) -> dict:
     """The pp/tg JSON entry: token count, mean and sample standard deviation of tok/s, and every repetition."""
     return {
         "n": n,
@@ -278,7 +278,7 @@ def run_bench(
         for i in range(repetitions):
             rates.append(n_prompt / _prefill_once(engine, ids, depth))
             say(f"pp{n_prompt}: {i + 1}/{repetitions} {rates[-1]:.2f} tok/s")
-        result["pp"] = _stats(n_prompt, rates)
+        result["pp"] = rate_stats(n_prompt, rates)
 
     if n_gen:
         first = int(rng.integers(0, n_vocab))
@@ -295,7 +295,7 @@ def run_bench(
             rates.append(n_gen / _decode_once(engine, first, offsets[i + 1], host, depth))
             say(f"tg{n_gen}: {i + 1}/{repetitions} {rates[-1]:.2f} tok/s")
         engine.executor.time_device = False
-        result["tg"] = _stats(n_gen, rates)
+        result["tg"] = rate_stats(n_gen, rates)
         # Host time per token: a decode step's wall time (the argmax included) less its device time, on runtimes
         # that time device work with events (cuda, hip); None elsewhere.
         result["host_ms_per_token"] = round(1e3 * statistics.median(host), 4) if host else None
