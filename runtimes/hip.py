@@ -171,24 +171,28 @@ class HIPRuntime(Runtime):
         """`arch`: the gfx target (the GPU's by default); `native_f16=False`: f16 by the portable bit conversions."""
         super().__init__()
         self.native_f16 = native_f16
-        self.gpu = not compile_only and self._gpu_count() > 0
-        self.compile_only = not self.gpu
+        self.compile_only = compile_only or self._gpu_count() == 0
         found, dev_name = self._open() if self.gpu else (None, "")
         if not (arch or found):
             raise PolystrataError(self.no_gpu.format(arch=self.example_arch) + "; give an arch to compile for")
         self.arch = arch or found
+        self._configure(found, dev_name)  # refuses an unknown arch
         self.lanes = self.subgroup = wave_of(self.arch)  # 64 on wave64 (CDNA, GCN), 32 on wave32 (RDNA and CUDA)
-        self._configure(found, dev_name)
 
     example_arch = "gfx1030"  # for the message of a compile-only runtime without an arch
 
+    @property
+    def gpu(self) -> bool:
+        """A GPU runs this runtime's kernels (not compile-only)."""
+        return not self.compile_only
+
     def _gpu_count(self) -> int:
-        self.lib = _load("hip")
-        self.lib.hipFree.argtypes = [ctypes.c_void_p]  # the buffers' finaliser
         return _gpu_count()
 
     def _open(self) -> tuple[str, str]:
         """Make device 0 current: (its arch, its name)."""
+        self.lib = _load("hip")
+        self.lib.hipFree.argtypes = [ctypes.c_void_p]  # the buffers' finaliser
         _check(self.lib.hipSetDevice(0), "hipSetDevice")
         return _device_arch(self.lib)
 
