@@ -54,9 +54,12 @@ def device_pointer(array: Any) -> int:
 
 
 def launch(p: PackedLaunch, stream: Any) -> None:
-    """Queue a packed launch of a CUfunction on `stream` (0: the null stream)."""
+    """Queue a packed launch of a CUfunction on `stream` (0: the null stream). The hot path of every launch that
+    is not replayed from a graph: no more Python than the driver call."""
     gx, gy, gz = p.grid
-    check(driver.cuLaunchKernel(p.fn, gx, gy, gz, p.lanes, 1, 1, 0, stream, ctypes.addressof(p.ptrs), 0))
+    err, = driver.cuLaunchKernel(p.fn, gx, gy, gz, p.lanes, 1, 1, 0, stream, ctypes.addressof(p.ptrs), 0)
+    if err:
+        raise PolystrataError(f"CUDA launch failed: {err!r}")
 
 
 def function_resources(fn: Any, lanes: int) -> dict[str, int]:
