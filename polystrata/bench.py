@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ import numpy as np
 
 from polystrata.cli import ctx_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg
 from polystrata.errors import PolystrataError
+from polystrata.runtimes.base import cpu_name
 from polystrata.runtimes.memory import fmt_bytes
 from polystrata.targets import is_host
 
@@ -45,20 +45,6 @@ _MEASURE_REPS = 4
 
 
 # --- machine ---------------------------------------------------------------------------------------------------
-
-
-def cpu_name() -> str:
-    """The CPU model name from /proc/cpuinfo, falling back to what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                # x86 says "model name"; some ARM kernels say "Model" or only "Hardware".
-                if key.strip() in ("model name", "Model", "Hardware") and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def cpu_threads() -> int:

@@ -14,6 +14,7 @@ import importlib
 import importlib.util
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -160,6 +161,20 @@ def _compile_child(argv: list[str]) -> int:
         return 1
     Path(argv[1]).write_bytes(code)
     return 0
+
+
+def cpu_name() -> str:
+    """The CPU model name from /proc/cpuinfo, falling back to what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                # x86 says "model name"; some ARM kernels say "Model" or only "Hardware".
+                if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def host_memory() -> tuple[int, int] | None:

@@ -8,7 +8,6 @@ a second `compile` of the same model finds both (checked against their recorded 
 from __future__ import annotations
 
 import os
-import platform
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,18 +16,7 @@ import numpy as np
 
 from polystrata.codegen.cpu import NUMPY_DTYPES, render
 from polystrata.ir.kernel import Kernel
-from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key, host_memory, numba_signature
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key, cpu_name, host_memory, numba_signature
 
 
 class CPURuntime(Runtime):
@@ -48,7 +36,7 @@ class CPURuntime(Runtime):
 
     def __init__(self) -> None:
         super().__init__()
-        self.device = f"{_cpu_name()} ({os.cpu_count()} threads, numba {numba.__version__})"
+        self.device = f"{cpu_name()} ({os.cpu_count()} threads, numba {numba.__version__})"
 
     def render(self, kernel: Kernel) -> str:
         return render(kernel)

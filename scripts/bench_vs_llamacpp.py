@@ -20,6 +20,7 @@ import numpy as np
 
 from polystrata import bench, zoo
 from polystrata.errors import PolystrataError
+from polystrata.runtimes.base import cpu_name
 
 
 def _available_targets() -> tuple[str, ...]:
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     ratio = {t: (ps[t]["tok_s_mean"] / lc[t]["tok_s_mean"] if ps[t] and lc[t] else None) for t in ("pp", "tg")}
-    machine = {"cpu": bench.cpu_name(), "threads": ps["n_threads"]}
+    machine = {"cpu": cpu_name(), "threads": ps["n_threads"]}
     if a.json:
         print(json.dumps({"model": str(path), "machine": machine, "polystrata": ps, "llamacpp": lc, "ratio": ratio}))
         return 0
