@@ -101,9 +101,12 @@ class CUDARuntime(Runtime):
     @classmethod
     def present(cls) -> bool:
         """A GPU that numba-cuda can use (never the simulator: it is for tests)."""
-        from numba import config, cuda
+        try:
+            from numba import config, cuda
 
-        return not config.ENABLE_CUDASIM and cuda.is_available()
+            return not config.ENABLE_CUDASIM and cuda.is_available()
+        except Exception:  # noqa: BLE001 - any import or driver failure means no usable CUDA GPU
+            return False
 
     def __init__(self, shuffles: bool | None = None) -> None:
         """`shuffles`: warp shuffles for Reduce (default: on a GPU yes, in the simulator no, it has none)."""
