@@ -1,8 +1,10 @@
 """What every target runtime provides: device buffers, kernel compilation through a binary cache, launches.
 
-A target is one renderer (`codegen/<target>.py`: kernel IR -> source) and one runtime (`runtimes/<target>.py`:
-a `Runtime` subclass). The executor (`polystrata/compiler/executor.py`) drives any runtime through this
-interface only.
+A target is one renderer (`codegen/<target>.py`: kernel IR -> source), one runtime (`runtimes/<target>.py`:
+a `Runtime` subclass) and its line in `polystrata/targets.py`'s registry. The executor
+(`polystrata/compiler/executor.py`) drives any runtime through this interface only, optional abilities included
+(they have defaults here). Also here: the kernel cache, and what the C-API targets share (`PackedLaunch`,
+`DeviceBuffer`, `compile_in_child`).
 """
 
 from __future__ import annotations
