@@ -20,8 +20,8 @@ _RUNTIMES: dict[str, str | None] = {
 }
 TARGETS = ("auto", *_RUNTIMES)
 KERNEL_TARGETS = tuple(name for name, cls in _RUNTIMES.items() if cls)
-TARGET_HELP = ("where kernels run: auto (cuda, else hip, else a GPU through OpenCL, else cpu), cpu, cuda, hip, "
-               "opencl, or reference (numpy oracle)")
+TARGET_HELP = (f"where kernels run: auto (the first of {', '.join(KERNEL_TARGETS)} whose device is here), "
+               f"{', '.join(KERNEL_TARGETS)}, or reference (numpy oracle)")
 
 
 def runtime_class(name: str) -> type[Runtime]:
