@@ -507,8 +507,10 @@ class Runtime(ABC):
     def wait_for(self, event: Any) -> None:  # noqa: B027 - synchronous copies leave nothing to wait for
         """Make launches queued after this call wait until `event` (from `copy_async`) completes."""
 
-    def wait_host(self, event: Any) -> None:  # noqa: B027 - synchronous copies leave nothing to wait for
-        """Block the host until `event` (from `copy_async`) completes."""
+    def wait_host(self, event: Any) -> None:
+        """Block the host until `event` (from `copy_async`: an object with `wait()`, or None) completes."""
+        if event is not None:
+            event.wait()
 
     def args_for(self, kernel: Kernel, buffers: dict[str, Any], scalars: dict[str, int | float]) -> list[Any]:
         """Launch arguments in parameter order: buffer handles and scalars converted to their dtype."""

@@ -42,8 +42,8 @@ def _singly_assigned_in_one_pass(lower) -> None:
     """numba-cuda's `Lower._find_singly_assigned_variable` (the variables defined once, in one block, and used
     only there, which lowering keeps in registers rather than stack slots), computed with one count of each
     block's assignments. numba-cuda 0.30 rescans a variable's whole block for each variable, quadratic in the
-    block's length; generated kernels are long single blocks (unrolled chunks), and on the Q4_K matvec with two
-    rows a group that scan was most of a 51 s compile (17 s with this). Numba fixed the same scan upstream."""
+    block's length, and generated kernels are long single blocks (unrolled chunks): that scan was most of a K-quant
+    matvec's compile (docs/benchmarks.md). Numba fixed the same scan upstream."""
     from numba.cuda import lowering as lw
 
     blocks = lower.func_ir.blocks
@@ -101,12 +101,9 @@ class CUDARuntime(Runtime):
     @classmethod
     def present(cls) -> bool:
         """A GPU that numba-cuda can use (never the simulator: it is for tests)."""
-        try:
-            from numba import config, cuda
+        from numba import config, cuda
 
-            return not config.ENABLE_CUDASIM and cuda.is_available()
-        except Exception:  # noqa: BLE001 - any import or driver failure means no usable CUDA GPU
-            return False
+        return not config.ENABLE_CUDASIM and cuda.is_available()
 
     def __init__(self, shuffles: bool | None = None) -> None:
         """`shuffles`: warp shuffles for Reduce (default: on a GPU yes, in the simulator no, it has none)."""
@@ -215,10 +212,6 @@ class CUDARuntime(Runtime):
         if event is not None:
             check(driver.cuStreamWaitEvent(self.stream.handle, event.handle, 0))
 
-    def wait_host(self, event: Any) -> None:
-        if event is not None:
-            event.wait()
-
     # --- launches -------------------------------------------------------------------------------------
 
     def prepare(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> Any:
@@ -271,10 +264,7 @@ class CUDARuntime(Runtime):
     # --- device ---------------------------------------------------------------------------------------
 
     def sync(self) -> None:
-        if self.simulator:
-            self.stream.synchronize()
-        else:
-            check(driver.cuStreamSynchronize(self.stream.handle))
+        self.stream.synchronize()  # numba's stream: cuStreamSynchronize on a GPU, the simulator's own otherwise
 
     def mark(self) -> DeviceEvent | None:
         """A device event after the work queued so far (None in the simulator, which has no clock)."""

@@ -196,9 +196,6 @@ class OpenCLRuntime(Runtime):
     def wait_for(self, event: Any) -> None:
         cl.enqueue_barrier(self.queue, wait_for=[event])
 
-    def wait_host(self, event: Any) -> None:
-        event.wait()
-
     def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
         grid = [int(g) for g in grid]
         if not grid or min(grid) <= 0:
