@@ -172,8 +172,9 @@ def write_artifact(
                     if key not in sources:
                         ck = rt.compile(la.kernel)
                         sources[key] = ck.source
-                        if isinstance(getattr(ck.handle, "code", None), bytes):  # code objects (hip) travel along
-                            binaries[key] = ck.handle.code
+                        code = rt.code_object(ck)
+                        if code is not None:  # travels along (hip)
+                            binaries[key] = code
             total = rt.cache_hits + rt.cache_misses
             report = (
                 f"{total} kernels: {rt.cache_hits} from the binary cache, {rt.cache_misses} compiled"

@@ -470,6 +470,10 @@ class Runtime(ABC):
         without marks."""
         return None if start is None or end is None else end.seconds_since(start)
 
+    def code_object(self, ck: CompiledKernel) -> bytes | None:
+        """The compiled code an artifact carries beside the kernel's source (hip's code objects); None by default."""
+        return None
+
     def kernel_resources(self, ck: CompiledKernel) -> dict[str, int]:
         """What a compiled kernel holds (registers, local and shared bytes, groups per multiprocessor), where the
         target's driver says; empty by default."""
