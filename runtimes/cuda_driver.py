@@ -92,6 +92,7 @@ class DeviceEvent:
 
     def __init__(self, stream: Any) -> None:
         self.handle, = check(driver.cuEventCreate(0))
+        self._destroy = driver.cuEventDestroy  # held: at interpreter exit the module's globals may be gone first
         check(driver.cuEventRecord(self.handle, stream))
 
     def wait(self) -> None:
@@ -105,4 +106,4 @@ class DeviceEvent:
         return ms / 1e3
 
     def __del__(self) -> None:
-        driver.cuEventDestroy(self.handle)
+        self._destroy(self.handle)
