@@ -205,7 +205,7 @@ class CUDARuntime(Runtime):
         if self._copy_stream is None:
             self._copy_stream = self.cuda.stream()
         check(driver.cuMemcpyHtoDAsync(device_pointer(buf) + offset, host.ctypes.data, host.nbytes,
-                                             self._copy_stream.handle))
+                                       self._copy_stream.handle))
         return DeviceEvent(self._copy_stream.handle)
 
     def wait_for(self, event: Any) -> None:
