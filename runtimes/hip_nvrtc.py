@@ -35,8 +35,8 @@ _NO_GPU = "no NVIDIA GPU: the hip target can compile (polystrata compile --targe
 
 def wanted(cls: type, arch: str | None, compile_only: bool) -> bool:
     """Whether `HIPRuntime(arch, compile_only)` is an `NVRTCRuntime`."""
-    return cls is hip.HIPRuntime and (arch.startswith("sm_") if arch is not None else not compile_only and not (
-        hip.available() and hip._gpu_count() > 0) and gpu_count() > 0)
+    return cls is hip.HIPRuntime and (arch.startswith("sm_") if arch is not None else
+                                      not compile_only and not hip.HIPRuntime.present() and gpu_count() > 0)
 
 
 def nvrtc_version() -> tuple[int, int]:
