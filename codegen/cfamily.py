@@ -39,6 +39,7 @@ from polystrata.ir.kernel import (
     Store,
     ToF32,
     Var,
+    promised_bytes,
 )
 
 # Value types of expressions: "i" (int), "u" (unsigned int), "f" (float).
@@ -109,8 +110,25 @@ class CPrinter:
     # Intrinsics the target renders natively: name -> format string over the rendered arguments.
     native_intrinsics: dict[str, str] = {}
     # `load_u32` at a promised alignment (2, 4, 8, 16; 8 and 16 fall back to 4's): format strings over (buffer,
-    # byte offset); others: bytes.
-    aligned_loads: dict[int, str] = {}
+    # byte offset); others: bytes. The defaults are GCC / Clang C (hiprtc and NVRTC too): word loads, little-endian,
+    # and at 8 and 16 bytes the promise told to the compiler, which may merge a run of words into one vector load.
+    aligned_loads: dict[int, str] = {
+        16: "(*(const unsigned int *)__builtin_assume_aligned({0} + ({1}), 16))",
+        8: "(*(const unsigned int *)__builtin_assume_aligned({0} + ({1}), 8))",
+        4: "(*(const unsigned int *)({0} + ({1})))",
+        2: "((unsigned int)*(const unsigned short *)({0} + ({1})) "
+           "| ((unsigned int)*(const unsigned short *)({0} + ({1}) + 2) << 16))",
+    }
+    # A 4-byte element load whose `align` promises 8 or 16 bytes (`ir.kernel.promised_bytes`): format string over
+    # (C type, pointer expression, bytes); None: a plain load.
+    aligned_element: str | None = "(*(const {0} *)__builtin_assume_aligned({1}, {2}))"
+    # f16 elements of global buffers in the target's own conversions: format strings over (buffer, index) and
+    # (buffer, index, value); None: the portable bit conversions.
+    f16_load: str | None = None
+    f16_store: str | None = None
+    # The target's butterfly step over a subgroup, a format string over (value, lane mask) (e.g. HIP's
+    # `__shfl_xor({0}, {1})`): `subgroup_reduce` is then a helper function of these steps.
+    shuffle_xor: str | None = None
 
     def __init__(self, kernel: Kernel, abilities: LaneAbilities | None = None):
         """`abilities`: what the target does with lanes (`codegen/lanes.py`): the default is a group of
@@ -125,6 +143,7 @@ class CPrinter:
         self.tables: set[str] = set()
         self.counter = 0
         self.used_bitcasts = False
+        self.subgroup_helpers: dict[str, int] = {}  # op -> lanes its butterfly helper reduces
         self.local_names = {a.name for a in self.k.local}
 
     # --- target hooks ---------------------------------------------------------------------------------
@@ -171,19 +190,35 @@ class CPrinter:
         return "#pragma unroll" + (f" {n}" if n else "")
 
     def load_f16(self, buf: str, index: str) -> str:
-        """f16 element of a global buffer as float (default: the portable bit conversion)."""
+        """f16 element of a global buffer as float (`f16_load`, else the portable bit conversion)."""
+        if self.f16_load:
+            return self.f16_load.format(buf, index)
         self.used_intrinsics.add("f16_bits_to_f32")
         return f"ps_f16_bits_to_f32({buf}[{index}])"
 
     def store_f16(self, buf: str, index: str, value: str) -> str:
-        """Statement storing float `value` as f16 (round to nearest even) into a global buffer."""
+        """Statement storing float `value` as f16 (round to nearest even) into a global buffer (`f16_store`, else
+        the portable bit conversion)."""
+        if self.f16_store:
+            return self.f16_store.format(buf, index, value)
         self.used_intrinsics.add("f32_to_f16_bits")
         return f"{buf}[{index}] = ({self.ctypes['f16']})ps_f32_to_f16_bits({value});"
 
     def subgroup_reduce(self, op: str, x: str, width: int) -> str:
         """Reduction of float `x` (op "+" or "max") over the first `width` lanes of the subgroup, result in every
-        lane (only called where the target's `LaneAbilities` declare a subgroup)."""
-        raise NotImplementedError
+        lane (only called where the target's `LaneAbilities` declare a subgroup). Default: a helper of
+        `shuffle_xor` butterfly steps, which leaves the same bits in every lane (a + b == b + a)."""
+        if not self.shuffle_xor:
+            raise NotImplementedError(f"{type(self).__name__} declares a subgroup but spells no reduction")
+        self.subgroup_helpers[op] = width  # one width per kernel: its lanes decide
+        return f"ps_subgroup_{'add' if op == '+' else 'max'}({x})"
+
+    def subgroup_helper(self, op: str, width: int) -> str:
+        """The butterfly helper function behind `subgroup_reduce`."""
+        name, step = ("add", "x = x + {};") if op == "+" else ("max", "x = fmaxf(x, {});")
+        return (f"{self.func_qualifier} float ps_subgroup_{name}(float x) {{\n{self.unroll()}\n"
+                f"    for (int o = {width // 2}; o > 0; o >>= 1) {step.format(self.shuffle_xor.format('x', 'o'))}\n"
+                "    return x;\n}\n")
 
     def prelude(self) -> str:
         """Text before everything else (pragmas, includes)."""
@@ -318,6 +353,8 @@ class CPrinter:
                     self.used_intrinsics.add("f16_bits_to_f32")
                     return f"ps_f16_bits_to_f32({buf}[{idx}])"
                 return self.load_f16(buf, idx)
+            if self.aligned_element and promised_bytes(self.k, x):
+                return self.aligned_element.format(self.ctypes[dt], f"{buf} + ({idx})", promised_bytes(self.k, x))
             if dt in ("f32", "i32", "u32"):
                 return f"{buf}[{idx}]"
             return f"(({self.ctypes['i32']}){buf}[{idx}])"  # narrow integers widen to int
@@ -466,6 +503,7 @@ class CPrinter:
         if self.used_bitcasts or self.used_intrinsics & {"f16_bits_to_f32", "f32_to_f16_bits"}:
             head.append(self.bitcast_helpers())
         head += [self.portable(_PORTABLE[n]) for n in sorted(self.used_intrinsics)]
+        head += [self.subgroup_helper(op, width) for op, width in sorted(self.subgroup_helpers.items())]
         params = [self.param_decl(p) for p in k.params]
         doc = f"/* {k.name}: lanes {k.lanes}, grid ({len(k.grid)} dims), knobs {dict(k.knobs)} */\n"
         return ("".join(head) + doc + self.signature(params) + " {\n" + "\n".join(body) + "\n}\n"

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from polystrata.codegen.lanes import LaneAbilities, SubgroupReduce
 from polystrata.codegen.pyfamily import NUMPY_DTYPES, PyPrinter
-from polystrata.ir.kernel import Call, Const, Kernel, Load, promised_bytes
+from polystrata.ir.kernel import Kernel
 
 WARP = 32
 _FULL = "0xFFFFFFFF"
@@ -32,19 +32,12 @@ class CUDAPrinter(PyPrinter):
         if native:
             self.native_intrinsics = {"dot4_i8": "dp4a", "f16_bits_to_f32": "f16_to_f32",
                                       "f32_to_f16_bits": "f32_to_f16"}
+            # Word loads as one 32-bit or two 16-bit loads; at 8 and 16 bytes NVVM is told, and merges runs of
+            # them into vector loads.
+            self.aligned_loads = {n: f"load_u32_a{n}" for n in (2, 4, 8, 16)}
+            self.aligned_elements = {n: f"load_a{n}" for n in (8, 16)}
             self.imports += ("from polystrata.codegen.cuda_intrinsics import dp4a, f16_to_f32, f32_to_f16, "
                              "load_a8, load_a16, load_u32_a2, load_u32_a4, load_u32_a8, load_u32_a16\n")
-
-    def e(self, x) -> str:
-        # load_u32 at a promised alignment is one 32-bit or two 16-bit loads (the others: `native_intrinsics`),
-        # and loads promised 8- or 16-byte aligned say so to NVVM, which merges runs of them into vector loads.
-        if (self.native and isinstance(x, Call) and x.fn == "load_u32" and isinstance(x.args[2], Const)
-                and x.args[2].value in (2, 4, 8, 16)):
-            return f"np.int64(load_u32_a{x.args[2].value}({x.args[0].name}, np.uint64({self.e(x.args[1])})))"
-        if self.native and isinstance(x, Load) and promised_bytes(self.k, x):
-            v = f"load_a{promised_bytes(self.k, x)}({x.buf}, np.uint64({self.e(x.index)}))"
-            return v if self.k.dtype_of(x.buf) == "f32" else f"np.int64({v})"
-        return super().e(x)
 
     def header(self) -> int:
         k = self.k

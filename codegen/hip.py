@@ -2,12 +2,11 @@
 
 Only what differs from `codegen/cfamily.py` lives here: `extern "C" __global__` kernels with
 `__launch_bounds__(lanes)`, `blockIdx` / `threadIdx`, `__syncthreads()`, `__shared__` arrays, f16 through
-`__half2float` / `__float2half_rn`, `__shfl_xor` butterflies over the wavefront (`wave`: 64 on gfx9 and older,
-32 on RDNA gfx10+), and `__builtin_amdgcn_sdot4` for `dot4_i8` where the architecture has `v_dot4_i32_i8`.
+`__half2float` / `__float2half_rn`, `__shfl_xor` butterfly steps over the wavefront (`wave`: 64 on gfx9 and
+older, 32 on RDNA gfx10+), and `__builtin_amdgcn_sdot4` for `dot4_i8` where the architecture has `v_dot4_i32_i8`.
 
 The target declares a subgroup (the wave) that also reduces a power-of-two part of itself and groups of several
-waves; `codegen/lanes.py` picks the combine from that. The butterfly leaves the same bits in every lane
-(a + b == b + a), so the result stays uniform.
+waves; `codegen/lanes.py` picks the combine from that.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import re
 
 from polystrata.codegen.cfamily import CPrinter
 from polystrata.codegen.lanes import LaneAbilities
-from polystrata.ir.kernel import Kernel, Load, promised_bytes
+from polystrata.ir.kernel import Kernel
 
 # Architectures whose ISA has v_dot4_i32_i8 (LLVM's dot1-insts; checked with hiprtc for the ROCm 5.2 ones).
 SDOT4_ARCHS = frozenset({"gfx906", "gfx908", "gfx90a", "gfx1011", "gfx1012", "gfx1030", "gfx1031", "gfx1032",
@@ -71,41 +70,24 @@ def wave_of(arch: str) -> int:
 class HIPPrinter(CPrinter):
     """`CPrinter` for HIP C++ (hiprtc / hipcc), also valid CUDA after `cuda_prelude()`."""
 
-    ctypes = {"f32": "float", "f16": "unsigned short", "i32": "int", "u32": "unsigned int", "i16": "short",
-              "u16": "unsigned short", "i8": "signed char", "u8": "unsigned char"}
     func_qualifier = "static __device__ inline"
     const_array_qualifier = "static __constant__ const"
     f2u = "__float_as_uint"
     u2f = "__uint_as_float"
-    # Word loads where the recipe promises alignment (little-endian on AMD and NVIDIA alike).
-    # At 8 and 16 the compiler is told, so it can merge a run of words into one vector load.
-    aligned_loads = {
-        16: "(*(const unsigned int *)__builtin_assume_aligned({0} + ({1}), 16))",
-        8: "(*(const unsigned int *)__builtin_assume_aligned({0} + ({1}), 8))",
-        4: "(*(const unsigned int *)({0} + ({1})))",
-        2: "((unsigned int)*(const unsigned short *)({0} + ({1})) "
-           "| ((unsigned int)*(const unsigned short *)({0} + ({1}) + 2) << 16))",
-    }
+    shuffle_xor = "__shfl_xor({0}, {1})"
 
     def __init__(self, kernel: Kernel, arch: str, wave: int | None = None, native_f16: bool = True):
         self.arch = arch
         self.wave = wave or wave_of(arch)
         super().__init__(kernel, LaneAbilities(subgroup=self.wave, partial=True, several=True))
         self.native_f16 = native_f16
-        self.f16_buffer_type = "__half" if native_f16 else None
-        self.wave_ops: dict[str, int] = {}  # op -> lanes it reduces (one width per kernel: its lanes decide)
+        if native_f16:
+            self.f16_buffer_type, self.f16_load = "__half", "__half2float({0}[{1}])"
+            self.f16_store = "{0}[{1}] = __float2half_rn({2});"
         a = base_arch(arch)
         # sm_*: the CUDA prelude maps the builtin to PTX dp4a (sm_61+).
         if a in SDOT4_ARCHS or a.startswith("sm_"):
             self.native_intrinsics = {"dot4_i8": "__builtin_amdgcn_sdot4((int)({0}), (int)({1}), {2}, false)"}
-
-    def e(self, x) -> str:
-        # A load promised 8- or 16-byte aligned says so, so the compiler can merge a run into one vector load.
-        if isinstance(x, Load) and promised_bytes(self.k, x):
-            t = self.ctypes[self.k.dtype_of(x.buf)]
-            at = f"{self.lookup_buf(x.buf)} + ({self.e(x.index)})"
-            return f"(*(const {t} *)__builtin_assume_aligned({at}, {promised_bytes(self.k, x)}))"
-        return super().e(x)
 
     def group_id(self, d: int) -> str:
         return f"(int)blockIdx.{'xyz'[d]}"
@@ -119,39 +101,11 @@ class HIPPrinter(CPrinter):
     def local_decl(self, ctype: str, name: str, size: int) -> str:
         return f"__shared__ {ctype} {name}[{size}];"
 
-    def load_f16(self, buf: str, index: str) -> str:
-        if not self.native_f16:
-            return super().load_f16(buf, index)
-        return f"__half2float({buf}[{index}])"
-
-    def store_f16(self, buf: str, index: str, value: str) -> str:
-        if not self.native_f16:
-            return super().store_f16(buf, index, value)
-        return f"{buf}[{index}] = __float2half_rn({value});"
-
-    def subgroup_reduce(self, op: str, x: str, width: int) -> str:
-        """Butterfly over the first `width` lanes of a wave; every lane gets the same bits."""
-        self.wave_ops[op] = width
-        return f"ps_wave_{'add' if op == '+' else 'max'}({x})"
-
     def prelude(self) -> str:
         return _PRELUDE.format(arch=self.arch, wave=self.wave) + (_FP16 if self.native_f16 else "")
 
     def signature(self, params: list[str]) -> str:
         return f'extern "C" __global__ void __launch_bounds__({self.lanes})\n{self.k.name}({", ".join(params)})'
-
-    def render(self) -> str:
-        text = super().render()
-        helpers = []
-        for op, width in sorted(self.wave_ops.items()):
-            name, step = ("add", "x = x + {s};") if op == "+" else ("max", "x = fmaxf(x, {s});")
-            helpers.append(
-                f"{self.func_qualifier} float ps_wave_{name}(float x) {{\n"
-                f"{self.unroll()}\n    for (int o = {width // 2}; o > 0; o >>= 1) "
-                + step.format(s="__shfl_xor(x, o)") + "\n    return x;\n}\n")
-        # Helpers go just before the kernel's doc comment (after the prelude and the intrinsics).
-        i = text.index(f"/* {self.k.name}: lanes")
-        return text[:i] + "".join(helpers) + text[i:]
 
 
 def render(kernel: Kernel, arch: str, wave: int | None = None, native_f16: bool = True) -> str:

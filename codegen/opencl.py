@@ -28,8 +28,12 @@ class OpenCLPrinter(CPrinter):
     u2f = "as_float"
     float_math = {"exp": "exp", "tanh": "tanh", "sqrt": "sqrt", "cos": "cos", "sin": "sin", "log": "log",
                   "pow": "pow", "abs": "fabs", "max": "fmax", "min": "fmin"}
-    # Unaligned little-endian word from a byte buffer in any address space.
+    # Unaligned little-endian word from a byte buffer in any address space (OpenCL C has no alignment builtin).
     native_intrinsics = {"load_u32": "as_uint(vload4(0, {0} + ({1})))"}
+    aligned_loads: dict[int, str] = {}
+    aligned_element = None
+    f16_load = "vload_half({1}, {0})"
+    f16_store = "vstore_half_rte({2}, {1}, {0});"
 
     def __init__(self, kernel: Kernel, subgroups: bool = False):
         self.subgroups = subgroups and kernel.lanes > 1
@@ -48,12 +52,6 @@ class OpenCLPrinter(CPrinter):
 
     def local_decl(self, ctype: str, name: str, size: int) -> str:
         return f"__local {ctype} {name}[{size}];"
-
-    def load_f16(self, buf: str, index: str) -> str:
-        return f"vload_half({index}, {buf})"
-
-    def store_f16(self, buf: str, index: str, value: str) -> str:
-        return f"vstore_half_rte({value}, {index}, {buf});"
 
     def subgroup_reduce(self, op: str, x: str, width: int) -> str:
         return f"sub_group_reduce_{'add' if op == '+' else 'max'}({x})"

@@ -34,6 +34,7 @@ from polystrata.ir.kernel import (
     Store,
     ToF32,
     Var,
+    promised_bytes,
 )
 
 # Storage dtype of each IR buffer dtype (numpy names); f16 is kept as its bits.
@@ -111,6 +112,10 @@ class PyPrinter:
     helper_decorator = ""
     # Intrinsics a target renders with its own functions (imported in `imports`): IR name -> function name.
     native_intrinsics: dict[str, str] = {}
+    # Loads at a promised alignment through the target's own functions of (buffer, np.uint64 index): `load_u32`
+    # by its alignment argument, and 4-byte element loads by the bytes their `align` promises (`promised_bytes`).
+    aligned_loads: dict[int, str] = {}
+    aligned_elements: dict[int, str] = {}
 
     def __init__(self, k: Kernel, abilities: LaneAbilities = ONE_LANE):
         """`abilities`: what the target does with lanes (`codegen/lanes.py`; default: one thread per group)."""
@@ -167,6 +172,8 @@ class PyPrinter:
             # Indices are never negative in the IR; an unsigned index spares Numba its wrap-around check, which
             # otherwise keeps loops over consecutive elements from vectorizing.
             v = f"{x.buf}[np.uint64({self.e(x.index)})]"
+            if promised_bytes(self.k, x) in self.aligned_elements:
+                v = f"{self.aligned_elements[promised_bytes(self.k, x)]}({x.buf}, np.uint64({self.e(x.index)}))"
             if x.buf in self.f16:
                 return f"{self.native_intrinsics.get('f16_bits_to_f32', 'f16_bits_to_f32')}({v})"
             return v if self.k.dtype_of(x.buf) in ("f32", "f16") else f"np.int64({v})"
@@ -174,6 +181,9 @@ class PyPrinter:
             self.tables.add(x.name)
             return f"_TABLE_{x.name}[{self.e(x.index)}]"
         if isinstance(x, Call):
+            if x.fn == "load_u32" and isinstance(x.args[2], Const) and x.args[2].value in self.aligned_loads:
+                fn = self.aligned_loads[x.args[2].value]
+                return f"np.int64({fn}({x.args[0].name}, np.uint64({self.e(x.args[1])})))"
             args = ", ".join(self.e(a) for a in x.args)
             if x.fn == "rsqrt":
                 return f"np.float32(np.float32(1.0) / math.sqrt({args}))"

@@ -7,6 +7,7 @@ kernels with their schedule choices (none on the reference target) and the memor
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -21,7 +22,7 @@ from polystrata.engine import DEFAULT_CTX, tensor_table
 from polystrata.errors import PolystrataError, writing
 from polystrata.gguf import GGUFFile
 from polystrata.models import build_graph
-from polystrata.targets import make_runtime, resolve_target
+from polystrata.targets import KERNEL_TARGETS, make_runtime, resolve_target, runtime_class
 
 MANIFEST = "manifest.yaml"
 GRAPH_DUMP = "graph.ir"
@@ -29,10 +30,14 @@ KERNELS_DUMP = "kernels.ir"
 SOURCES = "src"
 # The manifest's first line: what tells an artifact from a folder that merely holds a file named manifest.yaml.
 FORMAT = "polystrata-artifact/1"
-_EXT = {"cpu": "py", "opencl": "cl", "cuda": "py", "hip": "hip"}
 # Everything an artifact directory holds; `compile -o` replaces a directory only if it holds nothing else.
 _TOP_FILES = frozenset({MANIFEST, GRAPH_DUMP, KERNELS_DUMP})
-_SOURCE_SUFFIXES = frozenset({*(f".{e}" for e in _EXT.values()), ".txt", ".co"})
+
+
+@functools.cache
+def _source_suffixes() -> frozenset[str]:
+    """What files in an artifact's `src/` end with: each kernel target's source extension, and code objects."""
+    return frozenset({*(f".{runtime_class(t).source_ext}" for t in KERNEL_TARGETS), ".co"})
 
 
 def file_sha256(path: Path) -> str:
@@ -76,7 +81,7 @@ def _foreign_entry(directory: Path) -> str | None:
                 return e.name
             with os.scandir(e.path) as sources:
                 for s in sources:
-                    if not (s.is_file(follow_symlinks=False) and Path(s.name).suffix in _SOURCE_SUFFIXES):
+                    if not (s.is_file(follow_symlinks=False) and Path(s.name).suffix in _source_suffixes()):
                         return f"{SOURCES}/{s.name}"
     return None
 
@@ -149,12 +154,13 @@ def write_artifact(
         kernel_ir = ""
         report = "reference target: no kernels"
         device = "host CPU (numpy float32)"
+        source_ext = ""  # the kernel target's, for the sources' file names
         memory_plan: dict[str, Any] = {}
         if target != "reference":
             from polystrata.runtimes.memory import fit_plans
 
             rt = make_runtime(target, arch=arch)
-            device = rt.device
+            device, source_ext = rt.device, rt.source_ext
             # As the engine runs them: one-token steps, prompt chunks (last logits), scoring (every token's).
             plans, mem = fit_plans(f, [score, prefill, decode], {id(decode): 1}, rt, n_ctx_asked,
                                    int(meta["n_ctx_train"]), kv_type, gpu_mem, expert_slots)
@@ -170,8 +176,9 @@ def write_artifact(
                     if key not in sources:
                         ck = rt.compile(la.kernel)
                         sources[key] = ck.source
-                        if isinstance(getattr(ck.handle, "code", None), bytes):  # code objects (hip) travel along
-                            binaries[key] = ck.handle.code
+                        code = rt.code_object(ck)
+                        if code is not None:  # travels along (hip)
+                            binaries[key] = code
             total = rt.cache_hits + rt.cache_misses
             report = (
                 f"{total} kernels: {rt.cache_hits} from the binary cache, {rt.cache_misses} compiled"
@@ -202,7 +209,7 @@ def write_artifact(
                 src = tmp / SOURCES
                 src.mkdir()
                 for name, text in sources.items():
-                    (src / f"{name}.{_EXT.get(target, 'txt')}").write_text(text)
+                    (src / f"{name}.{source_ext}").write_text(text)
                 for name, code in binaries.items():
                     (src / f"{name}.{arch or 'bin'}.co").write_bytes(code)
             _swap_in(tmp, out)

@@ -21,7 +21,6 @@ import csv
 import io
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -32,7 +31,9 @@ import numpy as np
 
 from polystrata.cli import ctx_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg
 from polystrata.errors import PolystrataError
+from polystrata.runtimes.base import cpu_name
 from polystrata.runtimes.memory import fmt_bytes
+from polystrata.targets import is_host
 
 BANDWIDTH_ENV = "POLYSTRATA_BANDWIDTH"
 
@@ -41,28 +42,11 @@ KNOWN_BANDWIDTH: dict[str, float] = {
     "H200": 4.29e12,  # measured read bandwidth, not the 4.8 TB/s datasheet figure
 }
 
-# Targets that compute on the host CPU, whose memory bandwidth we can measure from here.
-HOST_TARGETS = ("reference", "cpu")
-
 _MEASURE_BYTES = 256 * 2**20
 _MEASURE_REPS = 4
 
 
 # --- machine ---------------------------------------------------------------------------------------------------
-
-
-def cpu_name() -> str:
-    """The CPU model name from /proc/cpuinfo, falling back to what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                # x86 says "model name"; some ARM kernels say "Model" or only "Hardware".
-                if key.strip() in ("model name", "Model", "Hardware") and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def cpu_threads() -> int:
@@ -73,19 +57,14 @@ def cpu_threads() -> int:
         return os.cpu_count() or 1
 
 
-def engine_threads(engine, target: str) -> int:
-    """Threads the engine computes with: what it says, else Numba's count for `cpu`, else the usable CPUs."""
+def engine_threads(engine) -> int:
+    """Threads the engine computes with: what it says, else what its runtime says (host targets), else the
+    usable CPUs."""
     n = getattr(engine, "n_threads", None)
     if isinstance(n, int) and n > 0:
         return n
-    if target == "cpu":
-        try:
-            import numba
-
-            return int(numba.get_num_threads())
-        except ImportError:
-            pass
-    return cpu_threads()
+    runtime = getattr(engine, "runtime", None)
+    return (runtime.threads() if runtime is not None else None) or cpu_threads()
 
 
 def measure_cpu_bandwidth(nbytes: int | None = None, reps: int = _MEASURE_REPS, threads: int | None = None) -> float:
@@ -110,7 +89,7 @@ def measure_cpu_bandwidth(nbytes: int | None = None, reps: int = _MEASURE_REPS, 
 def describe_device(engine, target: str) -> str:
     """What runs the model: the engine's own description, with the CPU model name added for host targets."""
     dev = getattr(engine, "device", None)
-    if target not in HOST_TARGETS:
+    if not is_host(target):
         return str(dev) if dev else target
     name = cpu_name()
     if not dev or str(dev) == name:
@@ -177,7 +156,7 @@ def _params(engine) -> int:
 # --- timing ----------------------------------------------------------------------------------------------------
 
 
-def _stats(n: int, rates: list[float]) -> dict:
+def rate_stats(n: int, rates: list[float]) -> dict:
     """The pp/tg JSON entry: token count, mean and sample standard deviation of tok/s, and every repetition."""
     return {
         "n": n,
@@ -273,9 +252,9 @@ def run_bench(
     # Every test starts after `depth` tokens, so the cache only needs to hold that and the longest test.
     engine = Engine(path, target=target, n_ctx=n_ctx or need, kv_type=kv_type, **(memory or {}))
     target = getattr(engine, "target", target)  # `auto` resolved to what actually runs
-    threads = engine_threads(engine, target)
+    threads = engine_threads(engine)
     device = describe_device(engine, target)
-    is_host_cpu = target in HOST_TARGETS
+    is_host_cpu = is_host(target)
 
     rng = np.random.default_rng(seed)
     n_vocab = engine.hparams.n_vocab
@@ -310,7 +289,7 @@ def run_bench(
         for i in range(repetitions):
             rates.append(n_prompt / _prefill_once(engine, ids, depth))
             say(f"pp{n_prompt}: {i + 1}/{repetitions} {rates[-1]:.2f} tok/s")
-        result["pp"] = _stats(n_prompt, rates)
+        result["pp"] = rate_stats(n_prompt, rates)
 
     if n_gen:
         first = int(rng.integers(0, n_vocab))
@@ -327,7 +306,7 @@ def run_bench(
             rates.append(n_gen / _decode_once(engine, first, offsets[i + 1], host, depth))
             say(f"tg{n_gen}: {i + 1}/{repetitions} {rates[-1]:.2f} tok/s")
         engine.executor.time_device = False
-        result["tg"] = _stats(n_gen, rates)
+        result["tg"] = rate_stats(n_gen, rates)
         # Host time per token: a decode step's wall time (the argmax included) less its device time, on runtimes
         # that time device work with events (cuda, hip); None elsewhere.
         result["host_ms_per_token"] = round(1e3 * statistics.median(host), 4) if host else None

@@ -2,44 +2,47 @@
 
 from __future__ import annotations
 
-import os
+import importlib
 
 from polystrata.errors import PolystrataError, UnsupportedError
 from polystrata.runtimes.base import Runtime
 
-# `reference` is the numpy oracle (no kernels); the others run generated kernels.
-TARGETS = ("auto", "reference", "cpu", "cuda", "hip", "opencl")
-KERNEL_TARGETS = ("cpu", "cuda", "hip", "opencl")
-TARGET_HELP = ("where kernels run: auto (cuda, else hip, else a GPU through OpenCL, else cpu), cpu, cuda, hip, "
-               "opencl, or reference (numpy oracle)")
+# Every target, registered here and nowhere else: its name -> its runtime class ("module:Class", imported on first
+# use), None for `reference`, the numpy oracle (no kernels). Kernel targets stand in the order `auto` tries them
+# (the first whose class finds its device `present`). Anything else the project needs to know about a target
+# (host or device, source file extension, threads, compile-only) it asks the runtime class.
+_RUNTIMES: dict[str, str | None] = {
+    "reference": None,
+    "cuda": "polystrata.runtimes.cuda:CUDARuntime",
+    "hip": "polystrata.runtimes.hip:HIPRuntime",
+    "opencl": "polystrata.runtimes.opencl:OpenCLRuntime",
+    "cpu": "polystrata.runtimes.cpu:CPURuntime",
+}
+TARGETS = ("auto", *_RUNTIMES)
+KERNEL_TARGETS = tuple(name for name, cls in _RUNTIMES.items() if cls)
+TARGET_HELP = (f"where kernels run: auto (the first of {', '.join(KERNEL_TARGETS)} whose device is here), "
+               f"{', '.join(KERNEL_TARGETS)}, or reference (numpy oracle)")
 
 
-def _has_cuda_gpu() -> bool:
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":  # the simulator is for tests, never a choice of `auto`
-        return False
+def runtime_class(name: str) -> type[Runtime]:
+    """The runtime class of kernel target `name` (imports its module)."""
+    spec = _RUNTIMES.get(name)
+    if spec is None:
+        raise UnsupportedError(f"target '{name}' has no kernel runtime (kernel targets: {', '.join(KERNEL_TARGETS)})")
+    module, cls = spec.split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def is_host(name: str) -> bool:
+    """Whether target `name` computes on the host CPU (the reference executor does)."""
+    return _RUNTIMES.get(name) is None or runtime_class(name).host
+
+
+def _present(name: str) -> bool:
+    """Whether `auto` finds a device of target `name` here (any import or driver failure: no)."""
     try:
-        from numba import cuda
-
-        return cuda.is_available()
-    except Exception:  # noqa: BLE001 - any import or driver failure means no usable CUDA GPU
-        return False
-
-
-def _has_amd_gpu() -> bool:
-    try:
-        from polystrata.runtimes import hip
-
-        return hip.available() and hip._gpu_count() > 0
-    except (ImportError, OSError, PolystrataError):
-        return False
-
-
-def _has_opencl_gpu() -> bool:
-    try:
-        from polystrata.runtimes.opencl import has_gpu
-
-        return has_gpu()
-    except (ImportError, PolystrataError):
+        return runtime_class(name).present()
+    except Exception:  # noqa: BLE001 - a missing package, library or driver, whatever it raises: no device
         return False
 
 
@@ -50,33 +53,18 @@ def resolve_target(name: str) -> str:
         raise UnsupportedError(f"target '{name}' is not available (available: {', '.join(TARGETS)})")
     if name != "auto":
         return name
-    for target, present in (("cuda", _has_cuda_gpu), ("hip", _has_amd_gpu), ("opencl", _has_opencl_gpu)):
-        if present():
-            return target
-    return "cpu"
+    return next((target for target in KERNEL_TARGETS if _present(target)), "cpu")
 
 
 def make_runtime(name: str, arch: str | None = None) -> Runtime:
-    """A fresh runtime of a kernel target; `arch` names the GPU architecture to compile for (hip)."""
-    if arch is not None and name != "hip":
+    """A fresh runtime of a kernel target; `arch` names the GPU architecture to compile for (targets whose
+    runtime class `takes_arch`: hip)."""
+    cls = runtime_class(name)
+    if arch is None:
+        return cls()
+    if not cls.takes_arch:
         raise UnsupportedError(f"--arch applies to the hip target, not '{name}'")
-    if name == "cpu":
-        from polystrata.runtimes.cpu import CPURuntime
-
-        return CPURuntime()
-    if name == "opencl":
-        from polystrata.runtimes.opencl import OpenCLRuntime
-
-        return OpenCLRuntime()
-    if name == "cuda":
-        from polystrata.runtimes.cuda import CUDARuntime
-
-        return CUDARuntime()
-    if name == "hip":
-        from polystrata.runtimes.hip import HIPRuntime
-
-        return HIPRuntime(arch=arch)
-    raise UnsupportedError(f"target '{name}' has no kernel runtime (kernel targets: {', '.join(KERNEL_TARGETS)})")
+    return cls(arch=arch)
 
 
 def available_kernel_targets() -> list[str]:
@@ -87,7 +75,7 @@ def available_kernel_targets() -> list[str]:
             rt = make_runtime(name)
         except (ImportError, OSError, PolystrataError):
             continue
-        if getattr(rt, "gpu", True) is False:  # compile-only (hip without a GPU) cannot run kernels
+        if rt.compile_only:  # hip without a GPU cannot run kernels
             continue
         out.append(name)
     return out

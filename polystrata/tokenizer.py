@@ -152,6 +152,36 @@ def _text(md: Mapping, key: str) -> str | None:
     return value
 
 
+def _merge_pairs(syms: list[str], priority) -> list[int]:
+    """Merge adjacent symbols in place, the pair with the lowest `priority(left, right)` first (None: never
+    merged) and the leftmost on ties, until no pair merges: llama.cpp's SPM and BPE loops over a linked list with
+    a heap. Merged-away symbols become ""; returns each symbol's successor (-1 after the last)."""
+    n = len(syms)
+    nxt = [i + 1 if i + 1 < n else -1 for i in range(n)]
+    prev = list(range(-1, n - 1))
+    heap: list[tuple] = []
+
+    def push(left: int, right: int) -> None:
+        if left >= 0 and right >= 0:
+            p = priority(syms[left], syms[right])
+            if p is not None:
+                heapq.heappush(heap, (p, left, right, syms[left] + syms[right]))
+
+    for i in range(1, n):
+        push(i - 1, i)
+    while heap:
+        _, left, right, merged = heapq.heappop(heap)
+        if not syms[left] or not syms[right] or syms[left] + syms[right] != merged:
+            continue  # stale: one side was merged since this pair was queued
+        syms[left], syms[right] = merged, ""
+        nxt[left] = nxt[right]
+        if nxt[right] >= 0:
+            prev[nxt[right]] = left
+        push(prev[left], left)
+        push(left, nxt[left])
+    return nxt
+
+
 class Tokenizer:
     """A llama.cpp-compatible tokenizer (byte-level BPE or SentencePiece) built from GGUF metadata."""
 
@@ -412,36 +442,13 @@ class Tokenizer:
         if not text:
             return
         syms = list(text)
-        n = len(syms)
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prev = list(range(-1, n - 1))
         tok2id, scores = self._tok2id, self._scores
-        heap: list[tuple[float, int, int, int]] = []
 
-        def push(left: int, right: int) -> None:
-            if left < 0 or right < 0:
-                return
-            merged = syms[left] + syms[right]
-            tid = tok2id.get(merged)
-            if tid is not None:
-                # Highest score first; ties go to the leftmost pair.
-                heapq.heappush(heap, (-scores[tid], left, right, len(merged)))
+        def priority(left: str, right: str) -> float | None:
+            tid = tok2id.get(left + right)
+            return None if tid is None else -scores[tid]  # highest score first
 
-        for i in range(1, n):
-            push(i - 1, i)
-        while heap:
-            _, left, right, size = heapq.heappop(heap)
-            ls, rs = syms[left], syms[right]
-            if not ls or not rs or len(ls) + len(rs) != size:
-                continue  # stale: one side was merged since this pair was queued
-            syms[left] = ls + rs
-            syms[right] = ""
-            nxt[left] = nxt[right]
-            if nxt[right] >= 0:
-                prev[nxt[right]] = left
-            push(prev[left], left)
-            push(left, nxt[left])
+        nxt = _merge_pairs(syms, priority)
 
         byte_ids = self._byte_ids
         i = 0
@@ -494,35 +501,8 @@ class Tokenizer:
         if self._ignore_merges and word in tok2id:
             return (tok2id[word],)
         syms = list(word)
-        n = len(syms)
         ranks = self._ranks
-        if n > 1:
-            nxt = list(range(1, n + 1))
-            nxt[-1] = -1
-            prev = list(range(-1, n - 1))
-            heap: list[tuple[int, int, int, str]] = []
-
-            def push(left: int, right: int) -> None:
-                if left < 0 or right < 0:
-                    return
-                rank = ranks.get((syms[left], syms[right]))
-                if rank is not None:
-                    heapq.heappush(heap, (rank, left, right, syms[left] + syms[right]))
-
-            for i in range(1, n):
-                push(i - 1, i)
-            while heap:
-                _, left, right, merged = heapq.heappop(heap)
-                ls, rs = syms[left], syms[right]
-                if not ls or not rs or len(ls) + len(rs) != len(merged) or ls + rs != merged:
-                    continue
-                syms[left] = merged
-                syms[right] = ""
-                nxt[left] = nxt[right]
-                if nxt[right] >= 0:
-                    prev[nxt[right]] = left
-                push(prev[left], left)
-                push(left, nxt[left])
+        _merge_pairs(syms, lambda left, right: ranks.get((left, right)))
         ids: list[int] = []
         for s in syms:
             if not s:

@@ -1,17 +1,26 @@
 """What every target runtime provides: device buffers, kernel compilation through a binary cache, launches.
 
-A target is one renderer (`codegen/<target>.py`: kernel IR -> source) and one runtime (`runtimes/<target>.py`:
-a `Runtime` subclass). The executor (`polystrata/compiler/executor.py`) drives any runtime through this
-interface only.
+A target is one renderer (`codegen/<target>.py`: kernel IR -> source), one runtime (`runtimes/<target>.py`:
+a `Runtime` subclass) and its line in `polystrata/targets.py`'s registry. The executor
+(`polystrata/compiler/executor.py`) drives any runtime through this interface only, optional abilities included
+(they have defaults here). Also here: the kernel cache, and what the C-API targets share (`PackedLaunch`,
+`DeviceBuffer`, `compile_in_child`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
+import importlib
+import importlib.util
 import json
 import os
+import platform
+import signal
+import subprocess
 import sys
+import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -19,6 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from polystrata.codegen.pyfamily import NUMPY_DTYPES
+from polystrata.errors import PolystrataError
 from polystrata.ir.expr import Bin, Const, Expr, Var
 from polystrata.ir.kernel import Buf, Call, Kernel, Scalar, expr_str, stable_digest
 from polystrata.paths import atomic_write, file_lock, home_dir, private_dir
@@ -107,6 +118,67 @@ def _warn_rebuilt(path: Path) -> None:
     print(f"warning: kernel cache entry {path} was corrupt; rebuilt", file=sys.stderr)
 
 
+def log_head(text: str, lines: int = 20) -> str:
+    """The first `lines` non-blank lines of a compiler's log (and "..." where there were more), for an error."""
+    kept = [ln for ln in text.splitlines() if ln.strip()]
+    return "\n".join(kept[:lines]) + ("\n..." if len(kept) > lines else "")
+
+
+def numba_signature(kernel: Kernel, grid_sizes: bool = False) -> tuple:
+    """Numba argument types of a kernel: 1-D C arrays of the storage dtypes, int32 / float32 scalars, and with
+    `grid_sizes` an int64 per grid dimension after them (the CPU target's host loop)."""
+    import numba
+
+    types = tuple(numba.types.Array(numba.from_dtype(np.dtype(NUMPY_DTYPES[p.dtype])), 1, "C") if isinstance(p, Buf)
+                  else numba.types.float32 if p.dtype == "f32" else numba.types.int32 for p in kernel.params)
+    return types + (numba.types.int64,) * (len(kernel.grid) if grid_sizes else 0)
+
+
+def compile_in_child(compiler: str, source: str, args: Sequence[str], tool: str, kernel: str, arch: str) -> bytes:
+    """The bytes that `compiler` ("module:function", called as `function(source, *args)`) returns, computed in a
+    child Python process: for compilers that can abort the whole process (hiprtc on an architecture it does not
+    know), whose crash then becomes a PolystrataError instead of the caller's death."""
+    with tempfile.TemporaryDirectory(prefix="polystrata-compile-") as tmp:
+        out = Path(tmp) / "code.o"
+        cmd = [sys.executable, "-m", "polystrata.runtimes.base", compiler, str(out), *args]
+        p = subprocess.run(cmd, input=source.encode(), capture_output=True)
+        text = log_head(p.stderr.decode(errors="replace"))
+        if p.returncode < 0:
+            sig = signal.Signals(-p.returncode).name
+            raise PolystrataError(f"{tool} crashed ({sig}) compiling kernel {kernel} for {arch}:\n{text}")
+        if p.returncode != 0 or not out.exists():
+            raise PolystrataError(f"{tool} build of kernel {kernel} failed for {arch}:\n{text}")
+        return out.read_bytes()
+
+
+def _compile_child(argv: list[str]) -> int:
+    """`compile_in_child`'s child: `COMPILER OUT [args...]`, the source on stdin, the log on stderr."""
+    if len(argv) < 2 or ":" not in argv[0]:
+        sys.exit("usage: python -m polystrata.runtimes.base MODULE:FUNCTION OUT [args...] < source")
+    module, function = argv[0].split(":")
+    try:
+        code = getattr(importlib.import_module(module), function)(sys.stdin.read(), *argv[2:])
+    except PolystrataError as e:
+        print(e, file=sys.stderr)
+        return 1
+    Path(argv[1]).write_bytes(code)
+    return 0
+
+
+def cpu_name() -> str:
+    """The CPU model name from /proc/cpuinfo, falling back to what `platform` knows."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                key, _, value = line.partition(":")
+                # x86 says "model name"; some ARM kernels say "Model" or only "Hardware".
+                if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
 def host_memory() -> tuple[int, int] | None:
     """(available, total) bytes of host memory, where the system says. Available, on Linux, is the kernel's
     MemAvailable: free memory and the page cache it can reclaim (an mmapped model file already read is there)."""
@@ -145,6 +217,34 @@ def eval_int(e: Expr, env: dict[str, int]) -> int:
     raise ValueError(f"grid size {expr_str(e)} is not a host integer expression")
 
 
+class PackedLaunch:
+    """A launch through a C driver API with its arguments packed once: `ptrs`, the array of pointers to each
+    argument's value that `cuLaunchKernel` and `hipModuleLaunchKernel` take (the values live as long as it)."""
+
+    def __init__(self, fn: Any, grid: Sequence[int], lanes: int, values: list):
+        self.fn, self.lanes, self.values = fn, lanes, values
+        self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        self.ptrs = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
+        self.empty = min(self.grid) <= 0
+
+
+def scalar_value(p: Scalar, value: int | float) -> ctypes.c_float | ctypes.c_int32:
+    """A scalar argument as the C type of its parameter (float32 or int32)."""
+    return ctypes.c_float(float(value)) if p.dtype == "f32" else ctypes.c_int32(int(value))
+
+
+class DeviceBuffer:
+    """Device memory behind a pointer (targets driven through a C API through ctypes), freed with the object by
+    `free(ptr)`."""
+
+    def __init__(self, ptr: int, nbytes: int, free: Callable[[int], Any] | None = None):
+        self.ptr, self.nbytes, self.free = ptr, nbytes, free
+
+    def __del__(self):
+        if self.free is not None and self.ptr:
+            self.free(self.ptr)
+
+
 class CompiledKernel:
     """A kernel ready to launch on one runtime; `cached`: it came from the kernel cache (for `compile`'s report)."""
 
@@ -156,7 +256,12 @@ class CompiledKernel:
 
 
 class Runtime(ABC):
-    """A device: buffers, compilation (with a binary cache) and launches."""
+    """A device: buffers, compilation (with a binary cache) and launches.
+
+    A subclass declares what the rest of the project asks about its target (`polystrata/targets.py` registers
+    the class by name, and nothing else names targets): the class attributes below and `present`. Optional
+    abilities (pre-packed launches, device graphs, device timing marks, the memory mechanisms) have working
+    defaults here; a target overrides those it does better."""
 
     name: str = ""
     device: str = ""
@@ -166,11 +271,34 @@ class Runtime(ABC):
     # Whether the compiler merges runs of aligned neighbouring loads into 16-byte loads (recipes then give each
     # lane runs of consecutive words: `codegen/recipes/_matvec.use_runs`).
     wide_loads: bool = False
+    # Kernels run on the host CPU: host memory is the device memory (experts stay resident), and `bench`
+    # measures the host's bandwidth and reports `threads()`.
+    host: bool = False
+    # File extension of the rendered source (an artifact's `src/` files).
+    source_ext: str = "txt"
+    # The constructor takes `arch=`, the GPU architecture to compile for (`--arch`).
+    takes_arch: bool = False
+    # Compiles but cannot launch here (hip without a GPU): `targets.available_kernel_targets` leaves it out.
+    compile_only: bool = False
+    # `begin_capture` / `end_capture` / `replay` replay a decode step with one call (the executor captures where
+    # set); the defaults below record prepared launches and re-launch them, which saves nothing.
+    graphs: bool = False
+
+    @classmethod
+    def present(cls) -> bool:
+        """Whether this machine has a device of this target that `--target auto` should pick (default: no)."""
+        return False
+
+    def threads(self) -> int | None:
+        """Host threads the kernels run on (host targets; None on a device)."""
+        return None
 
     def __init__(self) -> None:
         self.cache_hits = 0
         self.cache_misses = 0
         self._compiled: dict[str, CompiledKernel] = {}  # cache key -> kernel compiled in this process
+        self._recording: list | None = None  # prepared launches of an open capture
+        self._staging: np.ndarray | None = None  # see `staging`
 
     def _compile_cached(self, kernel: Kernel, source: str, key: str, filename: str,
                         load: Callable[[Path], Any], build: Callable[[Path], Any]) -> CompiledKernel:
@@ -215,6 +343,33 @@ class Runtime(ABC):
             entry.seal()
         return handle, cached
 
+    def _compile_python(self, kernel: Kernel, source: str, key: str, signature: tuple | None) -> CompiledKernel:
+        """`_compile_cached` for the Numba targets: the entry is the source itself (`k_<key>.py`), imported as a
+        module named after the key (Numba's cache re-imports it by that name in a new process) and compiled now
+        for `signature` (`numba_signature`; None: at the first launch), or loaded from Numba's own cache that it
+        keeps beside the source (`__pycache__`)."""
+
+        def load(path: Path) -> Any:
+            name = f"polystrata_{self.name}_kernel_{key}"
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+            fn = getattr(module, kernel.name)
+            if signature is not None:
+                fn.compile(signature)
+            return fn
+
+        def build(path: Path) -> Any:
+            atomic_write(path, source)
+            try:
+                return load(path)
+            except Exception as e:  # Numba's typing and lowering errors, whatever their class
+                raise PolystrataError(f"{self.name} build of kernel {kernel.name} failed on {self.device}:\n"
+                                      f"{log_head(str(e))}") from None
+
+        return self._compile_cached(kernel, source, key, f"k_{key}.py", load, build)
+
     @abstractmethod
     def render(self, kernel: Kernel) -> str:
         """Source of `kernel` for this target."""
@@ -227,17 +382,52 @@ class Runtime(ABC):
     def alloc(self, shape: Sequence[int], dtype: str) -> Any:
         """A device buffer of IR dtype `dtype`."""
 
-    @abstractmethod
     def upload(self, array: np.ndarray) -> Any:
-        """A device buffer holding a copy of `array` (storage dtype as the IR expects)."""
+        """A device buffer holding a copy of `array` (storage dtype as the IR expects). Default, for targets whose
+        buffers are bytes: `alloc` then `write`."""
+        host = np.ascontiguousarray(array).reshape(-1)
+        buf = self.alloc((max(host.nbytes, 4),), "u8")
+        self.write(buf, host)
+        return buf
 
-    @abstractmethod
     def download(self, buf: Any, shape: Sequence[int], dtype: str) -> np.ndarray:
-        """Copy a device buffer back to the host."""
+        """Copy a device buffer's leading values back to the host, waiting for queued work (f16 comes back as
+        f32)."""
+        out = np.empty(tuple(shape), NUMPY_DTYPES[dtype])
+        if out.nbytes:
+            self._check_fits(buf, 0, out.nbytes, "download")
+            self.read_bytes(buf, out.reshape(-1).view(np.uint8))
+        return out.view(np.float16).astype(np.float32) if dtype == "f16" else out
+
+    def write(self, buf: Any, array: np.ndarray) -> None:
+        """Overwrite a device buffer's leading bytes with `array`'s bytes (inputs for one step)."""
+        self.write_region(buf, 0, array)
+
+    def write_region(self, buf: Any, offset: int, array: np.ndarray) -> None:
+        """Overwrite bytes [offset, offset + array.nbytes) of a device buffer, in order with the compute queue."""
+        host = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        self._check_fits(buf, offset, host.nbytes, "write")
+        if host.nbytes:
+            self.write_bytes(buf, offset, host)
+
+    def _check_fits(self, buf: Any, offset: int, nbytes: int, what: str) -> None:
+        size = self.buffer_bytes(buf)
+        if offset + nbytes > size:
+            raise PolystrataError(f"{what} of {nbytes} bytes at {offset} beyond a {size}-byte {self.name} buffer")
+
+    def buffer_bytes(self, buf: Any) -> int:
+        """Size of a device buffer in bytes."""
+        return int(buf.nbytes)
 
     @abstractmethod
-    def write(self, buf: Any, array: np.ndarray) -> None:
-        """Overwrite a device buffer's leading bytes with `array` (inputs for one step)."""
+    def read_bytes(self, buf: Any, out: np.ndarray) -> None:
+        """Copy the first `out.nbytes` bytes of a device buffer into the host bytes `out` (uint8), after the work
+        queued so far."""
+
+    @abstractmethod
+    def write_bytes(self, buf: Any, offset: int, host: np.ndarray) -> None:
+        """Copy the host bytes `host` (uint8, in bounds) into a device buffer at byte `offset`, in queue order;
+        `host` may change once this returns."""
 
     @abstractmethod
     def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
@@ -245,6 +435,56 @@ class Runtime(ABC):
 
     def sync(self) -> None:  # noqa: B027 - targets without queues have nothing to wait for
         """Wait for queued work."""
+
+    # --- optional abilities (defaults that work everywhere) ----------------------------------------------------
+
+    def prepare(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> Any:
+        """One launch packed for `launch_prepared`, which re-runs it without converting the arguments again (the
+        buffers must stay alive). Default: the launch's arguments as given."""
+        return ck, list(args), [int(g) for g in grid]
+
+    def launch_prepared(self, prepared: Any) -> None:
+        """Run a `prepare`d launch (recorded instead while a capture is open)."""
+        if self._recording is not None:
+            self._recording.append(prepared)
+        else:
+            self.launch(*prepared)
+
+    def begin_capture(self) -> None:
+        """Start recording prepared launches into a graph; they run at `replay`, not now."""
+        if self._recording is not None:
+            raise PolystrataError(f"a {self.name} graph capture is already open")
+        self._recording = []
+
+    def end_capture(self) -> Any:
+        """Close the capture; returns the graph for `replay` (default: the recorded launches)."""
+        if self._recording is None:
+            raise PolystrataError("end_capture without begin_capture")
+        graph, self._recording = self._recording, None
+        return graph
+
+    def replay(self, graph: Any) -> None:
+        """Run a captured graph (asynchronous, like a launch)."""
+        for prepared in graph:
+            self.launch_prepared(prepared)
+
+    def mark(self) -> Any:
+        """A device timing event after the work queued so far; None where the target has no device clock."""
+        return None
+
+    def elapsed(self, start: Any, end: Any) -> float | None:
+        """Seconds of device time between two `mark`s (events with `seconds_since`), once `end` is reached; None
+        without marks."""
+        return None if start is None or end is None else end.seconds_since(start)
+
+    def code_object(self, ck: CompiledKernel) -> bytes | None:
+        """The compiled code an artifact carries beside the kernel's source (hip's code objects); None by default."""
+        return None
+
+    def kernel_resources(self, ck: CompiledKernel) -> dict[str, int]:
+        """What a compiled kernel holds (registers, local and shared bytes, groups per multiprocessor), where the
+        target's driver says; empty by default."""
+        return {}
 
     def memory_info(self) -> tuple[int, int] | None:
         """(free, total) bytes of device memory, where known."""
@@ -255,14 +495,18 @@ class Runtime(ABC):
     def free(self, buf: Any) -> None:  # noqa: B027 - by default a buffer goes with its last reference
         """Release a device buffer now (the caller holds no other reference to it)."""
 
+    def staging(self, nbytes: int) -> np.ndarray:
+        """A host buffer of at least `nbytes` from `alloc_host`, kept and grown (doubling) across calls: where
+        downloads land before they are copied out."""
+        if self._staging is None or self._staging.nbytes < nbytes:
+            size = max(nbytes, 2 * (self._staging.nbytes if self._staging is not None else 0), 1 << 16)
+            self._staging = self.alloc_host(size)
+        return self._staging
+
     def alloc_host(self, nbytes: int) -> np.ndarray:
         """A host staging buffer of `nbytes` bytes (uint8) for `copy_async`: page-locked where the target has
         such memory (copies from it run at the link's full speed), else an ordinary array."""
         return np.empty(nbytes, np.uint8)
-
-    def write_region(self, buf: Any, offset: int, array: np.ndarray) -> None:
-        """Overwrite bytes [offset, offset + array.nbytes) of a device buffer, in order with the compute queue."""
-        raise NotImplementedError(f"the {self.name} runtime cannot write part of a buffer")
 
     def copy_async(self, buf: Any, offset: int, host: np.ndarray) -> Any:
         """Start copying `host`'s bytes into `buf` at byte `offset` on a second queue, beside the compute queue's
@@ -274,8 +518,10 @@ class Runtime(ABC):
     def wait_for(self, event: Any) -> None:  # noqa: B027 - synchronous copies leave nothing to wait for
         """Make launches queued after this call wait until `event` (from `copy_async`) completes."""
 
-    def wait_host(self, event: Any) -> None:  # noqa: B027 - synchronous copies leave nothing to wait for
-        """Block the host until `event` (from `copy_async`) completes."""
+    def wait_host(self, event: Any) -> None:
+        """Block the host until `event` (from `copy_async`: an object with `wait()`, or None) completes."""
+        if event is not None:
+            event.wait()
 
     def args_for(self, kernel: Kernel, buffers: dict[str, Any], scalars: dict[str, int | float]) -> list[Any]:
         """Launch arguments in parameter order: buffer handles and scalars converted to their dtype."""
@@ -288,3 +534,7 @@ class Runtime(ABC):
                 v = scalars[p.name]
                 out.append(np.float32(v) if p.dtype == "f32" else np.int32(v))
         return out
+
+
+if __name__ == "__main__":
+    sys.exit(_compile_child(sys.argv[1:]))

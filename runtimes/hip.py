@@ -1,9 +1,9 @@
 """HIP runtime: kernels rendered to HIP C++, compiled by hiprtc (ctypes) into AMD code objects, cached on disk.
 
 Without an AMD GPU (`hipGetDeviceCount` fails or finds none) the runtime is compile-only: `compile()` returns
-code objects, buffers and launches raise. hiprtc runs in a child process (`python -m polystrata.runtimes.hip
---compile ARCH OUT < source`) because ROCm 5.2's hiprtc aborts the whole process on architectures it does not
-know; the parent turns a crash into a `PolystrataError`. Buffers are device pointers holding the IR storage
+code objects, buffers and launches raise. hiprtc runs in a child process (`base.compile_in_child`) because ROCm
+5.2's hiprtc aborts the whole process on architectures it does not know; the parent turns a crash into a
+`PolystrataError`. Buffers are device pointers holding the IR storage
 dtypes (f16 as 2 bytes, u8 as bytes, ...). NVIDIA GPUs and `sm_XX` archs: runtimes/hip_nvrtc.py (NVRTC).
 """
 
@@ -12,10 +12,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +19,19 @@ from typing import Any
 
 import numpy as np
 
-from polystrata.codegen.cpu import NUMPY_DTYPES
 from polystrata.codegen.hip import base_arch, render, wave_of
 from polystrata.errors import PolystrataError
-from polystrata.ir.kernel import DTYPE_BYTES, Kernel
+from polystrata.ir.kernel import DTYPE_BYTES, Buf, Kernel
 from polystrata.paths import atomic_write
-from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key
+from polystrata.runtimes.base import (
+    CompiledKernel,
+    DeviceBuffer,
+    PackedLaunch,
+    Runtime,
+    cache_key,
+    compile_in_child,
+    scalar_value,
+)
 
 # Sonames, newest first: ROCm 6 ships hiprtc as its own library, ROCm 5.2 (Debian) inside libamdhip64.
 _HIP_LIBS = ("libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so")
@@ -97,7 +100,7 @@ def _check(err: int, what: str) -> None:
         raise PolystrataError(f"HIP {what} failed: {(lib.hipGetErrorString(err) or b'').decode()} ({err})")
 
 
-def hiprtc_compile(source: str, name: str, options: Sequence[str]) -> bytes:
+def hiprtc_compile(source: str, name: str, *options: str) -> bytes:
     """Compile in THIS process (the child's side): code object bytes, or PolystrataError with the log."""
     rtc = _load("rtc")
     rtc.hiprtcGetErrorString.restype = ctypes.c_char_p
@@ -123,22 +126,6 @@ def hiprtc_compile(source: str, name: str, options: Sequence[str]) -> bytes:
         rtc.hiprtcDestroyProgram(ctypes.byref(prog))
 
 
-def compile_in_subprocess(source: str, name: str, arch: str, options: Sequence[str]) -> bytes:
-    """hiprtc in a child process: a compiler abort becomes a PolystrataError instead of killing the caller."""
-    with tempfile.TemporaryDirectory(prefix="polystrata-hip-") as tmp:
-        out = Path(tmp) / "code.o"
-        cmd = [sys.executable, "-m", "polystrata.runtimes.hip", "--compile", name, str(out), *options]
-        p = subprocess.run(cmd, input=source.encode(), capture_output=True)
-        log = [ln for ln in p.stderr.decode(errors="replace").splitlines() if ln.strip()]
-        text = "\n".join(log[:20]) + ("\n..." if len(log) > 20 else "")
-        if p.returncode < 0:
-            sig = signal.Signals(-p.returncode).name
-            raise PolystrataError(f"hiprtc crashed ({sig}) compiling kernel {name} for {arch}:\n{text}")
-        if p.returncode != 0 or not out.exists():
-            raise PolystrataError(f"hiprtc build of kernel {name} failed for {arch}:\n{text}")
-        return out.read_bytes()
-
-
 @dataclass
 class HIPCode:
     """A compiled kernel: the code object and, on a GPU, its loaded module and function."""
@@ -146,17 +133,6 @@ class HIPCode:
     code: bytes
     module: int | None = None
     function: int | None = None
-
-
-class HIPBuffer:
-    """Device memory (`hipMalloc`, or `cuMemAlloc` behind NVRTC), freed with the object by `free(ptr)`."""
-
-    def __init__(self, ptr: int, nbytes: int, free: Any = None):
-        self.ptr, self.nbytes, self.free = ptr, nbytes, free
-
-    def __del__(self):
-        if self.free is not None and self.ptr:
-            self.free(self.ptr)
 
 
 def _gpu_count() -> int:
@@ -177,6 +153,13 @@ class HIPRuntime(Runtime):
     """One AMD GPU, or compile-only for `arch` when there is none (or with `compile_only=True`)."""
 
     name = "hip"
+    source_ext = "hip"
+    takes_arch = True
+    no_gpu = _NO_GPU  # the error of a compile-only runtime asked to run
+
+    @classmethod
+    def present(cls) -> bool:
+        return available() and _gpu_count() > 0
 
     def __new__(cls, arch: str | None = None, compile_only: bool = False, native_f16: bool = True):
         """An `sm_XX` arch, or no arch on an NVIDIA GPU and no AMD one: `hip_nvrtc.NVRTCRuntime`."""
@@ -187,25 +170,38 @@ class HIPRuntime(Runtime):
     def __init__(self, arch: str | None = None, compile_only: bool = False, native_f16: bool = True) -> None:
         """`arch`: the gfx target (the GPU's by default); `native_f16=False`: f16 by the portable bit conversions."""
         super().__init__()
+        self.native_f16 = native_f16
+        self.compile_only = compile_only or self._gpu_count() == 0
+        found, dev_name = self._open() if self.gpu else (None, "")
+        if not (arch or found):
+            raise PolystrataError(self.no_gpu.format(arch=self.example_arch) + "; give an arch to compile for")
+        self.arch = arch or found
+        self._configure(found, dev_name)  # refuses an unknown arch
+        self.lanes = self.subgroup = wave_of(self.arch)  # 64 on wave64 (CDNA, GCN), 32 on wave32 (RDNA and CUDA)
+
+    example_arch = "gfx1030"  # for the message of a compile-only runtime without an arch
+
+    @property
+    def gpu(self) -> bool:
+        """A GPU runs this runtime's kernels (not compile-only)."""
+        return not self.compile_only
+
+    def _gpu_count(self) -> int:
+        return _gpu_count()
+
+    def _open(self) -> tuple[str, str]:
+        """Make device 0 current: (its arch, its name)."""
         self.lib = _load("hip")
         self.lib.hipFree.argtypes = [ctypes.c_void_p]  # the buffers' finaliser
-        self.gpu = not compile_only and _gpu_count() > 0
-        self.version = rocm_version()
-        ver = ".".join(map(str, self.version))
-        if self.gpu:
-            _check(self.lib.hipSetDevice(0), "hipSetDevice")
-            found, dev_name = _device_arch(self.lib)
-            arch = arch or found
-            self.device = f"{dev_name} ({found}, ROCm {ver})"
-        elif arch is None:
-            raise PolystrataError(_NO_GPU.format(arch="gfx1030") + "; give an arch to compile for")
-        else:
-            self.device = f"{arch} (compile only, ROCm {ver})"
-        check_arch(arch)
-        self.arch = arch
-        self.lanes = self.subgroup = wave_of(arch)  # 64 on wave64 (CDNA, GCN), 32 on wave32 (RDNA)
-        self.native_f16 = native_f16
-        self.options = [f"--offload-arch={arch}", "-O3", "-ffp-contract=off"]
+        _check(self.lib.hipSetDevice(0), "hipSetDevice")
+        return _device_arch(self.lib)
+
+    def _configure(self, found: str | None, dev_name: str) -> None:
+        """The device description and the compiler's options for `self.arch`."""
+        check_arch(self.arch)
+        ver = ".".join(map(str, rocm_version()))
+        self.device = f"{dev_name} ({found}, ROCm {ver})" if found else f"{self.arch} (compile only, ROCm {ver})"
+        self.options = [f"--offload-arch={self.arch}", "-O3", "-ffp-contract=off"]
         self.compiler = f"rocm {ver} {' '.join(self.options)}"
 
     def render(self, kernel: Kernel) -> str:
@@ -227,8 +223,11 @@ class HIPRuntime(Runtime):
 
         return self._compile_cached(kernel, source, key, f"{kernel.name}_{key}.co", load, build)
 
+    def code_object(self, ck: CompiledKernel) -> bytes:
+        return ck.handle.code
+
     def _build(self, source: str, name: str) -> bytes:
-        return compile_in_subprocess(source, name, self.arch, self.options)
+        return compile_in_child(f"{__name__}:hiprtc_compile", source, [name, *self.options], "hiprtc", name, self.arch)
 
     def _load_module(self, code: bytes, name: str) -> tuple[Any, Any]:
         module, fn = ctypes.c_void_p(), ctypes.c_void_p()
@@ -238,16 +237,16 @@ class HIPRuntime(Runtime):
 
     def _need_gpu(self) -> None:
         if not self.gpu:
-            raise PolystrataError(_NO_GPU.format(arch=self.arch))
+            raise PolystrataError(self.no_gpu.format(arch=self.arch))
 
-    def alloc(self, shape: Sequence[int], dtype: str) -> HIPBuffer:
+    def alloc(self, shape: Sequence[int], dtype: str) -> DeviceBuffer:
         self._need_gpu()
         return self._malloc(max(int(np.prod(shape)) * DTYPE_BYTES[dtype], 4))
 
-    def _malloc(self, nbytes: int) -> HIPBuffer:  # zeroed, like the CPU target's buffers
+    def _malloc(self, nbytes: int) -> DeviceBuffer:  # zeroed, like the CPU target's buffers
         ptr = ctypes.c_void_p()
         _check(self.lib.hipMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "hipMalloc")
-        buf = HIPBuffer(ptr.value, nbytes, self.lib.hipFree)
+        buf = DeviceBuffer(ptr.value, nbytes, self.lib.hipFree)
         _check(self.lib.hipMemset(ctypes.c_void_p(buf.ptr), 0, ctypes.c_size_t(nbytes)), "hipMemset")
         return buf
 
@@ -255,50 +254,33 @@ class HIPRuntime(Runtime):
         what, dst, src = ("hipMemcpyHtoD", dev, host) if to_device else ("hipMemcpyDtoH", host, dev)
         _check(getattr(self.lib, what)(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes)), what)
 
-    def upload(self, array: np.ndarray) -> HIPBuffer:
-        host = np.ascontiguousarray(array).reshape(-1)
-        buf = self.alloc((max(host.nbytes, 4),), "u8")
-        self.write(buf, host)
-        return buf
+    def read_bytes(self, buf: DeviceBuffer, out: np.ndarray) -> None:
+        self._copy(False, buf.ptr, out.ctypes.data, out.size)
 
-    def download(self, buf: HIPBuffer, shape: Sequence[int], dtype: str) -> np.ndarray:
-        out = np.empty(tuple(shape), dtype=NUMPY_DTYPES[dtype])
-        if out.nbytes:
-            self._copy(False, buf.ptr, out.ctypes.data, out.nbytes)
-        return out.view(np.float16).astype(np.float32) if dtype == "f16" else out
-
-    def write(self, buf: HIPBuffer, array: np.ndarray) -> None:
-        host = np.ascontiguousarray(array).reshape(-1)
-        if host.nbytes > buf.nbytes:
-            raise PolystrataError(f"write of {host.nbytes} bytes into a {buf.nbytes}-byte HIP buffer")
-        if host.nbytes:
-            self._copy(True, buf.ptr, host.ctypes.data, host.nbytes)
-
-    def write_region(self, buf: HIPBuffer, offset: int, array: np.ndarray) -> None:
+    def write_bytes(self, buf: DeviceBuffer, offset: int, host: np.ndarray) -> None:
         """A synchronous copy (the base class's `copy_async` uses it too: no second stream or pinned staging here
         yet, so expert uploads do not overlap with kernels on this target)."""
-        host = np.ascontiguousarray(array).reshape(-1)
-        if offset + host.nbytes > buf.nbytes:
-            raise PolystrataError(f"write of {host.nbytes} bytes at {offset} into a {buf.nbytes}-byte HIP buffer")
-        if host.nbytes:
-            self._copy(True, buf.ptr + offset, host.ctypes.data, host.nbytes)
+        self._copy(True, buf.ptr + offset, host.ctypes.data, host.size)
+
+    def prepare(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> PackedLaunch:
+        self._need_gpu()
+        values = [ctypes.c_void_p(a.ptr) if isinstance(p, Buf) else scalar_value(p, a)
+                  for p, a in zip(ck.kernel.params, args)]
+        return PackedLaunch(ck.handle.function, grid, ck.kernel.lanes, values)
+
+    def launch_prepared(self, p: PackedLaunch) -> None:
+        if self._recording is not None:
+            super().launch_prepared(p)
+        elif not p.empty:
+            self._launch(p)
 
     def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
-        self._need_gpu()
-        grid = [int(g) for g in grid] + [1] * (3 - len(grid))
-        if min(grid) <= 0:
-            return
-        # kernelParams: an array of pointers to each argument's value (kept alive until the call returns).
-        vals = [ctypes.c_void_p(a.ptr) if isinstance(a, HIPBuffer) else
-                ctypes.c_float(float(a)) if isinstance(a, float | np.floating) else ctypes.c_int32(int(a))
-                for a in args]
-        params = (ctypes.c_void_p * max(len(vals), 1))(*(ctypes.addressof(v) for v in vals))
-        self._launch(ck.handle.function, grid, ck.kernel.lanes, params)
+        self.launch_prepared(self.prepare(ck, args, grid))
 
-    def _launch(self, fn: Any, grid: list[int], lanes: int, params: ctypes.Array) -> None:
+    def _launch(self, p: PackedLaunch) -> None:
         _check(self.lib.hipModuleLaunchKernel(
-            ctypes.c_void_p(fn), *(ctypes.c_uint(g) for g in grid), ctypes.c_uint(lanes), ctypes.c_uint(1),
-            ctypes.c_uint(1), ctypes.c_uint(0), None, params, None), "hipModuleLaunchKernel")
+            ctypes.c_void_p(p.fn), *(ctypes.c_uint(g) for g in p.grid), ctypes.c_uint(p.lanes), ctypes.c_uint(1),
+            ctypes.c_uint(1), ctypes.c_uint(0), None, p.ptrs, None), "hipModuleLaunchKernel")
 
     def sync(self) -> None:  # the null stream
         if self.gpu:
@@ -310,20 +292,3 @@ class HIPRuntime(Runtime):
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         _check(self.lib.hipMemGetInfo(ctypes.byref(free), ctypes.byref(total)), "hipMemGetInfo")
         return free.value, total.value
-
-
-def _main(argv: list[str]) -> int:
-    """Child entry: `--compile NAME OUT [options...]`, source on stdin; the log goes to stderr."""
-    if len(argv) < 3 or argv[0] != "--compile":
-        sys.exit("usage: python -m polystrata.runtimes.hip --compile NAME OUT [hiprtc options...] < source")
-    try:
-        code = hiprtc_compile(sys.stdin.read(), argv[1], argv[3:])  # NAME, options
-    except PolystrataError as e:
-        print(e, file=sys.stderr)
-        return 1
-    Path(argv[2]).write_bytes(code)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

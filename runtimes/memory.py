@@ -62,7 +62,7 @@ def parse_gpu_mem(text: str, free_bytes: int | None) -> int:
 
 
 def default_budget(runtime: Any) -> int | None:
-    """The device's free memory at start less a margin (on the cpu target: the host's available memory, its
+    """The device's free memory at start less a margin (on host targets: the host's available memory, their
     device memory); None where the runtime does not report it."""
     if runtime is None:
         return None
@@ -294,7 +294,7 @@ def fit_plans(
     the model's context `n_ctx_train`, reduced to what the budget holds (`fit_context`, with a line on stderr;
     the attention kernels' local memory does not grow with the context: `codegen/recipes/attention.py`). The
     plans are made for streaming where the experts do not all fit. Raises PolystrataError, before anything is
-    uploaded, when the budget cannot hold the model; on the cpu target only under an explicit `gpu_mem` (its
+    uploaded, when the budget cannot hold the model; on host targets only under an explicit `gpu_mem` (their
     default budget, the host's available memory less a margin, only sizes the default context: a model larger
     than that still runs from the mmapped file, as llama.cpp's does)."""
     import sys
@@ -303,8 +303,8 @@ def fit_plans(
 
     budget = resolve_budget(runtime, gpu_mem)
     layers = moe_layers(graphs[0])
-    on_host = runtime.name == "cpu"
-    opts = {"stream": not on_host,  # host memory is the cpu target's device memory: experts stay resident
+    on_host = runtime.host
+    opts = {"stream": not on_host,  # host memory is a host target's device memory: experts stay resident
             "kv_type": kv_type, "expert_slots": expert_slots}
     reduced, plans = False, None
     if n_ctx is None:

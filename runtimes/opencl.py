@@ -13,12 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from polystrata.codegen.cpu import NUMPY_DTYPES
 from polystrata.codegen.opencl import render
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import DTYPE_BYTES, Kernel
 from polystrata.paths import atomic_write
-from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key
+from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key, log_head
 
 try:
     import pyopencl as cl
@@ -85,6 +84,12 @@ class OpenCLRuntime(Runtime):
     """One OpenCL device with one in-order queue."""
 
     name = "opencl"
+    source_ext = "cl"
+
+    @classmethod
+    def present(cls) -> bool:
+        """An OpenCL GPU (a CPU driver such as PoCL is never `auto`'s choice over the cpu target)."""
+        return has_gpu()
 
     def __init__(self, device: Any = None, subgroups: bool | None = None) -> None:
         """`device`: a `pyopencl.Device` or a name substring (default: see `pick_device`). `subgroups=False`
@@ -140,8 +145,8 @@ class OpenCLRuntime(Runtime):
             try:
                 program = cl.Program(self.ctx, source).build(options)
             except cl.Error as err:
-                log = _build_log(err)
-                raise PolystrataError(f"OpenCL build of kernel {kernel.name} failed on {self.device}:\n{log}") from None
+                raise PolystrataError(f"OpenCL build of kernel {kernel.name} failed on {self.device}:\n"
+                                      f"{log_head(str(err))}") from None
             atomic_write(path, program.binaries[0])
             return cl.Kernel(program, kernel.name)
 
@@ -159,21 +164,14 @@ class OpenCLRuntime(Runtime):
             return self.alloc((1,), "u32")
         return cl.Buffer(self.ctx, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR, hostbuf=host)
 
-    def download(self, buf: Any, shape: Sequence[int], dtype: str) -> np.ndarray:
-        out = np.empty(tuple(shape), dtype=NUMPY_DTYPES[dtype])
-        if out.size:
-            cl.enqueue_copy(self.queue, out, buf, is_blocking=True)
-        return out.view(np.float16).astype(np.float32) if dtype == "f16" else out
+    def buffer_bytes(self, buf: Any) -> int:
+        return int(buf.size)
 
-    def write(self, buf: Any, array: np.ndarray) -> None:
-        host = np.ascontiguousarray(array).reshape(-1)
-        if host.nbytes:
-            cl.enqueue_copy(self.queue, buf, host, is_blocking=True)
+    def read_bytes(self, buf: Any, out: np.ndarray) -> None:
+        cl.enqueue_copy(self.queue, out, buf, is_blocking=True)
 
-    def write_region(self, buf: Any, offset: int, array: np.ndarray) -> None:
-        host = np.ascontiguousarray(array).reshape(-1)
-        if host.nbytes:
-            cl.enqueue_copy(self.queue, buf, host, dst_offset=offset, is_blocking=True)
+    def write_bytes(self, buf: Any, offset: int, host: np.ndarray) -> None:
+        cl.enqueue_copy(self.queue, buf, host, dst_offset=offset, is_blocking=True)
 
     def free(self, buf: Any) -> None:
         buf.release()
@@ -198,9 +196,6 @@ class OpenCLRuntime(Runtime):
     def wait_for(self, event: Any) -> None:
         cl.enqueue_barrier(self.queue, wait_for=[event])
 
-    def wait_host(self, event: Any) -> None:
-        event.wait()
-
     def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
         grid = [int(g) for g in grid]
         if not grid or min(grid) <= 0:
@@ -220,10 +215,3 @@ class OpenCLRuntime(Runtime):
         except (cl.Error, AttributeError, TypeError, IndexError):
             free = total
         return free, total
-
-
-def _build_log(err: Exception) -> str:
-    """The first lines of a failed build's message (pyopencl puts the build log in it)."""
-    text = str(err)
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return "\n".join(lines[:20]) + ("\n..." if len(lines) > 20 else "")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -21,6 +20,7 @@ import numpy as np
 
 from polystrata import bench, zoo
 from polystrata.errors import PolystrataError
+from polystrata.runtimes.base import cpu_name
 
 
 def _available_targets() -> tuple[str, ...]:
@@ -76,11 +76,11 @@ def _llamacpp_bench(path, n_prompt: int, n_gen: int, reps: int, threads: int, se
     if n_prompt:
         prefill()
         rates = [n_prompt / prefill() for _ in range(reps)]
-        out["pp"] = _entry(n_prompt, rates)
+        out["pp"] = bench.rate_stats(n_prompt, rates)
     if n_gen:
         decode(offsets[0, :4])
         rates = [n_gen / decode(offsets[i + 1]) for i in range(reps)]
-        out["tg"] = _entry(n_gen, rates)
+        out["tg"] = bench.rate_stats(n_gen, rates)
     if hasattr(llm, "close"):  # frees the model now rather than at interpreter exit
         llm.close()
     return out
@@ -93,15 +93,6 @@ def _llamacpp_version() -> str:
         return getattr(llama_cpp, "__version__", "?")
     except ImportError:
         return "?"
-
-
-def _entry(n: int, rates: list[float]) -> dict:
-    return {
-        "n": n,
-        "tok_s_mean": statistics.fmean(rates),
-        "tok_s_sd": statistics.stdev(rates) if len(rates) > 1 else 0.0,
-        "tok_s": rates,
-    }
 
 
 def _fmt(e: dict | None) -> str:
@@ -145,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     ratio = {t: (ps[t]["tok_s_mean"] / lc[t]["tok_s_mean"] if ps[t] and lc[t] else None) for t in ("pp", "tg")}
-    machine = {"cpu": bench.cpu_name(), "threads": ps["n_threads"]}
+    machine = {"cpu": cpu_name(), "threads": ps["n_threads"]}
     if a.json:
         print(json.dumps({"model": str(path), "machine": machine, "polystrata": ps, "llamacpp": lc, "ratio": ratio}))
         return 0

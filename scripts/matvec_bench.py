@@ -118,9 +118,8 @@ def main() -> None:
         alone, _ = timed(len(rest))
         print(f"  {rest[-1].kernel.name} alone: {alone * 1e6:.1f} us, {100 * nbytes / alone / a.bandwidth:.0f}% "
               f"(the quantize launch before it: {(dt - alone) * 1e6:.1f} us)")
-    if hasattr(rt, "kernel_resources"):
-        for la in rest:
-            print(f"  {la.kernel.name}: lanes {la.kernel.lanes}, {rt.kernel_resources(rt.compile(la.kernel))}")
+    for la in rest:  # registers and occupancy, where the runtime's driver says (cuda)
+        print(f"  {la.kernel.name}: lanes {la.kernel.lanes}, {rt.kernel_resources(rt.compile(la.kernel))}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ _chosen: tuple[str, ...] = KERNEL_TARGETS
 
 def pytest_addoption(parser):
     parser.addoption("--target", default="", metavar="T[,T...]",
-                     help="kernel targets to test: cpu, cuda, hip, opencl (default: every one available here)")
+                     help=f"kernel targets to test: {', '.join(KERNEL_TARGETS)} (default: every one available here)")
 
 
 def pytest_configure(config):

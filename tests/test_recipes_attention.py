@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from recipe_cases import plan_scratch, recipe, recipe_context, run_launches, target_runtimes
+from recipe_cases import gpu_shaped, plan_scratch, recipe, recipe_context, run_launches, target_runtimes
 
 from polystrata.ir.encode import quantize
 from polystrata.ir.evaluate import dequantize
@@ -67,8 +67,7 @@ def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: 
 def test_attention(rt, kv, gqa, window, softcap, lanes, splits):
     """Attention against the reference; 128 lanes: the GPU shapes (keys in tiles, lanes sharing a key's dot
     product, V sums in registers); split-K: 4 runs of keys (some empty in the first steps) and the combine."""
-    if lanes > 1 and rt.lanes == 1:
-        pytest.skip("GPU-shaped kernels")
+    gpu_shaped(rt, lanes, sampled=False)  # one-lane targets: test_attention_runs has the GPU shapes with splits
     launches = _check_attention(rt, kv, gqa, window, softcap, lanes, 32, {"splits": splits}, (7, 1, 1, 5), 7)
     assert len(launches) == (3 if splits > 1 else 2)  # K/V store, attention, [combine]
 
@@ -84,8 +83,7 @@ def test_attention_runs(rt, kv, gqa, window, softcap, lanes, heads, splits):
     those (the partials of the others stay NaN). Contexts with a partial last run, prefill chunks and decode
     steps, GQA with groups taking several query heads of a KV head (knob heads), gemma3's sliding window and
     softcap."""
-    if lanes > 1 and rt.lanes == 1:
-        pytest.skip("GPU-shaped kernels")
+    gpu_shaped(rt, lanes, sampled=kv == "q8_g64")
     # Runs of the contexts 1..16 of the first step: 1 of 1 to 4 keys, then of 4 (the last partial); 17, 18: 5 runs
     # of 4, the last 1 or 2 long; 22, 23: 5 runs of 5, the last 2 or 3 long; 36, 37: 5 runs of 8, the last 4 or 5
     # long (a window of 10: 3 runs of 4, the last 2).
@@ -164,8 +162,7 @@ def test_rope_attention(rt, kv, mode, dims, lanes, qk_norm):
     the way) against the reference running the ops one by one: prefill, then decode steps. GPU-shaped: split-K,
     and the combine also writes the output as the output projection's int8 activations, the very codes of the
     quantize launch it provides."""
-    if lanes > 1 and rt.lanes == 1:
-        pytest.skip("GPU-shaped kernels")
+    gpu_shaped(rt, lanes, sampled=qk_norm)
     hkv, d, hq, n_ctx = 2, 64, 6, 32
     g = Graph("t")
     q = g.input("q", "f32", ("T", hq, d))

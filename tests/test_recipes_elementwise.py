@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from recipe_cases import recipe, recipe_context, run_launches, target_runtimes
+from recipe_cases import gpu_shaped, recipe, recipe_context, run_launches, target_runtimes
 
 from polystrata.ir.graph import Graph
 from polystrata.runtimes import reference as R
@@ -74,8 +74,7 @@ def test_rms_norm(rt, fused, heads):
 def test_rms_norm_writes_int8_activations(rt, fused):
     """GPU path: the norm also writes its output quantized as the next matmuls read it, the very codes and scales
     of the quantize launch it stands in for (`provides`)."""
-    if rt.lanes == 1:
-        pytest.skip("GPU-shaped plans only")
+    gpu_shaped(rt, 32, sampled=fused)
     g = Graph("t")
     d = 320
     x = g.input("x", "f32", ("T", d))

@@ -12,6 +12,7 @@ import pytest
 from recipe_cases import (
     FORMAT_NAMES,
     SLICED,
+    gpu_shaped,
     int8_bound,
     q8_rounded,
     recipe,
@@ -90,16 +91,17 @@ def test_matvec_q8_formats(rt, fmt_name):
     """The GPU matvec (quantize kernel + one row per group, `sub` lanes per block, interleaved words or runs) on every
     int8-path format, against a float64 product with x rounded as the quantize kernel rounds it: only float error
     may remain (NAME_S: sliced rows, runs of words folded to slice addresses, interleaved words at addresses
-    computed at run time)."""
-    if rt.lanes == 1:
-        pytest.skip("GPU-shaped kernels (the CPU takes matmul_kernel)")
+    computed at run time). One-lane targets (which take matmul_kernel in plans) run Q8_0's first schedules: a
+    K-quant's unrolled GPU matvec takes Numba minutes to compile."""
+    gpu_shaped(rt, 32, sampled=fmt_name == "Q8_0")
     n, k = 37, 512
     fmt, wb, wd = weight(fmt_name, n, k)
     rng = np.random.default_rng(4)
     # runs: each lane consecutive words; rows: rows a group (37 is odd: the last group's extra rows are clamped);
     # spread: the lanes spread over the rows rather than each sweeping all of them
-    for sub, runs, rows, spread in (("auto", 0, 1, 0), ("auto", 1, 1, 0), (1, 0, 1, 0), (2, 1, 1, 0), ("auto", 1, 2, 0),
-                                    ("auto", 0, 3, 0), ("auto", 1, 4, 1), ("auto", 0, 3, 1), (1, 1, 16, 1)):
+    schedules = (("auto", 0, 1, 0), ("auto", 1, 1, 0), (1, 0, 1, 0), (2, 1, 1, 0), ("auto", 1, 2, 0), ("auto", 0, 3, 0),
+                 ("auto", 1, 4, 1), ("auto", 0, 3, 1), (1, 1, 16, 1))
+    for sub, runs, rows, spread in schedules if rt.lanes > 1 else schedules[:2]:
         qk = quantize_x_kernel(f"t_q8x_{k}", k)
         mk = matvec_q8_kernel(f"t_mv8_{fmt_name.lower()}_{sub}_{runs}_{rows}_{spread}", [fmt], n, k, tokens=4,
                               lanes=32, sub=sub, runs=runs, rows=rows, spread=bool(spread))
@@ -120,8 +122,7 @@ def test_matvec_q8_formats(rt, fmt_name):
 def test_matvec_rows_share_activation_loads(rt):
     """Gate and up (same format) over two rows a group: one Reduce serves all four dot products, and the fused
     product matches the reference."""
-    if rt.lanes == 1:
-        pytest.skip("GPU-shaped kernels")
+    gpu_shaped(rt, 32, sampled=False)
     from polystrata.ir.kernel import Reduce, walk
 
     n, k = 13, 512
@@ -145,8 +146,7 @@ def test_matvec_rows_share_activation_loads(rt):
 def test_stacked_matvecs(rt):
     """q, k and v of one input as one stacked launch (GPU path): each weight's rows, in its own format, land in its
     own output, within the int8 rounding of the activations."""
-    if rt.lanes == 1:
-        pytest.skip("GPU-shaped kernels (the CPU lowers each matmul on its own)")
+    gpu_shaped(rt, 32, sampled=False)
     g = Graph("t")
     k = 256
     x = g.input("x", "f32", ("T", k))

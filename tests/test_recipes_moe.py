@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from recipe_cases import plan_scratch, q8_rounded, recipe, recipe_context, run, run_launches, target_runtimes, weight
+from recipe_cases import (
+    gpu_shaped,
+    plan_scratch,
+    q8_rounded,
+    recipe,
+    recipe_context,
+    run,
+    run_launches,
+    target_runtimes,
+    weight,
+)
 
 from polystrata.ir.formats import FORMATS
 from polystrata.ir.graph import Graph
@@ -18,8 +28,7 @@ rt = target_runtimes()
 @pytest.mark.parametrize("lanes", [1, 32])
 def test_router(rt, norm, lanes):
     """Top-k expert ids and weights; tied logits go to the lowest index (a warp of lanes: the GPU router)."""
-    if lanes > 1 and rt.lanes == 1:
-        pytest.skip("GPU-shaped kernels")
+    gpu_shaped(rt, lanes, sampled=norm)
     e = 40
     g = Graph("t")
     x = g.input("x", "f32", ("T", e))

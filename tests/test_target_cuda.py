@@ -193,7 +193,8 @@ def test_one_pass_lowering_scan_matches_numba_cuda(tmp_path):
     from polystrata.codegen.recipes.linear import matvec_q8_kernel
     from polystrata.ir.formats import FORMATS
     from polystrata.runtimes import cuda as runtime
-    from polystrata.runtimes.cuda import _signature, _singly_assigned_in_one_pass
+    from polystrata.runtimes.base import numba_signature
+    from polystrata.runtimes.cuda import _singly_assigned_in_one_pass
 
     installed = lowering.Lower._find_singly_assigned_variable
     theirs = runtime._numba_cuda_scan or installed  # replaced already where a CUDA runtime was made
@@ -214,7 +215,7 @@ def test_one_pass_lowering_scan_matches_numba_cuda(tmp_path):
     spec.loader.exec_module(module)
     lowering.Lower._find_singly_assigned_variable = both
     try:
-        cuda.compile_ptx(getattr(module, kern.name).py_func, _signature(kern), cc=(9, 0))
+        cuda.compile_ptx(getattr(module, kern.name).py_func, numba_signature(kern), cc=(9, 0))
     except Exception:  # noqa: BLE001 - without NVVM the compile stops after lowering, all this test needs
         pass
     finally:

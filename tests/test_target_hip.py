@@ -186,20 +186,20 @@ def test_compiler_crash_does_not_kill_the_caller(home, monkeypatch):
     assert rt.cache_misses == 0 and not list(cache_dir("hip").glob("*.co"))
 
 
-@amd
-def test_code_object_cache_hit_in_fresh_runtime(home):
+@pytest.mark.parametrize("arch,other", [pytest.param("gfx90a", "gfx1030", marks=amd, id="hiprtc"),
+                                        pytest.param("sm_90", "sm_80", marks=nv, id="nvrtc")])
+def test_code_object_cache_hit_in_fresh_runtime(home, arch, other):
+    """hiprtc's code objects and NVRTC's cubins alike: built once, then from this runtime's memory, then from the
+    cache in a fresh runtime; another arch is another key."""
     kern = reduce_kernel(64)
-    first = hiprt.HIPRuntime("gfx90a", compile_only=True)
+    first = hiprt.HIPRuntime(arch, compile_only=True)
     a = first.compile(kern)
-    assert not a.cached and first.cache_misses == 1
-    assert first.compile(kern) is a  # in-memory on the same runtime
-    fresh = hiprt.HIPRuntime("gfx90a", compile_only=True)
+    assert not a.cached and first.cache_misses == 1 and first.compile(kern) is a
+    assert first.code_object(a) == a.handle.code  # what `compile -o` puts beside the source
+    fresh = hiprt.HIPRuntime(arch, compile_only=True)
     b = fresh.compile(kern)
-    assert b.cached and fresh.cache_hits == 1 and fresh.cache_misses == 0
-    assert b.handle.code == a.handle.code
-    # Another arch is another key.
-    other = hiprt.HIPRuntime("gfx1030", compile_only=True).compile(kern)
-    assert not other.cached
+    assert b.cached and fresh.cache_hits == 1 and fresh.cache_misses == 0 and b.handle.code == a.handle.code
+    assert not hiprt.HIPRuntime(other, compile_only=True).compile(kern).cached
 
 
 @amd
@@ -214,7 +214,8 @@ def test_compile_only_launch_error():
 
 
 def test_child_entry_usage():
-    p = subprocess.run([sys.executable, "-m", "polystrata.runtimes.hip"], capture_output=True, text=True)
+    """The compiler's child process (`runtimes.base.compile_in_child`) asked without a compiler says how to call it."""
+    p = subprocess.run([sys.executable, "-m", "polystrata.runtimes.base"], capture_output=True, text=True)
     assert p.returncode != 0 and "usage" in p.stderr
 
 
@@ -348,18 +349,6 @@ def test_nvrtc_syntax_error_is_clean(home, monkeypatch):
     assert "ps_no_such_intrinsic" in msg and "error" in msg
     assert len(msg.splitlines()) <= 22
     assert rt.cache_misses == 0 and not list(cache_dir("hip").glob("broken_*"))
-
-
-@nv
-def test_nvrtc_cubin_cache_hit_in_fresh_runtime(home):
-    kern = reduce_kernel(64)
-    first = hiprt.HIPRuntime("sm_90", compile_only=True)
-    a = first.compile(kern)
-    assert not a.cached and first.cache_misses == 1 and first.compile(kern) is a
-    fresh = hiprt.HIPRuntime("sm_90", compile_only=True)
-    b = fresh.compile(kern)
-    assert b.cached and fresh.cache_hits == 1 and b.handle.code == a.handle.code
-    assert not hiprt.HIPRuntime("sm_80", compile_only=True).compile(kern).cached  # another arch, another key
 
 
 # --- on an NVIDIA GPU: HIPRuntime() through NVRTC and the CUDA driver -----------------------------------------------

@@ -31,11 +31,11 @@ from polystrata.runtimes.memory import ExpertStreamer, VRAMGuard, expert_source,
 class _BoundLaunch:
     """A launch with buffer handles resolved; only symbol-valued scalars and grids vary per step.
 
-    On runtimes that can pre-pack a launch (`prepare` / `launch_prepared`), the packed form is kept per step
-    shape, so a repeated launch costs the runtime nothing but the launch itself.
+    The launch as the runtime packs it (`prepare`) is kept per step shape, so a repeated launch costs the runtime
+    nothing but the launch itself (`launch_prepared`).
     """
 
-    def __init__(self, rt: Runtime, ck: CompiledKernel, handles: Mapping[str, Any], launch) -> None:
+    def __init__(self, ck: CompiledKernel, handles: Mapping[str, Any], launch) -> None:
         self.ck = ck
         k = launch.kernel
         bufs = dict(launch.buffers)
@@ -44,7 +44,6 @@ class _BoundLaunch:
         self.handles = {p: handles[b] for p, b in self.names.items()}
         self.symbols = sorted({v for v in self.scalars.values() if isinstance(v, str)})
         self.packed: dict[tuple, Any] = {}
-        self.can_prepare = hasattr(rt, "prepare")
 
     def rebind(self, handles: Mapping[str, Any]) -> None:
         """Point the launch at new handles of some plan buffers (a resized expert cache)."""
@@ -61,13 +60,10 @@ class _BoundLaunch:
             k = self.ck.kernel
             args = rt.args_for(k, self.handles, env)
             grid = [eval_int(g, env) for g in k.grid]
-            packed = rt.prepare(self.ck, args, grid) if self.can_prepare else (args, grid)
+            packed = rt.prepare(self.ck, args, grid)
             if len(self.packed) < 64:  # prefill chunk lengths vary; keep a bounded set
                 self.packed[key] = packed
-        if self.can_prepare:
-            rt.launch_prepared(packed)
-        else:
-            rt.launch(self.ck, *packed)
+        rt.launch_prepared(packed)
 
 
 class PlanExecutor:
@@ -84,7 +80,7 @@ class PlanExecutor:
         self.rt = runtime
         self.n_ctx = n_ctx
         self.n_past = 0
-        # With `time_device` set, each step's device time is measured (where the runtime has `mark` events):
+        # With `time_device` set, each step's device time is measured (where the runtime's `mark` gives events):
         # `last_device_s`. Benchmarks take the host's share of a token as its wall time less this.
         self.time_device = False
         self.last_device_s: float | None = None
@@ -113,7 +109,7 @@ class PlanExecutor:
         self.local = {pid: {name: self.handles[(id(plan), name)] if spec.kind == "activation" else self.handles[name]
                             for name, spec in plan.buffers.items()} for pid, plan in plans.items()}
         self.bound: dict[int, list[_BoundLaunch]] = {
-            pid: [_BoundLaunch(runtime, runtime.compile(la.kernel), self.local[pid], la) for la in plan.launches]
+            pid: [_BoundLaunch(runtime.compile(la.kernel), self.local[pid], la) for la in plan.launches]
             for pid, plan in plans.items()}
         # Per plan: (first launch, end, stream, layer) of each streamed MoE layer's expert launches.
         self.sections: dict[int, list[tuple[int, int, Any, int]]] = {}
@@ -127,7 +123,7 @@ class PlanExecutor:
             self.sections[pid] = secs
         # Decode steps (one token) are captured once into a device graph and replayed, where the runtime can:
         # every kernel reads the positions from device memory, so the graph is the same for every token.
-        self.use_graphs = (hasattr(runtime, "begin_capture") and not os.environ.get("POLYSTRATA_NO_GRAPHS")
+        self.use_graphs = (runtime.graphs and not os.environ.get("POLYSTRATA_NO_GRAPHS")
                            and self.streamer is None)
         self.graphs: dict[int, Any] = {}
         self.decode_runs: dict[int, int] = {}
@@ -163,7 +159,7 @@ class PlanExecutor:
         rt.write(self.handles["positions"], np.arange(self.n_past, self.n_past + t, dtype=np.int32))
         step = dict(zip(STEP_SYMBOLS, (t, self.n_past, self.n_past + t)))
         pid = id(graph)
-        timed = self.time_device and hasattr(rt, "mark")
+        timed = self.time_device
         start = rt.mark() if timed else None
         if self.sections.get(pid):
             self._run_streamed(pid, step)

@@ -1,0 +1,109 @@
+"""The CUDA driver API (`cuda.bindings.driver`) as both NVIDIA paths use it: the cuda target (runtimes/cuda.py)
+and the hip target's NVRTC path on NVIDIA GPUs (runtimes/hip_nvrtc.py). Nothing is loaded until a first call."""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Any
+
+from polystrata.errors import PolystrataError
+from polystrata.runtimes.base import PackedLaunch
+
+try:
+    from cuda.bindings import driver
+except ImportError:  # no cuda-bindings: the hip target on AMD alone, or the cuda target in its simulator
+    driver = None
+
+
+def check(result) -> tuple:
+    """The values of a driver call, raising on a CUresult other than success."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err:
+        raise PolystrataError(f"CUDA driver error {err!r}")
+    return tuple(rest)
+
+
+def gpu_count() -> int:
+    """NVIDIA GPUs that the CUDA driver sees (0 without cuda-bindings, a driver or a device)."""
+    try:
+        check(driver.cuInit(0))
+        return int(check(driver.cuDeviceGetCount())[0])
+    except Exception:  # ImportError, the driver library not found, CUDA_ERROR_NO_DEVICE, ...
+        return 0
+
+
+def device_name_arch(dev: Any) -> tuple[str, str]:
+    """(name, `sm_XY`) of a CUdevice."""
+    attr = driver.CUdevice_attribute
+    cc = [check(driver.cuDeviceGetAttribute(getattr(attr, f"CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_{w}"), dev))[0]
+          for w in ("MAJOR", "MINOR")]
+    name = check(driver.cuDeviceGetName(256, dev))[0].split(b"\0", 1)[0].decode(errors="replace")
+    return name, f"sm_{cc[0]}{cc[1]}"
+
+
+def memory_info() -> tuple[int, int]:
+    """(free, total) bytes of the current context's device."""
+    free, total = check(driver.cuMemGetInfo())
+    return int(free), int(total)
+
+
+def device_pointer(array: Any) -> int:
+    """The device address of an array with the CUDA array interface (numba-cuda's device arrays)."""
+    return int(array.__cuda_array_interface__["data"][0])
+
+
+def launch(p: PackedLaunch, stream: Any) -> None:
+    """Queue a packed launch of a CUfunction on `stream` (0: the null stream). The hot path of every launch that
+    is not replayed from a graph: no more Python than the driver call."""
+    gx, gy, gz = p.grid
+    err, = driver.cuLaunchKernel(p.fn, gx, gy, gz, p.lanes, 1, 1, 0, stream, ctypes.addressof(p.ptrs), 0)
+    if err:
+        raise PolystrataError(f"CUDA launch failed: {err!r}")
+
+
+def function_resources(fn: Any, lanes: int) -> dict[str, int]:
+    """What a CUfunction holds per thread and group (registers, local and shared bytes) and how many of its groups
+    of `lanes` threads fit on one multiprocessor: the occupancy facts behind a kernel's bandwidth."""
+    attr = driver.CUfunction_attribute
+    out = {name: int(check(driver.cuFuncGetAttribute(a, fn))[0]) for name, a in (
+        ("regs", attr.CU_FUNC_ATTRIBUTE_NUM_REGS), ("local_bytes", attr.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES),
+        ("shared_bytes", attr.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES))}
+    out["groups_per_sm"] = int(check(driver.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, lanes, 0))[0])
+    return out
+
+
+class Graph:
+    """An instantiated CUDA graph of a finished stream capture, destroyed with the object."""
+
+    def __init__(self, graph: Any):
+        self.graph, self.exe = graph, check(driver.cuGraphInstantiate(graph, 0))[0]
+        weakref.finalize(self, _destroy_graph, graph, self.exe)
+
+
+def _destroy_graph(graph: Any, exe: Any) -> None:
+    driver.cuGraphExecDestroy(exe)
+    driver.cuGraphDestroy(graph)
+
+
+class DeviceEvent:
+    """A driver event recorded on a stream when made (timing enabled), destroyed with the object: what `mark`
+    returns, and what `copy_async` hands to `wait_for` / `wait_host`."""
+
+    def __init__(self, stream: Any) -> None:
+        self.handle, = check(driver.cuEventCreate(0))
+        self._destroy = driver.cuEventDestroy  # held: at interpreter exit the module's globals may be gone first
+        check(driver.cuEventRecord(self.handle, stream))
+
+    def wait(self) -> None:
+        """Block the host until the event is reached."""
+        check(driver.cuEventSynchronize(self.handle))
+
+    def seconds_since(self, start: DeviceEvent) -> float:
+        """Device time from `start` to this event; waits until this event is reached."""
+        self.wait()
+        ms, = check(driver.cuEventElapsedTime(start.handle, self.handle))
+        return ms / 1e3
+
+    def __del__(self) -> None:
+        self._destroy(self.handle)
