@@ -85,23 +85,30 @@ fi
 
 if [[ " $STAGES " == *" bench "* ]]; then
     M=/tmp/models; mkdir -p "$M"
-    [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
-    [ -f "$M/qwen3moe-8l-q4km.gguf" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b --layers 8 --type Q4_K_M -o "$M/qwen3moe-8l-q4km.gguf"
-    for t in cuda hip opencl; do python3 scripts/matvec_bench.py --target "$t" 2>&1 | tee -a "$LOG" | tail -2; done
-    # Q6_K in the qwen3-30b-a3b output head's shape (cuda keeps Q6_K in 224-byte blocks: ir.layout.padded).
-    python3 scripts/matvec_bench.py --target cuda --format Q6_K --rows 49152 --cols 2048 2>&1 | tee -a "$LOG" | tail -2
+    # BENCH_MODELS narrows the models; BENCH_PARTS the parts ("matvec profile bench", all by default).
+    BENCH_MODELS=${BENCH_MODELS:-llama3-8b-q4km qwen3moe-8l-q4km}; BENCH_PARTS=${BENCH_PARTS:-matvec profile bench}
+    [[ " $BENCH_MODELS " != *" llama3-8b-q4km "* || -f "$M/llama3-8b-q4km.gguf" ]] \
+        || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
+    [[ " $BENCH_MODELS " != *" qwen3moe-8l-q4km "* || -f "$M/qwen3moe-8l-q4km.gguf" ]] || python3 -m polystrata synth \
+        --arch qwen3moe --preset qwen3-30b-a3b --layers 8 --type Q4_K_M -o "$M/qwen3moe-8l-q4km.gguf"
+    if [[ " $BENCH_PARTS " == *" matvec "* ]]; then
+        for t in cuda hip opencl; do python3 scripts/matvec_bench.py --target "$t" 2>&1 | tee -a "$LOG" | tail -2; done
+        # Q6_K in the qwen3-30b-a3b output head's shape (cuda keeps Q6_K in 224-byte blocks: ir.layout.padded).
+        python3 scripts/matvec_bench.py --target cuda --format Q6_K --rows 49152 --cols 2048 2>&1 | tee -a "$LOG" | tail -2
+    fi
     # MATVEC_KNOBS: extra cuda runs with knob overrides, one run per space-separated item, several knobs of a run
     # joined by commas, e.g. "matmul.rows=4 matmul.sub=8,matmul.lanes=448".
-    for kn in ${MATVEC_KNOBS:-}; do
+    [[ " $BENCH_PARTS " == *" matvec "* ]] && for kn in ${MATVEC_KNOBS:-}; do
         args=(); IFS=, read -ra ks <<< "$kn"; for k in "${ks[@]}"; do args+=(--knob "$k"); done
         python3 scripts/matvec_bench.py --target cuda "${args[@]}" 2>&1 | tee -a "$LOG" | grep '^matvec'
     done
     grep -E '^matvec' "$LOG" | while read -r line; do row "${line%% on *}" "${line#*on }"; done
-    for m in llama3-8b-q4km qwen3moe-8l-q4km; do
+    for m in $BENCH_MODELS; do
         # --trace (device times of graph-replayed steps) where torch's CUPTI profiler is there; else timed launches.
         TRACE=$(python3 -c "import torch" 2>/dev/null && [ "${BENCH_TARGET:-cuda}" = cuda ] && echo --trace)
-        timeout 300 python3 scripts/profile_decode.py "$M/$m.gguf" --target "${BENCH_TARGET:-cuda}" $TRACE --top ${PROFILE_TOP:-12} 2>&1 \
-            | tee -a "$LOG" | tail -${PROFILE_TOP:-12}
+        [[ " $BENCH_PARTS " == *" profile "* ]] && timeout 300 python3 scripts/profile_decode.py "$M/$m.gguf" \
+            --target "${BENCH_TARGET:-cuda}" $TRACE --top ${PROFILE_TOP:-12} 2>&1 | tee -a "$LOG" | tail -${PROFILE_TOP:-12}
+        [[ " $BENCH_PARTS " == *" bench "* ]] || continue
         # BENCH_ARGS shortens the run when device time is short (e.g. "-p 128 -n 32 -r 1").
         timeout 900 python3 -m polystrata bench "$M/$m.gguf" --target "${BENCH_TARGET:-cuda}" ${BENCH_ARGS:--p 512 -n 128 -r 3} \
             --json > "$OUT/bench_$m.json" 2>> "$LOG"
@@ -117,9 +124,8 @@ fi
 
 if [[ " $STAGES " == *" depth "* ]]; then
     # Decode after DEPTH tokens of context (llama-bench -d) on the llama3-8b preset, each KV cache type. Issue 17's
-    # goal: q8_g64 at least as fast as f16 at 8192, >= 1.2x f16 at 32768. Each call prefills its depth once
-    # (untimed; about a minute at 32768) and compiles its plans: DEPTHS / KV_TYPES split the stage over calls when
-    # device time is short, e.g. DEPTHS=8192 then DEPTHS=32768.
+    # goal: q8_g64 at least as fast as f16 at 8192, >= 1.2x f16 at 32768. bench fills the depth from one
+    # prefilled chunk (bench._fill_depth); DEPTHS / KV_TYPES / DEPTH_N / DEPTH_R narrow the stage.
     M=/tmp/models; mkdir -p "$M"
     [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
     for dp in ${DEPTHS:-8192 32768}; do
