@@ -131,6 +131,10 @@ class PlanExecutor:
                            and self.streamer is None)
         self.graphs: dict[int, Any] = {}
         self.decode_runs: dict[int, int] = {}
+        # The "starts" buffer (sequence starts in the KV cache, for batched decoding) holds zeros until a step
+        # with other starts writes it; its length is that of the plan that allocated it (the first).
+        self.starts_zero = False
+        self.starts_len = next((p.buffers["starts"].count for p in plans.values() if "starts" in p.buffers), 0)
 
     def _streamer(self, file: GGUFFile, experts: dict[str, Any]) -> ExpertStreamer | None:
         streams, specs = {}, {}
@@ -159,16 +163,28 @@ class PlanExecutor:
 
     def forward(self, graph: Graph, tokens: np.ndarray) -> np.ndarray:
         """One step over `tokens` (at most the plan's t_max) continuing the KV cache; returns the logits."""
+        t = len(tokens)
+        if self.n_past + t > self.n_ctx:
+            raise ValueError(f"context full: {self.n_past} + {t} tokens > n_ctx {self.n_ctx}")
+        out = self.step(graph, tokens, np.arange(self.n_past, self.n_past + t, dtype=np.int32))
+        self.n_past += t
+        return out
+
+    def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
+             starts: np.ndarray | None = None) -> np.ndarray:
+        """One step over rows of (token, position in its sequence, cache row where its sequence begins: `starts`,
+        None for all 0), whatever sequences they belong to (`polystrata/batch.py`); returns the logits. `n_past`
+        is left as it is."""
         plan = self.plans[id(graph)]
         t = len(tokens)
         if t > plan.t_max:
             raise ValueError(f"step of {t} tokens exceeds the plan's {plan.t_max}")
-        if self.n_past + t > self.n_ctx:
-            raise ValueError(f"context full: {self.n_past} + {t} tokens > n_ctx {self.n_ctx}")
         rt = self.rt
         rt.write(self.handles["tokens"], np.asarray(tokens, dtype=np.int32))
-        rt.write(self.handles["positions"], np.arange(self.n_past, self.n_past + t, dtype=np.int32))
-        step = dict(zip(STEP_SYMBOLS, (t, self.n_past, self.n_past + t)))
+        rt.write(self.handles["positions"], np.asarray(positions, dtype=np.int32))
+        if "starts" in self.handles:
+            self._write_starts(starts)
+        step = dict(zip(STEP_SYMBOLS, (t, int(positions[0]), int(positions[0]) + t)))
         pid = id(graph)
         timed = self.time_device and hasattr(rt, "mark")
         start = rt.mark() if timed else None
@@ -192,12 +208,21 @@ class PlanExecutor:
         rows = t if plan.output_shape[0] == "T" else int(plan.output_shape[0])
         out = rt.download(self.handles[(id(plan), plan.output)], (rows, int(plan.output_shape[1])), "f32")
         self.last_device_s = rt.elapsed(start, end) if timed else None
-        self.n_past += t
         if self.streamer is not None:
             self.streamer.tokens += t
             if self.guard is not None:
                 self._watch_memory()
         return out
+
+    def _write_starts(self, starts: np.ndarray | None) -> None:
+        """The step's sequence starts into their buffer; zeros (the buffer's whole length) only when it holds
+        others, so single-sequence steps, captured graphs included, do not pay for a write each."""
+        if starts is not None and np.any(starts):
+            self.rt.write(self.handles["starts"], np.asarray(starts, dtype=np.int32))
+            self.starts_zero = False
+        elif not self.starts_zero:
+            self.rt.write(self.handles["starts"], np.zeros(self.starts_len, np.int32))
+            self.starts_zero = True
 
     def _run_streamed(self, pid: int, step: dict[str, int]) -> None:
         """One step of a streaming plan: launches up to each streamed layer's experts, the routed experts made
