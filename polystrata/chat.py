@@ -28,7 +28,7 @@ from jinja2.utils import Namespace
 
 from polystrata.errors import PolystrataError
 
-__all__ = ["ChatTemplateError", "render_chat", "chat_template_from_metadata"]
+__all__ = ["ChatTemplateError", "render_chat", "chat_template_from_metadata", "encode_chat"]
 
 # Bounds on one rendering. Real chat templates take a few thousand interpreter steps and print a few KB;
 # hostile ones loop for hours or double strings until memory runs out. Steps are Python trace events
@@ -361,3 +361,22 @@ def chat_template_from_metadata(metadata: Mapping[str, Any], name: str | None = 
     key = "tokenizer.chat_template" if name is None else f"tokenizer.chat_template.{name}"
     value = metadata.get(key)
     return value if isinstance(value, str) else None
+
+
+def encode_chat(tokenizer, template: str, messages: Sequence[Mapping[str, Any]],
+                add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of `messages` rendered through `template` with `tokenizer`'s BOS and EOS texts.
+
+    The template places BOS where the model wants it (added in front only if the model adds one and the template
+    did not), and special-token text in it (``<|im_start|>``) is meant literally.
+    """
+    tok = tokenizer
+    text = render_chat(
+        template, messages, add_generation_prompt=add_generation_prompt,
+        bos_token=tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "",
+        eos_token=tok.id_to_token(tok.eos_id) if tok.eos_id is not None else "",
+    )
+    ids = tok.encode(text, add_special=False, parse_special=True)
+    if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
+        ids = [tok.bos_id] + ids
+    return ids

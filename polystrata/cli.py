@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -159,6 +160,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=_seed, default=None, help="random seed, 0 .. 2**64-1; -1 or unset: a fresh one")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     ctx_arg(p, "min(trained, 4096), or the artifact's")
+    target_arg(p)
+    memory_args(p)
+    p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
+                                     "/v1/models, /health)")
+    model_arg(p, optional=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=lambda s: _int_in(s, 0, 65535, "a port from 0 to 65535"), default=8080,
+                   help="port to listen on (0: any free one)")
+    p.add_argument("-np", "--parallel", type=_positive_int, default=1, metavar="N",
+                   help="requests decoded at once, sharing each decode step; each holds the context / N tokens")
+    p.add_argument("--api-key", default=os.environ.get("POLYSTRATA_API_KEY"), metavar="KEY",
+                   help="key clients must send (Authorization: Bearer KEY); default: $POLYSTRATA_API_KEY, else none")
+    ctx_arg(p, "min(trained, 4096), or the artifact's; shared by the --parallel sequences")
     target_arg(p)
     memory_args(p)
     p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")
@@ -384,10 +400,11 @@ def cmd_parity(a) -> int:
     return 0 if par.ok() else EXIT_ERROR
 
 
-def cmd_run(a) -> int:
+def open_engine(a):
+    """The engine a command asks for: a model (path or zoo name) or an artifact, with the target, KV type, context
+    and memory options."""
     from polystrata.artifact import is_artifact, load_artifact
-    from polystrata.engine import Engine, GenerationStats
-    from polystrata.sampling import Sampler, SamplerConfig
+    from polystrata.engine import Engine
 
     target, kv_type, n_ctx = a.target, a.kv_type, a.ctx
     if a.model and is_artifact(a.model):
@@ -400,25 +417,22 @@ def cmd_run(a) -> int:
             a.expert_slots = slots  # the compiled plan's expert cache, unless --expert-slots says otherwise
     else:
         path = _resolve(a.model)
+    return Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, **memory_kwargs(a))
+
+
+def cmd_run(a) -> int:
+    from polystrata.engine import GenerationStats
+    from polystrata.sampling import Sampler, SamplerConfig
+
     if a.n_predict < 0:
         raise PolystrataError("-n must be >= 0")
-    eng = Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, **memory_kwargs(a))
+    eng = open_engine(a)
     tok = eng.tokenizer
     template = eng.metadata.get("tokenizer.chat_template")
     if template and not a.raw:
-        from polystrata.chat import render_chat
+        from polystrata.chat import encode_chat
 
-        text = render_chat(
-            template,
-            [{"role": "user", "content": a.prompt}],
-            add_generation_prompt=True,
-            bos_token=tok.id_to_token(tok.bos_id) if tok.bos_id is not None else "",
-            eos_token=tok.id_to_token(tok.eos_id) if tok.eos_id is not None else "",
-        )
-        # The template already holds BOS where the model wants it; special-token text is meant literally.
-        ids = tok.encode(text, add_special=False, parse_special=True)
-        if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
-            ids = [tok.bos_id] + ids
+        ids = encode_chat(tok, template, [{"role": "user", "content": a.prompt}])
     else:
         ids = tok.encode(a.prompt)
     sampler = Sampler(
@@ -439,6 +453,22 @@ def cmd_run(a) -> int:
     out.write("\n")
     out.flush()
     print(stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_serve(a) -> int:
+    from polystrata import zoo
+    from polystrata.server import serve
+
+    eng = open_engine(a)
+    model_id = Path(a.model).name if a.model else zoo.DEFAULT_MODEL
+
+    def ready(url: str) -> None:
+        print(f"serving {model_id} at {url}/v1 on {eng.target} ({eng.device}): {a.parallel} parallel sequences of "
+              f"{eng.n_ctx // a.parallel} tokens{', API key required' if a.api_key else ''}; Ctrl-C stops",
+              file=sys.stderr, flush=True)
+
+    serve(eng, a.parallel, a.host, a.port, model_id, a.api_key, ready)
     return 0
 
 
@@ -474,6 +504,7 @@ COMMANDS = {
     "tokenize": cmd_tokenize,
     "score": cmd_score,
     "run": cmd_run,
+    "serve": cmd_serve,
     "compile": cmd_compile,
     "parity": cmd_parity,
     "synth": cmd_synth,
