@@ -99,6 +99,7 @@ class Job:
     sampling: SamplerConfig
     stops: list[str]
     loop: asyncio.AbstractEventLoop
+    ignore_eos: bool = False  # generate max_tokens whatever comes (llama-server's option, for benchmarks)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     n_generated: int = 0
     cancelled: bool = False  # the client went away: the scheduler drops the job at its next look
@@ -199,7 +200,7 @@ class Scheduler:
             job.emit("error", str(e))
             self._finish(r, None)
             return
-        if self.engine.tokenizer.is_eog(tok):
+        if not job.ignore_eos and self.engine.tokenizer.is_eog(tok):
             self._finish(r, "stop")
             return
         job.n_generated += 1
@@ -271,6 +272,7 @@ class Request:
     max_tokens: int
     sampling: SamplerConfig
     stops: list[str]
+    ignore_eos: bool
 
 
 def parse_common(body: dict, n_ctx: int, defaults: SamplerConfig) -> Request:
@@ -304,7 +306,8 @@ def parse_common(body: dict, n_ctx: int, defaults: SamplerConfig) -> Request:
     options = _get(body, "stream_options", (dict,), {})
     return Request(stream=_get(body, "stream", (bool,), False),
                    include_usage=bool(_get(options, "include_usage", (bool,), False)),
-                   max_tokens=max_tokens or n_ctx, sampling=sampling, stops=stops)
+                   max_tokens=max_tokens or n_ctx, sampling=sampling, stops=stops,
+                   ignore_eos=_get(body, "ignore_eos", (bool,), False))
 
 
 def chat_messages(body: dict) -> list[dict]:
@@ -385,7 +388,8 @@ class Server:
             self.loop = asyncio.new_event_loop()
             asyncio.set_event_loop(self.loop)
             try:
-                self.runner = web.AppRunner(self.app(), access_log=None)
+                # A client that goes away cancels its handler, and so its job (`_answer`), streamed or not.
+                self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
                 self.loop.run_until_complete(self.runner.setup())
                 site = web.TCPSite(self.runner, host, port)
                 self.loop.run_until_complete(site.start())
@@ -498,7 +502,7 @@ class Server:
             raise BadRequest(f"the prompt has {len(ids)} tokens, more than the {self.n_ctx} a sequence holds "
                              f"(context {self.engine.n_ctx} / {self.scheduler.batch.n_seq} parallel sequences)",
                              "messages" if chat else "prompt", code="context_length_exceeded")
-        job = Job(ids, req.max_tokens, req.sampling, req.stops, asyncio.get_running_loop())
+        job = Job(ids, req.max_tokens, req.sampling, req.stops, asyncio.get_running_loop(), req.ignore_eos)
         self.scheduler.submit(job)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),

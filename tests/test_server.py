@@ -7,9 +7,8 @@ text is gibberish but deterministic; the batched decoding under it is checked ag
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +17,7 @@ import openai
 import pytest
 
 from polystrata.chat import encode_chat
+from polystrata.cli import main
 from polystrata.engine import Engine
 from polystrata.sampling import Sampler, SamplerConfig
 from polystrata.server import MAX_BODY, Scheduler, Server, StopStrings
@@ -29,7 +29,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(base URL, engine) of a server with 2 parallel slots of 128 tokens, its scheduler in a thread."""
+    """(base URL, engine, scheduler) of a server with 2 parallel slots of 128 tokens, its scheduler in a thread."""
     path = synth_model("llama", tmp_path_factory.mktemp("serve") / "llama.gguf", preset="tiny", qtype="Q8_0", seed=7)
     eng = Engine(path, target="reference", n_ctx=256)
     sched = Scheduler(eng, 2)
@@ -37,7 +37,7 @@ def served(tmp_path_factory):
     url = server.start("127.0.0.1", 0)
     worker = threading.Thread(target=sched.run, daemon=True)
     worker.start()
-    yield url, eng
+    yield url, eng, sched
     sched.stop()
     server.close()
     worker.join(10)
@@ -57,7 +57,7 @@ def _alone(eng: Engine, ids: list[int], n: int, seed: int | None = None, temp: f
 def test_chat_whole_and_streamed(client, served):
     """A chat completion equals the engine's own greedy generation after the chat template; streamed, its deltas
     add up to the same text, the first carrying the role, the last the finish reason, then the usage."""
-    _, eng = served
+    _, eng, _ = served
     ids = encode_chat(eng.tokenizer, eng.metadata["tokenizer.chat_template"], MESSAGES)
     want = _alone(eng, ids, 12)
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
@@ -77,7 +77,7 @@ def test_chat_whole_and_streamed(client, served):
 def test_text_completion_stop_strings(client, served):
     """A stop string ends the text before it (never sent, streamed or not) with finish_reason "stop"; one that
     never appears changes nothing."""
-    _, eng = served
+    _, eng, _ = served
     want = _alone(eng, eng.tokenizer.encode("Once upon a time"), 24)
     stop = want[9:12]
     cut = want[: want.index(stop)]
@@ -95,7 +95,7 @@ def test_text_completion_stop_strings(client, served):
 def test_seeded_sampling_and_parallel_requests(client, served):
     """Five requests at once on two slots (three wait and join as others leave): each answer is what its prompt and
     seed give alone, sampled at temperature 1."""
-    _, eng = served
+    _, eng, _ = served
     prompts = [f"Tell me about the number {i}" for i in range(5)]
     want = [_alone(eng, eng.tokenizer.encode(p), 10 + i, seed=100 + i, temp=1.0) for i, p in enumerate(prompts)]
 
@@ -109,7 +109,7 @@ def test_seeded_sampling_and_parallel_requests(client, served):
 
 
 def test_models_health_and_api_key(client, served):
-    url, _ = served
+    url, _, _ = served
     assert [m.id for m in client.models.list()] == ["tiny"]
     with urllib.request.urlopen(url + "/health") as r:  # no key needed
         assert json.load(r) == {"status": "ok"}
@@ -152,7 +152,7 @@ def _post(url: str, data: bytes, headers: dict | None = None) -> tuple[int, dict
 
 def test_malformed_bodies_and_routes(served):
     """Not JSON, a body too large, an unknown path: JSON errors with their status, never a traceback."""
-    url, _ = served
+    url, _, _ = served
     status, body = _post(url + "/v1/completions", b'{"prompt": ')
     assert status == 400 and "not valid JSON" in body["error"]["message"]
     status, body = _post(url + "/v1/completions", b'["prompt"]')
@@ -165,6 +165,30 @@ def test_malformed_bodies_and_routes(served):
     assert status == 404 and body["error"]["message"] == "no such endpoint: POST /v1/embeddings"
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_frees_its_slot(served, monkeypatch, stream):
+    """A client that disconnects mid-answer (decode steps slowed to 20 ms here): its job stops within a few steps
+    and its slot is free again."""
+    url, _, sched = served
+    jobs = []
+    submit, step = sched.submit, sched.batch.step
+    monkeypatch.setattr(sched, "submit", lambda job: (jobs.append(job), submit(job))[1])
+    monkeypatch.setattr(sched.batch, "step", lambda *a: (time.sleep(0.02), step(*a))[1])
+    body = json.dumps({"prompt": "Hello", "max_tokens": 100, "stream": stream}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Authorization": f"Bearer {KEY}"})
+    if stream:
+        with urllib.request.urlopen(req) as r:
+            assert r.readline().startswith(b"data: ")
+    else:
+        with pytest.raises(TimeoutError):
+            urllib.request.urlopen(req, timeout=0.3)
+    deadline = time.monotonic() + 5
+    while (sched.running or len(sched.batch.free) < 2) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not sched.running and len(sched.batch.free) == 2
+    assert jobs[0].cancelled and jobs[0].n_generated < 50
+
+
 def test_stop_strings_hold_back_what_may_start_one():
     cut = StopStrings(["</s>", "END"])
     assert cut.feed("abc<") == "abc"
@@ -175,13 +199,14 @@ def test_stop_strings_hold_back_what_may_start_one():
     assert cut.feed("ab") + cut.feed("x") + cut.flush() == "abx" and not cut.hit
 
 
-def test_serve_cli_refuses_what_it_cannot_do(tmp_path):
+def test_serve_cli_refuses_what_it_cannot_do(tmp_path, capsys):
     """Usage errors and impossible settings: one line, no traceback."""
     path = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=7)
-    cmd = [sys.executable, "-m", "polystrata", "serve", str(path), "--target", "reference"]
-    r = subprocess.run([*cmd, "--port", "70000"], capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.strip().endswith("expected a port from 0 to 65535, got '70000'")
-    r = subprocess.run([*cmd, "-c", "8", "-np", "5"], capture_output=True, text=True)
-    assert r.returncode == 1
-    assert r.stderr == ("error: a context of 8 tokens cannot hold 5 sequences; use a larger -c/--ctx-size or fewer "
-                        "parallel sequences\n")
+    cmd = ["serve", str(path), "--target", "reference"]
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--port", "70000"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().endswith(
+        "error: argument --port: expected a port from 0 to 65535, got '70000'")
+    assert main([*cmd, "-c", "8", "-np", "5"]) == 1
+    assert capsys.readouterr().err == ("error: a context of 8 tokens cannot hold 5 sequences; use a larger "
+                                       "-c/--ctx-size or fewer parallel sequences\n")
