@@ -27,6 +27,10 @@ from polystrata.ir.quant import repack
 from polystrata.runtimes.base import CompiledKernel, Runtime, eval_int
 from polystrata.runtimes.memory import ExpertStreamer, VRAMGuard, guard_step
 
+# Steps of at most this many tokens are replayed as device graphs (see `PlanExecutor`): decode steps of up to as
+# many sequences at once; longer prompt chunks, whose lengths rarely repeat, run launch by launch.
+GRAPH_ROWS = 64
+
 
 class _BoundLaunch:
     """A launch with buffer handles resolved; only symbol-valued scalars and grids vary per step.
@@ -125,12 +129,14 @@ class PlanExecutor:
                 idx = [i for i, la in enumerate(plan.launches) if {b for _, b in la.buffers} & set(st.weights)]
                 secs.append((min(idx), max(idx) + 1, st, self.streamer.layer_of(st)))
             self.sections[pid] = secs
-        # Decode steps (one token) are captured once into a device graph and replayed, where the runtime can:
-        # every kernel reads the positions from device memory, so the graph is the same for every token.
+        # Steps of at most GRAPH_ROWS tokens (decode steps, of one sequence or a batch of them) are captured into a
+        # device graph on their second run with a plan and row count, and replayed from then on, where the runtime
+        # can: every kernel reads the positions and sequence starts from device memory and its launch depends on
+        # the row count alone, so the graph is the same for every such step.
         self.use_graphs = (hasattr(runtime, "begin_capture") and not os.environ.get("POLYSTRATA_NO_GRAPHS")
                            and self.streamer is None)
-        self.graphs: dict[int, Any] = {}
-        self.decode_runs: dict[int, int] = {}
+        self.graphs: dict[tuple[int, int], Any] = {}  # (id(graph), rows) -> captured graph
+        self.runs: dict[tuple[int, int], int] = {}  # (id(graph), rows) -> steps run before capture
         # The "starts" buffer (sequence starts in the KV cache, for batched decoding) holds zeros until a step
         # with other starts writes it; its length is that of the plan that allocated it (the first).
         self.starts_zero = False
@@ -190,20 +196,20 @@ class PlanExecutor:
         start = rt.mark() if timed else None
         if self.sections.get(pid):
             self._run_streamed(pid, step)
-        elif t == 1 and self.use_graphs and pid in self.graphs:
-            rt.replay(self.graphs[pid])
-        elif t == 1 and self.use_graphs and self.decode_runs.get(pid, 0) >= 1:
+        elif (pid, t) in self.graphs:
+            rt.replay(self.graphs[pid, t])
+        elif t <= GRAPH_ROWS and self.use_graphs and self.runs.get((pid, t), 0) >= 1:
             # Captured launches do not run: capture, then replay to compute this step.
             rt.begin_capture()
             for b in self.bound[pid]:
                 b.run(rt, step)
-            self.graphs[pid] = rt.end_capture()
-            rt.replay(self.graphs[pid])
+            self.graphs[pid, t] = rt.end_capture()
+            rt.replay(self.graphs[pid, t])
         else:
             for b in self.bound[pid]:
                 b.run(rt, step)
-            if t == 1:
-                self.decode_runs[pid] = self.decode_runs.get(pid, 0) + 1
+            if t <= GRAPH_ROWS:
+                self.runs[pid, t] = self.runs.get((pid, t), 0) + 1
         end = rt.mark() if timed else None
         rows = t if plan.output_shape[0] == "T" else int(plan.output_shape[0])
         out = rt.download(self.handles[(id(plan), plan.output)], (rows, int(plan.output_shape[1])), "f32")
