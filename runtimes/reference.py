@@ -71,7 +71,32 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, dims: int, base: float, fre
     return out
 
 
-class ReferenceExecutor:
+class OneSequence:
+    """What the executors (this one, `compiler.executor.PlanExecutor`) share: one sequence in the KV cache, `n_past`
+    tokens of at most `n_ctx`, fed by `forward` through their `step` (which takes rows of any sequences)."""
+
+    n_ctx: int
+    n_past: int = 0
+
+    def reset(self) -> None:
+        """Forget the sequence: the next forward starts at position 0 (KV rows past n_past are never read)."""
+        self.n_past = 0
+
+    def forward(self, graph: Graph, tokens: np.ndarray) -> np.ndarray:
+        """Run one step on `tokens`, at positions continuing the KV cache; returns the graph's first output."""
+        t = len(tokens)
+        if self.n_past + t > self.n_ctx:
+            raise ValueError(f"context full: {self.n_past} + {t} tokens > n_ctx {self.n_ctx}")
+        out = self.step(graph, tokens, np.arange(self.n_past, self.n_past + t, dtype=np.int32))
+        self.n_past += t
+        return out
+
+    def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
+             starts: np.ndarray | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+
+class ReferenceExecutor(OneSequence):
     """Runs graphs of one model on numpy, sharing dequantized weights and the KV cache between them.
 
     `weights` maps a GGUF tensor name to its float32 array (numpy shape order).
@@ -89,19 +114,6 @@ class ReferenceExecutor:
         """Dequantize the weights `graph` uses from a GGUFFile, in the shapes the graph declares."""
         weights = {name: file.dequantize(name).reshape(v.type.shape) for name, v in graph.weights.items()}
         return cls(weights, n_ctx)
-
-    def reset(self) -> None:
-        """Forget the conversation: the next forward starts at position 0."""
-        self.n_past = 0
-
-    def forward(self, graph: Graph, tokens: np.ndarray) -> np.ndarray:
-        """Run one step on `tokens`, at positions continuing the KV cache; returns the graph's first output."""
-        t = len(tokens)
-        if self.n_past + t > self.n_ctx:
-            raise ValueError(f"context full: {self.n_past} + {t} tokens > n_ctx {self.n_ctx}")
-        out = self.step(graph, tokens, np.arange(self.n_past, self.n_past + t, dtype=np.int32))
-        self.n_past += t
-        return out
 
     def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
              starts: np.ndarray | None = None) -> np.ndarray:
@@ -274,4 +286,4 @@ def check_complete() -> None:
         raise AssertionError(f"reference executor lacks ops {sorted(missing)}")
 
 
-__all__ = ["ReferenceExecutor", "Value", "apply_rope", "gelu_tanh", "silu", "softmax", "check_complete"]
+__all__ = ["OneSequence", "ReferenceExecutor", "Value", "apply_rope", "gelu_tanh", "silu", "softmax", "check_complete"]

@@ -26,6 +26,7 @@ from polystrata.ir.kernel import STEP_SYMBOLS, Buf
 from polystrata.ir.quant import repack
 from polystrata.runtimes.base import CompiledKernel, Runtime, eval_int
 from polystrata.runtimes.memory import ExpertStreamer, VRAMGuard, guard_step
+from polystrata.runtimes.reference import OneSequence
 
 # Steps of at most this many tokens are replayed as device graphs (see `PlanExecutor`): decode steps of up to as
 # many sequences at once; longer prompt chunks, whose lengths rarely repeat, run launch by launch.
@@ -74,10 +75,11 @@ class _BoundLaunch:
             rt.launch(self.ck, *packed)
 
 
-class PlanExecutor:
+class PlanExecutor(OneSequence):
     """Executes plans of one model on one runtime, sharing weights and the KV cache between them.
 
-    Same interface as the reference executor: `forward(graph, tokens)`, `n_past`, `reset()`.
+    Same interface as the reference executor: `forward(graph, tokens)` (at most the plan's t_max tokens), `step`,
+    `n_past`, `reset()`.
     """
 
     def __init__(self, runtime: Runtime, file: GGUFFile, plans: dict[int, Plan], n_ctx: int,
@@ -162,19 +164,6 @@ class PlanExecutor:
         return ExpertStreamer(self.rt, host_bytes, list(streams.values()), experts["slots"],
                               experts.get("policy", "lru"), routers, experts.get("log"),
                               {name: spec.dtype for name, spec in specs.items()})
-
-    def reset(self) -> None:
-        """Start a new sequence; KV rows past n_past are never read, so nothing is cleared."""
-        self.n_past = 0
-
-    def forward(self, graph: Graph, tokens: np.ndarray) -> np.ndarray:
-        """One step over `tokens` (at most the plan's t_max) continuing the KV cache; returns the logits."""
-        t = len(tokens)
-        if self.n_past + t > self.n_ctx:
-            raise ValueError(f"context full: {self.n_past} + {t} tokens > n_ctx {self.n_ctx}")
-        out = self.step(graph, tokens, np.arange(self.n_past, self.n_past + t, dtype=np.int32))
-        self.n_past += t
-        return out
 
     def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
              starts: np.ndarray | None = None) -> np.ndarray:
