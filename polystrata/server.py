@@ -92,7 +92,8 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 @dataclass
 class Job:
     """One request's generation: filled in by the event loop, run by the scheduler, answered through `events`
-    (("text", str), ("done", finish reason) or ("error", message)), put from the scheduler's thread."""
+    (("text", str), ("done", finish reason) or ("error", message)), which the scheduler hands to the job's event
+    loop (`Scheduler._flush`)."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -104,9 +105,11 @@ class Job:
     n_generated: int = 0
     cancelled: bool = False  # the client went away: the scheduler drops the job at its next look
 
-    def emit(self, kind: str, value: Any) -> None:
-        """Hand an event to the event loop (from any thread)."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+def _deliver(events: list[tuple[Job, str, Any]]) -> None:
+    """In the event loop: put events into their jobs' queues."""
+    for job, kind, value in events:
+        job.events.put_nowait((kind, value))
 
 
 class _Running:
@@ -131,6 +134,24 @@ class Scheduler:
         self.running: dict[int, _Running] = {}
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.stopped = False
+        # Events of the jobs, handed to their event loops together after each step (`_flush`): one wake-up of the
+        # loop's thread a step, however many jobs it serves, not one a token.
+        self.outbox: list[tuple[Job, str, Any]] = []
+
+    def emit(self, job: Job, kind: str, value: Any) -> None:
+        """Queue an event of a job for the next `_flush`."""
+        self.outbox.append((job, kind, value))
+
+    def _flush(self) -> None:
+        loops: dict[asyncio.AbstractEventLoop, list] = {}
+        for ev in self.outbox:
+            loops.setdefault(ev[0].loop, []).append(ev)
+        self.outbox = []
+        for loop, events in loops.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, events)
+            except RuntimeError:  # the loop is closed: the server is stopping
+                pass
 
     def submit(self, job: Job) -> None:
         """Queue a job (from any thread); refused with 503 when `MAX_WAITING` wait already."""
@@ -149,12 +170,13 @@ class Scheduler:
             self._admit()
             if self.running:
                 self._step()
+            self._flush()
 
     def _admit(self) -> None:
         """Jobs join while slots are free; with nothing running, wait for one."""
         while self.batch.free and not self.stopped:
             try:
-                job = self.waiting.get(block=not self.running)
+                job = self.waiting.get(block=not self.running and not self.outbox)
             except queue.Empty:
                 return
             if job is None:
@@ -168,7 +190,7 @@ class Scheduler:
                 run = _Running(job, slot, logits, self.engine.tokenizer)
             except PolystrataError as e:
                 self.batch.close(slot)
-                job.emit("error", str(e))
+                self.emit(job, "error", str(e))
                 continue
             self.running[slot] = run
             self._advance(run)
@@ -184,7 +206,7 @@ class Scheduler:
         except Exception as e:  # a failure of the device or the engine: every running job learns it
             self.log(f"error: decode step failed: {type(e).__name__}: {e}")
             for r in runs:
-                r.job.emit("error", "the decode step failed")
+                self.emit(r.job, "error", "the decode step failed")
                 self._finish(r, None)
             return
         for row, r in enumerate(runs):
@@ -197,7 +219,7 @@ class Scheduler:
         try:
             tok = r.sampler.sample(r.logits, r.history)
         except PolystrataError as e:
-            job.emit("error", str(e))
+            self.emit(job, "error", str(e))
             self._finish(r, None)
             return
         if not job.ignore_eos and self.engine.tokenizer.is_eog(tok):
@@ -207,7 +229,7 @@ class Scheduler:
         r.history.append(tok)
         text = r.cut.feed(r.decoder.feed(tok))
         if text:
-            job.emit("text", text)
+            self.emit(job, "text", text)
         if r.cut.hit:
             self._finish(r, "stop")
         elif job.n_generated >= job.max_tokens or self.batch.n_past[r.slot] >= self.batch.n_ctx:
@@ -228,8 +250,8 @@ class Scheduler:
             else:
                 text += r.cut.flush()
             if text:
-                r.job.emit("text", text)
-        r.job.emit("done", reason)
+                self.emit(r.job, "text", text)
+        self.emit(r.job, "done", reason)
 
 
 # --- request parsing -------------------------------------------------------------------------------------------
