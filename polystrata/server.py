@@ -194,6 +194,7 @@ class Scheduler:
                 continue
             self.running[slot] = run
             self._advance(run)
+            self._flush()  # its first token now, not after the other joining jobs' prefills
 
     def _step(self) -> None:
         for slot in [s for s, r in self.running.items() if r.job.cancelled]:
