@@ -188,9 +188,11 @@ class Scheduler:
             try:
                 logits = self.batch.prefill(slot, job.prompt_ids)
                 run = _Running(job, slot, logits, self.engine.tokenizer)
-            except PolystrataError as e:
+            except Exception as e:  # the job's own problem (a PolystrataError) or the device's: the job learns it
+                if not isinstance(e, PolystrataError):
+                    self.log(f"error: prefill failed: {type(e).__name__}: {e}")
                 self.batch.close(slot)
-                self.emit(job, "error", str(e))
+                self.emit(job, "error", str(e) if isinstance(e, PolystrataError) else "the prefill failed")
                 continue
             self.running[slot] = run
             self._advance(run)

@@ -189,6 +189,26 @@ def test_a_client_that_leaves_frees_its_slot(served, monkeypatch, stream):
     assert jobs[0].cancelled and jobs[0].n_generated < 50
 
 
+def test_a_failing_engine_gives_500_and_the_server_goes_on(served, client, monkeypatch):
+    """A failure inside the engine (here the prefill raising): that request gets a 500 JSON error, streamed or
+    not, no traceback; the next request is served."""
+    _, _, sched = served
+
+    def broken(slot, ids):
+        raise RuntimeError("device lost")
+
+    prefill = sched.batch.prefill
+    monkeypatch.setattr(sched.batch, "prefill", broken)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
+    assert e.value.status_code == 500 and e.value.body["message"] == "the prefill failed"
+    with pytest.raises(openai.APIError, match="the prefill failed"):
+        list(client.completions.create(model="tiny", prompt="Hello", max_tokens=3, stream=True))
+    monkeypatch.setattr(sched.batch, "prefill", prefill)
+    again = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+    assert again.usage.completion_tokens == 3
+
+
 def test_stop_strings_hold_back_what_may_start_one():
     cut = StopStrings(["</s>", "END"])
     assert cut.feed("abc<") == "abc"
