@@ -464,8 +464,9 @@ def cmd_serve(a) -> int:
     model_id = Path(a.model).name if a.model else zoo.DEFAULT_MODEL
 
     def ready(url: str) -> None:
-        print(f"serving {model_id} at {url}/v1 on {eng.target} ({eng.device}): {a.parallel} parallel sequences of "
-              f"{eng.n_ctx // a.parallel} tokens{', API key required' if a.api_key else ''}; Ctrl-C stops",
+        seqs = f"{a.parallel} parallel sequences" if a.parallel > 1 else "1 sequence"
+        print(f"serving {model_id} at {url}/v1 on {eng.target} ({eng.device}): {seqs} of {eng.n_ctx // a.parallel} "
+              f"tokens{', API key required' if a.api_key else ''}; Ctrl-C stops",
               file=sys.stderr, flush=True)
 
     serve(eng, a.parallel, a.host, a.port, model_id, a.api_key, ready)

@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import shlex
-import signal
 import socket
 import statistics
 import subprocess
@@ -40,7 +39,7 @@ def _free_port() -> int:
 
 
 class Launched:
-    """A server process on a free local port, stopped (SIGINT, then SIGKILL) on exit."""
+    """A server process on a free local port, stopped (SIGTERM, then SIGKILL) at the end."""
 
     def __init__(self, name: str, argv: list[str], port: int, log: Path):
         self.name, self.port, self.url = name, port, f"http://127.0.0.1:{port}"
@@ -66,7 +65,7 @@ class Launched:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.terminate()  # not SIGINT: a process started from a background job ignores it
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:
