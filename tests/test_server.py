@@ -7,6 +7,10 @@ text is gibberish but deterministic; the batched decoding under it is checked ag
 from __future__ import annotations
 
 import json
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -230,3 +234,23 @@ def test_serve_cli_refuses_what_it_cannot_do(tmp_path, capsys):
     assert main([*cmd, "-c", "8", "-np", "5"]) == 1
     assert capsys.readouterr().err == ("error: a context of 8 tokens cannot hold 5 sequences; use a larger "
                                        "-c/--ctx-size or fewer parallel sequences\n")
+
+
+def test_serve_command_answers_and_stops_on_ctrl_c(tmp_path):
+    """`polystrata serve` as a user starts it: the start line gives the URL (port 0: a free one), /health answers,
+    Ctrl-C ends it with `error: interrupted` and exit code 130."""
+    path = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=7)
+    proc = subprocess.Popen([sys.executable, "-m", "polystrata", "serve", str(path), "--target", "reference",
+                             "--port", "0", "-np", "2", "-c", "64"], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        line = proc.stderr.readline()
+        url = re.match(r"serving m.gguf at (http://127.0.0.1:\d+)/v1 on reference .*: 2 parallel sequences of 32 "
+                       r"tokens; Ctrl-C stops$", line.strip()).group(1)
+        with urllib.request.urlopen(url + "/health") as r:
+            assert json.load(r) == {"status": "ok"}
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 130
+        assert proc.stderr.read() == "error: interrupted\n"
+    finally:
+        proc.kill()
