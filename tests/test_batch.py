@@ -27,6 +27,8 @@ class _GraphCPU(CPURuntime):
     """The cpu runtime with device graphs as the cuda simulator has them: captured launches are recorded with
     their arguments, and a replay runs them again (reading the buffers as they are then)."""
 
+    graphs = True  # what runtimes that capture device graphs state
+
     def __init__(self) -> None:
         super().__init__()
         self.recording: list | None = None
