@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import warnings
@@ -243,6 +244,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="talk with the model: a conversation on stdin, replies streamed to stdout")
     generation_args(p, chat=True)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, "
+                                     "/v1/models, /health)")
+    model_arg(p, optional=True)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=lambda s: _int_in(s, 0, 65535, "a port from 0 to 65535"), default=8080,
+                   help="port to listen on (0: any free one)")
+    p.add_argument("-np", "--parallel", type=_positive_int, default=1, metavar="N",
+                   help="requests decoded at once, sharing each decode step; each holds the context / N tokens")
+    p.add_argument("--api-key", default=os.environ.get("POLYSTRATA_API_KEY"), metavar="KEY",
+                   help="key clients must send (Authorization: Bearer KEY); default: $POLYSTRATA_API_KEY, else none")
+    ctx_arg(p, "min(trained, 4096), or the artifact's; shared by the --parallel sequences")
+    target_arg(p)
+    memory_args(p)
+    p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")
 
     p = sub.add_parser("parity", help="score llama.cpp's reference prompts and compare (pooled KL, top-1)")
     model_arg(p)
@@ -528,6 +544,24 @@ def cmd_parity(a) -> int:
     return 0 if par.ok() else EXIT_ERROR
 
 
+def cmd_serve(a) -> int:
+    from polystrata import zoo
+    from polystrata.chat_cli import open_engine
+    from polystrata.server import serve
+
+    eng = open_engine(a)
+    model_id = Path(a.model).name if a.model else zoo.DEFAULT_MODEL
+
+    def ready(url: str) -> None:
+        seqs = f"{a.parallel} parallel sequences" if a.parallel > 1 else "1 sequence"
+        print(f"serving {model_id} at {url}/v1 on {eng.target} ({eng.device}): {seqs} of {eng.n_ctx // a.parallel} "
+              f"tokens{', API key required' if a.api_key else ''}; Ctrl-C stops",
+              file=sys.stderr, flush=True)
+
+    serve(eng, a.parallel, a.host, a.port, model_id, a.api_key, ready)
+    return 0
+
+
 def cmd_compile(a) -> int:
     from polystrata.artifact import write_artifact
     from polystrata.engine import gpu_layers_target, tensor_table
@@ -584,6 +618,7 @@ COMMANDS = {
     "score": cmd_score,
     "run": cmd_run,
     "chat": cmd_chat,
+    "serve": cmd_serve,
     "compile": cmd_compile,
     "parity": cmd_parity,
     "synth": cmd_synth,

@@ -186,17 +186,22 @@ class Engine:
         self.executor.n_past = n_past  # rows past n_past are never read
         del self.cache_ids[n_past:]
 
-    def forward(self, ids: list[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
-        """Feed tokens after those already in the cache; logits of every token, or of the last one only."""
+    def check_tokens(self, ids: list[int] | np.ndarray, n_past: int, n_ctx: int) -> np.ndarray:
+        """`ids` as int32, checked: not empty, in the vocabulary, and fitting after `n_past` tokens in `n_ctx`."""
         ids = np.asarray(ids, dtype=np.int32)
         if ids.size == 0:
             raise PolystrataError("nothing to evaluate: the prompt has no tokens")
         if int(ids.min()) < 0 or int(ids.max()) >= self.hparams.n_vocab:
             raise PolystrataError(f"token id out of range (vocabulary has {self.hparams.n_vocab} tokens)")
-        if self.n_past + len(ids) > self.n_ctx:
+        if n_past + len(ids) > n_ctx:
             raise PolystrataError(
-                f"context length exceeded: {self.n_past + len(ids)} tokens > {self.n_ctx}; use a larger -c/--ctx-size"
+                f"context length exceeded: {n_past + len(ids)} tokens > {n_ctx}; use a larger -c/--ctx-size"
             )
+        return ids
+
+    def forward(self, ids: list[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """Feed tokens after those already in the cache; logits of every token, or of the last one only."""
+        ids = self.check_tokens(ids, self.n_past, self.n_ctx)
         outs = []
         for start in range(0, len(ids), PREFILL_CHUNK):
             chunk = ids[start : start + PREFILL_CHUNK]

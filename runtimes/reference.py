@@ -71,7 +71,32 @@ def apply_rope(x: np.ndarray, positions: np.ndarray, dims: int, base: float, fre
     return out
 
 
-class ReferenceExecutor:
+class OneSequence:
+    """What the executors (this one, `compiler.executor.PlanExecutor`) share: one sequence in the KV cache, `n_past`
+    tokens of at most `n_ctx`, fed by `forward` through their `step` (which takes rows of any sequences)."""
+
+    n_ctx: int
+    n_past: int = 0
+
+    def reset(self) -> None:
+        """Forget the sequence: the next forward starts at position 0 (KV rows past n_past are never read)."""
+        self.n_past = 0
+
+    def forward(self, graph: Graph, tokens: np.ndarray) -> np.ndarray:
+        """Run one step on `tokens`, at positions continuing the KV cache; returns the graph's first output."""
+        t = len(tokens)
+        if self.n_past + t > self.n_ctx:
+            raise ValueError(f"context full: {self.n_past} + {t} tokens > n_ctx {self.n_ctx}")
+        out = self.step(graph, tokens, np.arange(self.n_past, self.n_past + t, dtype=np.int32))
+        self.n_past += t
+        return out
+
+    def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
+             starts: np.ndarray | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+
+class ReferenceExecutor(OneSequence):
     """Runs graphs of one model on numpy, sharing dequantized weights and the KV cache between them.
 
     `weights` maps a GGUF tensor name to its float32 array (numpy shape order).
@@ -82,6 +107,7 @@ class ReferenceExecutor:
         self.n_ctx = n_ctx
         self.kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.n_past = 0
+        self.starts: np.ndarray | None = None  # the step's sequence starts in the cache (None: all 0)
 
     @classmethod
     def from_file(cls, file, graph: Graph, n_ctx: int) -> ReferenceExecutor:
@@ -89,26 +115,21 @@ class ReferenceExecutor:
         weights = {name: file.dequantize(name).reshape(v.type.shape) for name, v in graph.weights.items()}
         return cls(weights, n_ctx)
 
-    def reset(self) -> None:
-        """Forget the conversation: the next forward starts at position 0."""
-        self.n_past = 0
-
-    def forward(self, graph: Graph, tokens: np.ndarray) -> np.ndarray:
-        """Run one step on `tokens`, at positions continuing the KV cache; returns the graph's first output."""
+    def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
+             starts: np.ndarray | None = None) -> np.ndarray:
+        """One step over rows of (token, position in its sequence, cache row where its sequence begins: `starts`,
+        None for all 0), as `PlanExecutor.step`; `n_past` is left as it is."""
         t = len(tokens)
-        if self.n_past + t > self.n_ctx:
-            raise ValueError(f"context full: {self.n_past} + {t} tokens > n_ctx {self.n_ctx}")
-        positions = np.arange(self.n_past, self.n_past + t, dtype=np.int32)
+        self.starts = np.zeros(t, np.int32) if starts is None else np.asarray(starts, np.int32)
         env: dict[int, object] = {}
         tok_in, pos_in = graph.inputs
         env[id(tok_in)] = np.asarray(tokens, dtype=np.int32)
-        env[id(pos_in)] = positions
+        env[id(pos_in)] = np.asarray(positions, dtype=np.int32)
         for name, v in graph.weights.items():
             env[id(v)] = self.weights[name]
         for node in graph.nodes:
             args = [env[id(v)] for v in node.inputs]
             env[id(node.output)] = _IMPLS[node.op](self, node, args)
-        self.n_past += t
         return env[id(graph.outputs[0])]
 
     def cache(self, layer: int, hkv: int, dk: int, dv: int) -> tuple[np.ndarray, np.ndarray]:
@@ -175,13 +196,24 @@ def _rope(ex, node, a):
 @_impl("attention")
 def _attention(ex, node, a):
     q, k, v, pos = a
-    at = node.attrs
+    t, hq, _ = q.shape
+    kc, vc = ex.cache(node.attrs["layer"], k.shape[1], q.shape[2], v.shape[2])
+    starts = ex.starts if ex.starts is not None else np.zeros(t, np.int32)
+    out = np.empty((t, hq, v.shape[2]), np.float32)
+    # Each sequence (rows of one start) attends over its own run of cache rows.
+    for s0 in np.unique(starts):
+        rows = np.flatnonzero(starts == s0)
+        out[rows] = _attend(node.attrs, q[rows], k[rows], v[rows], pos[rows], kc[s0:], vc[s0:])
+    return out
+
+
+def _attend(at, q, k, v, pos, kc, vc):
+    """Causal attention of one sequence's rows, its K/V written into its cache rows `kc`, `vc` at `pos`."""
     t, hq, d = q.shape
     hkv = k.shape[1]
-    kc, vc = ex.cache(at["layer"], hkv, d, v.shape[2])
     kc[pos] = k
     vc[pos] = v
-    s = int(pos[-1]) + 1
+    s = int(pos.max()) + 1
     keys, vals = kc[:s], vc[:s]
     g = hq // hkv
     qg = q.reshape(t, hkv, g, d)
@@ -254,4 +286,4 @@ def check_complete() -> None:
         raise AssertionError(f"reference executor lacks ops {sorted(missing)}")
 
 
-__all__ = ["ReferenceExecutor", "Value", "apply_rope", "gelu_tanh", "silu", "softmax", "check_complete"]
+__all__ = ["OneSequence", "ReferenceExecutor", "Value", "apply_rope", "gelu_tanh", "silu", "softmax", "check_complete"]

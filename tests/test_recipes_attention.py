@@ -50,7 +50,8 @@ def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: 
         ref = R._IMPLS["attention"](ex, g.nodes[0], [qv, kq, vq, pv])
         sb, so = plan_scratch(ctx)  # split-K partials, poisoned: a run the combine should not read spoils the output
         out = run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
-                                           "positions": pv, **sb}, {"T": t}, {"o": ((t, hq, d), "f32"), **so},
+                                           "positions": pv, "starts": np.zeros(t, np.int32), **sb}, {"T": t},
+                            {"o": ((t, hq, d), "f32"), **so},
                             keep)["o"]
         # Our encoder may pick the neighbouring f16 scale (round-to-nearest vs. rounding up): a q8 step of a value.
         np.testing.assert_allclose(out, ref, atol=1e-4 if kv == "f16" else 0.03, rtol=1e-3)
@@ -93,6 +94,46 @@ def test_attention_runs(rt, kv, gqa, window, softcap, lanes, heads, splits):
     assert dict(attn.knobs) == {"two_pass": 1, "splits": splits} | ({"min_run": 4} if splits > 1 else {}) | (
         {"heads": heads} if heads > 1 else {})
     assert attn.grid[1].value == 2 * gqa // heads
+
+
+@pytest.mark.parametrize("kv,gqa,window,lanes,splits", [("f16", 1, 0, 1, 1), ("q8_0", 3, 4, 128, 4)],
+                         ids=["lanes1", "lanes128-split4"])
+def test_attention_batched_sequences(rt, kv, gqa, window, lanes, splits):
+    """Rows of several sequences in one step (batched decoding): each row's K and V go to its sequence's cache
+    rows (`starts[t] + positions[t]`) and it attends over those only, as if its sequence ran alone (one reference
+    executor per sequence); the sequences are prefilled one by one, then decoded together in varying order."""
+    if lanes > 1 and rt.lanes == 1:
+        pytest.skip("GPU-shaped kernels")
+    hkv, d, n_ctx = 2, 64, 32
+    hq = hkv * gqa
+    g = _attention_graph(hq, hkv, d, window)
+    ctx = recipe_context(g, kv=kv, n_ctx=n_ctx, lanes=lanes)
+    ctx.knobs = {"attention": {"splits": splits}}
+    launches = recipe("attention").lower(g.nodes, ctx)
+    fmt = KV_FORMATS[kv]
+    kvb = n_ctx * row_bytes(fmt, hkv * d)
+    keep = {"kv.0.k": rt.alloc((kvb,), "u8"), "kv.0.v": rt.alloc((kvb,), "u8")}
+    base = [0, 10, 20]  # the sequences' first cache rows: 10, 10 and 12 rows each
+    alone = [R.ReferenceExecutor({}, n_ctx) for _ in base]
+    n_past = [0, 0, 0]
+    rng = np.random.default_rng(5)
+    steps = [[(2, 7)], [(0, 5)], [(1, 3)], [(2, 1), (0, 1), (1, 1)], [(1, 1), (2, 1), (0, 1)], [(0, 2), (2, 1)]]
+    for step in steps:
+        seqs = [s for s, n in step for _ in range(n)]
+        pv = np.concatenate([np.arange(n_past[s], n_past[s] + n, dtype=np.int32) for s, n in step])
+        t = len(seqs)
+        qv, kvv, vv = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+        kq = dequantize(fmt, quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
+        vq = dequantize(fmt, quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
+        sb, so = plan_scratch(ctx)
+        out = run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
+                                           "positions": pv, "starts": np.asarray([base[s] for s in seqs], np.int32),
+                                           **sb}, {"T": t}, {"o": ((t, hq, d), "f32"), **so}, keep)["o"]
+        for s, n in step:
+            rows = np.flatnonzero(np.asarray(seqs) == s)
+            ref = R._IMPLS["attention"](alone[s], g.nodes[0], [qv[rows], kq[rows], vq[rows], pv[rows]])
+            np.testing.assert_allclose(out[rows], ref, atol=1e-4 if kv == "f16" else 0.03, rtol=1e-3)
+            n_past[s] += n
 
 
 def test_attention_splits_grow_with_the_context_in_one_token_steps():
@@ -205,7 +246,8 @@ def test_rope_attention(rt, kv, mode, dims, lanes, qk_norm):
         ref = R._IMPLS["attention"](ex, g.nodes[-1], [qrv, kq, vq, pv])
         sb, so = plan_scratch(ctx)
         out = run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
-                                           "positions": pv, **sb, **weights}, {"T": t},
+                                           "positions": pv, "starts": np.zeros(t, np.int32), **sb, **weights},
+                            {"T": t},
                             {"o": ((t, hq, d), "f32"), "qr": ((t, hq, d), "f32"), **so,
                              **({"scratch.xq": (sb["scratch.xq"].shape, "u32")} if provided else {})}, keep)
         np.testing.assert_allclose(out["qr"], qrv, rtol=1e-4, atol=3e-5)

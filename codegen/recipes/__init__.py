@@ -8,7 +8,9 @@ arguments bound to plan buffer names). The compiler (`polystrata/compiler/passes
 Plan buffer names a recipe reads and writes (`RecipeContext.buf(value)`):
 - graph values: the plan decides (reshapes alias their input; the compiler handles that, not recipes);
 - weights: the GGUF tensor name, holding the tensor's raw bytes as a `u8` buffer (F32 weights as `f32`);
-- inputs: "tokens" and "positions" (i32, T entries);
+- inputs: "tokens" and "positions" (i32, T entries), and for attention "starts" (i32, T entries: the KV cache row
+  where each token's sequence begins, so token t's K/V go to row starts[t] + positions[t]; 0 but in batched
+  decoding, where each sequence owns its own run of cache rows);
 - the KV cache of layer L: "kv.L.k" and "kv.L.v", `u8` rows of the KV format (`RecipeContext.kv_format`),
   n_ctx rows of n_head_kv * head_dim values each.
 Step symbols usable as scalar bindings: "T", "n_past", "n_kv" (see `ir.kernel.Launch`).

@@ -135,7 +135,8 @@ def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str) -> list:
 
 def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, lanes: int,
                     rope: dict | None = None, qk_norm_eps: float | None = None) -> Kernel:
-    """This step's K and V rows into the caches at `positions[t]`, one group per (token, head); grid (T, 2 * hkv),
+    """This step's K and V rows into the caches at row `starts[t] + positions[t]` (`starts`: where the token's
+    sequence begins in the cache, 0 but in batched decoding), one group per (token, head); grid (T, 2 * hkv),
     K heads first. With `rope` (the rope op's attributes) the group also ropes its K head on the way in, and hq more
     groups first rope the q heads into `qo` (the launches of both rope ops, fused). With `qk_norm_eps` each q and
     K head is RMS-normed (weights `qn`, `kn`) before its rope, as qwen3 and gemma3 do."""
@@ -145,7 +146,7 @@ def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: 
 
     def store(cache: str, width: int, head: Expr, value) -> tuple:
         rb = hkv * width // bs * fmt.block_bytes
-        dst = Load("positions", t) * rb + (head * (width // bs) + b) * fmt.block_bytes
+        dst = (Load("starts", t) + Load("positions", t)) * rb + (head * (width // bs) + b) * fmt.block_bytes
         return (LaneFor("b", Const(width // bs), tuple(kv_encode(fmt, value, dst, cache))),)
 
     def head(src: str, rows: int, h: Expr, wname: str) -> tuple[tuple, object]:
@@ -171,7 +172,7 @@ def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: 
     v_store = store("vc", dv, v_head, lambda e: Load("v", (t * hkv + v_head) * dv + b * bs + e))
     # One flat If per kind of head (PoCL mishandles the barriers of reductions inside a nested else-if).
     body = [If((hd >= nq) & (hd < nq + hkv), k_store), If(hd >= nq + hkv, v_store)]
-    params = [Buf("k", "f32"), Buf("v", "f32"), Buf("positions", "i32")]
+    params = [Buf("k", "f32"), Buf("v", "f32"), Buf("positions", "i32"), Buf("starts", "i32")]
     if rope:
         qpre, qval = head("q", hq, hd, "qn")
         i = Var("i")
@@ -199,7 +200,8 @@ def _runs(pos: Expr, window: int, splits: int, min_run: int) -> tuple[Let, ...]:
 def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int, scale: float,
                      window: int, softcap: float, lanes: int, splits: int = 1, min_run: int = 1,
                      heads: int = 1) -> Kernel:
-    """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq / heads).
+    """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq / heads). The keys
+    of a token at position p are those of positions up to p in its sequence's cache rows, from `starts[t]` on.
 
     `heads` (dividing hq / hkv): a group takes that many query heads of one KV head, reading each K and V value
     once for all of them (with GQA, groups of one head each read the KV head's cache again).
@@ -336,11 +338,11 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         ]
     if splits > 1:  # this group's run of the visible keys: `lo` and `n` as if they were all there is
         span = (*_runs(pos, window, splits, min_run),
-                Let("k0", Var("g2") * Var("per")), Let("lo", Var("lo0") + Var("k0")),
+                Let("k0", Var("g2") * Var("per")), Let("lo", Load("starts", t) + Var("lo0") + Var("k0")),
                 Let("n", Call("max", Const(0), Call("min", Var("nall") - Var("k0"), Var("per")))))
     else:
         lo0, nall = _runs(pos, window, 1, 1)[:2]
-        span = (lo0, nall, Let("lo", Var("lo0")), Let("n", Var("nall")))
+        span = (lo0, nall, Let("lo", Load("starts", t) + Var("lo0")), Let("n", Var("nall")))
     # A group past the visible keys (n = 0) runs no loop iterations: it costs a few barriers.
     jj = Var("jj")
     body = (
@@ -358,7 +360,8 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         outs = (Buf("po", "f32", out=True), Buf("pm", "f32", out=True), Buf("pz", "f32", out=True))
     else:
         outs = (Buf("out", "f32", out=True),)
-    params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), *outs, Scalar("T"))
+    params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), Buf("starts", "i32"), *outs,
+              Scalar("T"))
     local = (LocalArray("s", "f32", heads * run),) + (() if 1 < parts == chunk else
                                                       (LocalArray("o", "f32", heads * dv),))
     if kparts > 1:
@@ -424,7 +427,7 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     kn, vn = f"kv.{layer}.k", f"kv.{layer}.v"
     p = ctx.buf(pos)
     heads = f"{fmt.name.lower()}_{hq}_{hkv}_{d}_{dv}"
-    kv_io = (("k", ctx.buf(k)), ("v", ctx.buf(v)), ("positions", p), ("kc", kn), ("vc", vn))
+    kv_io = (("k", ctx.buf(k)), ("v", ctx.buf(v)), ("positions", p), ("starts", "starts"), ("kc", kn), ("vc", vn))
     if rope:
         eps = float(qk_norm[0].attrs["eps"]) if qk_norm else None
         rtag = f"_{rope['dims']}_{rope['mode']}_{stable_digest((rope['base'], rope['freq_scale'], eps), 8)}"
@@ -455,7 +458,7 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     at = attention_kernel(f"attn_{tag}_{splits}" + (f"_r{min_run}" if splits > 1 else "") +
                           (f"_h{heads}" if heads > 1 else ""), fmt, hq, hkv, d, dv, span, float(a["scale"]),
                           window, float(a["softcap"] or 0.0), ctx.lanes, splits, min_run, heads)
-    io = (("q", q), ("kc", kn), ("vc", vn), ("positions", p))
+    io = (("q", q), ("kc", kn), ("vc", vn), ("positions", p), ("starts", "starts"))
     if splits == 1:
         return [store, Launch(at, (*io, ("out", ctx.buf(node.output))), (("T", "T"),))]
     rows = ctx.t_max * hq * splits

@@ -54,6 +54,7 @@ from polystrata.codegen.recipes._matvec import (
     use_int8,
     use_runs,
 )
+from polystrata.codegen.recipes.tile_matmul import tile_matmul_kernel
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
@@ -77,14 +78,18 @@ from polystrata.ir.kernel import (
 )
 
 MATMUL_KNOBS = (("rows", "auto"), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"), ("xq", "auto"),
-                ("sub", "auto"), ("runs", "auto"), ("lanes", "auto"), ("spread", "auto"))
+                ("sub", "auto"), ("runs", "auto"), ("lanes", "auto"), ("spread", "auto"), ("tile", "auto"))
+# Knob tile ("auto": TILE_TOKENS; 0: off): tokens a tile of `tile_matmul_kernel`, which one-lane plans of more than
+# one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
+# (docs/benchmarks.md, "Serving").
+TILE_TOKENS = 16
 # Knobs of the two-launch GPU path only (`_launches`); the rest are `matmul_kernel`'s.
 GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread")
 
 
 def matmul_kernel_knobs(kn: dict) -> dict:
-    """The knobs of `kn` that `matmul_kernel` takes (those of the GPU path removed)."""
-    return {name: v for name, v in kn.items() if name not in GPU_PATH_KNOBS}
+    """The knobs of `kn` that `matmul_kernel` takes (those of the GPU path and of `tile_matmul_kernel` removed)."""
+    return {name: v for name, v in kn.items() if name not in GPU_PATH_KNOBS and name != "tile"}
 
 
 def _exp(x: Expr) -> Expr:
@@ -285,6 +290,12 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
         mk = matvec_q8_kernel(name + "_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"], runs=kn["runs"],
                               rows=rows, spread=spread, epilogue=epilogue, lanes=_gpu_lanes(kn, ctx, fmts, k))
         return [ql, Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
+    tile = TILE_TOKENS if kn["tile"] == "auto" else int(kn["tile"])
+    if tile and ctx.lanes == 1 and ctx.t_max > 1 and kn["int8"] in ("auto", False, 0) and kn["split"] == "rows" \
+            and kn["vert"] in ("auto", True, 1):
+        # Steps of several tokens on the CPU: each weight block's scales decoded once for a tile of tokens.
+        kern = tile_matmul_kernel(name + "_tile", fmts, n, k, rows=kn["rows"], tokens=tile, epilogue=epilogue)
+        return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
     kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, **matmul_kernel_knobs(kn))
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
 

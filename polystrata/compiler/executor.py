@@ -26,6 +26,11 @@ from polystrata.ir.kernel import STEP_SYMBOLS, Buf
 from polystrata.ir.layout import repack
 from polystrata.runtimes.base import CompiledKernel, Runtime, eval_int
 from polystrata.runtimes.memory import ExpertStreamer, VRAMGuard, expert_source, guard_step
+from polystrata.runtimes.reference import OneSequence
+
+# Steps of at most this many tokens are replayed as device graphs (see `PlanExecutor`): decode steps of up to as
+# many sequences at once; longer prompt chunks, whose lengths rarely repeat, run launch by launch.
+GRAPH_ROWS = 64
 
 
 class _BoundLaunch:
@@ -66,10 +71,11 @@ class _BoundLaunch:
         rt.launch_prepared(packed)
 
 
-class PlanExecutor:
+class PlanExecutor(OneSequence):
     """Executes plans of one model on one runtime, sharing weights and the KV cache between them.
 
-    Same interface as the reference executor: `forward(graph, tokens)`, `n_past`, `reset()`.
+    Same interface as the reference executor: `forward(graph, tokens)` (at most the plan's t_max tokens), `step`,
+    `n_past`, `reset()`.
     """
 
     def __init__(self, runtime: Runtime, file: GGUFFile, plans: dict[int, Plan], n_ctx: int,
@@ -121,12 +127,18 @@ class PlanExecutor:
                 idx = [i for i, la in enumerate(plan.launches) if {b for _, b in la.buffers} & set(st.weights)]
                 secs.append((min(idx), max(idx) + 1, st, self.streamer.layer_of(st)))
             self.sections[pid] = secs
-        # Decode steps (one token) are captured once into a device graph and replayed, where the runtime can:
-        # every kernel reads the positions from device memory, so the graph is the same for every token.
+        # Steps of at most GRAPH_ROWS tokens (decode steps, of one sequence or a batch of them) are captured into a
+        # device graph on their second run with a plan and row count, and replayed from then on, where the runtime
+        # can: every kernel reads the positions and sequence starts from device memory and its launch depends on
+        # the row count alone, so the graph is the same for every such step.
         self.use_graphs = (runtime.graphs and not os.environ.get("POLYSTRATA_NO_GRAPHS")
                            and self.streamer is None)
-        self.graphs: dict[int, Any] = {}
-        self.decode_runs: dict[int, int] = {}
+        self.graphs: dict[tuple[int, int], Any] = {}  # (id(graph), rows) -> captured graph
+        self.runs: dict[tuple[int, int], int] = {}  # (id(graph), rows) -> steps run before capture
+        # The "starts" buffer (sequence starts in the KV cache, for batched decoding) holds zeros until a step
+        # with other starts writes it; its length is that of the plan that allocated it (the first).
+        self.starts_zero = False
+        self.starts_len = next((p.buffers["starts"].count for p in plans.values() if "starts" in p.buffers), 0)
 
     def _streamer(self, file: GGUFFile, experts: dict[str, Any]) -> ExpertStreamer | None:
         streams, specs = {}, {}
@@ -142,51 +154,59 @@ class PlanExecutor:
         return ExpertStreamer(self.rt, lambda name: expert_source(file, specs[name]), list(streams.values()),
                               experts["slots"], experts.get("policy", "lru"), routers, experts.get("log"))
 
-    def reset(self) -> None:
-        """Start a new sequence; KV rows past n_past are never read, so nothing is cleared."""
-        self.n_past = 0
-
-    def forward(self, graph: Graph, tokens: np.ndarray) -> np.ndarray:
-        """One step over `tokens` (at most the plan's t_max) continuing the KV cache; returns the logits."""
+    def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
+             starts: np.ndarray | None = None) -> np.ndarray:
+        """One step over rows of (token, position in its sequence, cache row where its sequence begins: `starts`,
+        None for all 0), whatever sequences they belong to (`polystrata/batch.py`); returns the logits. `n_past`
+        is left as it is."""
         plan = self.plans[id(graph)]
         t = len(tokens)
         if t > plan.t_max:
             raise ValueError(f"step of {t} tokens exceeds the plan's {plan.t_max}")
-        if self.n_past + t > self.n_ctx:
-            raise ValueError(f"context full: {self.n_past} + {t} tokens > n_ctx {self.n_ctx}")
         rt = self.rt
         rt.write(self.handles["tokens"], np.asarray(tokens, dtype=np.int32))
-        rt.write(self.handles["positions"], np.arange(self.n_past, self.n_past + t, dtype=np.int32))
-        step = dict(zip(STEP_SYMBOLS, (t, self.n_past, self.n_past + t)))
+        rt.write(self.handles["positions"], np.asarray(positions, dtype=np.int32))
+        if "starts" in self.handles:
+            self._write_starts(starts)
+        step = dict(zip(STEP_SYMBOLS, (t, int(positions[0]), int(positions[0]) + t)))
         pid = id(graph)
         timed = self.time_device
         start = rt.mark() if timed else None
         if self.sections.get(pid):
             self._run_streamed(pid, step)
-        elif t == 1 and self.use_graphs and pid in self.graphs:
-            rt.replay(self.graphs[pid])
-        elif t == 1 and self.use_graphs and self.decode_runs.get(pid, 0) >= 1:
+        elif (pid, t) in self.graphs:
+            rt.replay(self.graphs[pid, t])
+        elif t <= GRAPH_ROWS and self.use_graphs and self.runs.get((pid, t), 0) >= 1:
             # Captured launches do not run: capture, then replay to compute this step.
             rt.begin_capture()
             for b in self.bound[pid]:
                 b.run(rt, step)
-            self.graphs[pid] = rt.end_capture()
-            rt.replay(self.graphs[pid])
+            self.graphs[pid, t] = rt.end_capture()
+            rt.replay(self.graphs[pid, t])
         else:
             for b in self.bound[pid]:
                 b.run(rt, step)
-            if t == 1:
-                self.decode_runs[pid] = self.decode_runs.get(pid, 0) + 1
+            if t <= GRAPH_ROWS:
+                self.runs[pid, t] = self.runs.get((pid, t), 0) + 1
         end = rt.mark() if timed else None
         rows = t if plan.output_shape[0] == "T" else int(plan.output_shape[0])
         out = rt.download(self.handles[(id(plan), plan.output)], (rows, int(plan.output_shape[1])), "f32")
         self.last_device_s = rt.elapsed(start, end) if timed else None
-        self.n_past += t
         if self.streamer is not None:
             self.streamer.tokens += t
             if self.guard is not None:
                 self._watch_memory()
         return out
+
+    def _write_starts(self, starts: np.ndarray | None) -> None:
+        """The step's sequence starts into their buffer; zeros (the buffer's whole length) only when it holds
+        others, so single-sequence steps, captured graphs included, do not pay for a write each."""
+        if starts is not None and np.any(starts):
+            self.rt.write(self.handles["starts"], np.asarray(starts, dtype=np.int32))
+            self.starts_zero = False
+        elif not self.starts_zero:
+            self.rt.write(self.handles["starts"], np.zeros(self.starts_len, np.int32))
+            self.starts_zero = True
 
     def _run_streamed(self, pid: int, step: dict[str, int]) -> None:
         """One step of a streaming plan: launches up to each streamed layer's experts, the routed experts made

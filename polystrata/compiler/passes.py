@@ -153,6 +153,8 @@ def build_plan(
                     )
                 name = f"kv.{layer}.{kind}"
                 buffers[name] = BufferSpec(name, "u8", n_ctx * hkv * row_bytes(kv_format, width), "kv")
+            # Per token, the cache row where its sequence begins (0 but in batched decoding: polystrata/batch.py).
+            buffers["starts"] = BufferSpec("starts", "i32", t_max, "input")
 
     def assign(v: Value) -> None:
         dtype, count = value_storage(v, t_max)

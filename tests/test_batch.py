@@ -1,0 +1,131 @@
+"""Batched decoding (polystrata/batch.py): sequences sharing each decode step give what each gives alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from suite_plugin import targets_under_test
+
+from polystrata.batch import BatchDecoder
+from polystrata.engine import Engine
+from polystrata.errors import PolystrataError
+from polystrata.runtimes.cpu import CPURuntime
+from polystrata.synth import synth_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    # The same model and context as test_targets' llama: the kernels compile once per run.
+    return synth_model("llama", tmp_path_factory.mktemp("batch") / "llama.gguf", preset="tiny", qtype="Q8_0", seed=7)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return [int(i) for i in np.random.default_rng(seed).integers(3, 1000, size=n)]
+
+
+class _GraphCPU(CPURuntime):
+    """The cpu runtime with device graphs as the cuda simulator has them: captured launches are recorded with
+    their arguments, and a replay runs them again (reading the buffers as they are then)."""
+
+    graphs = True  # what runtimes that capture device graphs state
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recording: list | None = None
+        self.replays = 0
+
+    def begin_capture(self) -> None:
+        self.recording = []
+
+    def launch(self, ck, args, grid) -> None:
+        if self.recording is None:
+            super().launch(ck, args, grid)
+        else:
+            self.recording.append((ck, args, grid))
+
+    def end_capture(self) -> list:
+        graph, self.recording = self.recording, None
+        return graph
+
+    def replay(self, graph: list) -> None:
+        self.replays += 1
+        for launch in graph:
+            super().launch(*launch)
+
+
+@pytest.mark.parametrize("target", ["reference", *targets_under_test(), "cpu-graphs"])
+def test_batched_steps_match_each_sequence_alone(tiny_llama, target):
+    """Three sequences prefilled one by one, then decoded together, leaving at different steps; a fourth joins in
+    the slot the first left (its rows hold the first's stale K/V). Every sequence's logits equal those of the
+    same tokens run alone: bit for bit on the kernel targets (the same kernels, rows independent), within float
+    rounding on the reference (numpy's sums over other shapes). cpu-graphs: the batched run's steps replayed as
+    device graphs, one per plan and row count, as cuda does."""
+    eng = Engine(tiny_llama, target=target.removesuffix("-graphs"), n_ctx=64)
+    if target == "cpu-graphs":
+        alone_eng = eng
+        eng = Engine(tiny_llama, target="cpu", n_ctx=64)
+        eng.runtime = _GraphCPU()
+        eng.executor = eng._make_executor()
+    else:
+        alone_eng = eng
+    prompts = [_tokens(n, s) for n, s in ((5, 1), (9, 2), (3, 3), (4, 4))]
+    conts = [_tokens(n, s) for n, s in ((3, 5), (6, 6), (5, 7), (3, 8))]
+    alone = []
+    for p, c in zip(prompts, conts):
+        alone_eng.reset()
+        alone.append(np.stack([alone_eng.forward(p)[-1], *(alone_eng.forward([t])[-1] for t in c[:-1])]))
+    bd = BatchDecoder(eng, 3)
+    assert bd.n_ctx == 21
+    got: dict[int, list] = {s: [] for s in range(4)}
+    slot: dict[int, int] = {}
+
+    def join(s: int) -> None:
+        slot[s] = bd.open()
+        got[s].append(bd.prefill(slot[s], prompts[s]))
+
+    for s in range(3):
+        join(s)
+    step, done = 0, set()
+    pending = {s: 0 for s in range(3)}  # sequence -> index of its next token
+    while pending:
+        seqs = sorted(pending, key=lambda s: (s + step) % 3)  # rows in a varying order
+        out = bd.step([slot[s] for s in seqs], [conts[s][pending[s]] for s in seqs])
+        for row, s in enumerate(seqs):
+            got[s].append(out[row])
+            pending[s] += 1
+            if pending[s] == len(conts[s]) - 1:
+                del pending[s]
+                bd.close(slot[s])
+                done.add(s)
+        if 0 in done and 3 not in slot:
+            join(3)
+            assert slot[3] == slot[0]
+            pending[3] = 0
+        step += 1
+    for s in range(4):
+        have = np.stack(got[s])
+        if target == "reference":
+            np.testing.assert_allclose(have, alone[s], rtol=1e-4, atol=1e-4)
+        else:
+            np.testing.assert_array_equal(have, alone[s])
+    if target == "cpu-graphs":  # the steps of 3 rows of the all-logits plan after the first ran as a graph
+        assert (id(eng.graph_all), 3) in eng.executor.graphs and eng.runtime.replays >= 1
+
+
+def test_slots_and_their_context(tiny_llama):
+    """Each sequence holds n_ctx // N tokens; slots are refused when all are taken or the context is too small."""
+    eng = Engine(tiny_llama, target="reference", n_ctx=16)
+    bd = BatchDecoder(eng, 2)
+    a, b = bd.open(), bd.open()
+    with pytest.raises(PolystrataError, match="slots are busy"):
+        bd.open()
+    bd.prefill(a, _tokens(7, 1))
+    bd.step([a], [5])
+    with pytest.raises(PolystrataError, match="context length exceeded"):
+        bd.step([a, b], [5, 6])
+    with pytest.raises(PolystrataError, match="context length exceeded: 9 tokens > 8"):
+        bd.prefill(b, _tokens(9, 2))
+    bd.close(a)
+    assert bd.open() == a
+    with pytest.raises(PolystrataError, match="cannot hold 9 sequences"):
+        BatchDecoder(eng, 9)

@@ -1,0 +1,256 @@
+"""`polystrata serve` (polystrata/server.py) through the official `openai` client, as a real client uses it: chat
+and text completions, whole and streamed, stop strings, seeds, usage, errors, the API key, concurrent requests.
+
+The server runs in this process on the reference target (no kernels to compile) with a tiny synthetic model whose
+text is gibberish but deterministic; the batched decoding under it is checked against single runs in test_batch."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+
+from polystrata.chat import encode_chat
+from polystrata.cli import main
+from polystrata.engine import Engine
+from polystrata.sampling import Sampler, SamplerConfig
+from polystrata.server import MAX_BODY, Scheduler, Server, StopStrings
+from polystrata.synth import synth_model
+
+KEY = "test-key"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(base URL, engine, scheduler) of a server with 2 parallel slots of 128 tokens, its scheduler in a thread."""
+    path = synth_model("llama", tmp_path_factory.mktemp("serve") / "llama.gguf", preset="tiny", qtype="Q8_0", seed=7)
+    eng = Engine(path, target="reference", n_ctx=256)
+    sched = Scheduler(eng, 2)
+    server = Server(sched, "tiny", api_key=KEY)
+    url = server.start("127.0.0.1", 0)
+    worker = threading.Thread(target=sched.run, daemon=True)
+    worker.start()
+    yield url, eng, sched
+    sched.stop()
+    server.close()
+    worker.join(10)
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def _alone(eng: Engine, ids: list[int], n: int, seed: int | None = None, temp: float = 0.0) -> str:
+    """What the engine generates on its own: the text a server's answer must equal."""
+    sampler = Sampler(SamplerConfig(temperature=temp, seed=seed))
+    return eng.tokenizer.decode(list(eng.generate(ids, n, sampler)))
+
+
+def test_chat_whole_and_streamed(client, served):
+    """A chat completion equals the engine's own greedy generation after the chat template; streamed, its deltas
+    add up to the same text, the first carrying the role, the last the finish reason, then the usage."""
+    _, eng, _ = served
+    ids = encode_chat(eng.tokenizer, eng.metadata["tokenizer.chat_template"], MESSAGES)
+    want = _alone(eng, ids, 12)
+    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0)
+    assert r.object == "chat.completion" and r.model == "tiny"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(ids), 12, len(ids) + 12)
+    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_text_completion_stop_strings(client, served):
+    """A stop string ends the text before it (never sent, streamed or not) with finish_reason "stop"; one that
+    never appears changes nothing."""
+    _, eng, _ = served
+    want = _alone(eng, eng.tokenizer.encode("Once upon a time"), 24)
+    stop = want[9:12]
+    cut = want[: want.index(stop)]
+    for stream in (False, True):
+        r = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=24, temperature=0,
+                                      stop=[stop, "never-in-gibberish"], stream=stream)
+        if stream:
+            chunks = list(r)
+            text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        else:
+            text, reason = r.choices[0].text, r.choices[0].finish_reason
+        assert (text, reason) == (cut, "stop")
+
+
+def test_seeded_sampling_and_parallel_requests(client, served):
+    """Five requests at once on two slots (three wait and join as others leave): each answer is what its prompt and
+    seed give alone, sampled at temperature 1."""
+    _, eng, _ = served
+    prompts = [f"Tell me about the number {i}" for i in range(5)]
+    want = [_alone(eng, eng.tokenizer.encode(p), 10 + i, seed=100 + i, temp=1.0) for i, p in enumerate(prompts)]
+
+    def ask(i: int) -> str:
+        r = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=10 + i, temperature=1.0,
+                                      seed=100 + i)
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(5) as pool:
+        assert list(pool.map(ask, range(5))) == want
+
+
+def test_models_health_and_api_key(client, served):
+    url, _, _ = served
+    assert [m.id for m in client.models.list()] == ["tiny"]
+    with urllib.request.urlopen(url + "/health") as r:  # no key needed
+        assert json.load(r) == {"status": "ok"}
+    bad = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        bad.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("kwargs,param,message", [
+    ({"max_tokens": 0}, "max_tokens", "'max_tokens' must be between 1 and 128"),
+    ({"max_tokens": 129}, "max_tokens", "'max_tokens' must be between 1 and 128"),
+    ({"temperature": -1}, "temperature", "'temperature' must be at least 0"),
+    ({"top_p": 2}, "top_p", "'top_p' must be between 0 and 1"),
+    ({"n": 2}, "n", "'n' must be 1"),
+    ({"stop": [""]}, "stop", "'stop' must be a string or up to 16 strings"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"messages": []}, "messages", "'messages' must be a non-empty array"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0]", "'role' of system"),
+    ({"messages": [{"role": "user", "content": "word " * 300}]}, "messages", "more than the 128 a sequence holds"),
+    ({"extra_body": {"temperature": "hot"}}, "temperature", "'temperature' must be an integer or a number"),
+])
+def test_bad_requests_are_400_with_a_json_error(client, kwargs, param, message):
+    args = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4} | kwargs
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**args)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["type"] == "invalid_request_error"
+    assert err["param"] == param and message in err["message"]
+
+
+def _post(url: str, data: bytes, headers: dict | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=data, headers={"Authorization": f"Bearer {KEY}", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def test_malformed_bodies_and_routes(served):
+    """Not JSON, a body too large, an unknown path: JSON errors with their status, never a traceback."""
+    url, _, _ = served
+    status, body = _post(url + "/v1/completions", b'{"prompt": ')
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = _post(url + "/v1/completions", b'["prompt"]')
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    status, body = _post(url + "/v1/completions", json.dumps({"prompt": "x" * MAX_BODY}).encode())
+    assert status == 413 and "larger than" in body["error"]["message"]
+    status, body = _post(url + "/v1/completions", json.dumps({"prompt": [1, 5000]}).encode())
+    assert status == 400 and body["error"]["param"] == "prompt" and "vocabulary" in body["error"]["message"]
+    status, body = _post(url + "/v1/embeddings", b"{}")
+    assert status == 404 and body["error"]["message"] == "no such endpoint: POST /v1/embeddings"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_frees_its_slot(served, monkeypatch, stream):
+    """A client that disconnects mid-answer (decode steps slowed to 20 ms here): its job stops within a few steps
+    and its slot is free again."""
+    url, _, sched = served
+    jobs = []
+    submit, step = sched.submit, sched.batch.step
+    monkeypatch.setattr(sched, "submit", lambda job: (jobs.append(job), submit(job))[1])
+    monkeypatch.setattr(sched.batch, "step", lambda *a: (time.sleep(0.02), step(*a))[1])
+    body = json.dumps({"prompt": "Hello", "max_tokens": 100, "stream": stream}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Authorization": f"Bearer {KEY}"})
+    if stream:
+        with urllib.request.urlopen(req) as r:
+            assert r.readline().startswith(b"data: ")
+    else:
+        with pytest.raises(TimeoutError):
+            urllib.request.urlopen(req, timeout=0.3)
+    deadline = time.monotonic() + 5
+    while (sched.running or len(sched.batch.free) < 2) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not sched.running and len(sched.batch.free) == 2
+    assert jobs[0].cancelled and jobs[0].n_generated < 50
+
+
+def test_a_failing_engine_gives_500_and_the_server_goes_on(served, client, monkeypatch):
+    """A failure inside the engine (here the prefill raising): that request gets a 500 JSON error, streamed or
+    not, no traceback; the next request is served."""
+    _, _, sched = served
+
+    def broken(slot, ids):
+        raise RuntimeError("device lost")
+
+    prefill = sched.batch.prefill
+    monkeypatch.setattr(sched.batch, "prefill", broken)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
+    assert e.value.status_code == 500 and e.value.body["message"] == "the prefill failed"
+    with pytest.raises(openai.APIError, match="the prefill failed"):
+        list(client.completions.create(model="tiny", prompt="Hello", max_tokens=3, stream=True))
+    monkeypatch.setattr(sched.batch, "prefill", prefill)
+    again = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+    assert again.usage.completion_tokens == 3
+
+
+def test_stop_strings_hold_back_what_may_start_one():
+    cut = StopStrings(["</s>", "END"])
+    assert cut.feed("abc<") == "abc"
+    assert cut.feed("/x") == "</x"
+    assert cut.feed("E") == ""
+    assert cut.feed("NDtail") == "" and cut.hit
+    cut = StopStrings(["xyz"])
+    assert cut.feed("ab") + cut.feed("x") + cut.flush() == "abx" and not cut.hit
+
+
+def test_serve_cli_refuses_what_it_cannot_do(tmp_path, capsys):
+    """Usage errors and impossible settings: one line, no traceback."""
+    path = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=7)
+    cmd = ["serve", str(path), "--target", "reference"]
+    with pytest.raises(SystemExit) as e:
+        main([*cmd, "--port", "70000"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().endswith(
+        "error: argument --port: expected a port from 0 to 65535, got '70000'")
+    assert main([*cmd, "-c", "8", "-np", "5"]) == 1
+    assert capsys.readouterr().err == ("error: a context of 8 tokens cannot hold 5 sequences; use a larger "
+                                       "-c/--ctx-size or fewer parallel sequences\n")
+
+
+def test_serve_command_answers_and_stops_on_ctrl_c(tmp_path):
+    """`polystrata serve` as a user starts it: the start line gives the URL (port 0: a free one), /health answers,
+    Ctrl-C ends it with `error: interrupted` and exit code 130."""
+    path = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=7)
+    proc = subprocess.Popen([sys.executable, "-m", "polystrata", "serve", str(path), "--target", "reference",
+                             "--port", "0", "-np", "2", "-c", "64"], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        line = proc.stderr.readline()
+        url = re.match(r"serving m.gguf at (http://127.0.0.1:\d+)/v1 on reference .*: 2 parallel sequences of 32 "
+                       r"tokens; Ctrl-C stops$", line.strip()).group(1)
+        with urllib.request.urlopen(url + "/health") as r:
+            assert json.load(r) == {"status": "ok"}
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(20) == 130
+        assert proc.stderr.read() == "error: interrupted\n"
+    finally:
+        proc.kill()
