@@ -89,6 +89,8 @@ def main() -> None:
         want.append(np.einsum("ht,thd->hd", p, np.repeat(vc, hq // hkv, axis=1)).reshape(-1))
     rt.write(bufs["tokens"], np.zeros(1, np.int32))
     rt.write(bufs["positions"], np.array([a.depth], np.int32))
+    if "starts" in bufs:  # one sequence, from the cache's first row
+        rt.write(bufs["starts"], np.zeros(plan.buffers["starts"].count, np.int32))
     step = []
     for la in plan.launches:
         env = {n: (1 if v == "T" else v) for n, v in la.scalars}
