@@ -143,6 +143,7 @@ def test_attention_splits_grow_with_the_context_in_one_token_steps():
     from polystrata.codegen.recipes.attention import (
         DECODE_RUN_KEYS,
         LONG_CONTEXT,
+        MAX_DECODE_RUNS,
         MIN_RUN_KEYS,
         PREFILL_RUN_KEYS,
         key_span,
@@ -160,9 +161,10 @@ def test_attention_splits_grow_with_the_context_in_one_token_steps():
     span = key_span(n_ctx)
     assert span == 33792
     runs = {"two_pass": 1, "min_run": MIN_RUN_KEYS}
-    assert attn(128, 1, n_ctx) == ({**runs, "splits": span // DECODE_RUN_KEYS, "heads": 4}, 3)
+    assert attn(128, 1, n_ctx) == ({**runs, "splits": min(MAX_DECODE_RUNS, span // DECODE_RUN_KEYS), "heads": 4}, 3)
     assert attn(128, 16, n_ctx) == ({**runs, "splits": 9}, 3)  # 33792 / 4096, rounded up
     assert attn(128, 16, 131072) == ({**runs, "splits": 131072 // PREFILL_RUN_KEYS}, 3)
+    assert attn(128, 1, 131072) == ({**runs, "splits": MAX_DECODE_RUNS, "heads": 4}, 3)  # runs of 256 keys
     assert attn(128, 1, LONG_CONTEXT) == ({**runs, "splits": LONG_CONTEXT // DECODE_RUN_KEYS}, 3)
     assert attn(128, 1, 640) == ({**runs, "splits": 16}, 3)  # the span, 1024, in runs of 64
     assert attn(128, 1, 256) == ({**runs, "splits": 4}, 3)

@@ -69,6 +69,10 @@ from polystrata.ir.kernel import (
 # MIN_RUN_KEYS keys, so a short context keeps few groups at work and the combine few partials.
 DECODE_RUN_KEYS = 64
 MIN_RUN_KEYS = 8
+# ... but at most MAX_DECODE_RUNS runs (longer runs beyond a span of 32768): the groups of runs past the visible
+# keys still pass their reductions' barriers, so a 128K context at a short depth would spend more on empty groups
+# than the short runs save.
+MAX_DECODE_RUNS = 512
 # Knob `heads` ("auto"): in one-token GPU plans of a context longer than LONG_CONTEXT a group takes all the query
 # heads of a KV head (GQA: 4 on llama3-8b), so each K and V value is read once, not once a head, as long as their
 # scores (heads x the longest run) fit GROUP_SCORES floats (16 KiB) of local memory. Shorter contexts keep a group
@@ -442,8 +446,10 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     splits = ctx.knob("attention", "splits", "auto")
     if splits == "auto":  # GPUs: enough groups to fill the device (one per head is 32 for 132 SMs)
         splits = 1 if ctx.lanes == 1 else max(1, min(8, span // 64))
-        if ctx.lanes > 1:  # one token: runs of at most DECODE_RUN_KEYS keys (flash-decoding); else PREFILL_RUN_KEYS
-            splits = max(splits, -(-span // (DECODE_RUN_KEYS if ctx.t_max == 1 else PREFILL_RUN_KEYS)))
+        if ctx.lanes > 1 and ctx.t_max == 1:  # one token: runs of DECODE_RUN_KEYS keys (flash-decoding)
+            splits = max(splits, min(MAX_DECODE_RUNS, -(-span // DECODE_RUN_KEYS)))
+        elif ctx.lanes > 1:  # several: runs of at most PREFILL_RUN_KEYS keys
+            splits = max(splits, -(-span // PREFILL_RUN_KEYS))
     splits = int(splits)
     min_run = ctx.knob("attention", "min_run", "auto")
     min_run = int(MIN_RUN_KEYS if min_run == "auto" and ctx.lanes > 1 else 1 if min_run == "auto" else min_run)
