@@ -166,6 +166,28 @@ def rate_stats(n: int, rates: list[float]) -> dict:
     }
 
 
+def time_steps(rt, step: Callable[[int], None], iters: int) -> tuple[float, bool]:
+    """Seconds per call of `step(i)` (launches on runtime `rt`) over `iters` calls, and whether they were replayed
+    from one captured device graph: where the runtime has graphs (`rt.graphs`) they are, so the time is the
+    device's, not the host's per-launch cost (which a graph-replayed decode step does not pay either)."""
+    graph = None
+    if rt.graphs:
+        rt.begin_capture()
+        for i in range(iters):
+            step(i)
+        graph = rt.end_capture()
+        rt.replay(graph)  # the first replay uploads the graph
+        rt.sync()
+    t0 = time.perf_counter()
+    if graph is not None:
+        rt.replay(graph)
+    else:
+        for i in range(iters):
+            step(i)
+    rt.sync()
+    return (time.perf_counter() - t0) / iters, graph is not None
+
+
 # `-d`: tokens prefilled for real; the rest of the depth repeats their K/V rows (see `_fill_depth`).
 DEPTH_PREFILL = 512
 
@@ -176,7 +198,7 @@ def _fill_depth(engine, depth: int, rng: np.random.Generator) -> None:
     arithmetic whatever the rows hold, so decode and prefill after the depth take the time they take after a real
     prefill, without the minutes a real 32k-token prefill costs (llama-bench's -d prefills for real)."""
     ex = engine.executor
-    real = depth if not hasattr(ex, "handles") else min(depth, DEPTH_PREFILL)
+    real = depth if engine.runtime is None else min(depth, DEPTH_PREFILL)
     engine.reset()
     engine.forward(rng.integers(0, engine.hparams.n_vocab, size=real, dtype=np.int32))
     if real == depth:
@@ -185,7 +207,7 @@ def _fill_depth(engine, depth: int, rng: np.random.Generator) -> None:
     kv = {name: spec for plan in ex.plans.values() for name, spec in plan.buffers.items() if spec.kind == "kv"}
     for name, spec in kv.items():
         row = spec.count // ex.n_ctx  # bytes of one token's row
-        prefix = rt.download(ex.handles[name], (spec.count,), spec.dtype)[: real * row]
+        prefix = rt.download(ex.handles[name], (real * row,), spec.dtype)
         rt.write_region(ex.handles[name], 0, np.resize(prefix, depth * row))
     ex.n_past = depth
 

@@ -12,10 +12,10 @@ from holding the keys between launches. `--knob attention.splits=N` etc. compare
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
+from polystrata.bench import time_steps
 from polystrata.compiler import build_plan
 from polystrata.ir.encode import quantize
 from polystrata.ir.evaluate import dequantize
@@ -97,39 +97,25 @@ def main() -> None:
         args = rt.args_for(la.kernel, {p: bufs[b] for p, b in la.buffers}, env)
         ck = rt.compile(la.kernel)
         grid = [eval_int(e, env) for e in la.kernel.grid]
-        step.append((la.kernel, rt.prepare(ck, args, grid) if hasattr(rt, "prepare") else (ck, args, grid)))
+        step.append((la.kernel, rt.prepare(ck, args, grid)))
     attn = [h for k, h in step if not k.name.startswith("embed")]
 
     def run(handles) -> None:
         for h in handles:
-            rt.launch_prepared(h) if hasattr(rt, "prepare") else rt.launch(*h)
+            rt.launch_prepared(h)
 
     run([h for _, h in step])
     rt.sync()
     # Each layer's result: the buffer its last attention launch (the combine, or the only one) writes as `out`.
     got = [b for la in plan.launches if la.kernel.name.startswith("attn") for p, b in la.buffers if p == "out"]
     err = max(float(np.abs(rt.download(bufs[b], (hq * d,), "f32") - w).max()) for b, w in zip(got, want))
-    graph = None
-    if hasattr(rt, "begin_capture"):
-        rt.begin_capture()
-        for _ in range(a.iters):
-            run(attn)
-        graph = rt.end_capture()
-        rt.replay(graph)
-        rt.sync()
-    t0 = time.perf_counter()
-    if graph is not None:
-        rt.replay(graph)
-    else:
-        for _ in range(a.iters):
-            run(attn)
-    rt.sync()
-    per_layer = (time.perf_counter() - t0) / a.iters / a.layers
+    dt, graphed = time_steps(rt, lambda _i: run(attn), a.iters)
+    per_layer = dt / a.layers
     kv_bytes = 2 * (a.depth + 1) * hkv * d // kvf.block_size * kvf.block_bytes
     names = " + ".join(dict.fromkeys(k.name for k, _ in step if not k.name.startswith("embed")))
     print(f"attention d{a.depth} {a.kv_type} on {rt.device}: {per_layer * 1e6:.1f} us/layer, "
           f"{kv_bytes / per_layer / 1e9:.0f} GB/s ({100 * kv_bytes / per_layer / a.bandwidth:.0f}%), "
-          f"max abs err {err:.1e}{' (graph)' if graph is not None else ''} {' '.join(a.knob)}  [{names}]", flush=True)
+          f"max abs err {err:.1e}{' (graph)' if graphed else ''} {' '.join(a.knob)}  [{names}]", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ checked against numpy on the dequantized weight before timing.
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
 
+from polystrata.bench import time_steps
 from polystrata.compiler import build_plan
 from polystrata.ir.encode import quantize
 from polystrata.ir.evaluate import dequantize
@@ -71,12 +71,12 @@ def main() -> None:
             args = rt.args_for(la.kernel, {p: handles[b] for p, b in la.buffers}, env)
             ck = rt.compile(la.kernel)
             grid = [eval_int(e, env) for e in la.kernel.grid]
-            step.append(rt.prepare(ck, args, grid) if hasattr(rt, "prepare") else (ck, args, grid))
+            step.append(rt.prepare(ck, args, grid))
         launches.append(step)
 
     def run(c: int, first: int = 1) -> None:
         for h in launches[c][first:]:
-            rt.launch_prepared(h) if hasattr(rt, "prepare") else rt.launch(*h)
+            rt.launch_prepared(h)
 
     run(0, first=0)
     rt.sync()
@@ -88,25 +88,8 @@ def main() -> None:
     rt.sync()
 
     def timed(first: int) -> tuple[float, bool]:
-        """Seconds per step of launches[first:], and whether they were replayed from one captured graph: where the
-        runtime captures graphs they are, so the time is the device's, not the host's per-launch cost (which a
-        decode step does not pay either)."""
-        graph = None
-        if hasattr(rt, "begin_capture"):
-            rt.begin_capture()
-            for i in range(a.iters):
-                run(i % a.copies, first)
-            graph = rt.end_capture()
-            rt.replay(graph)  # the first replay uploads the graph
-            rt.sync()
-        t0 = time.perf_counter()
-        if graph is not None:
-            rt.replay(graph)
-        else:
-            for i in range(a.iters):
-                run(i % a.copies, first)
-        rt.sync()
-        return (time.perf_counter() - t0) / a.iters, graph is not None
+        """Seconds per step of launches[first:] (rotating the weight copies), graph-replayed where possible."""
+        return time_steps(rt, lambda i: run(i % a.copies, first), a.iters)
 
     dt, graphed = timed(1)
     nbytes = raw.nbytes
