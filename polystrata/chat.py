@@ -380,3 +380,34 @@ def encode_chat(tokenizer, template: str, messages: Sequence[Mapping[str, Any]],
     if tok.add_bos and tok.bos_id is not None and (not ids or ids[0] != tok.bos_id):
         ids = [tok.bos_id] + ids
     return ids
+
+
+class StopStrings:
+    """Cuts streamed text at the first of some stop strings.
+
+    Text that could be the start of a stop string is held back until the next piece shows whether it is one, so
+    nothing of a stop string is ever shown or sent.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.hit = False
+
+    def feed(self, piece: str) -> str:
+        """Add generated text; return what can be shown now (`hit` turns true at a stop string)."""
+        text = self.held + piece
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.hit, self.held = True, ""
+            return text[: min(found)]
+        keep = 0
+        for s in self.stops:
+            keep = max(keep, next((k for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), 0))
+        self.held = text[len(text) - keep :]
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        """The end of generation: what was held back is no stop string after all."""
+        text, self.held = self.held, ""
+        return text

@@ -14,44 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TextIO
 
-from polystrata.chat import chat_template_from_metadata, encode_chat
+from polystrata.chat import StopStrings, chat_template_from_metadata, encode_chat
 from polystrata.engine import Engine, GenerationStats
 from polystrata.errors import PolystrataError, UsageError
 from polystrata.sampling import Sampler, SamplerConfig
 
 RUN_N_PREDICT = 128  # run's default -n; chat's is -1 (until the reply ends or the context is full)
 COMMANDS_HELP = "/reset starts over, /stats shows token counts and speeds, /exit or Ctrl-D ends"
-
-
-class StopStrings:
-    """Cuts streamed text at the first of some stop strings.
-
-    Text that could be the start of a stop string is held back until the next piece shows whether it is one, so
-    nothing of a stop string is ever printed.
-    """
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.held = ""
-        self.hit = False
-
-    def feed(self, piece: str) -> str:
-        """Add generated text; return what can be shown now (`hit` turns true at a stop string)."""
-        text = self.held + piece
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if found:
-            self.hit, self.held = True, ""
-            return text[: min(found)]
-        keep = 0
-        for s in self.stops:
-            keep = max(keep, next((k for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), 0))
-        self.held = text[len(text) - keep :]
-        return text[: len(text) - keep]
-
-    def flush(self) -> str:
-        """The end of generation: what was held back is no stop string after all."""
-        text, self.held = self.held, ""
-        return text
 
 
 def stream_reply(

@@ -253,9 +253,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port to listen on (0: any free one)")
     p.add_argument("-np", "--parallel", type=_positive_int, default=1, metavar="N",
                    help="requests decoded at once, sharing each decode step; each holds the context / N tokens")
-    p.add_argument("--api-key", default=os.environ.get("POLYSTRATA_API_KEY"), metavar="KEY",
+    p.add_argument("--api-key", default=os.environ.get("POLYSTRATA_API_KEY") or None, metavar="KEY",
                    help="key clients must send (Authorization: Bearer KEY); default: $POLYSTRATA_API_KEY, else none")
-    ctx_arg(p, "min(trained, 4096), or the artifact's; shared by the --parallel sequences")
+    ctx_arg(p, "the model's, reduced to what the memory budget holds, or the artifact's; shared by the --parallel "
+               "sequences")
     target_arg(p)
     memory_args(p)
     p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ import numpy as np
 from aiohttp import web
 
 from polystrata.batch import BatchDecoder
-from polystrata.chat import encode_chat
+from polystrata.chat import StopStrings, chat_template_from_metadata, encode_chat
 from polystrata.engine import Engine
 from polystrata.errors import PolystrataError
 from polystrata.sampling import Sampler, SamplerConfig
@@ -41,37 +41,6 @@ MAX_WAITING = 256  # requests waiting for a slot (503 beyond)
 MAX_STOPS = 16  # stop strings a request may give, each at most MAX_STOP_CHARS long
 MAX_STOP_CHARS = 256
 ROLES = ("system", "developer", "user", "assistant")
-
-
-class StopStrings:
-    """Cuts streamed text at the first of some stop strings.
-
-    Text that could be the start of a stop string is held back until the next piece shows whether it is one, so
-    nothing of a stop string is ever sent.
-    """
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.held = ""
-        self.hit = False
-
-    def feed(self, piece: str) -> str:
-        """Add generated text; return what can be sent now (`hit` turns true at a stop string)."""
-        text = self.held + piece
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        if found:
-            self.hit, self.held = True, ""
-            return text[: min(found)]
-        keep = 0
-        for s in self.stops:
-            keep = max(keep, next((k for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), 0))
-        self.held = text[len(text) - keep :]
-        return text[: len(text) - keep]
-
-    def flush(self) -> str:
-        """The end of generation: what was held back is no stop string after all."""
-        text, self.held = self.held, ""
-        return text
 
 
 class BadRequest(Exception):
@@ -389,7 +358,7 @@ class Server:
         self.api_key = api_key
         self.defaults = defaults or SamplerConfig()
         self.created = int(time.time())
-        self.template = self.engine.metadata.get("tokenizer.chat_template")
+        self.template = chat_template_from_metadata(self.engine.metadata)
         self.n_ctx = scheduler.batch.n_ctx
         self.runner: web.AppRunner | None = None
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 from suite_plugin import targets_under_test
 
-from polystrata.chat import encode_chat
-from polystrata.chat_cli import StopStrings
+from polystrata.chat import StopStrings, encode_chat
 from polystrata.cli import main
 from polystrata.engine import Engine, GenerationStats
 from polystrata.sampling import Sampler, SamplerConfig

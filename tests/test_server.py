@@ -24,7 +24,7 @@ from polystrata.chat import encode_chat
 from polystrata.cli import main
 from polystrata.engine import Engine
 from polystrata.sampling import Sampler, SamplerConfig
-from polystrata.server import MAX_BODY, Scheduler, Server, StopStrings
+from polystrata.server import MAX_BODY, Scheduler, Server
 from polystrata.synth import synth_model
 
 KEY = "test-key"
@@ -211,16 +211,6 @@ def test_a_failing_engine_gives_500_and_the_server_goes_on(served, client, monke
     monkeypatch.setattr(sched.batch, "prefill", prefill)
     again = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
     assert again.usage.completion_tokens == 3
-
-
-def test_stop_strings_hold_back_what_may_start_one():
-    cut = StopStrings(["</s>", "END"])
-    assert cut.feed("abc<") == "abc"
-    assert cut.feed("/x") == "</x"
-    assert cut.feed("E") == ""
-    assert cut.feed("NDtail") == "" and cut.hit
-    cut = StopStrings(["xyz"])
-    assert cut.feed("ab") + cut.feed("x") + cut.flush() == "abx" and not cut.hit
 
 
 def test_serve_cli_refuses_what_it_cannot_do(tmp_path, capsys):
