@@ -21,15 +21,7 @@ import numpy as np
 from polystrata import bench, zoo
 from polystrata.errors import PolystrataError
 from polystrata.runtimes.base import cpu_name
-
-
-def _available_targets() -> tuple[str, ...]:
-    """Target names this checkout knows, wherever the list lives at the moment."""
-    try:
-        from polystrata.targets import TARGETS
-    except ImportError:
-        from polystrata.engine import TARGETS
-    return tuple(TARGETS)
+from polystrata.targets import TARGETS
 
 
 def _llamacpp_bench(path, n_prompt: int, n_gen: int, reps: int, threads: int, seed: int) -> dict:
@@ -111,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = ap.parse_args(argv)
 
-    known = _available_targets()
+    known = tuple(TARGETS)
     if a.target not in known:
         print(
             f"error: PolyStrata target '{a.target}' is not available in this checkout yet "
