@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     p = sub.add_parser("synth", help="write a random-weight model at a real shape")
-    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3"])
+    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3",
+                                                     "qwen35", "qwen35moe", "qwen3next"])
     p.add_argument("--preset", default="tiny")
     p.add_argument("--type", default="Q8_0", help="weight format, e.g. Q4_K, Q8_0, F16, or the mix Q4_K_M")
     p.add_argument("--seed", type=seed_arg, default=0)
@@ -214,7 +215,7 @@ def cmd_pull(a) -> int:
 def cmd_info(a) -> int:
     from polystrata.engine import tensor_table
     from polystrata.gguf import GGUFFile
-    from polystrata.models import model_hparams
+    from polystrata.models import model_hparams, qwen35
 
     path = _resolve(a.model)
     with GGUFFile(path) as f:
@@ -226,6 +227,8 @@ def cmd_info(a) -> int:
         for k, v in vars(hp).items():
             if k not in ("arch", "extra") and v not in (0, 0.0):
                 print(f"  {k}: {v}")
+        if hp.arch in qwen35.ARCHES:
+            print("\n".join(qwen35.describe(hp)))
         print(f"tokenizer: {md.get('tokenizer.ggml.model', '?')} (pre: {md.get('tokenizer.ggml.pre', '-')})")
         by_type: dict[str, list[int]] = {}
         for t in f.tensors.values():

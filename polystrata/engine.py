@@ -134,6 +134,12 @@ class Engine:
         """Keep only the first `n_past` tokens of the cache: the next forward continues after them."""
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot rewind to {n_past} tokens: the cache holds {self.n_past}")
+        if n_past == 0:
+            self.reset()
+        elif n_past < self.n_past and self.graph_all.recurrent():
+            # A recurrent state holds every token so far, with no way back to an earlier one.
+            raise PolystrataError(f"{self.hparams.arch} keeps a recurrent state, which cannot be rewound to "
+                                  f"{n_past} of its {self.n_past} tokens")
         self.executor.n_past = n_past  # rows past n_past are never read
 
     def forward(self, ids: list[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:

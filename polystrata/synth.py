@@ -65,7 +65,9 @@ EXACT_ELEMENTS = 1 << 22
 # Values per row pool (rounded to whole rows, at least 64 rows).
 POOL_ELEMENTS = 1 << 22
 
-ARCHES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3")
+ARCHES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3", "qwen35", "qwen35moe", "qwen3next")
+# Hybrids of Gated DeltaNet and gated full attention (`polystrata/models/qwen35.py`).
+HYBRID_ARCHES = ("qwen35", "qwen35moe", "qwen3next")
 
 # Plain tensor formats (names of polystrata.ir.quant formats) and llama.cpp-style mixes.
 QTYPES = (
@@ -107,9 +109,22 @@ class Preset:
     n_ff_shexp: int = 0
     sliding_window: int = 0
     tied: bool = False
+    rope_dims: int = 0  # rotated dims per head; 0: all of them
+    # Hybrids: the DeltaNet layers' conv kernel, key head size (= value head size), key and value head counts;
+    # every `full_attention_interval`-th layer is full attention; `nextn` multi-token-prediction layers follow.
+    ssm_conv: int = 0
+    ssm_state: int = 0
+    ssm_groups: int = 0
+    ssm_v_heads: int = 0
+    full_attention_interval: int = 4
+    nextn: int = 0
 
 
 _P = Preset
+# Qwen3.5 / Qwen3.6 / Qwen3-Next: gated attention of 16 heads of 256 (2 kv heads) with a quarter of each head
+# rotated; DeltaNet layers of 16 key heads and 32 value heads of 128, conv kernel 4; one MTP layer.
+_HYBRID = dict(rope_dims=64, ssm_conv=4, ssm_state=128, ssm_groups=16, ssm_v_heads=32, nextn=1)
+_HYBRID_TINY = dict(rope_dims=8, ssm_conv=4, ssm_state=16, ssm_groups=2, ssm_v_heads=4, nextn=1)
 # One table: (arch, preset name) -> shapes. Benchmark presets use a 49152-token vocabulary (SmolLM2's size)
 # whatever the original model's, so tokenizer and embedding sizes are comparable across architectures.
 _TABLE: dict[tuple[str, str], Preset] = {
@@ -136,6 +151,24 @@ _TABLE: dict[tuple[str, str], Preset] = {
     ("gemma3", "gemma3-270m"): _P(
         "gemma3", 49152, 640, 18, 4, 1, 256, 2048, 32768, 1000000.0, sliding_window=512, tied=True
     ),
+    # Four layers: three DeltaNet, then one full attention.
+    ("qwen35", "tiny"): _P("qwen35", 1024, 128, 4, 4, 2, 32, 256, 2048, 10000000.0, **_HYBRID_TINY),
+    ("qwen35moe", "tiny"): _P(
+        "qwen35moe", 1024, 128, 4, 4, 2, 32, 0, 2048, 10000000.0,
+        n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=128, **_HYBRID_TINY,
+    ),  # fmt: skip
+    ("qwen35moe", "qwen3.6-35b-a3b"): _P(
+        "qwen35moe", 49152, 2048, 40, 16, 2, 256, 0, 262144, 10000000.0,
+        n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512, **_HYBRID,
+    ),  # fmt: skip
+    ("qwen3next", "tiny"): _P(
+        "qwen3next", 1024, 128, 4, 4, 2, 32, 0, 2048, 10000000.0,
+        n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=128, **_HYBRID_TINY,
+    ),  # fmt: skip
+    ("qwen3next", "qwen3-next-80b-a3b"): _P(
+        "qwen3next", 49152, 2048, 48, 16, 2, 256, 0, 262144, 10000000.0,
+        n_expert=512, n_expert_used=10, n_ff_exp=512, n_ff_shexp=512, **_HYBRID,
+    ),  # fmt: skip
 }
 del _P
 
@@ -270,7 +303,7 @@ def _tokenizer_metadata(n_vocab: int) -> dict[str, Any]:
 class _Tensor:
     name: str
     shape: tuple[int, ...]
-    kind: str  # "matrix", "embd", "norm", "bias", "router"
+    kind: str  # "matrix", "embd", "norm", "bias", "router", "conv" (kept in F32), "decay" (-A in [1, 16))
     std: float
 
 
@@ -287,6 +320,12 @@ def _tensors(p: Preset) -> Iterator[_Tensor]:
 
     # Tied models read logits off the embeddings: keep rows at ~unit norm x 2 so logits have std ~2.
     yield _Tensor("token_embd.weight", (p.n_vocab, n), "embd", 2.0 / math.sqrt(n))
+    if p.arch in HYBRID_ARCHES:
+        yield from _hybrid_layers(p, mat, vec)
+        yield vec("output_norm.weight", n)
+        if not p.tied:
+            yield _Tensor("output.weight", (p.n_vocab, n), "matrix", 2.0 / math.sqrt(n))
+        return
     biased = p.arch in ("qwen2", "qwen2moe")
     qk_norm = p.arch in ("qwen3", "qwen3moe", "gemma3")
     for il in range(p.n_layer):
@@ -332,6 +371,65 @@ def _tensors(p: Preset) -> Iterator[_Tensor]:
         yield _Tensor("output.weight", (p.n_vocab, n), "matrix", 2.0 / math.sqrt(n))
 
 
+def _hybrid_layers(p: Preset, mat, vec) -> Iterator[_Tensor]:
+    """The layers of a Qwen3.5 / Qwen3-Next hybrid, then its multi-token-prediction layers, named and shaped as
+    llama.cpp's converter writes them (`polystrata/models/qwen35.py`)."""
+    n, d = p.n_embd, p.head_dim
+    hk, dk, hv = p.ssm_groups, p.ssm_state, p.ssm_v_heads
+    conv_dim, value_dim = 2 * hk * dk + hv * dk, hv * dk
+
+    def ffn(b: str) -> Iterator[_Tensor]:
+        if not p.n_expert:
+            yield mat(f"{b}.ffn_gate.weight", p.n_ff, n)
+            yield mat(f"{b}.ffn_up.weight", p.n_ff, n)
+            yield mat(f"{b}.ffn_down.weight", n, p.n_ff)
+            return
+        e, f, s = p.n_expert, p.n_ff_exp, p.n_ff_shexp
+        yield _Tensor(f"{b}.ffn_gate_inp.weight", (e, n), "router", 3.0 / math.sqrt(n))
+        yield mat(f"{b}.ffn_gate_exps.weight", f, n, e)
+        yield mat(f"{b}.ffn_up_exps.weight", f, n, e)
+        yield mat(f"{b}.ffn_down_exps.weight", n, f, e)
+        yield _Tensor(f"{b}.ffn_gate_inp_shexp.weight", (n,), "router", 1.0 / math.sqrt(n))
+        yield mat(f"{b}.ffn_gate_shexp.weight", s, n)
+        yield mat(f"{b}.ffn_up_shexp.weight", s, n)
+        yield mat(f"{b}.ffn_down_shexp.weight", n, s)
+
+    def attention(b: str) -> Iterator[_Tensor]:
+        yield mat(f"{b}.attn_q.weight", 2 * p.n_head * d, n)  # per head: query, then its output gate
+        yield mat(f"{b}.attn_k.weight", p.n_head_kv * d, n)
+        yield mat(f"{b}.attn_v.weight", p.n_head_kv * d, n)
+        yield vec(f"{b}.attn_q_norm.weight", d)
+        yield vec(f"{b}.attn_k_norm.weight", d)
+        yield mat(f"{b}.attn_output.weight", n, p.n_head * d)
+
+    for il in range(p.n_layer + p.nextn):
+        b = f"blk.{il}"
+        yield vec(f"{b}.attn_norm.weight", n)
+        if il >= p.n_layer or (il + 1) % p.full_attention_interval == 0:
+            yield from attention(b)
+        else:
+            yield mat(f"{b}.attn_qkv.weight", conv_dim, n)
+            yield mat(f"{b}.attn_gate.weight", value_dim, n)
+            yield _Tensor(f"{b}.ssm_conv1d.weight", (conv_dim, p.ssm_conv), "conv", 1.0 / math.sqrt(p.ssm_conv))
+            yield vec(f"{b}.ssm_dt.bias", hv, "bias")
+            # -exp(A_log), A in [1, 16): log decays of -0.7 per token and below.
+            yield _Tensor(f"{b}.ssm_a", (hv,), "decay", 1.0)
+            if p.arch == "qwen3next":
+                yield mat(f"{b}.ssm_ba.weight", 2 * hv, n)
+            else:
+                yield mat(f"{b}.ssm_beta.weight", hv, n)
+                yield mat(f"{b}.ssm_alpha.weight", hv, n)
+            yield vec(f"{b}.ssm_norm.weight", dk)
+            yield mat(f"{b}.ssm_out.weight", n, value_dim)
+        yield vec(f"{b}.post_attention_norm.weight", n)
+        yield from ffn(b)
+        if il >= p.n_layer:
+            yield mat(f"{b}.nextn.eh_proj.weight", n, 2 * n)
+            yield vec(f"{b}.nextn.enorm.weight", n)
+            yield vec(f"{b}.nextn.hnorm.weight", n)
+            yield vec(f"{b}.nextn.shared_head_norm.weight", n)
+
+
 def _use_more_bits(i_layer: int, n_layer: int) -> bool:
     # llama.cpp: the first and last eighth of the layers, and every third layer in between.
     return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
@@ -373,8 +471,8 @@ def _mix_type(mix: str, t: _Tensor, p: Preset) -> str:
 
 
 def _tensor_type(qtype: str, t: _Tensor, p: Preset) -> str:
-    if len(t.shape) == 1 or t.kind == "router":
-        return "F32"  # llama.cpp requires 1-D tensors in F32 and never quantizes routers
+    if len(t.shape) == 1 or t.kind in ("router", "conv"):
+        return "F32"  # llama.cpp requires 1-D tensors in F32 and never quantizes routers or conv kernels
     fmt = _mix_type(qtype, t, p) if qtype in MIXES else qtype
     if t.shape[-1] % _QK_K and fmt in _K_FALLBACK:
         fmt = _K_FALLBACK[fmt]
@@ -413,6 +511,8 @@ def _rng(seed: int, key: str) -> np.random.Generator:
 
 
 def _floats(t: _Tensor, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    if t.kind == "decay":
+        return -rng.uniform(1.0, 16.0, shape).astype(np.float32)
     x = rng.standard_normal(shape, dtype=np.float32) * np.float32(t.std)
     if t.kind == "norm":
         x += np.float32(1.0)
@@ -512,7 +612,34 @@ def _metadata(p: Preset, preset: str, qtype: str) -> dict[str, Any]:
             md[f"{a}.expert_shared_feed_forward_length"] = p.n_ff_shexp
     if p.sliding_window:
         md[f"{a}.attention.sliding_window"] = p.sliding_window
+    if a in HYBRID_ARCHES:
+        md.update(_hybrid_metadata(p))
     md.update(_tokenizer_metadata(p.n_vocab))
+    return md
+
+
+def _hybrid_metadata(p: Preset) -> dict[str, Any]:
+    """The keys llama.cpp's converter writes for a Qwen3.5 / Qwen3-Next hybrid."""
+    a = p.arch
+    recurrent = [il < p.n_layer and (il + 1) % p.full_attention_interval != 0 for il in range(p.n_layer + p.nextn)]
+    md: dict[str, Any] = {
+        f"{a}.block_count": p.n_layer + p.nextn,
+        f"{a}.rope.dimension_count": p.rope_dims,
+        f"{a}.ssm.conv_kernel": p.ssm_conv,
+        f"{a}.ssm.state_size": p.ssm_state,
+        f"{a}.ssm.group_count": p.ssm_groups,
+        f"{a}.ssm.time_step_rank": p.ssm_v_heads,
+        f"{a}.ssm.inner_size": p.ssm_v_heads * p.ssm_state,
+        f"{a}.full_attention_interval": p.full_attention_interval,
+        f"{a}.attention.recurrent_layers": np.asarray(recurrent, dtype=bool),
+    }
+    if p.nextn:
+        md[f"{a}.nextn_predict_layers"] = p.nextn
+    if a != "qwen3next":
+        # Interleaved M-RoPE sections (Qwen3.5's [11, 11, 10] for 64 rotated dims), required by llama.cpp.
+        pairs = p.rope_dims // 2
+        third = (pairs + 2) // 3
+        md[f"{a}.rope.dimension_sections"] = [third, third, pairs - 2 * third, 0]
     return md
 
 
