@@ -54,10 +54,12 @@ __all__ = [
     "PRESETS",
     "Preset",
     "QTYPES",
+    "preset_metadata",
     "print_progress",
     "synth_model",
     "synth_vocab",
     "tensor_plan",
+    "tokenizer_metadata",
 ]
 
 # Tensors up to this many values get independent random values; larger ones are built from a row pool.
@@ -278,7 +280,9 @@ _CHATML = (
 )
 
 
-def _tokenizer_metadata(n_vocab: int) -> dict[str, Any]:
+def tokenizer_metadata(n_vocab: int) -> dict[str, Any]:
+    """The `tokenizer.*` metadata of the synthetic vocabulary of `n_vocab` tokens (`synth_vocab`), chat template
+    included."""
     tokens, types, merges = synth_vocab(n_vocab)
     eot = tokens.index("<|endoftext|>")
     return {
@@ -479,6 +483,11 @@ def _tensor_type(qtype: str, t: _Tensor, p: Preset) -> str:
     return fmt
 
 
+def preset_metadata(arch: str, preset: str = "tiny", qtype: str = "Q8_0", n_layer: int | None = None) -> dict:
+    """The metadata `synth_model` would write (tokenizer included), without writing anything."""
+    return _metadata(_preset(arch, preset, n_layer), preset, _check_qtype(qtype))
+
+
 def tensor_plan(arch: str, preset: str = "tiny", qtype: str = "Q8_0", n_layer: int | None = None) -> list:
     """The `(name, shape, format name)` of every tensor `synth_model` would write, without writing anything."""
     p = _preset(arch, preset, n_layer)
@@ -614,7 +623,7 @@ def _metadata(p: Preset, preset: str, qtype: str) -> dict[str, Any]:
         md[f"{a}.attention.sliding_window"] = p.sliding_window
     if a in HYBRID_ARCHES:
         md.update(_hybrid_metadata(p))
-    md.update(_tokenizer_metadata(p.n_vocab))
+    md.update(tokenizer_metadata(p.n_vocab))
     return md
 
 
