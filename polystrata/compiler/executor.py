@@ -97,7 +97,7 @@ class PlanExecutor:
             self.handles.update(self.streamer.handles())
         for plan in plans.values():
             for name, spec in plan.buffers.items():
-                if spec.kind in ("weight", "kv", "input", "slots") and name in self.handles:
+                if spec.kind in ("weight", "kv", "state", "input", "slots") and name in self.handles:
                     continue
                 if spec.kind == "weight":
                     if spec.dtype == "f32":
@@ -109,6 +109,10 @@ class PlanExecutor:
                     self.handles[(id(plan), name)] = runtime.alloc((spec.count,), spec.dtype)
                 else:
                     self.handles[name] = runtime.alloc((spec.count,), spec.dtype)
+        # Recurrent states (name -> f32 count): zero at the start of every sequence.
+        self.states = {name: spec.count for plan in plans.values() for name, spec in plan.buffers.items()
+                       if spec.kind == "state"}
+        self.reset()
         # Per plan: its buffer names -> handles.
         self.local = {pid: {name: self.handles[(id(plan), name)] if spec.kind == "activation" else self.handles[name]
                             for name, spec in plan.buffers.items()} for pid, plan in plans.items()}
@@ -154,8 +158,10 @@ class PlanExecutor:
                               {name: spec.dtype for name, spec in specs.items()})
 
     def reset(self) -> None:
-        """Start a new sequence; KV rows past n_past are never read, so nothing is cleared."""
+        """Start a new sequence: KV rows past n_past are never read, so only the recurrent states are cleared."""
         self.n_past = 0
+        for name, count in self.states.items():
+            self.rt.write(self.handles[name], np.zeros(count, np.float32))
 
     def forward(self, graph: Graph, tokens: np.ndarray) -> np.ndarray:
         """One step over `tokens` (at most the plan's t_max) continuing the KV cache; returns the logits."""
