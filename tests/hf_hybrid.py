@@ -21,12 +21,13 @@ _COMMON = dict(
     head_dim=32, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
     linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6, max_position_embeddings=4096,
 )
-_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
 
 
 def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
-    """A random fp32 transformers model of `arch` (`qwen35`, `qwen35moe` or `qwen3next`), weights at scales that
-    keep activations near unit size and make the logits decisive."""
+    """A random fp32 transformers model of `arch` (`qwen35`, `qwen35moe` or `qwen3next`). Matrices at half the
+    unit-gain scale, so that a layer damps rather than amplifies small differences (at full scale Q8_0 rounding of
+    the embeddings alone moved the logits by KL 0.007), and a wide output matrix, so the logits are decisive."""
     import transformers as tf
 
     cfg, cls = {
@@ -50,7 +51,7 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
                 p.copy_(torch.randn(p.shape, generator=g))
             else:
                 fan_in = p.shape[-1]
-                std = (2.0 if "lm_head" in name else 1.0) / fan_in**0.5
+                std = (2.0 if "lm_head" in name else 0.5) / fan_in**0.5
                 p.copy_(torch.randn(p.shape, generator=g) * std)
     return model
 
@@ -183,8 +184,20 @@ def _metadata(model: torch.nn.Module, arch: str) -> dict:
     return md
 
 
-def write_gguf_from_hf(model: torch.nn.Module, arch: str, path: Path) -> Path:
-    """Convert `model` to an F32 GGUF file at `path`."""
-    tensors = _tensors(model, arch)
-    write_gguf(path, _metadata(model, arch), [(n, x.shape, "F32", x) for n, x in tensors.items()])
+# Kept in F32 by the converter whatever the output type (`ModelBase.prepare_tensors`): 1-D tensors, norms,
+# routers (and the shared expert's gate) and conv kernels.
+_F32_ALWAYS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
+
+
+def write_gguf_from_hf(model: torch.nn.Module, arch: str, path: Path, outtype: str = "F32") -> Path:
+    """Convert `model` to a GGUF file at `path`, its matrices in `outtype` (F32 or Q8_0, as `--outtype`)."""
+    from polystrata.ir import quant
+
+    def entry(name: str, x: np.ndarray):
+        if outtype == "F32" or x.ndim < 2 or name.endswith(_F32_ALWAYS):
+            return name, x.shape, "F32", x
+        fmt = quant.by_name(outtype)
+        return name, x.shape, outtype, np.asarray(quant.quantize(fmt, np.ascontiguousarray(x)))
+
+    write_gguf(path, _metadata(model, arch), [entry(n, x) for n, x in _tensors(model, arch).items()])
     return path

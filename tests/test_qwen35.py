@@ -131,14 +131,18 @@ def test_real_shape_presets_build(arch, preset, n_delta, n_full):
 
 # --- against transformers' reference models --------------------------------------------------------------
 
-KL_MAX_F32 = 1e-4
-TOP1_MIN = 0.98
+# The issue's bounds: KL over the reference's top 40 in F32, and in Q8_0 (whose rounding the reference lacks).
+# Top-1 in Q8_0: these random models have near-ties that the rounding flips at 2-3 % of the positions (0.976 to
+# 0.982 measured, KL 1.5e-4 to 2.6e-4), so the bound there is the parity metric's own (`parity.TOP1_MIN`).
+KL_MAX = {"F32": 1e-4, "Q8_0": 2e-3}
+TOP1_MIN = {"F32": 0.98, "Q8_0": 0.95}
 
 
 @pytest.mark.slow
 @pytest.mark.transformers
+@pytest.mark.parametrize("outtype", ["F32", "Q8_0"])
 @pytest.mark.parametrize("arch", HYBRIDS)
-def test_logits_match_transformers(arch, tmp_path):
+def test_logits_match_transformers(arch, outtype, tmp_path):
     """A tiny random model of transformers' implementation, converted as llama.cpp's converter does: one pass over
     a prompt of several prefill chunks (and delta-rule chunks), then token-by-token decode, against the reference's
     logits over the whole sequence (KL over its top 40 tokens)."""
@@ -152,11 +156,11 @@ def test_logits_match_transformers(arch, tmp_path):
     with torch.no_grad():
         ref = model(torch.from_numpy(ids)[None]).logits[0].numpy()
     top = np.argsort(-ref, axis=1)[:, :40]
-    e = Engine(write_gguf_from_hf(model, arch, tmp_path / f"{arch}.gguf"), target="reference", n_ctx=512)
+    e = Engine(write_gguf_from_hf(model, arch, tmp_path / f"{arch}.gguf", outtype), target="reference", n_ctx=512)
 
     scored = Parity()
     scored.add(top, np.take_along_axis(ref, top, 1), e.score(ids))
-    assert scored.kl <= KL_MAX_F32 and scored.top1 >= TOP1_MIN, f"one pass: {scored}"
+    assert scored.kl <= KL_MAX[outtype] and scored.top1 >= TOP1_MIN[outtype], f"one pass: {scored}"
 
     e.reset()
     decoded = Parity()
@@ -164,4 +168,4 @@ def test_logits_match_transformers(arch, tmp_path):
     logits += [e.forward(ids[i : i + 1]) for i in range(n_prompt, n_prompt + n_decode - 1)]
     rows = slice(n_prompt - 1, n_prompt + n_decode - 1)
     decoded.add(top[rows], np.take_along_axis(ref[rows], top[rows], 1), np.concatenate(logits))
-    assert decoded.kl <= KL_MAX_F32 and decoded.top1 >= TOP1_MIN, f"decode: {decoded}"
+    assert decoded.kl <= KL_MAX[outtype] and decoded.top1 >= TOP1_MIN[outtype], f"decode: {decoded}"
