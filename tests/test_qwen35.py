@@ -169,3 +169,28 @@ def test_logits_match_transformers(arch, outtype, tmp_path):
     rows = slice(n_prompt - 1, n_prompt + n_decode - 1)
     decoded.add(top[rows], np.take_along_axis(ref[rows], top[rows], 1), np.concatenate(logits))
     assert decoded.kl <= KL_MAX[outtype] and decoded.top1 >= TOP1_MIN[outtype], f"decode: {decoded}"
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.transformers
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_llama_cpp_agrees_on_converted_models(arch, tmp_path):
+    """llama.cpp, the second oracle, on the same converted files: its logits agree with transformers' (so the
+    conversion in tests/hf_hybrid.py is one llama.cpp reads as it reads its converter's), over several of its
+    delta-rule chunks."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from hf_hybrid import tiny_model, write_gguf_from_hf
+
+    model = tiny_model(arch)
+    ids = np.random.default_rng(4).integers(0, model.config.vocab_size, 150).tolist()
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    llm = llama_cpp.Llama(model_path=str(write_gguf_from_hf(model, arch, tmp_path / f"{arch}.gguf")), n_ctx=256,
+                          n_batch=256, logits_all=True, verbose=False, type_k=0, type_v=0)
+    llm.eval(ids)
+    top = np.argsort(-ref, axis=1)[:, :40]
+    par = Parity()
+    par.add(top, np.take_along_axis(ref, top, 1), np.asarray(llm.scores[: len(ids)]))
+    assert par.kl <= KL_MAX["F32"] and par.top1 >= TOP1_MIN["F32"], str(par)
