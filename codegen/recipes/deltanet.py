@@ -7,7 +7,7 @@ group per `chunk` channels, each lane one channel through every token of the ste
 on its own inputs and state). delta_rule: the recurrent form for steps of any length (the chunked WY form of the
 reference executor has no kernel yet): a group per (value head, `chunk` columns of its state), each lane one column
 S[:, j] of the head's state, which evolves on its own: per token, S *= exp(g); delta = beta (v_j - k . S[:, j]);
-S[:, j] += k delta; out_j = scale q . S[:, j].
+S[:, j] += k delta; out_j = scale q . S[:, j] (computed from one read of the column: see `_lower_delta_rule`).
 """
 
 from __future__ import annotations
@@ -169,24 +169,25 @@ def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]
     qk = (t * hk + kh) * dk + e  # element e of the token's key (and query) head
     s = (h * dk + e) * dv + col  # S[h, e, col]
     g = (t * hv + h) * 2
-    first = For("e", Const(0), Const(dk), (
-        Let("se", Load("s", s) * Var("decay")),
-        Store("s", s, Var("se")),
-        Assign("mem", Var("mem") + Var("se") * Load("k", qk)),
+    # One pass reads the column for k . S, q . S (and q . k); a second decays it and adds k delta. With the decay
+    # d: delta = beta (v - d k.S); out = scale (d q.S + q.k delta). Two reads and one write of S per token.
+    read = For("e", Const(0), Const(dk), (
+        Let("se", Load("s", s)),
+        Let("ke", Load("k", qk)),
+        Let("qe", Load("q", qk)),
+        Assign("ks", Var("ks") + Var("ke") * Var("se")),
+        Assign("qs", Var("qs") + Var("qe") * Var("se")),
+        Assign("qk", Var("qk") + Var("qe") * Var("ke")),
     ))
-    second = For("e", Const(0), Const(dk), (
-        Let("se", Load("s", s) + Load("k", qk) * Var("delta")),
-        Store("s", s, Var("se")),
-        Assign("o", Var("o") + Var("se") * Load("q", qk)),
-    ))
+    write = For("e", Const(0), Const(dk), (Store("s", s, Load("s", s) * Var("decay") + Load("k", qk) * Var("delta")),))
     token = (
         Let("decay", Call("exp", Load("g", g))),
-        Decl("mem", "f32", Const(0.0)),
-        first,
-        Let("delta", (Load("v", (t * hv + h) * dv + col) - Var("mem")) * Load("g", g + 1)),
-        Decl("o", "f32", Const(0.0)),
-        second,
-        Store("y", (t * hv + h) * dv + col, Var("o") * float(node.attrs["scale"])),
+        *(Decl(acc, "f32", Const(0.0)) for acc in ("ks", "qs", "qk")),
+        read,
+        Let("delta", (Load("v", (t * hv + h) * dv + col) - Var("decay") * Var("ks")) * Load("g", g + 1)),
+        Store("y", (t * hv + h) * dv + col,
+              (Var("decay") * Var("qs") + Var("qk") * Var("delta")) * float(node.attrs["scale"])),
+        write,
     )
     body = (LaneFor("l", Const(chunk), (
         Let("col", Var("g1") * chunk + Var("l")),
