@@ -127,6 +127,7 @@ _P = Preset
 # rotated; DeltaNet layers of 16 key heads and 32 value heads of 128, conv kernel 4; one MTP layer.
 _HYBRID = dict(rope_dims=64, ssm_conv=4, ssm_state=128, ssm_groups=16, ssm_v_heads=32, nextn=1)
 _HYBRID_TINY = dict(rope_dims=8, ssm_conv=4, ssm_state=16, ssm_groups=2, ssm_v_heads=4, nextn=1)
+_HYBRID_MOE_TINY = dict(n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=128, **_HYBRID_TINY)
 # One table: (arch, preset name) -> shapes. Benchmark presets use a 49152-token vocabulary (SmolLM2's size)
 # whatever the original model's, so tokenizer and embedding sizes are comparable across architectures.
 _TABLE: dict[tuple[str, str], Preset] = {
@@ -155,18 +156,12 @@ _TABLE: dict[tuple[str, str], Preset] = {
     ),
     # Four layers: three DeltaNet, then one full attention.
     ("qwen35", "tiny"): _P("qwen35", 1024, 128, 4, 4, 2, 32, 256, 2048, 10000000.0, **_HYBRID_TINY),
-    ("qwen35moe", "tiny"): _P(
-        "qwen35moe", 1024, 128, 4, 4, 2, 32, 0, 2048, 10000000.0,
-        n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=128, **_HYBRID_TINY,
-    ),  # fmt: skip
+    ("qwen35moe", "tiny"): _P("qwen35moe", 1024, 128, 4, 4, 2, 32, 0, 2048, 10000000.0, **_HYBRID_MOE_TINY),
     ("qwen35moe", "qwen3.6-35b-a3b"): _P(
         "qwen35moe", 49152, 2048, 40, 16, 2, 256, 0, 262144, 10000000.0,
         n_expert=256, n_expert_used=8, n_ff_exp=512, n_ff_shexp=512, **_HYBRID,
     ),  # fmt: skip
-    ("qwen3next", "tiny"): _P(
-        "qwen3next", 1024, 128, 4, 4, 2, 32, 0, 2048, 10000000.0,
-        n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=128, **_HYBRID_TINY,
-    ),  # fmt: skip
+    ("qwen3next", "tiny"): _P("qwen3next", 1024, 128, 4, 4, 2, 32, 0, 2048, 10000000.0, **_HYBRID_MOE_TINY),
     ("qwen3next", "qwen3-next-80b-a3b"): _P(
         "qwen3next", 49152, 2048, 48, 16, 2, 256, 0, 262144, 10000000.0,
         n_expert=512, n_expert_used=10, n_ff_exp=512, n_ff_shexp=512, **_HYBRID,
