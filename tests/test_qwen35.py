@@ -194,3 +194,22 @@ def test_llama_cpp_agrees_on_converted_models(arch, tmp_path):
     par = Parity()
     par.add(top, np.take_along_axis(ref, top, 1), np.asarray(llm.scores[: len(ids)]))
     assert par.kl <= KL_MAX["F32"] and par.top1 >= TOP1_MIN["F32"], str(par)
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("ssm.group_count", 3, "64 values in 4 value heads over 3 key heads do not divide evenly"),
+    ("nextn_predict_layers", 5, "'qwen35.nextn_predict_layers' is 5, expected fewer than the 5 blocks"),
+    ("ssm.conv_kernel", 0, "'qwen35.ssm.conv_kernel' is 0, expected at least 1"),
+])
+def test_bad_hybrid_metadata_is_one_line(tiny_hybrid, tmp_path, key, value, message):
+    from polystrata.gguf import GGUFFile, write_gguf
+
+    with GGUFFile(tiny_hybrid("qwen35")) as f:
+        md = dict(f.metadata)
+        md[f"qwen35.{key}"] = value
+        bad = tmp_path / "bad.gguf"
+        write_gguf(bad, md, [(t.name, t.shape, t.fmt, np.asarray(f.raw(t.name))) for t in f.tensors.values()],
+                   types=f.metadata_types)
+    r = subprocess.run([sys.executable, "-m", "polystrata", "info", str(bad)], capture_output=True, text=True)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert message in r.stderr

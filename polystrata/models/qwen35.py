@@ -56,8 +56,9 @@ def read_hybrid(metadata: dict[str, Any], hp: HParams) -> None:
         if not 1 <= value <= 2**31 - 1:
             raise GGUFError(f"metadata '{a}.ssm.{key}' is {value}, expected at least 1")
     if ssm["time_step_rank"] % ssm["group_count"] or ssm["inner_size"] % ssm["time_step_rank"]:
-        raise GGUFError(f"{a}: {ssm['time_step_rank']} value heads of {ssm['inner_size']} values do not divide "
-                        f"over {ssm['group_count']} key heads")
+        raise GGUFError(f"{a}: {ssm['inner_size']} values in {ssm['time_step_rank']} value heads over "
+                        f"{ssm['group_count']} key heads do not divide evenly (ssm.inner_size, ssm.time_step_rank, "
+                        "ssm.group_count)")
     flags = metadata.get(f"{a}.attention.recurrent_layers")
     if flags is not None:
         flags = np.asarray(flags).reshape(-1)
