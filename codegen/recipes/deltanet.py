@@ -5,9 +5,9 @@ and the recurrent ops ssm_conv and delta_rule, whose per-sequence state lives in
 Row kernels (l2_norm, rms_norm_gated): a group per row, a Reduce over it then a LaneFor writing it. ssm_conv: a
 group per `chunk` channels, each lane one channel through every token of the step (a channel's outputs depend only
 on its own inputs and state). delta_rule: the recurrent form for steps of any length (the chunked WY form of the
-reference executor has no kernel yet): a group per (value head, `chunk` columns of its state), each lane one column
-S[:, j] of the head's state, which evolves on its own: per token, S *= exp(g); delta = beta (v_j - k . S[:, j]);
-S[:, j] += k delta; out_j = scale q . S[:, j] (computed from one read of the column: see `_lower_delta_rule`).
+reference executor has no kernel yet): a group per (value head, column j of its state), whose lanes share the
+column's Dk values, kept adjacent (the state is stored transposed); per token: S *= exp(g); delta = beta (v_j -
+k . S[:, j]); S[:, j] += k delta; out_j = scale q . S[:, j], from one read of the column (see `_lower_delta_rule`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ CHUNK = 64
 
 def state_buffer(node: Node) -> tuple[str, int]:
     """(plan buffer name, f32 count) of the recurrent state a `RECURRENT_OPS` node keeps for its layer: ssm_conv's
-    last K-1 input rows [K-1, C], delta_rule's matrices [Hv, Dk, Dv]."""
+    last K-1 input rows [K-1, C], delta_rule's matrices transposed, [Hv, Dv, Dk] (the reference's [Hv, Dk, Dv])."""
     layer = node.attrs["layer"]
     if node.op == "ssm_conv":
         c, k = (int(d) for d in node.inputs[1].type.shape)
@@ -162,42 +162,27 @@ def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]
     q, k, v, gates = node.inputs
     hk, dk = int(q.type.shape[1]), int(q.type.shape[2])
     hv, dv = int(v.type.shape[1]), int(v.type.shape[2])
-    chunk = max(1, min(ctx.knob("delta_rule", "chunk", CHUNK), dv))
     tiled = node.attrs["head_map"] == "tiled"
-    h, col, t, e = Var("g0"), Var("col"), Var("t"), Var("e")
+    h, col, t, e = Var("g0"), Var("g1"), Var("t"), Var("e")
     kh = h % hk if tiled else h // (hv // hk)
     qk = (t * hk + kh) * dk + e  # element e of the token's key (and query) head
-    s = (h * dk + e) * dv + col  # S[h, e, col]
+    s = (h * dv + col) * dk + e  # S[h, e, col], kept transposed: a column's Dk values are adjacent
     g = (t * hv + h) * 2
-    # One pass reads the column for k . S, q . S (and q . k); a second decays it and adds k delta. With the decay
-    # d: delta = beta (v - d k.S); out = scale (d q.S + q.k delta). Two reads and one write of S per token.
-    read = For("e", Const(0), Const(dk), (
-        Let("se", Load("s", s)),
-        Let("ke", Load("k", qk)),
-        Let("qe", Load("q", qk)),
-        Assign("ks", Var("ks") + Var("ke") * Var("se")),
-        Assign("qs", Var("qs") + Var("qe") * Var("se")),
-        Assign("qk", Var("qk") + Var("qe") * Var("ke")),
-    ))
-    write = For("e", Const(0), Const(dk), (Store("s", s, Load("s", s) * Var("decay") + Load("k", qk) * Var("delta")),))
+    out = (t * hv + h) * dv + col
+    # Per token one read of the column gives k . S, q . S and q . k; with the decay d, delta = beta (v - d k.S) and
+    # out = scale (d q.S + q.k delta); then S = d S + k delta. Two reads and one write of S per token.
     token = (
+        Reduce("ks", "+", "e", Const(dk), (Let("se", Load("s", s)), Let("ke", Load("k", qk)), Let("qe", Load("q", qk))),
+               Var("ke") * Var("se"), more=(("qs", Var("qe") * Var("se")), ("qk", Var("qe") * Var("ke")))),
         Let("decay", Call("exp", Load("g", g))),
-        *(Decl(acc, "f32", Const(0.0)) for acc in ("ks", "qs", "qk")),
-        read,
-        Let("delta", (Load("v", (t * hv + h) * dv + col) - Var("decay") * Var("ks")) * Load("g", g + 1)),
-        Store("y", (t * hv + h) * dv + col,
-              (Var("decay") * Var("qs") + Var("qk") * Var("delta")) * float(node.attrs["scale"])),
-        write,
+        Let("delta", (Load("v", out) - Var("decay") * Var("ks")) * Load("g", g + 1)),
+        Store("y", out, (Var("decay") * Var("qs") + Var("qk") * Var("delta")) * float(node.attrs["scale"])),
+        LaneFor("e", Const(dk), (Store("s", s, Load("s", s) * Var("decay") + Load("k", qk) * Var("delta")),)),
     )
-    body = (LaneFor("l", Const(chunk), (
-        Let("col", Var("g1") * chunk + Var("l")),
-        If(col < dv, (For("t", Const(0), Var("T"), token),)),
-    )),)
     params = (Buf("q", "f32"), Buf("k", "f32"), Buf("v", "f32"), Buf("g", "f32"), Buf("s", "f32", out=True),
               Buf("y", "f32", out=True), Scalar("T"))
     name = f"delta_rule_{hk}x{dk}_{hv}x{dv}_{'tiled' if tiled else 'grouped'}_{name_tag(node.attrs['scale'])}"
-    kern = Kernel(name, params, (Const(hv), Const((dv + chunk - 1) // chunk)), body, lanes=ctx.lanes,
-                  knobs=(("chunk", chunk),))
+    kern = Kernel(name, params, (Const(hv), Const(dv)), (For("t", Const(0), Var("T"), token),), lanes=ctx.lanes)
     bufs = (("q", ctx.buf(q)), ("k", ctx.buf(k)), ("v", ctx.buf(v)), ("g", ctx.buf(gates)),
             ("s", state_buffer(node)[0]), ("y", ctx.buf(node.output)))
     return [Launch(kern, bufs, (("T", token_binding(v)),))]
@@ -208,4 +193,4 @@ register(Recipe("l2_norm", ("l2_norm",), _lower_l2_norm))
 register(Recipe("rms_norm_gated", ("rms_norm_gated",), _lower_rms_norm_gated))
 register(Recipe("gdn_gates", ("gdn_gates",), _lower_gdn_gates))
 register(Recipe("ssm_conv", ("ssm_conv",), _lower_ssm_conv, None, (("chunk", CHUNK),)))
-register(Recipe("delta_rule", ("delta_rule",), _lower_delta_rule, None, (("chunk", CHUNK),)))
+register(Recipe("delta_rule", ("delta_rule",), _lower_delta_rule))
