@@ -275,6 +275,7 @@ def run_bench(
         t0 = time.perf_counter()
         engine.reset()
         engine.forward(rng.integers(0, n_vocab, size=depth, dtype=np.int32))
+        engine.checkpoint()  # where each run rewinds to (models with a recurrent state need it)
         say(f"depth {depth}: prefilled in {time.perf_counter() - t0:.1f} s")
 
     if n_prompt:

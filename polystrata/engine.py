@@ -86,6 +86,7 @@ class Engine:
         self.runtime = None if target == "reference" else make_runtime(target)
         self.device = self.runtime.device if self.runtime else "host CPU (numpy float32)"
         self.executor = self._make_executor()
+        self._checkpoint: tuple[int, object] | None = None  # (n_past, recurrent states): see `checkpoint`
 
     def _make_executor(self):
         if self.runtime is None:
@@ -127,7 +128,8 @@ class Engine:
         return self.executor.n_past
 
     def reset(self) -> None:
-        """Start a new sequence (the KV cache is reused, its contents ignored)."""
+        """Start a new sequence (the KV cache is reused, its contents ignored; recurrent states are zeroed)."""
+        self._checkpoint = None
         self.executor.reset()
 
     def rewind(self, n_past: int) -> None:
@@ -137,10 +139,18 @@ class Engine:
         if n_past == 0:
             self.reset()
         elif n_past < self.n_past and self.graph_all.recurrent():
-            # A recurrent state holds every token so far, with no way back to an earlier one.
-            raise PolystrataError(f"{self.hparams.arch} keeps a recurrent state, which cannot be rewound to "
-                                  f"{n_past} of its {self.n_past} tokens")
+            # A recurrent state holds every token so far: only a checkpoint leads back to an earlier one.
+            if self._checkpoint is None or self._checkpoint[0] != n_past:
+                raise PolystrataError(f"{self.hparams.arch} keeps a recurrent state, which cannot be rewound to "
+                                      f"{n_past} of its {self.n_past} tokens (no checkpoint there)")
+            self.executor.load_state(self._checkpoint[1])
         self.executor.n_past = n_past  # rows past n_past are never read
+
+    def checkpoint(self) -> None:
+        """Remember the recurrent state here, so that `rewind` can come back to this point of the sequence (a KV
+        cache needs no checkpoint: rows past n_past are never read). One checkpoint; a new one replaces it."""
+        if self.graph_all.recurrent():
+            self._checkpoint = (self.n_past, self.executor.save_state())
 
     def forward(self, ids: list[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Feed tokens after those already in the cache; logits of every token, or of the last one only."""

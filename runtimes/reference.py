@@ -97,6 +97,14 @@ class ReferenceExecutor:
         self.n_past = 0
         self.states.clear()
 
+    def save_state(self) -> dict[tuple[str, int], np.ndarray]:
+        """A copy of the recurrent states (for `Engine.checkpoint`)."""
+        return {key: st.copy() for key, st in self.states.items()}
+
+    def load_state(self, saved: dict[tuple[str, int], np.ndarray]) -> None:
+        """Put back states `save_state` returned."""
+        self.states = {key: st.copy() for key, st in saved.items()}
+
     def forward(self, graph: Graph, tokens: np.ndarray) -> np.ndarray:
         """Run one step on `tokens`, at positions continuing the KV cache; returns the graph's first output."""
         t = len(tokens)

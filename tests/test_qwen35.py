@@ -80,12 +80,17 @@ def test_state_carried_across_chunks_and_reset(arch, tiny_hybrid, monkeypatch):
     np.testing.assert_allclose(np.concatenate(pieces), whole, rtol=0, atol=5e-3)
 
 
-def test_recurrent_state_cannot_be_rewound(tiny_hybrid):
+def test_recurrent_state_rewinds_only_to_its_checkpoint(tiny_hybrid):
     e = Engine(tiny_hybrid("qwen35"), target="reference", n_ctx=64)
+    fresh = e.forward([1, 2, 3, 4, 5, 6], all_logits=True)
+    e.reset()
     e.forward([1, 2, 3, 4])
+    e.checkpoint()
+    e.forward([9, 9])
     with pytest.raises(PolystrataError, match="recurrent state"):
         e.rewind(2)
-    e.rewind(4)  # where it is: nothing to undo
+    e.rewind(4)
+    np.testing.assert_allclose(e.forward([5, 6], all_logits=True), fresh[4:], rtol=0, atol=1e-4)
     e.rewind(0)
     assert e.n_past == 0 and not e.executor.states
 
@@ -101,15 +106,20 @@ def test_info_names_hybrid_layout_and_unused_mtp_layer(tiny_hybrid):
 @pytest.mark.slow
 def test_cpu_target_matches_reference(tiny_hybrid):
     """The recipes' kernels in a whole model (qwen35moe: routed experts, separate alpha and beta, tiled heads): one
-    pass, then prefill and token-by-token decode through the state buffers, after a reset that clears them."""
+    pass, then prefill and token-by-token decode through the state buffers after a reset that clears them, and the
+    decode again after a rewind to a checkpoint."""
     path = tiny_hybrid("qwen35moe")
     ids = np.random.default_rng(3).integers(0, 1000, 80)
     ref = Engine(path, target="reference", n_ctx=128).score(ids)
     e = Engine(path, target="cpu", n_ctx=128)
     np.testing.assert_allclose(e.score(ids), ref, rtol=0, atol=5e-3)
     e.reset()
-    out = [e.forward(ids[:70], all_logits=True)] + [e.forward(ids[i : i + 1], all_logits=True) for i in range(70, 80)]
-    np.testing.assert_allclose(np.concatenate(out), ref, rtol=0, atol=5e-3)
+    prefill = e.forward(ids[:70], all_logits=True)
+    e.checkpoint()
+    for _ in range(2):  # the second time from the checkpoint, through the state buffers' host copies
+        out = [prefill] + [e.forward(ids[i : i + 1], all_logits=True) for i in range(70, 80)]
+        np.testing.assert_allclose(np.concatenate(out), ref, rtol=0, atol=5e-3)
+        e.rewind(70)
 
 
 @pytest.mark.parametrize(("arch", "preset", "n_delta", "n_full"), [

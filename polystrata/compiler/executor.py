@@ -163,6 +163,15 @@ class PlanExecutor:
         for name, count in self.states.items():
             self.rt.write(self.handles[name], np.zeros(count, np.float32))
 
+    def save_state(self) -> dict[str, np.ndarray]:
+        """A host copy of the recurrent states (for `Engine.checkpoint`)."""
+        return {name: self.rt.download(self.handles[name], (count,), "f32") for name, count in self.states.items()}
+
+    def load_state(self, saved: dict[str, np.ndarray]) -> None:
+        """Put back states `save_state` returned."""
+        for name, data in saved.items():
+            self.rt.write(self.handles[name], data)
+
     def forward(self, graph: Graph, tokens: np.ndarray) -> np.ndarray:
         """One step over `tokens` (at most the plan's t_max) continuing the KV cache; returns the logits."""
         plan = self.plans[id(graph)]
