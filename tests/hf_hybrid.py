@@ -190,14 +190,14 @@ _F32_ALWAYS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.w
 
 
 def write_gguf_from_hf(model: torch.nn.Module, arch: str, path: Path, outtype: str = "F32") -> Path:
-    """Convert `model` to a GGUF file at `path`, its matrices in `outtype` (F32 or Q8_0, as `--outtype`)."""
-    from polystrata.ir import quant
+    """Convert `model` to a GGUF file at `path`, its matrices in `outtype` (F32 or Q8_0, as `--outtype`; quantized
+    by gguf-py, as the converter does)."""
+    import gguf
 
     def entry(name: str, x: np.ndarray):
         if outtype == "F32" or x.ndim < 2 or name.endswith(_F32_ALWAYS):
             return name, x.shape, "F32", x
-        fmt = quant.by_name(outtype)
-        return name, x.shape, outtype, np.asarray(quant.quantize(fmt, np.ascontiguousarray(x)))
+        return name, x.shape, outtype, gguf.quants.quantize(x, gguf.GGMLQuantizationType[outtype])
 
     write_gguf(path, _metadata(model, arch), [entry(n, x) for n, x in _tensors(model, arch).items()])
     return path

@@ -18,11 +18,13 @@ from collections.abc import Sequence
 from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes.elementwise import rms_scale
 from polystrata.ir.graph import Node, Value
-from polystrata.ir.kernel import (
+from polystrata.ir.kernel import (  # the expression nodes Const, Expr, Var too, which ir.kernel builds on
     Assign,
     Buf,
     Call,
+    Const,
     Decl,
+    Expr,
     For,
     If,
     Kernel,
@@ -33,9 +35,9 @@ from polystrata.ir.kernel import (
     Reduce,
     Scalar,
     Store,
+    Var,
     name_tag,
 )
-from polystrata.ir.quant import Const, Expr, Var
 
 CHUNK = 64
 
