@@ -136,15 +136,20 @@ class Engine:
         """Keep only the first `n_past` tokens of the cache: the next forward continues after them."""
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot rewind to {n_past} tokens: the cache holds {self.n_past}")
+        if not self.can_rewind(n_past):
+            raise PolystrataError(f"{self.hparams.arch} keeps a recurrent state, which cannot be rewound to "
+                                  f"{n_past} of its {self.n_past} tokens (no checkpoint there)")
         if n_past == 0:
             self.reset()
         elif n_past < self.n_past and self.graph_all.recurrent():
-            # A recurrent state holds every token so far: only a checkpoint leads back to an earlier one.
-            if self._checkpoint is None or self._checkpoint[0] != n_past:
-                raise PolystrataError(f"{self.hparams.arch} keeps a recurrent state, which cannot be rewound to "
-                                      f"{n_past} of its {self.n_past} tokens (no checkpoint there)")
             self.executor.load_state(self._checkpoint[1])
         self.executor.n_past = n_past  # rows past n_past are never read
+
+    def can_rewind(self, n_past: int) -> bool:
+        """Whether `rewind(n_past)` can be done: always with a KV cache alone; with a recurrent state, which holds
+        every token so far, only to the start, to where it is, or to its `checkpoint`."""
+        return (n_past in (0, self.n_past) or not self.graph_all.recurrent()
+                or (self._checkpoint is not None and self._checkpoint[0] == n_past))
 
     def checkpoint(self) -> None:
         """Remember the recurrent state here, so that `rewind` can come back to this point of the sequence (a KV

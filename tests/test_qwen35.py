@@ -87,6 +87,7 @@ def test_recurrent_state_rewinds_only_to_its_checkpoint(tiny_hybrid):
     e.forward([1, 2, 3, 4])
     e.checkpoint()
     e.forward([9, 9])
+    assert not e.can_rewind(2) and e.can_rewind(4) and e.can_rewind(6) and e.can_rewind(0)
     with pytest.raises(PolystrataError, match="recurrent state"):
         e.rewind(2)
     e.rewind(4)
