@@ -36,7 +36,7 @@ import re
 import sys
 import zlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -112,21 +112,22 @@ class Preset:
     sliding_window: int = 0
     tied: bool = False
     rope_dims: int = 0  # rotated dims per head; 0: all of them
-    # Hybrids: the DeltaNet layers' conv kernel, key head size (= value head size), key and value head counts;
-    # every `full_attention_interval`-th layer is full attention; `nextn` multi-token-prediction layers follow.
-    ssm_conv: int = 0
-    ssm_state: int = 0
-    ssm_groups: int = 0
-    ssm_v_heads: int = 0
-    full_attention_interval: int = 4
-    nextn: int = 0
+    # Hybrids: their GGUF keys, named as `models.qwen35.read_hybrid` names them (ssm_conv_kernel, ssm_state_size,
+    # ssm_group_count, ssm_time_step_rank, ssm_inner_size, nextn_predict_layers) and full_attention_interval.
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 _P = Preset
 # Qwen3.5 / Qwen3.6 / Qwen3-Next: gated attention of 16 heads of 256 (2 kv heads) with a quarter of each head
 # rotated; DeltaNet layers of 16 key heads and 32 value heads of 128, conv kernel 4; one MTP layer.
-_HYBRID = dict(rope_dims=64, ssm_conv=4, ssm_state=128, ssm_groups=16, ssm_v_heads=32, nextn=1)
-_HYBRID_TINY = dict(rope_dims=8, ssm_conv=4, ssm_state=16, ssm_groups=2, ssm_v_heads=4, nextn=1)
+_HYBRID = dict(rope_dims=64, extra=dict(
+    ssm_conv_kernel=4, ssm_state_size=128, ssm_group_count=16, ssm_time_step_rank=32, ssm_inner_size=32 * 128,
+    full_attention_interval=4, nextn_predict_layers=1,
+))
+_HYBRID_TINY = dict(rope_dims=8, extra=dict(
+    ssm_conv_kernel=4, ssm_state_size=16, ssm_group_count=2, ssm_time_step_rank=4, ssm_inner_size=4 * 16,
+    full_attention_interval=4, nextn_predict_layers=1,
+))
 _HYBRID_MOE_TINY = dict(n_expert=8, n_expert_used=2, n_ff_exp=64, n_ff_shexp=128, **_HYBRID_TINY)
 # One table: (arch, preset name) -> shapes. Benchmark presets use a 49152-token vocabulary (SmolLM2's size)
 # whatever the original model's, so tokenizer and embedding sizes are comparable across architectures.
@@ -384,8 +385,10 @@ def _hybrid_layers(p: Preset, unit_mat, vec) -> Iterator[_Tensor]:
     def mat(name: str, n_out: int, n_in: int, *lead: int) -> _Tensor:
         return replace(unit_mat(name, n_out, n_in, *lead), std=_HYBRID_GAIN / math.sqrt(n_in))
 
-    hk, dk, hv = p.ssm_groups, p.ssm_state, p.ssm_v_heads
-    conv_dim, value_dim = 2 * hk * dk + hv * dk, hv * dk
+    x = p.extra
+    hk, dk, hv, value_dim = x["ssm_group_count"], x["ssm_state_size"], x["ssm_time_step_rank"], x["ssm_inner_size"]
+    k_conv, interval, n_nextn = x["ssm_conv_kernel"], x["full_attention_interval"], x["nextn_predict_layers"]
+    conv_dim = 2 * hk * dk + value_dim
 
     def ffn(b: str) -> Iterator[_Tensor]:
         if not p.n_expert:
@@ -411,15 +414,15 @@ def _hybrid_layers(p: Preset, unit_mat, vec) -> Iterator[_Tensor]:
         yield vec(f"{b}.attn_k_norm.weight", d)
         yield mat(f"{b}.attn_output.weight", n, p.n_head * d)
 
-    for il in range(p.n_layer + p.nextn):
+    for il in range(p.n_layer + n_nextn):
         b = f"blk.{il}"
         yield vec(f"{b}.attn_norm.weight", n)
-        if il >= p.n_layer or (il + 1) % p.full_attention_interval == 0:
+        if il >= p.n_layer or (il + 1) % interval == 0:
             yield from attention(b)
         else:
             yield mat(f"{b}.attn_qkv.weight", conv_dim, n)
             yield mat(f"{b}.attn_gate.weight", value_dim, n)
-            yield _Tensor(f"{b}.ssm_conv1d.weight", (conv_dim, p.ssm_conv), "conv", 1.0 / math.sqrt(p.ssm_conv))
+            yield _Tensor(f"{b}.ssm_conv1d.weight", (conv_dim, k_conv), "conv", 1.0 / math.sqrt(k_conv))
             yield vec(f"{b}.ssm_dt.bias", hv, "bias")
             # -exp(A_log), A in [1, 16): log decays of -0.7 per token and below.
             yield _Tensor(f"{b}.ssm_a", (hv,), "decay", 1.0)
@@ -428,7 +431,7 @@ def _hybrid_layers(p: Preset, unit_mat, vec) -> Iterator[_Tensor]:
             else:
                 yield mat(f"{b}.ssm_beta.weight", hv, n)
                 yield mat(f"{b}.ssm_alpha.weight", hv, n)
-            yield vec(f"{b}.ssm_norm.weight", dk)
+            yield vec(f"{b}.ssm_norm.weight", value_dim // hv)
             yield mat(f"{b}.ssm_out.weight", n, value_dim)
         yield vec(f"{b}.post_attention_norm.weight", n)
         yield from ffn(b)
@@ -635,20 +638,19 @@ def _metadata(p: Preset, preset: str, qtype: str) -> dict[str, Any]:
 def _hybrid_metadata(p: Preset) -> dict[str, Any]:
     """The keys llama.cpp's converter writes for a Qwen3.5 / Qwen3-Next hybrid."""
     a = p.arch
-    recurrent = [il < p.n_layer and (il + 1) % p.full_attention_interval != 0 for il in range(p.n_layer + p.nextn)]
+    x = p.extra
+    n_all = p.n_layer + x["nextn_predict_layers"]
+    recurrent = [il < p.n_layer and (il + 1) % x["full_attention_interval"] != 0 for il in range(n_all)]
     md: dict[str, Any] = {
-        f"{a}.block_count": p.n_layer + p.nextn,
+        f"{a}.block_count": n_all,
         f"{a}.rope.dimension_count": p.rope_dims,
-        f"{a}.ssm.conv_kernel": p.ssm_conv,
-        f"{a}.ssm.state_size": p.ssm_state,
-        f"{a}.ssm.group_count": p.ssm_groups,
-        f"{a}.ssm.time_step_rank": p.ssm_v_heads,
-        f"{a}.ssm.inner_size": p.ssm_v_heads * p.ssm_state,
-        f"{a}.full_attention_interval": p.full_attention_interval,
+        **{f"{a}.ssm.{key}": x[f"ssm_{key}"]
+           for key in ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size")},
+        f"{a}.full_attention_interval": x["full_attention_interval"],
         f"{a}.attention.recurrent_layers": np.asarray(recurrent, dtype=bool),
     }
-    if p.nextn:
-        md[f"{a}.nextn_predict_layers"] = p.nextn
+    if x["nextn_predict_layers"]:
+        md[f"{a}.nextn_predict_layers"] = x["nextn_predict_layers"]
     if a != "qwen3next":
         # Interleaved M-RoPE sections (Qwen3.5's [11, 11, 10] for 64 rotated dims), required by llama.cpp.
         pairs = p.rope_dims // 2
