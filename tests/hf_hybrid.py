@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from polystrata.gguf import write_gguf
 from polystrata.synth import tokenizer_metadata
 
 N_VOCAB = 512
@@ -146,12 +145,12 @@ _LAYER_NAMES = {
 
 
 def _metadata(model: torch.nn.Module, arch: str) -> dict:
-    """The keys the converter writes (`TextModel`, `Qwen2MoeModel`, `Qwen3NextModel`, `_Qwen35MRopeMixin`)."""
+    """The keys the converter writes (`TextModel`, `Qwen2MoeModel`, `Qwen3NextModel`, `_Qwen35MRopeMixin`), besides
+    general.architecture."""
     c = model.config
     a = arch
     rope = c.rope_parameters
     md = {
-        "general.architecture": a,
         "general.name": f"tiny-{a}",
         f"{a}.block_count": c.num_hidden_layers,
         f"{a}.context_length": c.max_position_embeddings,
@@ -189,15 +188,45 @@ def _metadata(model: torch.nn.Module, arch: str) -> dict:
 _F32_ALWAYS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 
-def write_gguf_from_hf(model: torch.nn.Module, arch: str, path: Path, outtype: str = "F32") -> Path:
-    """Convert `model` to a GGUF file at `path`, its matrices in `outtype` (F32 or Q8_0, as `--outtype`; quantized
-    by gguf-py, as the converter does)."""
+def _add_kv(w, key: str, value) -> None:
+    """One metadata value, typed as the converter's `GGUFWriter.add_*` calls type it."""
     import gguf
 
-    def entry(name: str, x: np.ndarray):
-        if outtype == "F32" or x.ndim < 2 or name.endswith(_F32_ALWAYS):
-            return name, x.shape, "F32", x
-        return name, x.shape, outtype, gguf.quants.quantize(x, gguf.GGMLQuantizationType[outtype])
+    t = gguf.GGUFValueType
+    if isinstance(value, str):
+        w.add_string(key, value)
+    elif isinstance(value, bool):
+        w.add_bool(key, value)
+    elif isinstance(value, int):
+        w.add_uint32(key, value)
+    elif isinstance(value, float):
+        w.add_float32(key, value)
+    elif isinstance(value, np.ndarray) and value.dtype == bool:
+        w.add_key_value(key, [bool(v) for v in value], t.ARRAY, sub_type=t.BOOL)
+    elif isinstance(value, np.ndarray):
+        w.add_key_value(key, [int(v) for v in value], t.ARRAY, sub_type=t.INT32)
+    elif value and isinstance(value[0], str):
+        w.add_key_value(key, list(value), t.ARRAY, sub_type=t.STRING)
+    else:
+        w.add_key_value(key, [int(v) for v in value], t.ARRAY, sub_type=t.INT32)
 
-    write_gguf(path, _metadata(model, arch), [entry(n, x) for n, x in _tensors(model, arch).items()])
+
+def write_gguf_from_hf(model: torch.nn.Module, arch: str, path: Path, outtype: str = "F32") -> Path:
+    """Convert `model` to a GGUF file at `path`, its matrices in `outtype` (F32 or Q8_0, as `--outtype`), written
+    and quantized by gguf-py as the converter does."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, arch)
+    for key, value in _metadata(model, arch).items():
+        _add_kv(w, key, value)
+    for name, x in _tensors(model, arch).items():
+        if outtype == "F32" or x.ndim < 2 or name.endswith(_F32_ALWAYS):
+            w.add_tensor(name, np.ascontiguousarray(x, np.float32))
+        else:
+            qtype = gguf.GGMLQuantizationType[outtype]
+            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return path

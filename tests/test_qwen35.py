@@ -144,7 +144,7 @@ def test_real_shape_presets_build(arch, preset, n_delta, n_full):
 
 # The issue's bounds: KL over the reference's top 40 in F32, and in Q8_0 (whose rounding the reference lacks).
 # Top-1 in Q8_0: these random models have near-ties that the rounding flips at 2-3 % of the positions (0.976 to
-# 0.982 measured, KL 1.5e-4 to 2.6e-4), so the bound there is the parity metric's own (`parity.TOP1_MIN`).
+# 0.979 measured, KL 1.5e-4 to 2.6e-4), so the bound there is the parity metric's own (`parity.TOP1_MIN`).
 KL_MAX = {"F32": 1e-4, "Q8_0": 2e-3}
 TOP1_MIN = {"F32": 0.98, "Q8_0": 0.95}
 
@@ -207,20 +207,16 @@ def test_llama_cpp_agrees_on_converted_models(arch, tmp_path):
     assert par.kl <= KL_MAX["F32"] and par.top1 >= TOP1_MIN["F32"], str(par)
 
 
-@pytest.mark.parametrize(("key", "value", "message"), [
-    ("ssm.group_count", 3, "64 values in 4 value heads over 3 key heads do not divide evenly"),
-    ("nextn_predict_layers", 5, "'qwen35.nextn_predict_layers' is 5, expected fewer than the 5 blocks"),
-    ("ssm.conv_kernel", 0, "'qwen35.ssm.conv_kernel' is 0, expected at least 1"),
-])
-def test_bad_hybrid_metadata_is_one_line(tiny_hybrid, tmp_path, key, value, message):
-    from polystrata.gguf import GGUFFile, write_gguf
+@pytest.mark.parametrize(("key", "value"), [("ssm_group_count", 3), ("ssm_inner_size", 66)])
+def test_bad_hybrid_metadata_is_one_line(tmp_path, monkeypatch, key, value):
+    """Head counts that do not divide: one line naming the keys (the file written with them, shapes to match)."""
+    import dataclasses
 
-    with GGUFFile(tiny_hybrid("qwen35")) as f:
-        md = dict(f.metadata)
-        md[f"qwen35.{key}"] = value
-        bad = tmp_path / "bad.gguf"
-        write_gguf(bad, md, [(t.name, t.shape, t.fmt, np.asarray(f.raw(t.name))) for t in f.tensors.values()],
-                   types=f.metadata_types)
+    from polystrata import synth
+
+    tiny = synth.PRESETS["qwen35"]["tiny"]
+    monkeypatch.setitem(synth.PRESETS["qwen35"], "tiny", dataclasses.replace(tiny, extra={**tiny.extra, key: value}))
+    bad = synth_model("qwen35", tmp_path / "bad.gguf", qtype="F32")
     r = subprocess.run([sys.executable, "-m", "polystrata", "info", str(bad)], capture_output=True, text=True)
     assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert message in r.stderr
+    assert "do not divide evenly (ssm.inner_size, ssm.time_step_rank, ssm.group_count)" in r.stderr
