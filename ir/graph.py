@@ -3,7 +3,8 @@
 A `Graph` is a list of `Node`s in execution order over SSA `Value`s. Every value has a `TensorType`: an element
 type and a shape whose entries are ints or symbolic names (``"T"``, the number of tokens in this step). Weights are
 graph inputs that name a GGUF tensor and carry its storage format; the KV cache is state owned by the executor,
-reached only through the `attention` op (which appends this step's keys and values, then attends).
+reached only through the `attention` op (which appends this step's keys and values, then attends); the recurrent
+state of linear-attention layers likewise, only through `ssm_conv` and `delta_rule` (`RECURRENT_OPS`).
 
 Each op is declared once in `OPS` with its arity, attributes and shape rule, so the verifier, the printer, the
 reference executor and (later) the compiler passes all read the same table.
@@ -140,6 +141,54 @@ def _infer_last(ts, a):
     return TensorType(ts[0].dtype, (1,) + ts[0].shape[1:])
 
 
+def _infer_slice(ts, a):
+    (x,) = ts
+    start, stop = a["start"], a["stop"]
+    if not 0 <= start < stop <= x.shape[-1]:
+        raise GraphError(f"slice [{start}:{stop}] outside the last dimension of {x}")
+    return TensorType("f32", x.shape[:-1] + (stop - start,))
+
+
+def _infer_ssm_conv(ts, a):
+    x, w = ts
+    _check_dim(x.shape[-1], w.shape[0], "ssm_conv channels")
+    if len(x.shape) != 2 or len(w.shape) != 2:
+        raise GraphError(f"ssm_conv: x {x} must be [T, C] and the weight {w} [C, K]")
+    return TensorType("f32", x.shape)
+
+
+def _infer_gdn_gates(ts, a):
+    alpha, beta, dt_bias, decay = ts
+    if alpha.shape != beta.shape or len(alpha.shape) != 2:
+        raise GraphError(f"gdn_gates: alpha {alpha} and beta {beta} must both be [T, H]")
+    _check_dim(dt_bias.shape[-1], alpha.shape[1], "gdn_gates dt_bias")
+    _check_dim(decay.shape[-1], alpha.shape[1], "gdn_gates a")
+    return TensorType("f32", alpha.shape + (2,))
+
+
+def _infer_delta_rule(ts, a):
+    q, k, v, gates = ts
+    if q.shape != k.shape or len(q.shape) != 3 or len(v.shape) != 3:
+        raise GraphError(f"delta_rule: q {q} and k {k} must be [T, Hk, Dk] and v {v} [T, Hv, Dv]")
+    t, hk, _ = q.shape
+    _check_dim(v.shape[0], t, "delta_rule v")
+    if v.shape[1] % hk:
+        raise GraphError(f"delta_rule: {v.shape[1]} value heads not a multiple of {hk} key heads")
+    if gates.shape != (t, v.shape[1], 2):
+        raise GraphError(f"delta_rule: gates {gates} must be [T, Hv, 2]")
+    if a["head_map"] not in ("tiled", "grouped"):
+        raise GraphError(f"delta_rule: unknown head_map {a['head_map']!r}")
+    return TensorType("f32", v.shape)
+
+
+def _infer_norm_gated(ts, a):
+    x, w, gate = ts
+    _check_dim(x.shape[-1], w.shape[-1], "rms_norm_gated")
+    if gate.shape != x.shape:
+        raise GraphError(f"rms_norm_gated: gate {gate} differs from x {x}")
+    return TensorType("f32", x.shape)
+
+
 OPS: dict[str, OpDef] = {
     "embed": OpDef(("weight", "tokens"), (), _infer_embed, "rows of an embedding table"),
     "matmul": OpDef(("x", "weight"), (), _infer_matmul, "x @ weight.T (weight is [out, in])"),
@@ -162,7 +211,9 @@ OPS: dict[str, OpDef] = {
     ),
     "swiglu": OpDef(("gate", "up"), (), _infer_glu, "silu(gate) * up"),
     "geglu": OpDef(("gate", "up"), (), _infer_glu, "gelu_tanh(gate) * up"),
-    "sigmoid_mul": OpDef(("x", "gate"), (), _same(), "x * sigmoid(gate), gate [T, 1] broadcast"),
+    "sigmoid_mul": OpDef(
+        ("x", "gate"), (), _same(), "x * sigmoid(gate), gate [T, 1] broadcast or of x's shape (an output gate)"
+    ),
     "router": OpDef(
         ("logits",),
         ("k", "norm"),
@@ -176,7 +227,38 @@ OPS: dict[str, OpDef] = {
         "sum over the routed experts of weight * down(swiglu(gate x, up x))",
     ),
     "last_row": OpDef(("x",), (), _infer_last, "the last token's row"),
+    "slice": OpDef(("x",), ("start", "stop"), _infer_slice, "x[..., start:stop] (a copy)"),
+    "l2_norm": OpDef(("x",), ("eps",), _same(), "x / sqrt(sum(x^2) + eps) over the last dim"),
+    "rms_norm_gated": OpDef(
+        ("x", "weight", "gate"), ("eps",), _infer_norm_gated, "rms_norm(x) * weight * silu(gate) over the last dim"
+    ),
+    # The recurrent ops: each layer's state lives in the executor beside the KV cache, one per sequence, zero at
+    # its start and carried from step to step (see `RECURRENT_OPS`).
+    "ssm_conv": OpDef(
+        ("x", "weight"),
+        ("layer",),
+        _infer_ssm_conv,
+        "silu of the causal depthwise convolution (kernel K) of x [T, C] preceded by the layer's conv state, "
+        "the previous K-1 rows of x; the state then keeps the last K-1 rows",
+    ),
+    "gdn_gates": OpDef(
+        ("alpha", "beta", "dt_bias", "a"),
+        (),
+        _infer_gdn_gates,
+        "[T, H, 2]: the gated delta rule's log decay a * softplus(alpha + dt_bias) and its rate sigmoid(beta)",
+    ),
+    "delta_rule": OpDef(
+        ("q", "k", "v", "gates"),
+        ("layer", "scale", "head_map", "chunk"),
+        _infer_delta_rule,
+        "gated delta rule over the layer's state S [Hv, Dk, Dv], per token: S *= exp(g); "
+        "S += k (beta (v - k S))^T; out = scale q S. Value head h reads key head h % Hk (head_map tiled) or "
+        "h // (Hv / Hk) (grouped); steps of several tokens may run chunks of `chunk` tokens in the WY form",
+    ),
 }
+
+# Ops that read and write per-sequence state of their `layer` (besides `attention`'s KV cache).
+RECURRENT_OPS = ("ssm_conv", "delta_rule")
 
 
 @dataclass
@@ -244,6 +326,10 @@ class Graph:
         for v in self.outputs:
             if id(v) not in defined:
                 raise GraphError(f"output %{v.name} is never computed")
+
+    def recurrent(self) -> bool:
+        """Whether the graph keeps recurrent state (`RECURRENT_OPS`), which cannot be rewound like a KV cache."""
+        return any(n.op in RECURRENT_OPS for n in self.nodes)
 
     def summary(self) -> dict[str, Any]:
         """Counts used in compile manifests and `info`."""

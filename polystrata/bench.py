@@ -301,6 +301,7 @@ def run_bench(
         say(f"depth {depth}: filling the cache")
         t0 = time.perf_counter()
         _fill_depth(engine, depth, rng)
+        engine.checkpoint()  # where each run rewinds to (models with a recurrent state need it)
         say(f"depth {depth}: filled in {time.perf_counter() - t0:.1f} s")
 
     if n_prompt:

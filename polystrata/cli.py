@@ -282,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
 
     p = sub.add_parser("synth", help="write a random-weight model at a real shape")
-    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3"])
+    p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3",
+                                                     "qwen35", "qwen35moe", "qwen3next"])
     p.add_argument("--preset", default="tiny", help=f"the shape; per architecture: {presets}")
     p.add_argument("--type", default="Q8_0", help="weight format, e.g. Q4_K, Q8_0, F16, or the mix Q4_K_M")
     p.add_argument("--seed", type=seed_arg, default=0, help="seed of the random weights")
@@ -335,7 +336,7 @@ def model_info(path: Path, tensors: bool = False) -> dict:
     with `tensors` every tensor's name, type, shape and size)."""
     from polystrata.engine import tensor_table
     from polystrata.gguf import GGUFFile
-    from polystrata.models import model_hparams
+    from polystrata.models import model_hparams, qwen35
 
     with GGUFFile(path) as f:
         md = f.metadata
@@ -350,6 +351,7 @@ def model_info(path: Path, tensors: bool = False) -> dict:
             "name": md.get("general.name"), "architecture": hp.arch,
             "hparams": {k: v for k, v in vars(hp).items() if k not in ("arch", "extra")},
             "tokenizer": {"model": md.get("tokenizer.ggml.model"), "pre": md.get("tokenizer.ggml.pre")},
+            "notes": qwen35.describe(hp) if hp.arch in qwen35.ARCHES else [],
             "n_tensors": len(f.tensors), "n_params": sum(t.n_elements for t in f.tensors.values()),
             "tensor_bytes": sum(e["bytes"] for e in by_type.values()),
             "types": dict(sorted(by_type.items(), key=lambda kv: -kv[1]["bytes"])),
@@ -372,6 +374,8 @@ def cmd_info(a) -> int:
     for k, v in info["hparams"].items():
         if v not in (0, 0.0):
             print(f"  {k}: {v}")
+    for line in info["notes"]:
+        print(line)
     print(f"tokenizer: {info['tokenizer']['model'] or '?'} (pre: {info['tokenizer']['pre'] or '-'})")
     print(f"tensors: {info['n_tensors']}, {info['n_params'] / 1e6:.1f} M parameters, "
           f"{info['tensor_bytes'] / 2**20:.1f} MiB")

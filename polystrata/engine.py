@@ -134,6 +134,7 @@ class Engine:
         # The token ids whose K, V the cache holds, in order: `generate(reuse_cache=True)` prefills only what follows
         # the longest prefix a new prompt shares with them.
         self.cache_ids: list[int] = []
+        self._checkpoint: tuple[int, object] | None = None  # (n_past, recurrent states): see `checkpoint`
 
     def _make_executor(self):
         if self.runtime is None:
@@ -175,7 +176,8 @@ class Engine:
         return self.executor.n_past
 
     def reset(self) -> None:
-        """Start a new sequence (the KV cache is reused, its contents ignored)."""
+        """Start a new sequence (the KV cache is reused, its contents ignored; recurrent states are zeroed)."""
+        self._checkpoint = None
         self.executor.reset()
         self.cache_ids.clear()
 
@@ -183,8 +185,27 @@ class Engine:
         """Keep only the first `n_past` tokens of the cache: the next forward continues after them."""
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot rewind to {n_past} tokens: the cache holds {self.n_past}")
+        if not self.can_rewind(n_past):
+            raise PolystrataError(f"{self.hparams.arch} keeps a recurrent state, which cannot be rewound to "
+                                  f"{n_past} of its {self.n_past} tokens (no checkpoint there)")
+        if n_past == 0:
+            self.reset()
+        elif n_past < self.n_past and self.graph_all.recurrent():
+            self.executor.load_state(self._checkpoint[1])
         self.executor.n_past = n_past  # rows past n_past are never read
         del self.cache_ids[n_past:]
+
+    def can_rewind(self, n_past: int) -> bool:
+        """Whether `rewind(n_past)` can be done: always with a KV cache alone; with a recurrent state, which holds
+        every token so far, only to the start, to where it is, or to its `checkpoint`."""
+        return (n_past in (0, self.n_past) or not self.graph_all.recurrent()
+                or (self._checkpoint is not None and self._checkpoint[0] == n_past))
+
+    def checkpoint(self) -> None:
+        """Remember the recurrent state here, so that `rewind` can come back to this point of the sequence (a KV
+        cache needs no checkpoint: rows past n_past are never read). One checkpoint; a new one replaces it."""
+        if self.graph_all.recurrent():
+            self._checkpoint = (self.n_past, self.executor.save_state())
 
     def check_tokens(self, ids: list[int] | np.ndarray, n_past: int, n_ctx: int) -> np.ndarray:
         """`ids` as int32, checked: not empty, in the vocabulary, and fitting after `n_past` tokens in `n_ctx`."""
@@ -240,6 +261,8 @@ class Engine:
         stop = stop or self.tokenizer.is_eog
         # At least the last prompt token is fed again: its logits give the first generated token.
         keep = max(min(common_prefix(self.cache_ids, prompt_ids), len(prompt_ids) - 1), 0) if reuse_cache else 0
+        if keep and not self.can_rewind(keep):  # a recurrent state cannot go back to the shared prefix
+            keep = 0
         if keep:
             self.rewind(keep)
         else:

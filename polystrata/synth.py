@@ -56,10 +56,12 @@ __all__ = [
     "POOL_ELEMENTS",
     "PRESETS",
     "QTYPES",
+    "preset_metadata",
     "print_progress",
     "synth_model",
     "synth_vocab",
     "tensor_plan",
+    "tokenizer_metadata",
 ]
 
 # Tensors up to this many values get independent random values; larger ones are built from a row pool.
@@ -67,7 +69,9 @@ EXACT_ELEMENTS = 1 << 22
 # Values per row pool (rounded to whole rows, at least 64 rows).
 POOL_ELEMENTS = 1 << 22
 
-ARCHES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3")
+ARCHES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3", "qwen35", "qwen35moe", "qwen3next")
+# Hybrids of Gated DeltaNet and gated full attention (`polystrata/models/qwen35.py`).
+HYBRID_ARCHES = ("qwen35", "qwen35moe", "qwen3next")
 
 # Plain tensor formats (format names of polystrata.ir.formats) and llama.cpp-style mixes.
 QTYPES = (
@@ -103,6 +107,17 @@ def _preset_hparams(
 
 
 _P = _preset_hparams
+# Qwen3.5 / Qwen3.6 / Qwen3-Next: gated attention of 16 heads of 256 (2 kv heads) with a quarter of each head
+# rotated; DeltaNet layers of 16 key heads and 32 value heads of 128, conv kernel 4; one MTP layer.
+_HYBRID = dict(rope_dims=64, extra=dict(
+    ssm_conv_kernel=4, ssm_state_size=128, ssm_group_count=16, ssm_time_step_rank=32, ssm_inner_size=32 * 128,
+    full_attention_interval=4, nextn_predict_layers=1,
+))
+_HYBRID_TINY = dict(rope_dims=8, extra=dict(
+    ssm_conv_kernel=4, ssm_state_size=16, ssm_group_count=2, ssm_time_step_rank=4, ssm_inner_size=4 * 16,
+    full_attention_interval=4, nextn_predict_layers=1,
+))
+_HYBRID_MOE_TINY = dict(n_expert=8, n_expert_used=2, n_ff_expert=64, n_ff_shared=128, **_HYBRID_TINY)
 # One table: (arch, preset name) -> shapes. Benchmark presets use a 49152-token vocabulary (SmolLM2's size)
 # whatever the original model's, so tokenizer and embedding sizes are comparable across architectures.
 _TABLE: dict[tuple[str, str], HParams] = {
@@ -131,6 +146,18 @@ _TABLE: dict[tuple[str, str], HParams] = {
     ("gemma3", "gemma3-270m"): _P(
         "gemma3", 49152, 640, 18, 4, 1, 256, 2048, 32768, 1000000.0, sliding_window=512, tied_embeddings=True
     ),
+    # Four layers: three DeltaNet, then one full attention.
+    ("qwen35", "tiny"): _P("qwen35", 1024, 128, 4, 4, 2, 32, 256, 2048, 10000000.0, **_HYBRID_TINY),
+    ("qwen35moe", "tiny"): _P("qwen35moe", 1024, 128, 4, 4, 2, 32, 0, 2048, 10000000.0, **_HYBRID_MOE_TINY),
+    ("qwen35moe", "qwen3.6-35b-a3b"): _P(
+        "qwen35moe", 49152, 2048, 40, 16, 2, 256, 0, 262144, 10000000.0,
+        n_expert=256, n_expert_used=8, n_ff_expert=512, n_ff_shared=512, **_HYBRID,
+    ),  # fmt: skip
+    ("qwen3next", "tiny"): _P("qwen3next", 1024, 128, 4, 4, 2, 32, 0, 2048, 10000000.0, **_HYBRID_MOE_TINY),
+    ("qwen3next", "qwen3-next-80b-a3b"): _P(
+        "qwen3next", 49152, 2048, 48, 16, 2, 256, 0, 262144, 10000000.0,
+        n_expert=512, n_expert_used=10, n_ff_expert=512, n_ff_shared=512, **_HYBRID,
+    ),  # fmt: skip
 }
 del _P
 
@@ -240,7 +267,9 @@ _CHATML = (
 )
 
 
-def _tokenizer_metadata(n_vocab: int) -> dict[str, Any]:
+def tokenizer_metadata(n_vocab: int) -> dict[str, Any]:
+    """The `tokenizer.*` metadata of the synthetic vocabulary of `n_vocab` tokens (`synth_vocab`), chat template
+    included."""
     tokens, types, merges = synth_vocab(n_vocab)
     eot = tokens.index("<|endoftext|>")
     return {
@@ -265,7 +294,7 @@ def _tokenizer_metadata(n_vocab: int) -> dict[str, Any]:
 class _Tensor:
     name: str
     shape: tuple[int, ...]
-    kind: str  # "matrix", "embd", "norm", "bias", "router"
+    kind: str  # "matrix", "embd", "norm", "bias", "router", "conv" (kept in F32), "decay" (-A in [1, 16))
     std: float
 
 
@@ -282,6 +311,12 @@ def _tensors(p: HParams) -> Iterator[_Tensor]:
 
     # Tied models read logits off the embeddings: keep rows at ~unit norm x 2 so logits have std ~2.
     yield _Tensor("token_embd.weight", (p.n_vocab, n), "embd", 2.0 / math.sqrt(n))
+    if p.arch in HYBRID_ARCHES:
+        yield from _hybrid_layers(p, mat, vec)
+        yield vec("output_norm.weight", n)
+        if not p.tied_embeddings:
+            yield _Tensor("output.weight", (p.n_vocab, n), "matrix", 2.0 / math.sqrt(n))
+        return
     biased = p.arch in ("qwen2", "qwen2moe")
     qk_norm = p.arch in ("qwen3", "qwen3moe", "gemma3")
     for il in range(p.n_layer):
@@ -327,6 +362,77 @@ def _tensors(p: HParams) -> Iterator[_Tensor]:
         yield _Tensor("output.weight", (p.n_vocab, n), "matrix", 2.0 / math.sqrt(n))
 
 
+# The hybrids' layer matrices at 0.35 of the unit-gain scale: at full scale a random hybrid amplifies small
+# differences so much that Q8_0 rounding alone moved its logits by KL 0.02-0.07 (tiny presets, against F32; at
+# 0.35, 4e-4 to 8e-4, and llama.cpp's Q8_0 run agrees with the reference within its parity test's bounds).
+_HYBRID_GAIN = 0.35
+
+
+def _hybrid_layers(p: HParams, unit_mat, vec) -> Iterator[_Tensor]:
+    """The layers of a Qwen3.5 / Qwen3-Next hybrid, then its multi-token-prediction layers, named and shaped as
+    llama.cpp's converter writes them (`polystrata/models/qwen35.py`)."""
+    n, d = p.n_embd, p.head_dim
+
+    def mat(name: str, n_out: int, n_in: int, *lead: int) -> _Tensor:
+        return replace(unit_mat(name, n_out, n_in, *lead), std=_HYBRID_GAIN / math.sqrt(n_in))
+
+    x = p.extra
+    hk, dk, hv, value_dim = x["ssm_group_count"], x["ssm_state_size"], x["ssm_time_step_rank"], x["ssm_inner_size"]
+    k_conv, interval, n_nextn = x["ssm_conv_kernel"], x["full_attention_interval"], x["nextn_predict_layers"]
+    conv_dim = 2 * hk * dk + value_dim
+
+    def ffn(b: str) -> Iterator[_Tensor]:
+        if not p.n_expert:
+            yield mat(f"{b}.ffn_gate.weight", p.n_ff, n)
+            yield mat(f"{b}.ffn_up.weight", p.n_ff, n)
+            yield mat(f"{b}.ffn_down.weight", n, p.n_ff)
+            return
+        e, f, s = p.n_expert, p.n_ff_expert, p.n_ff_shared
+        yield _Tensor(f"{b}.ffn_gate_inp.weight", (e, n), "router", 3.0 / math.sqrt(n))
+        yield mat(f"{b}.ffn_gate_exps.weight", f, n, e)
+        yield mat(f"{b}.ffn_up_exps.weight", f, n, e)
+        yield mat(f"{b}.ffn_down_exps.weight", n, f, e)
+        yield _Tensor(f"{b}.ffn_gate_inp_shexp.weight", (n,), "router", 1.0 / math.sqrt(n))
+        yield mat(f"{b}.ffn_gate_shexp.weight", s, n)
+        yield mat(f"{b}.ffn_up_shexp.weight", s, n)
+        yield mat(f"{b}.ffn_down_shexp.weight", n, s)
+
+    def attention(b: str) -> Iterator[_Tensor]:
+        yield mat(f"{b}.attn_q.weight", 2 * p.n_head * d, n)  # per head: query, then its output gate
+        yield mat(f"{b}.attn_k.weight", p.n_head_kv * d, n)
+        yield mat(f"{b}.attn_v.weight", p.n_head_kv * d, n)
+        yield vec(f"{b}.attn_q_norm.weight", d)
+        yield vec(f"{b}.attn_k_norm.weight", d)
+        yield mat(f"{b}.attn_output.weight", n, p.n_head * d)
+
+    for il in range(p.n_layer + n_nextn):
+        b = f"blk.{il}"
+        yield vec(f"{b}.attn_norm.weight", n)
+        if il >= p.n_layer or (il + 1) % interval == 0:
+            yield from attention(b)
+        else:
+            yield mat(f"{b}.attn_qkv.weight", conv_dim, n)
+            yield mat(f"{b}.attn_gate.weight", value_dim, n)
+            yield _Tensor(f"{b}.ssm_conv1d.weight", (conv_dim, k_conv), "conv", 1.0 / math.sqrt(k_conv))
+            yield vec(f"{b}.ssm_dt.bias", hv, "bias")
+            # -exp(A_log), A in [1, 16): log decays of -0.7 per token and below.
+            yield _Tensor(f"{b}.ssm_a", (hv,), "decay", 1.0)
+            if p.arch == "qwen3next":
+                yield mat(f"{b}.ssm_ba.weight", 2 * hv, n)
+            else:
+                yield mat(f"{b}.ssm_beta.weight", hv, n)
+                yield mat(f"{b}.ssm_alpha.weight", hv, n)
+            yield vec(f"{b}.ssm_norm.weight", value_dim // hv)
+            yield mat(f"{b}.ssm_out.weight", n, value_dim)
+        yield vec(f"{b}.post_attention_norm.weight", n)
+        yield from ffn(b)
+        if il >= p.n_layer:
+            yield mat(f"{b}.nextn.eh_proj.weight", n, 2 * n)
+            yield vec(f"{b}.nextn.enorm.weight", n)
+            yield vec(f"{b}.nextn.hnorm.weight", n)
+            yield vec(f"{b}.nextn.shared_head_norm.weight", n)
+
+
 def _use_more_bits(i_layer: int, n_layer: int) -> bool:
     # llama.cpp: the first and last eighth of the layers, and every third layer in between.
     return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or (i_layer - n_layer // 8) % 3 == 2
@@ -368,12 +474,17 @@ def _mix_type(mix: str, t: _Tensor, p: HParams) -> str:
 
 
 def _tensor_type(qtype: str, t: _Tensor, p: HParams) -> str:
-    if len(t.shape) == 1 or t.kind == "router":
-        return "F32"  # llama.cpp requires 1-D tensors in F32 and never quantizes routers
+    if len(t.shape) == 1 or t.kind in ("router", "conv"):
+        return "F32"  # llama.cpp requires 1-D tensors in F32 and never quantizes routers or conv kernels
     fmt = _mix_type(qtype, t, p) if qtype in MIXES else qtype
     if t.shape[-1] % _QK_K and fmt in _K_FALLBACK:
         fmt = _K_FALLBACK[fmt]
     return fmt
+
+
+def preset_metadata(arch: str, preset: str = "tiny", qtype: str = "Q8_0", n_layer: int | None = None) -> dict:
+    """The metadata `synth_model` would write (tokenizer included), without writing anything."""
+    return _metadata(_preset(arch, preset, n_layer), preset, _check_qtype(qtype))
 
 
 def tensor_plan(arch: str, preset: str = "tiny", qtype: str = "Q8_0", n_layer: int | None = None) -> list:
@@ -401,6 +512,8 @@ def _rng(seed: int, key: str) -> np.random.Generator:
 
 
 def _floats(t: _Tensor, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    if t.kind == "decay":
+        return -rng.uniform(1.0, 16.0, shape).astype(np.float32)
     x = rng.standard_normal(shape, dtype=np.float32) * np.float32(t.std)
     if t.kind == "norm":
         x += np.float32(1.0)
@@ -500,7 +613,33 @@ def _metadata(p: HParams, preset: str, qtype: str) -> dict[str, Any]:
             md[f"{a}.expert_shared_feed_forward_length"] = p.n_ff_shared
     if p.sliding_window:
         md[f"{a}.attention.sliding_window"] = p.sliding_window
-    md.update(_tokenizer_metadata(p.n_vocab))
+    if a in HYBRID_ARCHES:
+        md.update(_hybrid_metadata(p))
+    md.update(tokenizer_metadata(p.n_vocab))
+    return md
+
+
+def _hybrid_metadata(p: HParams) -> dict[str, Any]:
+    """The keys llama.cpp's converter writes for a Qwen3.5 / Qwen3-Next hybrid."""
+    a = p.arch
+    x = p.extra
+    n_all = p.n_layer + x["nextn_predict_layers"]
+    recurrent = [il < p.n_layer and (il + 1) % x["full_attention_interval"] != 0 for il in range(n_all)]
+    md: dict[str, Any] = {
+        f"{a}.block_count": n_all,
+        f"{a}.rope.dimension_count": p.rope_dims,
+        **{f"{a}.ssm.{key}": x[f"ssm_{key}"]
+           for key in ("conv_kernel", "state_size", "group_count", "time_step_rank", "inner_size")},
+        f"{a}.full_attention_interval": x["full_attention_interval"],
+        f"{a}.attention.recurrent_layers": np.asarray(recurrent, dtype=bool),
+    }
+    if x["nextn_predict_layers"]:
+        md[f"{a}.nextn_predict_layers"] = x["nextn_predict_layers"]
+    if a != "qwen3next":
+        # Interleaved M-RoPE sections (Qwen3.5's [11, 11, 10] for 64 rotated dims), required by llama.cpp.
+        pairs = p.rope_dims // 2
+        third = (pairs + 2) // 3
+        md[f"{a}.rope.dimension_sections"] = [third, third, pairs - 2 * third, 0]
     return md
 
 

@@ -57,6 +57,11 @@ _QWEN2_RE = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5 / Qwen3.6: qwen2's, with combining marks (\p{M}) kept in words.
+_QWEN35_RE = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _DEFAULT_RES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")
 _STARCODER_RES = (r"\p{N}", _GPT2_RE)
 
@@ -69,6 +74,7 @@ _PRE = {
     "llama3": ((_LLAMA3_RE,), True, True),
     "llama-v3": ((_LLAMA3_RE,), True, True),
     "qwen2": ((_QWEN2_RE,), False, False),
+    "qwen35": ((_QWEN35_RE,), False, False),
     "smollm": (_STARCODER_RES, False, False),
     "starcoder": (_STARCODER_RES, False, False),
     "refact": (_STARCODER_RES, False, False),

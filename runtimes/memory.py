@@ -210,18 +210,19 @@ def plan_memory(
     if expert_slots is not None and expert_slots < 1:
         raise PolystrataError("--expert-slots must be at least 1")
     weights: dict[str, int] = {}
-    shared: dict[str, tuple[str, int]] = {}  # the KV cache and the inputs: one buffer for every plan
+    shared: dict[str, tuple[str, int]] = {}  # the KV cache, recurrent states, inputs: one buffer for every plan
     scratch = 0
     for plan in plans.values():
         for name, spec in plan.buffers.items():
             if spec.kind == "weight":
                 weights[name] = _nbytes(spec)
-            elif spec.kind in ("kv", "input"):
+            elif spec.kind in ("kv", "input", "state"):
                 shared[name] = (spec.kind, _nbytes(spec))
             elif spec.kind == "activation":  # each plan's own (slot tables: counted below, with the cache)
                 scratch += _nbytes(spec)
     kv_bytes = sum(nb for kind, nb in shared.values() if kind == "kv")
-    scratch += sum(nb for kind, nb in shared.values() if kind == "input")
+    # Recurrent states do not grow with the context: counted with the fixed buffers.
+    scratch += sum(nb for kind, nb in shared.values() if kind in ("input", "state"))
     expert_names = {w for la in layers for w in la.weights}
     n_expert = max((la.n_expert for la in layers), default=0)
     expert_bytes = max((sum(weights[w] for w in la.weights) // la.n_expert for la in layers), default=0)

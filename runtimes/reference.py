@@ -1,7 +1,9 @@
 """The numpy reference executor of the graph IR: the oracle every target, recipe and format is checked against.
 
 Float32 throughout. Weights are dequantized once at load. The KV cache is float32 per layer, written at the
-positions given, so a prompt can be fed in chunks and then one token at a time.
+positions given, so a prompt can be fed in chunks and then one token at a time. Linear-attention layers keep their
+recurrent state (the conv rows and the delta rule's matrices, `RECURRENT_OPS`) per layer beside it: zero at the
+start of a sequence, carried from one step to the next.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class ReferenceExecutor(OneSequence):
         self.weights = weights
         self.n_ctx = n_ctx
         self.kv: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.states: dict[tuple[str, int], np.ndarray] = {}
         self.n_past = 0
         self.starts: np.ndarray | None = None  # the step's sequence starts in the cache (None: all 0)
 
@@ -114,6 +117,19 @@ class ReferenceExecutor(OneSequence):
         """Dequantize the weights `graph` uses from a GGUFFile, in the shapes the graph declares."""
         weights = {name: file.dequantize(name).reshape(v.type.shape) for name, v in graph.weights.items()}
         return cls(weights, n_ctx)
+
+    def reset(self) -> None:
+        """Forget the conversation: the next forward starts at position 0, with zero recurrent state."""
+        self.n_past = 0
+        self.states.clear()
+
+    def save_state(self) -> dict[tuple[str, int], np.ndarray]:
+        """A copy of the recurrent states (for `Engine.checkpoint`)."""
+        return {key: st.copy() for key, st in self.states.items()}
+
+    def load_state(self, saved: dict[tuple[str, int], np.ndarray]) -> None:
+        """Put back states `save_state` returned."""
+        self.states = {key: st.copy() for key, st in saved.items()}
 
     def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
              starts: np.ndarray | None = None) -> np.ndarray:
@@ -140,6 +156,13 @@ class ReferenceExecutor(OneSequence):
                 np.zeros((self.n_ctx, hkv, dv), np.float32),
             )
         return self.kv[layer]
+
+    def state(self, op: str, layer: int, shape: tuple[int, ...]) -> np.ndarray:
+        """The recurrent state of `op` in `layer` for this sequence, zero on first use."""
+        key = (op, layer)
+        if key not in self.states:
+            self.states[key] = np.zeros(shape, np.float32)
+        return self.states[key]
 
 
 def _concrete(shape: tuple, x: np.ndarray) -> tuple[int, ...]:
@@ -277,6 +300,116 @@ def _last_row(ex, node, a):
     return a[0][-1:]
 
 
+@_impl("slice")
+def _slice(ex, node, a):
+    return np.ascontiguousarray(a[0][..., node.attrs["start"] : node.attrs["stop"]])
+
+
+def l2_normalize(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(sum(x^2) + eps) over the last dim."""
+    return x / np.sqrt(np.sum(np.square(x), axis=-1, keepdims=True, dtype=np.float32) + np.float32(eps))
+
+
+@_impl("l2_norm")
+def _l2_norm(ex, node, a):
+    return l2_normalize(a[0], node.attrs["eps"])
+
+
+@_impl("rms_norm_gated")
+def _rms_norm_gated(ex, node, a):
+    x, w, gate = a
+    return _rms_norm(ex, node, [x, w]) * silu(gate)
+
+
+@_impl("ssm_conv")
+def _ssm_conv(ex, node, a):
+    x, w = a
+    c, k = w.shape
+    state = ex.state("ssm_conv", node.attrs["layer"], (k - 1, c))
+    xs = np.concatenate([state, x], axis=0)
+    t = len(x)
+    out = np.zeros_like(x)
+    for j in range(k):
+        out += xs[j : j + t] * w[:, j]
+    state[...] = xs[len(xs) - (k - 1) :]
+    return silu(out)
+
+
+@_impl("gdn_gates")
+def _gdn_gates(ex, node, a):
+    alpha, beta, dt_bias, decay = a
+    log_decay = decay * np.logaddexp(np.float32(0), alpha + dt_bias)  # a * softplus(alpha + dt_bias)
+    with np.errstate(over="ignore"):
+        rate = np.float32(1) / (np.float32(1) + np.exp(-beta))
+    return np.stack([log_decay, rate], axis=-1).astype(np.float32)
+
+
+def _heads_for_values(x: np.ndarray, hv: int, head_map: str) -> np.ndarray:
+    """[T, Hk, D] -> [T, Hv, D]: the key head each value head reads."""
+    r = hv // x.shape[1]
+    return np.tile(x, (1, r, 1)) if head_map == "tiled" else np.repeat(x, r, axis=1)
+
+
+def delta_rule_recurrent(q, k, v, gates, state, scale: float, head_map: str) -> np.ndarray:
+    """The gated delta rule token by token (the decode form); updates `state` [Hv, Dk, Dv] in place and returns
+    the output [T, Hv, Dv]. q, k [T, Hk, Dk], v [T, Hv, Dv], gates [T, Hv, 2] (log decay, rate)."""
+    hv = v.shape[1]
+    q = _heads_for_values(q, hv, head_map) * np.float32(scale)
+    k = _heads_for_values(k, hv, head_map)
+    out = np.empty_like(v)
+    for t in range(len(v)):
+        state *= np.exp(gates[t, :, 0])[:, None, None]
+        kv_mem = np.einsum("hk,hkv->hv", k[t], state)
+        delta = (v[t] - kv_mem) * gates[t, :, 1:2]
+        state += k[t][:, :, None] * delta[:, None, :]
+        out[t] = np.einsum("hk,hkv->hv", q[t], state)
+    return out
+
+
+def delta_rule_chunked(q, k, v, gates, state, scale: float, head_map: str, chunk: int) -> np.ndarray:
+    """The gated delta rule in chunks of `chunk` tokens (the prefill form): within a chunk the sequential updates
+    are one unit-lower-triangular solve (the WY / UT representation), between chunks the state carries them.
+    Same arguments and result as `delta_rule_recurrent`."""
+    hv = v.shape[1]
+    q = (_heads_for_values(q, hv, head_map) * np.float32(scale)).transpose(1, 0, 2)  # [H, T, Dk]
+    k = _heads_for_values(k, hv, head_map).transpose(1, 0, 2)
+    v = v.transpose(1, 0, 2)  # [H, T, Dv]
+    g, beta = gates[:, :, 0].T, gates[:, :, 1].T  # [H, T]
+    out = np.empty_like(v)
+    for s in range(0, v.shape[1], chunk):
+        e = min(s + chunk, v.shape[1])
+        n = e - s
+        qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e, None]
+        gc = np.cumsum(g[:, s:e], axis=1)  # log decay from the chunk's start to each token
+        lower = np.tril(np.ones((n, n), bool))
+        # decay[h, i, j] = exp(gc_i - gc_j) for j <= i: the decay between tokens j and i
+        decay = np.exp(np.where(lower, gc[:, :, None] - gc[:, None, :], -np.inf)).astype(np.float32)
+        kb = kc * bc
+        # (I + strictly-lower(beta_i k_i . k_j decay_ij)) w = rhs: the chunk's sequential updates at once
+        system = np.where(np.tril(np.ones((n, n), bool), -1), (kb @ kc.transpose(0, 2, 1)) * decay, 0)
+        system += np.eye(n, dtype=np.float32)
+        rhs = np.concatenate([vc * bc, kb * np.exp(gc)[:, :, None]], axis=2)
+        solved = np.linalg.solve(system, rhs).astype(np.float32)
+        u, w = solved[:, :, : vc.shape[2]], solved[:, :, vc.shape[2] :]
+        v_new = u - w @ state  # what each token writes, less what the state before the chunk predicts
+        attn = (qc @ kc.transpose(0, 2, 1)) * decay
+        out[:, s:e] = (qc * np.exp(gc)[:, :, None]) @ state + attn @ v_new
+        last = gc[:, -1:]
+        state *= np.exp(last)[:, :, None]
+        state += (kc * np.exp(last - gc)[:, :, None]).transpose(0, 2, 1) @ v_new
+    return out.transpose(1, 0, 2)
+
+
+@_impl("delta_rule")
+def _delta_rule(ex, node, a):
+    q, k, v, gates = a
+    at = node.attrs
+    state = ex.state("delta_rule", at["layer"], (v.shape[1], q.shape[2], v.shape[2]))
+    if len(v) == 1:
+        return delta_rule_recurrent(q, k, v, gates, state, at["scale"], at["head_map"])
+    return delta_rule_chunked(q, k, v, gates, state, at["scale"], at["head_map"], at["chunk"])
+
+
 def check_complete() -> None:
     """Every op of the graph IR has a reference implementation (a test calls this)."""
     from polystrata.ir.graph import OPS
@@ -286,4 +419,7 @@ def check_complete() -> None:
         raise AssertionError(f"reference executor lacks ops {sorted(missing)}")
 
 
-__all__ = ["OneSequence", "ReferenceExecutor", "Value", "apply_rope", "gelu_tanh", "silu", "softmax", "check_complete"]
+__all__ = [
+    "OneSequence", "ReferenceExecutor", "Value", "apply_rope", "check_complete", "delta_rule_chunked",
+    "delta_rule_recurrent", "gelu_tanh", "l2_normalize", "silu", "softmax",
+]

@@ -237,6 +237,8 @@ def _bpe_md(pre: str | None, merges: list[str] = (), extra: list[str] = (), type
         ("smollm", "abc 123", ["abc", " ", "1", "2", "3"]),
         ("llama-bpe", "I'M 12345 ok!!\n\nx", ["I", "'M", " ", "123", "45", " ok", "!!\n\n", "x"]),
         ("qwen2", "ab 123", ["ab", " ", "1", "2", "3"]),
+        ("qwen2", "e\u0301t\u0301 1", ["e", "\u0301t", "\u0301", " ", "1"]),
+        ("qwen35", "e\u0301t\u0301 1", ["e\u0301t\u0301", " ", "1"]),  # combining marks stay in the word
         ("default", "x+=1000", ["x", "+=", "100", "0"]),
     ],
 )

@@ -13,6 +13,8 @@ Plan buffer names a recipe reads and writes (`RecipeContext.buf(value)`):
   decoding, where each sequence owns its own run of cache rows);
 - the KV cache of layer L: "kv.L.k" and "kv.L.v", `u8` rows of the KV format (`RecipeContext.kv_format`),
   n_ctx rows of n_head_kv * head_dim values each.
+- the recurrent state of layer L (linear-attention layers): "state.L.conv" and "state.L.delta", f32
+  (`deltanet.state_buffer`), one per sequence, zeroed when it starts.
 Step symbols usable as scalar bindings: "T", "n_past", "n_kv" (see `ir.kernel.Launch`).
 """
 

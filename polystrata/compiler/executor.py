@@ -99,7 +99,7 @@ class PlanExecutor(OneSequence):
             self.handles.update(self.streamer.handles())
         for plan in plans.values():
             for name, spec in plan.buffers.items():
-                if spec.kind in ("weight", "kv", "input", "slots") and name in self.handles:
+                if spec.kind in ("weight", "kv", "state", "input", "slots") and name in self.handles:
                     continue
                 if spec.kind == "weight":
                     if spec.dtype == "f32":
@@ -111,6 +111,10 @@ class PlanExecutor(OneSequence):
                     self.handles[(id(plan), name)] = runtime.alloc((spec.count,), spec.dtype)
                 else:
                     self.handles[name] = runtime.alloc((spec.count,), spec.dtype)
+        # Recurrent states (name -> f32 count): zero at the start of every sequence.
+        self.states = {name: spec.count for plan in plans.values() for name, spec in plan.buffers.items()
+                       if spec.kind == "state"}
+        self.reset()
         # Per plan: its buffer names -> handles.
         self.local = {pid: {name: self.handles[(id(plan), name)] if spec.kind == "activation" else self.handles[name]
                             for name, spec in plan.buffers.items()} for pid, plan in plans.items()}
@@ -153,6 +157,21 @@ class PlanExecutor(OneSequence):
                    for gate, r in (experts.get("routers") or {}).items() if r is not None}
         return ExpertStreamer(self.rt, lambda name: expert_source(file, specs[name]), list(streams.values()),
                               experts["slots"], experts.get("policy", "lru"), routers, experts.get("log"))
+
+    def reset(self) -> None:
+        """Start a new sequence: KV rows past n_past are never read, so only the recurrent states are cleared."""
+        self.n_past = 0
+        for name, count in self.states.items():
+            self.rt.write(self.handles[name], np.zeros(count, np.float32))
+
+    def save_state(self) -> dict[str, np.ndarray]:
+        """A host copy of the recurrent states (for `Engine.checkpoint`)."""
+        return {name: self.rt.download(self.handles[name], (count,), "f32") for name, count in self.states.items()}
+
+    def load_state(self, saved: dict[str, np.ndarray]) -> None:
+        """Put back states `save_state` returned."""
+        for name, data in saved.items():
+            self.rt.write(self.handles[name], data)
 
     def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
              starts: np.ndarray | None = None) -> np.ndarray:

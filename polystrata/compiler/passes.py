@@ -17,10 +17,11 @@ import math
 from dataclasses import dataclass
 
 from polystrata.codegen.recipes import RECIPES, Recipe, RecipeContext, load_all
+from polystrata.codegen.recipes.deltanet import state_buffer
 from polystrata.compiler.plan import BufferSpec, Plan
 from polystrata.errors import UnsupportedError
 from polystrata.ir.formats import QuantFormat, row_bytes
-from polystrata.ir.graph import Graph, Node, Value
+from polystrata.ir.graph import RECURRENT_OPS, Graph, Node, Value
 from polystrata.ir.kernel import Buf, Launch, buffers_read
 from polystrata.ir.layout import padded, sliced
 
@@ -155,6 +156,9 @@ def build_plan(
                 buffers[name] = BufferSpec(name, "u8", n_ctx * hkv * row_bytes(kv_format, width), "kv")
             # Per token, the cache row where its sequence begins (0 but in batched decoding: polystrata/batch.py).
             buffers["starts"] = BufferSpec("starts", "i32", t_max, "input")
+        elif n.op in RECURRENT_OPS:
+            name, count = state_buffer(n)
+            buffers[name] = BufferSpec(name, "f32", count, "state")
 
     def assign(v: Value) -> None:
         dtype, count = value_storage(v, t_max)

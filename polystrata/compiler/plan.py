@@ -18,7 +18,9 @@ class BufferSpec:
     name: str
     dtype: str
     count: int
-    kind: str  # "activation", "input", "weight", "kv", "slots" (an expert slot table of a streaming plan)
+    # "activation", "input", "weight", "kv", "state" (a recurrent op's per-sequence state, `recipes.deltanet`),
+    # "slots" (an expert slot table of a streaming plan)
+    kind: str
     fmt: QuantFormat | None = None
 
 

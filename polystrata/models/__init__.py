@@ -6,14 +6,14 @@ from typing import Any
 
 from polystrata.errors import GGUFError, UnsupportedError
 from polystrata.ir.graph import Graph
-from polystrata.models import gemma3, llama, qwen_moe
+from polystrata.models import gemma3, llama, qwen35, qwen_moe
 from polystrata.models.builder import Builder
 from polystrata.models.hparams import HParams, MetadataView, read_hparams
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma3", *qwen35.ARCHES)
 
 # Whether routed expert weights are renormalised over the chosen top-k when the file does not say.
-_EXPERT_NORM_DEFAULT = {"qwen3moe": True, "qwen2moe": False}
+_EXPERT_NORM_DEFAULT = {"qwen3moe": True, "qwen2moe": False, "qwen35moe": True, "qwen3next": True}
 
 
 def model_hparams(metadata: dict[str, Any], tensors: dict[str, tuple[tuple[int, ...], str]]) -> HParams:
@@ -27,6 +27,8 @@ def model_hparams(metadata: dict[str, Any], tensors: dict[str, tuple[tuple[int, 
         raise GGUFError("tensor 'token_embd.weight' is missing; the file is not a complete model")
     hp = read_hparams(metadata, arch, n_vocab=tensors["token_embd.weight"][0][0])
     hp.tied_embeddings = "output.weight" not in tensors
+    if arch in qwen35.ARCHES:
+        qwen35.read_hybrid(metadata, hp)
     tokens = metadata.get("tokenizer.ggml.tokens")
     if isinstance(tokens, list) and len(tokens) != hp.n_vocab:
         # llama.cpp refuses this too: ids past the shorter side would embed or decode garbage.
@@ -56,6 +58,8 @@ def build_graph(
         g = gemma3.build(b, metadata)
     elif hp.arch in ("qwen2moe", "qwen3moe"):
         g = qwen_moe.build(b)
+    elif hp.arch in qwen35.ARCHES:
+        g = qwen35.build(b)
     else:
         g = llama.build(b)
     g.meta.update(

@@ -10,6 +10,14 @@ from polystrata.ir.graph import Graph, Value
 from polystrata.models.hparams import HParams
 
 
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    # llama.cpp accepts a tensor whose extra outer dims are 1: converters write a [1, n] gate as it came.
+    shape = tuple(shape)
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
 class Builder:
     """Builds one forward step of a transformer into a `Graph`, from GGUF tensor names and hyper-parameters.
 
@@ -34,7 +42,7 @@ class Builder:
         if name not in self.tensors:
             raise GGUFError(f"tensor '{name}' is missing; the file is not a complete {self.hp.arch} model")
         got, fmt = self.tensors[name]
-        if tuple(got) != tuple(shape):
+        if _squeezed(got) != _squeezed(shape):
             raise GGUFError(f"tensor '{name}' has shape {tuple(got)}, expected {tuple(shape)} for {self.hp.arch}")
         return self.g.weight(name, fmt, view or shape)
 

@@ -1,0 +1,89 @@
+"""Recipe conformance, codegen/recipes/deltanet.py: the Gated DeltaNet ops on every target under test, against the
+numpy reference; the recurrent ones over two steps (a prompt, then one token) through the same state buffer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from recipe_cases import recipe, recipe_context, run_launches, target_runtimes
+
+from polystrata.codegen.recipes.deltanet import state_buffer
+from polystrata.ir.graph import Graph
+from polystrata.runtimes import reference as R
+
+rt = target_runtimes()
+
+
+def _check(rt, g: Graph, steps=(1, 6), rtol=1e-5, atol=1e-5):
+    """Lower g's one node with its recipe and compare each step's output (and a recurrent op's state after it)
+    with the reference's, carrying the state from step to step."""
+    (node,) = g.nodes
+    launches = recipe(node.op).lower(g.nodes, recipe_context(g))
+    ex = R.ReferenceExecutor({}, n_ctx=64)
+    state = state_buffer(node) if node.op in ("ssm_conv", "delta_rule") else None
+    keep: dict = {}
+    for i, t in enumerate(steps):
+        rng = np.random.default_rng(t)
+        vals = {}
+        for v in [*g.inputs, *g.weights.values()]:
+            x = rng.standard_normal([t if d == "T" else d for d in v.type.shape]).astype(np.float32)
+            if v.name == "gates":  # log decays <= 0, rates in (0, 1)
+                x[..., 0], x[..., 1] = -np.abs(x[..., 0]), 1 / (1 + np.exp(-x[..., 1]))
+            if v.name in ("q", "k"):
+                x = R.l2_normalize(x, 1e-6)
+            vals[v.name] = x
+        ref = R._IMPLS[node.op](ex, node, [vals[v.name] for v in node.inputs])
+        bufs = {k: v.reshape(-1) for k, v in vals.items()}
+        outs = {"o": (ref.shape, "f32")}
+        if state is not None and i == 0:
+            bufs[state[0]] = np.zeros(state[1], np.float32)
+        keep.pop("o", None)  # sized for this step
+        out = run_launches(rt, launches, bufs, {"T": t}, outs, keep)["o"]
+        np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol, err_msg=f"step {i} of {t} tokens")
+        if state is not None:
+            want = next(iter(ex.states.values()))
+            if node.op == "delta_rule":  # kept transposed: [Hv, Dv, Dk]
+                want = want.transpose(0, 2, 1)
+            got = rt.download(keep[state[0]], (state[1],), "f32")
+            np.testing.assert_allclose(got, want.reshape(-1), rtol=rtol, atol=atol)
+
+
+def test_slice(rt):
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", 3, 40))
+    g.op("slice", x, start=8, stop=29, name="o")
+    _check(rt, g)
+
+
+@pytest.mark.parametrize("op", ["l2_norm", "rms_norm_gated"])
+def test_row_norms(rt, op):
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", 3, 48))
+    if op == "l2_norm":
+        g.op(op, x, eps=1e-6, name="o")
+    else:
+        g.op(op, x, g.weight("w", "F32", (48,)), g.input("z", "f32", ("T", 3, 48)), eps=1e-6, name="o")
+    _check(rt, g)
+
+
+def test_gdn_gates(rt):
+    g = Graph("t")
+    alpha, beta = g.input("alpha", "f32", ("T", 6)), g.input("beta", "f32", ("T", 6))
+    g.op("gdn_gates", alpha, beta, g.weight("dt", "F32", (6,)), g.weight("a", "F32", (6,)), name="o")
+    _check(rt, g)
+
+
+def test_ssm_conv(rt):
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", 70))
+    g.op("ssm_conv", x, g.weight("w", "F32", (70, 4)), layer=0, name="o")
+    _check(rt, g, steps=(2, 5, 1))  # a first step shorter than the kernel: the state keeps older rows
+
+
+@pytest.mark.parametrize("head_map", ["tiled", "grouped"])
+def test_delta_rule(rt, head_map):
+    g = Graph("t")
+    q, k = g.input("q", "f32", ("T", 2, 16)), g.input("k", "f32", ("T", 2, 16))
+    v, gates = g.input("v", "f32", ("T", 4, 12)), g.input("gates", "f32", ("T", 4, 2))
+    g.op("delta_rule", q, k, v, gates, layer=0, scale=0.25, head_map=head_map, chunk=64, name="o")
+    _check(rt, g, steps=(9, 1), rtol=1e-4, atol=1e-5)
