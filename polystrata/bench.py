@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from polystrata.cli import ctx_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg
+from polystrata.cli import ctx_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg, threads_arg
 from polystrata.errors import PolystrataError
 from polystrata.runtimes.memory import fmt_bytes
 
@@ -382,6 +382,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     model_arg(p)
     target_arg(p)
     ctx_arg(p, "depth + max(p, n)")
+    threads_arg(p)
     p.add_argument("-d", "--depth", type=int, default=0, help="tokens of context before each test (llama-bench -d)")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill test tokens; 0 skips it")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="decode test tokens; 0 skips it")

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from polystrata import interrupt
+from polystrata import interrupt, progress
 from polystrata.errors import PolystrataError, writing
 
 if TYPE_CHECKING:
@@ -96,6 +96,12 @@ def ctx_arg(p: argparse.ArgumentParser, default_help: str) -> None:
                    help=f"context length in tokens, the KV cache's size (default: {default_help})")
 
 
+def threads_arg(p: argparse.ArgumentParser) -> None:
+    """-t/--threads N: threads of the cpu target's kernels (applied by `main` before any command runs)."""
+    p.add_argument("-t", "--threads", type=_positive_int, default=None, metavar="N",
+                   help="CPU threads the cpu target computes with (default: every usable CPU)")
+
+
 def memory_args(p: argparse.ArgumentParser, experts: bool = True) -> None:
     """--gpu-mem, and the expert cache's --expert-slots and (`experts`) --expert-policy."""
     from polystrata.runtimes.memory import POLICIES
@@ -145,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     target_arg(p)
     ctx_arg(p, "the text's length, at least 4096")
     memory_args(p)
+    threads_arg(p)
     p.add_argument("-o", "--output", required=True, type=_output_path)
 
     p = sub.add_parser("run", help="generate text; only the generated text goes to stdout")
@@ -160,13 +167,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     ctx_arg(p, "min(trained, 4096), or the artifact's")
     target_arg(p)
+    threads_arg(p)
     memory_args(p)
     p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")
+    p.add_argument("--model", dest="model_file", default=None, metavar="PATH",
+                   help="the GGUF file: with an ARTIFACT, the one it was compiled from (checked by its sha256) when "
+                        "it is not where the artifact says nor in the zoo cache")
 
     p = sub.add_parser("parity", help="score llama.cpp's reference prompts and compare (pooled KL, top-1)")
     model_arg(p)
     p.add_argument("--fixtures", required=True, help="folder with prompts.json and one <prompt>.npz per prompt")
     target_arg(p)
+    threads_arg(p)
     p.add_argument("--against-kv", default=None, metavar="KV_TYPE",
                    help="compare against this target's own run with that KV cache type (e.g. f16) instead of "
                         "llama.cpp's logits, over each prompt and its greedy continuation")
@@ -176,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     target_arg(p)
     p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
     ctx_arg(p, "min(trained, 4096)")
+    threads_arg(p)
     memory_args(p, experts=False)
     p.add_argument("-o", "--output", required=True, type=_output_path)
 
@@ -385,13 +398,18 @@ def cmd_parity(a) -> int:
 
 
 def cmd_run(a) -> int:
-    from polystrata.artifact import is_artifact, load_artifact
+    from polystrata.artifact import is_artifact, kernel_store, load_artifact
     from polystrata.engine import Engine, GenerationStats
     from polystrata.sampling import Sampler, SamplerConfig
 
-    target, kv_type, n_ctx = a.target, a.kv_type, a.ctx
+    target, kv_type, n_ctx, store = a.target, a.kv_type, a.ctx, None
+    if a.model_file is not None and not (a.model and is_artifact(a.model)):
+        if a.model:
+            raise PolystrataError(f"give the model once: {a.model} or --model {a.model_file}")
+        a.model, a.model_file = a.model_file, None
     if a.model and is_artifact(a.model):
-        manifest = load_artifact(a.model)
+        manifest = load_artifact(a.model, a.model_file)
+        store = kernel_store(a.model)
         path, target = Path(manifest["model"]["path"]), manifest["target"]["name"]
         kv_type = manifest["memory"]["kv_type"] if target != "reference" else kv_type
         n_ctx = n_ctx or manifest["memory"]["n_ctx"]
@@ -402,7 +420,8 @@ def cmd_run(a) -> int:
         path = _resolve(a.model)
     if a.n_predict < 0:
         raise PolystrataError("-n must be >= 0")
-    eng = Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, **memory_kwargs(a))
+    eng = Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, kernel_store=store,
+                 **memory_kwargs(a))
     tok = eng.tokenizer
     template = eng.metadata.get("tokenizer.chat_template")
     if template and not a.raw:
@@ -499,6 +518,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return interrupt.report()
     try:
+        # Progress bars on stderr, except where the output is for a program (bench --json).
+        progress.enabled = not getattr(args, "json", False)
+        if getattr(args, "threads", None) is not None:
+            from polystrata import threads
+
+            threads.configure(args.threads)  # before anything starts Numba's thread pool
         return COMMANDS[args.cmd](args)
     except PolystrataError as e:
         if args.debug:

@@ -53,13 +53,14 @@ class Engine:
     def __init__(
         self, model_path: str | Path, target: str = "auto", n_ctx: int | None = None, kv_type: str = "f16",
         gpu_mem: str | None = None, expert_policy: str = "lru", expert_slots: int | None = None,
-        verbose: bool = False,
+        verbose: bool = False, kernel_store: Path | None = None,
     ):
         """`n_ctx` None: min(trained context, `DEFAULT_CTX`), reduced to what the device-memory budget holds (see
         `runtimes.memory.fit_plans`). `gpu_mem`: the budget (`--gpu-mem`: bytes with a K/M/G suffix or a
         percentage of free memory; default: free memory less a margin). `expert_policy`, `expert_slots`: the MoE
         expert cache where the experts do not all fit (`runtimes/memory.py`). `verbose`: the memory plan and the
-        VRAM guard's actions on stderr."""
+        VRAM guard's actions on stderr. `kernel_store`: an artifact's compiled kernels, used where the kernel cache
+        lacks them (`polystrata.artifact.kernel_store`)."""
         if n_ctx is not None and n_ctx < 1:
             raise PolystrataError(f"the context length must be at least 1, not {n_ctx}")
         from polystrata.runtimes.memory import policy_class
@@ -84,6 +85,8 @@ class Engine:
         self.verbose = verbose
         self.memory = None  # the memory plan (kernel targets)
         self.runtime = None if target == "reference" else make_runtime(target)
+        if self.runtime is not None and kernel_store is not None:
+            self.runtime.kernel_stores.append(kernel_store)
         self.device = self.runtime.device if self.runtime else "host CPU (numpy float32)"
         self.executor = self._make_executor()
 

@@ -11,9 +11,10 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import numpy as np
 from polystrata.ir.kernel import Buf, Call, Kernel, Scalar, expr_str, stable_digest
 from polystrata.ir.quant import Bin, Const, Expr, Var
 from polystrata.paths import atomic_write, file_lock, home_dir, private_dir
+from polystrata.progress import Progress
 
 
 def cache_dir(target: str) -> Path:
@@ -87,6 +89,14 @@ class CacheEntry:
         record = {"key": self.key, "sha256": {name: _sha256(f) for name, f in sorted(self.files().items())}}
         atomic_write(self.record, json.dumps(record, indent=1) + "\n")
 
+    def copy_to(self, directory: Path) -> None:
+        """Copy the files and then the record into `directory` (an artifact's `kernels/`, or a cache directory),
+        keeping their modification times (older Numba versions stamp a cached source by its mtime; 0.68 hashes it)."""
+        for name, f in sorted(self.files().items()):
+            (directory / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, directory / name)
+        shutil.copy2(self.record, directory / self.record.name)
+
     def discard(self) -> None:
         """Remove the record and every file of the entry."""
         for f in (self.record, *self.files().values()):
@@ -102,9 +112,9 @@ class CacheEntry:
         return out
 
 
-def _warn_rebuilt(path: Path) -> None:
+def _warn_rebuilt(path: Path, where: str = "kernel cache entry") -> None:
     """The one line that says a corrupt cache entry was thrown away."""
-    print(f"warning: kernel cache entry {path} was corrupt; rebuilt", file=sys.stderr)
+    print(f"warning: {where} {path} was corrupt; rebuilt", file=sys.stderr)
 
 
 def host_memory() -> tuple[int, int] | None:
@@ -141,11 +151,12 @@ def eval_int(e: Expr, env: dict[str, int]) -> int:
 class CompiledKernel:
     """A kernel ready to launch on one runtime; `cached`: it came from the kernel cache (for `compile`'s report)."""
 
-    def __init__(self, kernel: Kernel, handle: Any, source: str, cached: bool):
+    def __init__(self, kernel: Kernel, handle: Any, source: str, cached: bool, entry: CacheEntry | None = None):
         self.kernel = kernel
         self.handle = handle
         self.source = source
         self.cached = cached
+        self.entry = entry  # its files in the kernel cache (what `compile -o` copies into the artifact)
 
 
 class Runtime(ABC):
@@ -164,6 +175,21 @@ class Runtime(ABC):
         self.cache_hits = 0
         self.cache_misses = 0
         self._compiled: dict[str, CompiledKernel] = {}  # cache key -> kernel compiled in this process
+        # Directories of compiled kernels laid out as the cache is (an artifact's `kernels/`), copied into the
+        # cache when it lacks an entry: a run from an artifact compiles nothing the artifact holds.
+        self.kernel_stores: list[Path] = []
+
+    def compile_all(self, kernels: Iterable[Kernel]) -> dict[str, CompiledKernel]:
+        """Compile each distinct kernel once (`compile`), showing "compiling kernels k/N (h from the cache)";
+        returns them by fingerprint."""
+        todo = {k.fingerprint(): k for k in kernels}
+        out: dict[str, CompiledKernel] = {}
+        hits = self.cache_hits
+        with Progress("compiling kernels", len(todo)) as bar:
+            for fp, kernel in todo.items():
+                out[fp] = self.compile(kernel)
+                bar.update(note=f"{self.cache_hits - hits} from the cache")
+        return out
 
     def _compile_cached(self, kernel: Kernel, source: str, key: str, filename: str,
                         load: Callable[[Path], Any], build: Callable[[Path], Any]) -> CompiledKernel:
@@ -180,7 +206,7 @@ class Runtime(ABC):
             self.cache_hits += 1
         else:
             self.cache_misses += 1
-        ck = self._compiled[key] = CompiledKernel(kernel, handle, source, cached)
+        ck = self._compiled[key] = CompiledKernel(kernel, handle, source, cached, entry)
         return ck
 
     def _load_or_build(self, entry: CacheEntry, load: Callable[[Path], Any],
@@ -188,6 +214,8 @@ class Runtime(ABC):
         """`_compile_cached`'s work on the disk, under the entry's lock: (handle, whether it came from the cache)."""
         handle, cached = None, False
         state = entry.verify()
+        if state is None:
+            state = self._copy_from_stores(entry)
         if not state:  # no files left that a build could trip over (a half-built entry, one from before records)
             entry.discard()
             if state is False:
@@ -207,6 +235,21 @@ class Runtime(ABC):
         if not cached:
             entry.seal()
         return handle, cached
+
+    def _copy_from_stores(self, entry: CacheEntry) -> bool | None:
+        """Fill a missing cache entry from the first kernel store that holds it verified (`entry.verify()` of the
+        copy); a store's corrupt entry is passed over with one warning, and the kernel rebuilt."""
+        for store in self.kernel_stores:
+            shipped = CacheEntry(store / entry.path.name, entry.key)
+            state = shipped.verify()
+            if state:
+                entry.discard()  # a build's leftovers, which `files()` would count as the entry's
+                shipped.copy_to(entry.path.parent)
+                return entry.verify()
+            if state is False:
+                _warn_rebuilt(shipped.path, "artifact kernel")
+                return None
+        return None
 
     @abstractmethod
     def render(self, kernel: Kernel) -> str:

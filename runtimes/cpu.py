@@ -18,6 +18,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from polystrata import threads
 from polystrata.codegen.cpu import NUMPY_DTYPES, render
 from polystrata.ir.kernel import Buf, Kernel
 from polystrata.paths import atomic_write
@@ -53,6 +54,7 @@ class CPURuntime(Runtime):
 
     def __init__(self) -> None:
         super().__init__()
+        threads.configure()  # before Numba's pool starts: the CLI's -t, else the default (polystrata.threads)
         self.device = f"{_cpu_name()} ({os.cpu_count()} threads, numba {numba.__version__})"
 
     def render(self, kernel: Kernel) -> str:

@@ -112,8 +112,9 @@ class PlanExecutor:
         # Per plan: its buffer names -> handles.
         self.local = {pid: {name: self.handles[(id(plan), name)] if spec.kind == "activation" else self.handles[name]
                             for name, spec in plan.buffers.items()} for pid, plan in plans.items()}
+        compiled = runtime.compile_all(la.kernel for plan in plans.values() for la in plan.launches)
         self.bound: dict[int, list[_BoundLaunch]] = {
-            pid: [_BoundLaunch(runtime, runtime.compile(la.kernel), self.local[pid], la) for la in plan.launches]
+            pid: [_BoundLaunch(runtime, compiled[la.kernel.fingerprint()], self.local[pid], la) for la in plan.launches]
             for pid, plan in plans.items()}
         # Per plan: (first launch, end, stream, layer) of each streamed MoE layer's expert launches.
         self.sections: dict[int, list[tuple[int, int, Any, int]]] = {}
