@@ -63,9 +63,10 @@ def test_every_model_command_takes_threads(cmd, capsys):
 
 
 def test_bench_decodes_with_the_threads_asked(tmp_path):
+    # test_cli's tiny model at its default context (2048): kernels it compiles too.
     model = synth_model("llama", tmp_path / "tiny.gguf", preset="tiny", qtype="Q8_0", seed=0)
     p = subprocess.run([sys.executable, "-m", "polystrata", "bench", str(model), "--target", "cpu", "-p", "0", "-n",
-                        "2", "-r", "1", "-t", "1", "--json"], capture_output=True, text=True, timeout=600)
+                        "2", "-r", "1", "-c", "2048", "-t", "1", "--json"], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["n_threads"] == 1
     assert "compiling kernels" not in p.stderr  # no progress under --json
