@@ -31,6 +31,7 @@ import numpy as np
 from polystrata.cli import ctx_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg, threads_arg
 from polystrata.errors import PolystrataError
 from polystrata.runtimes.memory import fmt_bytes
+from polystrata.threads import usable_cpus
 
 BANDWIDTH_ENV = "POLYSTRATA_BANDWIDTH"
 
@@ -63,14 +64,6 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def cpu_threads() -> int:
-    """CPUs this process may run on (respects taskset/cgroup affinity, unlike os.cpu_count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def engine_threads(engine, target: str) -> int:
     """Threads the engine computes with: what it says, else Numba's count for `cpu`, else the usable CPUs."""
     n = getattr(engine, "n_threads", None)
@@ -83,7 +76,7 @@ def engine_threads(engine, target: str) -> int:
             return int(numba.get_num_threads())
         except ImportError:
             pass
-    return cpu_threads()
+    return usable_cpus()
 
 
 def measure_cpu_bandwidth(nbytes: int | None = None, reps: int = _MEASURE_REPS, threads: int | None = None) -> float:
@@ -92,7 +85,7 @@ def measure_cpu_bandwidth(nbytes: int | None = None, reps: int = _MEASURE_REPS, 
     numpy reductions release the GIL, so one slice per thread reads memory in parallel, as a multi-threaded
     decode would. The array is far larger than any cache, so this measures DRAM, not cache.
     """
-    threads = threads or cpu_threads()
+    threads = threads or usable_cpus()
     nbytes = nbytes or _MEASURE_BYTES
     a = np.ones(max(nbytes // 8, threads), dtype=np.float64)  # np.ones touches every page: no faults in the timing
     chunks = np.array_split(a, threads)

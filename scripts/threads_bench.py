@@ -10,8 +10,10 @@ measurement, as a parallel build or another engineer's job would. Run by hand, n
 
 Configurations: `before` is the setup PolyStrata had before issue 22 (every CPU, GNU OpenMP's default wait: spin
 300,000 times, about 3 ms, before sleeping; `GOMP_SPINCOUNT=300000` is that default written out); `default` is
-what PolyStrata does now; `-t 1` and `-t 2` are explicit thread counts with the default wait; `workqueue` is
-Numba's own threading layer; `llama.cpp -t N` is llama.cpp with N threads.
+what PolyStrata does now; `-t 1` and `-t 2` are explicit thread counts with the default wait; `spin 10k` and
+`spin 30k` spin that many times (about 0.1 and 0.3 ms) before sleeping; `workqueue` is Numba's own threading
+layer; `llama.cpp -t N` is llama.cpp with N threads. The table's last column is the machine's load average during
+each measurement (quiet / busy): other users' work counts too.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ CONFIGS: dict[str, tuple[str, dict[str, str], int | None]] = {
     "default": ("polystrata", {}, None),
     "-t 1": ("polystrata", {}, 1),
     "-t 2": ("polystrata", {}, 2),
+    "spin 10k": ("polystrata", {"GOMP_SPINCOUNT": "10000"}, None),
+    "spin 30k": ("polystrata", {"GOMP_SPINCOUNT": "30000"}, None),
     "workqueue": ("polystrata", {"NUMBA_THREADING_LAYER": "workqueue"}, None),
     "llama.cpp -t 1": ("llama.cpp", {}, 1),
     "llama.cpp -t 2": ("llama.cpp", {}, 2),
@@ -94,7 +98,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for name in names:
                 print(f"{state}: {name} ...", file=sys.stderr, flush=True)
-                results.setdefault(name, {})[state] = _measure(name, a.model, a.n_gen, a.repetitions)
+                load_before = os.getloadavg()[0]
+                r = _measure(name, a.model, a.n_gen, a.repetitions)
+                # The machine's own load (other users) says how quiet "quiet" was.
+                r["loadavg"] = (load_before + os.getloadavg()[0]) / 2
+                results.setdefault(name, {})[state] = r
         finally:
             for p in load:
                 p.kill()
@@ -102,11 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(results))
         return 0
-    print(f"| configuration | threads | quiet tok/s | busy ({a.load} spinning processes) tok/s |")
-    print("|---|---|---|---|")
+    print(f"| configuration | threads | quiet tok/s | busy ({a.load} spinning processes) tok/s | load average |")
+    print("|---|---|---|---|---|")
     for name, r in results.items():
         cells = [f"{r[s]['tok_s_mean']:.1f} ± {r[s]['tok_s_sd']:.1f}" for s in ("quiet", "busy")]
-        print(f"| {name} | {r['quiet']['threads']} | {cells[0]} | {cells[1]} |")
+        loads = " / ".join(f"{r[s]['loadavg']:.1f}" for s in ("quiet", "busy"))
+        print(f"| {name} | {r['quiet']['threads']} | {cells[0]} | {cells[1]} | {loads} |")
     return 0
 
 

@@ -24,6 +24,7 @@ from polystrata.gguf import GGUFFile
 from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import STEP_SYMBOLS, Buf
 from polystrata.ir.quant import repack
+from polystrata.progress import Progress
 from polystrata.runtimes.base import CompiledKernel, Runtime, eval_int
 from polystrata.runtimes.memory import ExpertStreamer, VRAMGuard, guard_step
 
@@ -95,6 +96,9 @@ class PlanExecutor:
         self.log = (experts or {}).get("log") or (lambda _msg: None)
         if self.streamer is not None:
             self.handles.update(self.streamer.handles())
+        weights = {name for plan in plans.values() for name, spec in plan.buffers.items()
+                   if spec.kind == "weight" and name not in self.handles}
+        loading = Progress("loading weights", len(weights))  # closed below; an error ends the command
         for plan in plans.values():
             for name, spec in plan.buffers.items():
                 if spec.kind in ("weight", "kv", "input", "slots") and name in self.handles:
@@ -105,10 +109,12 @@ class PlanExecutor:
                     else:  # in the layout the plan's kernels read
                         data = repack(np.asarray(file.raw(name)), file.tensors[name].fmt, spec.fmt)
                     self.handles[name] = runtime.upload(data)
+                    loading.update()
                 elif spec.kind == "activation":
                     self.handles[(id(plan), name)] = runtime.alloc((spec.count,), spec.dtype)
                 else:
                     self.handles[name] = runtime.alloc((spec.count,), spec.dtype)
+        loading.close()
         # Per plan: its buffer names -> handles.
         self.local = {pid: {name: self.handles[(id(plan), name)] if spec.kind == "activation" else self.handles[name]
                             for name, spec in plan.buffers.items()} for pid, plan in plans.items()}
