@@ -277,14 +277,13 @@ def load_artifact(path: str | os.PathLike, model: str | os.PathLike | None = Non
 
 
 def find_model(directory: Path, recorded: str, sha256: str, model: str | os.PathLike | None = None) -> Path:
-    """The GGUF file with this `sha256`: `model` (`run --model PATH`) if given, else the `recorded` path (relative
-    to the artifact `directory`; absolute in artifacts from before), else a zoo model of that digest in the cache."""
+    """The GGUF file with this `sha256`: `model` (`run --model`: a path or zoo name) if given, else the `recorded`
+    path (relative to the artifact `directory`; absolute in artifacts from before), else a zoo model of that
+    digest in the cache."""
     from polystrata import zoo
 
     if model is not None:
-        path = Path(model).expanduser()
-        if not path.is_file():
-            raise PolystrataError(f"--model {model}: no such file")
+        path = zoo.resolve_model(model)  # a file, or a zoo name
         if file_sha256(path) != sha256:
             raise PolystrataError(f"{model} is not the model {directory} was compiled from (its sha256 differs)")
         return path

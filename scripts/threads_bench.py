@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model", nargs="?", default="smollm2-135m")
     ap.add_argument("-n", "--n-gen", type=int, default=64, help="decoded tokens per repetition")
     ap.add_argument("-r", "--repetitions", type=int, default=3)
-    ap.add_argument("--load", type=int, default=2, help="busy-loop processes on the busy machine")
+    ap.add_argument("--load", type=int, default=2, help="busy-loop processes on the busy machine (0: quiet only)")
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names of CONFIGS")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", choices=["polystrata", "llama.cpp"], help=argparse.SUPPRESS)
@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown configuration {unknown[0]!r}; known: {', '.join(CONFIGS)}")
     results: dict[str, dict[str, dict]] = {}
-    for state in ("quiet", "busy"):
+    states = ("quiet", "busy") if a.load else ("quiet",)
+    for state in states:
         load = _busy(a.load) if state == "busy" else []
         try:
             for name in names:
@@ -110,12 +111,13 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(results))
         return 0
-    print(f"| configuration | threads | quiet tok/s | busy ({a.load} spinning processes) tok/s | load average |")
-    print("|---|---|---|---|---|")
+    heads = ["quiet tok/s", f"busy ({a.load} spinning processes) tok/s"][: len(states)]
+    print(f"| configuration | threads | {' | '.join(heads)} | load average |")
+    print("|---" * (len(heads) + 3) + "|")
     for name, r in results.items():
-        cells = [f"{r[s]['tok_s_mean']:.1f} ± {r[s]['tok_s_sd']:.1f}" for s in ("quiet", "busy")]
-        loads = " / ".join(f"{r[s]['loadavg']:.1f}" for s in ("quiet", "busy"))
-        print(f"| {name} | {r['quiet']['threads']} | {cells[0]} | {cells[1]} | {loads} |")
+        cells = [f"{r[s]['tok_s_mean']:.1f} ± {r[s]['tok_s_sd']:.1f}" for s in states]
+        loads = " / ".join(f"{r[s]['loadavg']:.1f}" for s in states)
+        print(f"| {name} | {r['quiet']['threads']} | {' | '.join(cells)} | {loads} |")
     return 0
 
 

@@ -18,12 +18,18 @@ from polystrata.synth import synth_model
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> Path:
-    """A folder with a tiny model (the same one test_cli uses: its kernels are shared) and its cpu artifact."""
+def tiny(tmp_path_factory) -> Path:
+    """A folder with a tiny model: the one test_cli uses, at the same context, so the kernels are shared."""
     d = tmp_path_factory.mktemp("bundle")
     synth_model("llama", d / "tiny.gguf", preset="tiny", qtype="Q8_0", seed=0)
-    write_artifact(d / "tiny.gguf", "cpu", d / "art")
     return d
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny) -> Path:
+    """The tiny model's folder with its cpu artifact `art` beside it."""
+    write_artifact(tiny / "tiny.gguf", "cpu", tiny / "art")
+    return tiny
 
 
 @pytest.fixture
@@ -131,3 +137,20 @@ def test_progress_on_long_waits_but_not_under_json(bundle, tmp_path, capsys, lin
     assert _compiles(capsys.readouterr().err)[0] > 0
     assert main([*bench, "--json"]) == 0
     assert "compiling kernels" not in capsys.readouterr().err
+
+
+@pytest.mark.target("opencl")
+def test_opencl_artifact_on_an_empty_cache_compiles_nothing(tiny, tmp_path, monkeypatch, capsys, lines):
+    from polystrata.targets import make_runtime
+
+    try:
+        make_runtime("opencl")
+    except PolystrataError as e:
+        pytest.skip(str(e))
+    art = tmp_path / "art"
+    write_artifact(tiny / "tiny.gguf", "opencl", art)  # OpenCL binaries, as the cache keeps them
+    assert list((art / KERNELS).glob("*.bin"))
+    _fresh_home(monkeypatch, tmp_path)
+    assert main(["run", str(art), "--model", str(tiny / "tiny.gguf"), "-p", "hi", "-n", "2", "--raw"]) == 0
+    k, n, hits = _compiles(capsys.readouterr().err)
+    assert k == n == hits > 0
