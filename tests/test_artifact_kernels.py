@@ -3,6 +3,7 @@ compiles nothing, and the model is found by its sha256. Also the progress lines 
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 from pathlib import Path
@@ -139,17 +140,22 @@ def test_progress_on_long_waits_but_not_under_json(bundle, tmp_path, capsys, lin
     assert "compiling kernels" not in capsys.readouterr().err
 
 
-@pytest.mark.target("opencl")
-def test_opencl_artifact_on_an_empty_cache_compiles_nothing(tiny, tmp_path, monkeypatch, capsys, lines):
+@pytest.mark.parametrize("target", [pytest.param(t, marks=pytest.mark.target(t)) for t in ("opencl", "cuda", "hip")])
+def test_device_artifact_on_an_empty_cache_compiles_nothing(target, tiny, tmp_path, monkeypatch, capsys, lines):
+    """OpenCL binaries here (PoCL); cubins and hip code objects on a GPU machine (pytest -k device_artifact)."""
     from polystrata.targets import make_runtime
 
+    if target == "cuda" and os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.skip("the CUDA simulator compiles nothing to keep")
     try:
-        make_runtime("opencl")
-    except PolystrataError as e:
+        rt = make_runtime(target)
+    except (ImportError, OSError, PolystrataError) as e:
         pytest.skip(str(e))
+    if getattr(rt, "gpu", True) is False:
+        pytest.skip(f"{target} compiles here but has no GPU to run on")
     art = tmp_path / "art"
-    write_artifact(tiny / "tiny.gguf", "opencl", art)  # OpenCL binaries, as the cache keeps them
-    assert list((art / KERNELS).glob("*.bin"))
+    write_artifact(tiny / "tiny.gguf", target, art)
+    assert list((art / KERNELS).glob("*.sha256.json"))
     _fresh_home(monkeypatch, tmp_path)
     assert main(["run", str(art), "--model", str(tiny / "tiny.gguf"), "-p", "hi", "-n", "2", "--raw"]) == 0
     k, n, hits = _compiles(capsys.readouterr().err)
