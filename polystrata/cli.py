@@ -518,8 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return interrupt.report()
     try:
-        # Progress bars on stderr, except where the output is for a program (bench --json).
-        progress.enabled = not getattr(args, "json", False)
+        # Progress bars on stderr, except where the output is for a program (--json, bench -o json|csv).
+        progress.enabled = not (getattr(args, "json", False) or getattr(args, "output_format", "md") != "md")
         if getattr(args, "threads", None) is not None:
             from polystrata import threads
 
