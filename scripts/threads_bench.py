@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.child:
         print(json.dumps(_child(a.child, a.model, a.n_gen, a.repetitions, a.threads)))
         return 0
-    names = [c.strip() for c in a.configs.split(",")]
+    names = list(dict.fromkeys(c.strip() for c in a.configs.split(",")))  # each once: results are keyed by name
     unknown = [c for c in names if c not in CONFIGS]
     if unknown:
         ap.error(f"unknown configuration {unknown[0]!r}; known: {', '.join(CONFIGS)}")
