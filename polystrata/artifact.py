@@ -184,7 +184,8 @@ def write_artifact(
             compiled = rt.compile_all(la.kernel for _, plan in named for la in plan.launches)
             for fp, ck in compiled.items():
                 sources[f"{ck.kernel.name}-{fp}"] = ck.source
-                binaries.append(ck.entry)
+                if ck.entry is not None:  # a kernel the runtime keeps in no cache has nothing to carry
+                    binaries.append(ck.entry)
             total = rt.cache_hits + rt.cache_misses
             report = (
                 f"{total} kernels: {rt.cache_hits} from the binary cache, {rt.cache_misses} compiled"
