@@ -1,8 +1,11 @@
-"""Compile artifacts: a directory holding a YAML manifest (the plan) and the graph IR dump.
+"""Compile artifacts: a directory holding a YAML manifest (the plan), the graph IR dump, the kernel sources and
+the compiled kernels.
 
-`compile` is a plan, not a copy of the weights: the manifest records the model's path and sha256 so that `run`
-can refuse a model file that changed since, the architecture, the target and device, a graph summary, the
-kernels with their schedule choices (none on the reference target) and the memory plan.
+`compile` is a plan, not a copy of the weights: the manifest records the model's path (relative to the artifact)
+and sha256, by which `run` finds the model (`find_model`), the architecture, the target and device, a graph
+summary, the kernels with their schedule choices (none on the reference target) and the memory plan. The
+compiled kernels (`kernels/`, as the kernel cache keeps them) spare `run` the compile on a machine with the same
+device and compiler versions.
 """
 
 from __future__ import annotations
