@@ -10,10 +10,11 @@ measurement, as a parallel build or another engineer's job would. Run by hand, n
 
 Configurations: `before` is the setup PolyStrata had before issue 22 (every CPU, GNU OpenMP's default wait: spin
 300,000 times, about 3 ms, before sleeping; `GOMP_SPINCOUNT=300000` is that default written out); `default` is
-what PolyStrata does now; `-t 1` and `-t 2` are explicit thread counts with the default wait; `spin 10k` and
-`spin 30k` spin that many times (about 0.1 and 0.3 ms) before sleeping; `workqueue` is Numba's own threading
-layer; `llama.cpp -t N` is llama.cpp with N threads. The table's last column is the machine's load average during
-each measurement (quiet / busy): other users' work counts too.
+what PolyStrata does now (polystrata/threads.py); `passive` sleeps at once (`OMP_WAIT_POLICY=PASSIVE`); `-t 1`
+and `-t 2` are explicit thread counts with the default wait; `spin 1k`, `spin 10k` and `spin 30k` spin that many
+times (about 0.01, 0.1 and 0.3 ms) before sleeping; `workqueue` is Numba's own threading layer; `llama.cpp -t N`
+is llama.cpp with N threads. The table's last column is the machine's load average during each measurement
+(quiet / busy): other users' work counts too.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ SCRIPTS = Path(__file__).resolve().parent
 CONFIGS: dict[str, tuple[str, dict[str, str], int | None]] = {
     "before": ("polystrata", {"GOMP_SPINCOUNT": "300000"}, None),
     "default": ("polystrata", {}, None),
+    "passive": ("polystrata", {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}, None),
     "-t 1": ("polystrata", {}, 1),
     "-t 2": ("polystrata", {}, 2),
+    "spin 1k": ("polystrata", {"GOMP_SPINCOUNT": "1000"}, None),
     "spin 10k": ("polystrata", {"GOMP_SPINCOUNT": "10000"}, None),
     "spin 30k": ("polystrata", {"GOMP_SPINCOUNT": "30000"}, None),
     "workqueue": ("polystrata", {"NUMBA_THREADING_LAYER": "workqueue"}, None),

@@ -6,9 +6,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
+from polystrata import threads
 from polystrata.cli import main
 from polystrata.synth import synth_model
 
@@ -17,6 +19,7 @@ _PROBE = """
 import json, os, sys
 import numba
 from polystrata import threads
+threads.machine_busy = lambda n: {busy}  # what the machine looks like when the pool starts
 n = threads.configure({n})
 out = {{"n": n, "numba": numba.get_num_threads(), "pool": numba.config.NUMBA_NUM_THREADS,
         "wait": os.environ.get("OMP_WAIT_POLICY"), "blocktime": os.environ.get("KMP_BLOCKTIME")}}
@@ -26,11 +29,11 @@ print(json.dumps(out))
 """
 
 
-def _probe(n: int | None, **env: str) -> tuple[dict, str]:
+def _probe(n: int | None, busy: bool = True, **env: str) -> tuple[dict, str]:
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT",
                                                                 "NUMBA_NUM_THREADS")}
-    p = subprocess.run([sys.executable, "-c", _PROBE.format(n=n)], capture_output=True, text=True, check=True,
-                       env={**clean, **env}, timeout=120)
+    p = subprocess.run([sys.executable, "-c", _PROBE.format(n=n, busy=busy)], capture_output=True, text=True,
+                       check=True, env={**clean, **env}, timeout=120)
     return json.loads(p.stdout), p.stderr
 
 
@@ -45,6 +48,23 @@ def test_default_count_is_every_usable_cpu_and_user_settings_win():
     assert out["n"] == out["numba"] == len(os.sched_getaffinity(0)) and out["wait"] == "ACTIVE"
     out, _ = _probe(None, GOMP_SPINCOUNT="300000")  # a spin count of the user's own: no wait policy imposed
     assert out["wait"] is None
+
+
+def test_workers_spin_as_openmp_does_on_an_idle_machine():
+    out, _ = _probe(None, busy=False)
+    assert out["wait"] is None and out["blocktime"] is None
+
+
+def test_machine_busy_sees_other_processes_running():
+    n = len(os.sched_getaffinity(0))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n + 1)]
+    try:
+        time.sleep(0.3)  # started and running
+        assert threads.machine_busy(n)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.parametrize("value", ["0", "-2", "two"])
