@@ -1,8 +1,11 @@
-"""Compile artifacts: a directory holding a YAML manifest (the plan) and the graph IR dump.
+"""Compile artifacts: a directory holding a YAML manifest (the plan), the graph IR dump, the kernel sources and
+the compiled kernels.
 
-`compile` is a plan, not a copy of the weights: the manifest records the model's path and sha256 so that `run`
-can refuse a model file that changed since, the architecture, the target and device, a graph summary, the
-kernels with their schedule choices (none on the reference target) and the memory plan.
+`compile` is a plan, not a copy of the weights: the manifest records the model's path (relative to the artifact)
+and sha256, by which `run` finds the model (`find_model`), the architecture, the target and device, a graph
+summary, the kernels with their schedule choices (none on the reference target) and the memory plan. The
+compiled kernels (`kernels/`, as the kernel cache keeps them) spare `run` the compile on a machine with the same
+device and compiler versions.
 """
 
 from __future__ import annotations
@@ -22,12 +25,17 @@ from polystrata.engine import DEFAULT_CTX, tensor_table
 from polystrata.errors import PolystrataError, writing
 from polystrata.gguf import GGUFFile
 from polystrata.models import build_graph
+from polystrata.paths import file_lock
+from polystrata.runtimes.base import CacheEntry
 from polystrata.targets import KERNEL_TARGETS, make_runtime, resolve_target, runtime_class
 
 MANIFEST = "manifest.yaml"
 GRAPH_DUMP = "graph.ir"
 KERNELS_DUMP = "kernels.ir"
 SOURCES = "src"
+# The compiled kernels, laid out as the kernel cache is (`runtimes/base.py`'s CacheEntry: each kernel's files, its
+# compiler's `__pycache__/` files and its sha256 record): `run` copies what the cache lacks from here.
+KERNELS = "kernels"
 # The manifest's first line: what tells an artifact from a folder that merely holds a file named manifest.yaml.
 FORMAT = "polystrata-artifact/1"
 # Everything an artifact directory holds; `compile -o` replaces a directory only if it holds nothing else.
@@ -36,8 +44,8 @@ _TOP_FILES = frozenset({MANIFEST, GRAPH_DUMP, KERNELS_DUMP})
 
 @functools.cache
 def _source_suffixes() -> frozenset[str]:
-    """What files in an artifact's `src/` end with: each kernel target's source extension, and code objects."""
-    return frozenset({*(f".{runtime_class(t).source_ext}" for t in KERNEL_TARGETS), ".co"})
+    """What files in an artifact's `src/` end with: each kernel target's source extension."""
+    return frozenset(f".{runtime_class(t).source_ext}" for t in KERNEL_TARGETS)
 
 
 def file_sha256(path: Path) -> str:
@@ -77,12 +85,27 @@ def _foreign_entry(directory: Path) -> str | None:
         for e in entries:
             if e.name in _TOP_FILES and e.is_file(follow_symlinks=False):
                 continue
-            if e.name != SOURCES or not e.is_dir(follow_symlinks=False):
+            if e.name not in (SOURCES, KERNELS) or not e.is_dir(follow_symlinks=False):
                 return e.name
-            with os.scandir(e.path) as sources:
-                for s in sources:
-                    if not (s.is_file(follow_symlinks=False) and Path(s.name).suffix in _source_suffixes()):
-                        return f"{SOURCES}/{s.name}"
+            foreign = _foreign_file(Path(e.path), e.name)
+            if foreign is not None:
+                return foreign
+    return None
+
+
+def _foreign_file(folder: Path, name: str) -> str | None:
+    """The first entry of an artifact's `src/` or `kernels/` that no artifact holds (a relative name), or None:
+    `src/` holds kernel sources, `kernels/` the kernel cache's files and one `__pycache__/` of them."""
+    with os.scandir(folder) as entries:
+        for s in entries:
+            if name == KERNELS and s.name == "__pycache__" and s.is_dir(follow_symlinks=False):
+                inner = _foreign_file(Path(s.path), f"{KERNELS}/__pycache__")
+                if inner is not None:
+                    return inner
+            elif not s.is_file(follow_symlinks=False) or (
+                name == SOURCES and Path(s.name).suffix not in _source_suffixes()
+            ):
+                return f"{name}/{s.name}"
     return None
 
 
@@ -150,7 +173,7 @@ def write_artifact(
         n_ctx = n_ctx or min(int(meta["n_ctx_train"]), DEFAULT_CTX)  # the reference's (kernel targets: fit_plans)
         kernels: list[dict[str, Any]] = []
         sources: dict[str, str] = {}
-        binaries: dict[str, bytes] = {}
+        binaries: list[CacheEntry] = []  # the kernel cache's entries of the compiled kernels
         kernel_ir = ""
         report = "reference target: no kernels"
         device = "host CPU (numpy float32)"
@@ -166,19 +189,16 @@ def write_artifact(
                                    int(meta["n_ctx_train"]), kv_type, gpu_mem, expert_slots)
             n_ctx = mem.n_ctx
             memory_plan = {**mem.manifest(), "plan": mem.describe()}
-            for name, plan in (("decode", plans[id(decode)]), ("prefill", plans[id(prefill)]),
-                               ("score", plans[id(score)])):
+            named = (("decode", plans[id(decode)]), ("prefill", plans[id(prefill)]), ("score", plans[id(score)]))
+            for name, plan in named:
                 for entry in plan.kernel_summary():
                     kernels.append({"plan": name, **entry})
                 kernel_ir += f"# plan: {name}\n" + plan.dump_kernels()
-                for la in plan.launches:
-                    key = f"{la.kernel.name}-{la.kernel.fingerprint()}"
-                    if key not in sources:
-                        ck = rt.compile(la.kernel)
-                        sources[key] = ck.source
-                        code = rt.code_object(ck)
-                        if code is not None:  # travels along (hip)
-                            binaries[key] = code
+            compiled = rt.compile_all(la.kernel for _, plan in named for la in plan.launches)
+            for fp, ck in compiled.items():
+                sources[f"{ck.kernel.name}-{fp}"] = ck.source
+                if ck.entry is not None:  # a kernel the runtime keeps in no cache has nothing to carry
+                    binaries.append(ck.entry)
             total = rt.cache_hits + rt.cache_misses
             report = (
                 f"{total} kernels: {rt.cache_hits} from the binary cache, {rt.cache_misses} compiled"
@@ -188,7 +208,9 @@ def write_artifact(
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "polystrata": __version__,
-        "model": {"path": str(model_path.resolve()), "sha256": file_sha256(model_path)},
+        # Relative to the artifact, so that an artifact moved together with its model still finds it.
+        "model": {"path": Path(os.path.relpath(model_path.resolve(), out)).as_posix(),
+                  "sha256": file_sha256(model_path)},
         "arch": decode.arch,
         "target": {"name": target, "device": device, **({"arch": arch} if arch else {})},
         "graph": {**decode.summary(), "hparams": meta},
@@ -210,8 +232,13 @@ def write_artifact(
                 src.mkdir()
                 for name, text in sources.items():
                     (src / f"{name}.{source_ext}").write_text(text)
-                for name, code in binaries.items():
-                    (src / f"{name}.{arch or 'bin'}.co").write_bytes(code)
+                (tmp / KERNELS).mkdir()
+                for entry in binaries:
+                    with file_lock(entry.lock):  # not while another process adds to it
+                        entry.copy_to(tmp / KERNELS)
+                    if not CacheEntry(tmp / KERNELS / entry.path.name, entry.key).verify():
+                        raise PolystrataError(f"the kernel cache entry {entry.path} changed while it was copied; "
+                                              "compile again")
             _swap_in(tmp, out)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -241,8 +268,15 @@ def _swap_in(new: Path, out: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def load_artifact(path: str | os.PathLike) -> dict[str, Any]:
-    """Read and check a manifest: known format, and the model file still the one that was compiled."""
+def kernel_store(path: str | os.PathLike) -> Path | None:
+    """The compiled kernels an artifact holds (a directory laid out as the kernel cache), or None."""
+    store = Path(path) / KERNELS
+    return store if store.is_dir() else None
+
+
+def load_artifact(path: str | os.PathLike, model: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Read and check a manifest (known format, the fields `run` needs) and find the model it was compiled from by
+    its sha256 (`find_model`); the manifest's model path is replaced by the file found."""
     m = _read_manifest(Path(path))
     fields = (("model", "path"), ("model", "sha256"), ("target", "name"), ("memory", "kv_type"), ("memory", "n_ctx"))
     for keys in fields:
@@ -252,9 +286,27 @@ def load_artifact(path: str | os.PathLike) -> dict[str, Any]:
         ok = isinstance(v, int) and not isinstance(v, bool) and v > 0 if keys[-1] == "n_ctx" else isinstance(v, str)
         if not ok or not v:
             raise PolystrataError(f"{path}: the manifest has no {'.'.join(keys)}; compile the model again")
-    model = Path(m["model"]["path"])
-    if not model.is_file():
-        raise PolystrataError(f"{path}: the model {model} is gone; compile again")
-    if file_sha256(model) != m["model"]["sha256"]:
-        raise PolystrataError(f"{path}: the model {model} changed since it was compiled; compile again")
+    m["model"]["path"] = str(find_model(Path(path), m["model"]["path"], m["model"]["sha256"], model))
     return m
+
+
+def find_model(directory: Path, recorded: str, sha256: str, model: str | os.PathLike | None = None) -> Path:
+    """The GGUF file with this `sha256`: `model` (`run --model`: a path or zoo name) if given, else the `recorded`
+    path (relative to the artifact `directory`; absolute in artifacts from before), else a zoo model of that
+    digest in the cache."""
+    from polystrata import zoo
+
+    if model is not None:
+        path = zoo.resolve_model(model)  # a file, or a zoo name
+        if file_sha256(path) != sha256:
+            raise PolystrataError(f"{model} is not the model {directory} was compiled from (its sha256 differs)")
+        return path
+    path = directory / recorded
+    if path.is_file() and file_sha256(path) == sha256:
+        return path
+    cached = zoo.cached_by_sha256(sha256)
+    if cached is not None:
+        return cached
+    state = "has changed" if path.is_file() else "is gone"
+    raise PolystrataError(f"{directory}: the model it was compiled from ({path}) {state} and no zoo model in the "
+                          f"cache has its sha256 {sha256[:16]}…; give the file with --model PATH, or compile again")

@@ -29,11 +29,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from polystrata.cli import ctx_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg
+from polystrata.cli import ctx_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg, threads_arg
 from polystrata.errors import PolystrataError
 from polystrata.runtimes.base import cpu_name
 from polystrata.runtimes.memory import fmt_bytes
 from polystrata.targets import is_host
+from polystrata.threads import usable_cpus
 
 BANDWIDTH_ENV = "POLYSTRATA_BANDWIDTH"
 
@@ -49,14 +50,6 @@ _MEASURE_REPS = 4
 # --- machine ---------------------------------------------------------------------------------------------------
 
 
-def cpu_threads() -> int:
-    """CPUs this process may run on (respects taskset/cgroup affinity, unlike os.cpu_count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
 def engine_threads(engine) -> int:
     """Threads the engine computes with: what it says, else what its runtime says (host targets), else the
     usable CPUs."""
@@ -64,7 +57,7 @@ def engine_threads(engine) -> int:
     if isinstance(n, int) and n > 0:
         return n
     runtime = getattr(engine, "runtime", None)
-    return (runtime.threads() if runtime is not None else None) or cpu_threads()
+    return (runtime.threads() if runtime is not None else None) or usable_cpus()
 
 
 def measure_cpu_bandwidth(nbytes: int | None = None, reps: int = _MEASURE_REPS, threads: int | None = None) -> float:
@@ -73,7 +66,7 @@ def measure_cpu_bandwidth(nbytes: int | None = None, reps: int = _MEASURE_REPS, 
     numpy reductions release the GIL, so one slice per thread reads memory in parallel, as a multi-threaded
     decode would. The array is far larger than any cache, so this measures DRAM, not cache.
     """
-    threads = threads or cpu_threads()
+    threads = threads or usable_cpus()
     nbytes = nbytes or _MEASURE_BYTES
     a = np.ones(max(nbytes // 8, threads), dtype=np.float64)  # np.ones touches every page: no faults in the timing
     chunks = np.array_split(a, threads)
@@ -430,6 +423,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     model_arg(p)
     target_arg(p)
     ctx_arg(p, "depth + max(p, n)")
+    threads_arg(p)
     p.add_argument("-d", "--depth", type=int, default=0, help="tokens of context before each test (llama-bench -d)")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill test tokens; 0 skips it")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="decode test tokens; 0 skips it")

@@ -57,13 +57,15 @@ def stream_reply(
 def open_engine(a) -> Engine:
     """The engine `run`/`chat` ask for: a model (path or zoo name) or an artifact, with the target, KV type,
     context and memory options."""
-    from polystrata import zoo
-    from polystrata.artifact import is_artifact, load_artifact
-    from polystrata.cli import memory_kwargs
+    from polystrata.artifact import is_artifact, kernel_store, load_artifact
+    from polystrata.cli import _resolve, memory_kwargs
 
-    target, kv_type, n_ctx = a.target, a.kv_type, a.ctx
+    target, kv_type, n_ctx, store = a.target, a.kv_type, a.ctx, None
     if a.model and is_artifact(a.model):
-        manifest = load_artifact(a.model)
+        # The model it was compiled from, found by its sha256 (-m PATH, the manifest's path, the zoo cache); the
+        # kernels the cache lacks come from the artifact.
+        manifest = load_artifact(a.model, getattr(a, "model_file", None))
+        store = kernel_store(a.model)
         path, target = Path(manifest["model"]["path"]), manifest["target"]["name"]
         kv_type = manifest["memory"]["kv_type"] if target != "reference" else kv_type
         n_ctx = n_ctx or manifest["memory"]["n_ctx"]
@@ -71,8 +73,9 @@ def open_engine(a) -> Engine:
         if a.expert_slots is None and manifest["memory"].get("experts_streamed") and isinstance(slots, int):
             a.expert_slots = slots  # the compiled plan's expert cache, unless --expert-slots says otherwise
     else:
-        path = zoo.resolve_model(a.model or zoo.DEFAULT_MODEL)
-    return Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, **memory_kwargs(a))
+        path = _resolve(a.model)
+    return Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, kernel_store=store,
+                  **memory_kwargs(a))
 
 
 def make_sampler(a) -> Sampler:

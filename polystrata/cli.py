@@ -14,7 +14,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from polystrata import interrupt
+from polystrata import interrupt, progress
 from polystrata.errors import PolystrataError, UsageError, writing
 
 if TYPE_CHECKING:
@@ -79,10 +79,16 @@ def model_arg(p: argparse.ArgumentParser, optional: bool = False) -> None:
 def _merge_model(a) -> None:
     """MODEL from the positional or -m (not both), and present where the command needs one."""
     flag = getattr(a, "model_flag", None)
+    a.model_file = None  # with an ARTIFACT: the GGUF it was compiled from, when not where the manifest says
     if flag is not None:
-        if a.model is not None:
-            a.command_parser.error("give the model once, as MODEL or as -m MODEL")
-        a.model = flag
+        from polystrata.artifact import is_artifact
+
+        if a.model is not None and is_artifact(a.model):
+            a.model_file = flag
+        elif a.model is not None:
+            a.command_parser.error("give the model once, as MODEL or as -m MODEL (or ARTIFACT -m MODEL)")
+        else:
+            a.model = flag
     if getattr(a, "model_required", False) and a.model is None:
         a.command_parser.error("the following arguments are required: MODEL (or -m MODEL)")
 
@@ -132,6 +138,12 @@ def ctx_arg(p: argparse.ArgumentParser, default_help: str) -> None:
     """-c/--ctx-size N (alias --ctx): the KV cache holds N tokens."""
     p.add_argument("-c", "--ctx-size", "--ctx", dest="ctx", type=_positive_int, default=None, metavar="N",
                    help=f"context length in tokens, the KV cache's size (default: {default_help})")
+
+
+def threads_arg(p: argparse.ArgumentParser) -> None:
+    """-t/--threads N: threads of the cpu target's kernels (applied by `main` before any command runs)."""
+    p.add_argument("-t", "--threads", type=_positive_int, default=None, metavar="N",
+                   help="CPU threads the cpu target computes with (default: every usable CPU)")
 
 
 def memory_args(p: argparse.ArgumentParser, experts: bool = True) -> None:
@@ -189,6 +201,7 @@ def generation_args(p: argparse.ArgumentParser, chat: bool) -> None:
                        help="talk: the same as `polystrata chat`")
     ctx_arg(p, "the model's, reduced to what the memory budget holds; or the artifact's")
     target_arg(p)
+    threads_arg(p)
     memory_args(p)
     p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")
 
@@ -237,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     target_arg(p)
     ctx_arg(p, "the text's length, at least 4096")
     memory_args(p)
+    threads_arg(p)
     p.add_argument("-o", "--output", required=True, type=_output_path)
 
     p = sub.add_parser("run", help="generate text; only the generated text goes to stdout")
@@ -258,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     ctx_arg(p, "the model's, reduced to what the memory budget holds, or the artifact's; shared by the --parallel "
                "sequences")
     target_arg(p)
+    threads_arg(p)
     memory_args(p)
     p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")
 
@@ -265,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_arg(p)
     p.add_argument("--fixtures", required=True, help="folder with prompts.json and one <prompt>.npz per prompt")
     target_arg(p)
+    threads_arg(p)
     p.add_argument("--against-kv", default=None, metavar="KV_TYPE",
                    help="compare against this target's own run with that KV cache type (e.g. f16) instead of "
                         "llama.cpp's logits, over each prompt and its greedy continuation")
@@ -274,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     target_arg(p)
     p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
     ctx_arg(p, "the model's, reduced to what the memory budget holds")
+    threads_arg(p)
     memory_args(p, experts=False)
     p.add_argument("-o", "--output", required=True, type=_output_path)
 
@@ -650,6 +667,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return interrupt.report()
     try:
+        # Progress bars on stderr, except where the output is for a program (--json, bench -o json|csv).
+        progress.enabled = not (getattr(args, "json", False) or getattr(args, "output_format", "md") != "md")
+        if getattr(args, "threads", None) is not None:
+            from polystrata import threads
+
+            threads.configure(args.threads)  # before anything starts Numba's thread pool
         return COMMANDS[args.cmd](args)
     except PolystrataError as e:
         if args.debug:

@@ -93,14 +93,16 @@ class Engine:
     def __init__(
         self, model_path: str | Path, target: str = "auto", n_ctx: int | None = None, kv_type: str = "f16",
         gpu_mem: str | None = None, expert_policy: str | None = None, expert_slots: int | None = None,
-        n_gpu_layers: int | None = None, verbose: bool = False,
+        n_gpu_layers: int | None = None, verbose: bool = False, kernel_store: Path | None = None,
     ):
         """`n_ctx` None: the model's trained context, reduced to what the device-memory budget holds (see
         `runtimes.memory.fit_plans`; the reference target: min(trained, `DEFAULT_CTX`)). `gpu_mem`: the budget
         (`--gpu-mem`: bytes with a K/M/G suffix or a percentage of free memory; default: free memory less a
         margin). `expert_policy` (default lru), `expert_slots`: the MoE expert cache where the experts do not all
         fit (`runtimes/memory.py`). The reference target refuses these three. `verbose`: the memory plan and the
-        VRAM guard's actions on stderr. `n_gpu_layers`: llama.cpp's -ngl (see `gpu_layers_target`)."""
+        VRAM guard's actions on stderr. `n_gpu_layers`: llama.cpp's -ngl (see `gpu_layers_target`).
+        `kernel_store`: an artifact's compiled kernels, used where the kernel cache lacks them
+        (`polystrata.artifact.kernel_store`)."""
         if n_ctx is not None and n_ctx < 1:
             raise PolystrataError(f"the context length must be at least 1, not {n_ctx}")
         from polystrata.runtimes.memory import check_reference_flags, policy_class
@@ -129,6 +131,8 @@ class Engine:
         self.verbose = verbose
         self.memory = None  # the memory plan (kernel targets)
         self.runtime = None if target == "reference" else make_runtime(target)
+        if self.runtime is not None and kernel_store is not None:
+            self.runtime.kernel_stores.append(kernel_store)
         self.device = self.runtime.device if self.runtime else "host CPU (numpy float32)"
         self.executor = self._make_executor()
         # The token ids whose K, V the cache holds, in order: `generate(reuse_cache=True)` prefills only what follows

@@ -1,7 +1,7 @@
 """Synthetic models: random weights at real shapes, in any tensor format, written as GGUF files that both
 PolyStrata and llama.cpp load.
 
-`synth_model(arch, out, preset, qtype, seed, n_layer, progress)` writes one file; `PRESETS[arch][name]`
+`synth_model(arch, out, preset, qtype, seed, n_layer)` writes one file; `PRESETS[arch][name]`
 lists the shapes. Used by `polystrata synth` to make benchmark models without downloading anything, and by
 tests for models of every architecture and format.
 
@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import math
 import re
-import sys
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -47,6 +46,7 @@ from polystrata.gguf_writer import write_gguf
 from polystrata.ir.encode import quantize
 from polystrata.ir.formats import by_name
 from polystrata.models.hparams import HParams
+from polystrata.progress import Progress
 from polystrata.tokenizer import gpt2_byte_chars
 
 __all__ = [
@@ -57,7 +57,6 @@ __all__ = [
     "PRESETS",
     "QTYPES",
     "preset_metadata",
-    "print_progress",
     "synth_model",
     "synth_vocab",
     "tensor_plan",
@@ -643,15 +642,6 @@ def _hybrid_metadata(p: HParams) -> dict[str, Any]:
     return md
 
 
-def print_progress(done: int, total: int, name: str) -> None:
-    """A `progress` callback for the CLI: one stderr line per layer (and for the first and last tensors)."""
-    m = re.match(r"blk\.(\d+)\.", name)
-    first_of_layer = m is not None and name.endswith("attn_norm.weight")
-    if done == 0 or first_of_layer or done == total - 1:
-        what = f"layer {m.group(1)}" if m else name
-        print(f"synth: tensor {done + 1}/{total} ({what})", file=sys.stderr, flush=True)
-
-
 def synth_model(
     arch: str,
     out: str | Path,
@@ -659,14 +649,13 @@ def synth_model(
     qtype: str = "Q8_0",
     seed: int = 0,
     n_layer: int | None = None,
-    progress: Callable[[int, int, str], None] | None = None,
     router_skew: float = 0.0,
 ) -> Path:
     """Write a random-weight `arch` model with the shapes of `PRESETS[arch][preset]` to `out`; returns the path.
 
     `qtype` is a tensor format name (`QTYPES`) or a llama.cpp-style mix (`MIXES`); see the module docstring
-    for which tensors get which format. `n_layer` overrides the preset's layer count. `progress(i, n, name)`
-    is called before tensor i of n is generated (e.g. `print_progress`). `router_skew` > 0 makes MoE routing
+    for which tensors get which format. `n_layer` overrides the preset's layer count (progress: "writing tensors
+    k/N", `polystrata.progress`). `router_skew` > 0 makes MoE routing
     concentrate on fewer experts (see `_skewed`; 0 keeps every expert equally likely). The file is written
     atomically and one tensor at a time, so memory stays at about one tensor plus the row pools.
     """
@@ -676,15 +665,16 @@ def synth_model(
     specs = list(_tensors(p))
     pools = _Pools(seed)
 
-    def lazy(i: int, t: _Tensor, fmt: str) -> Callable[[], np.ndarray]:
+    def lazy(t: _Tensor, fmt: str, bar: Progress) -> Callable[[], np.ndarray]:
         def produce() -> np.ndarray:
-            if progress is not None:
-                progress(i, len(specs), t.name)
-            return _make(t, fmt, seed, pools, router_skew)
+            data = _make(t, fmt, seed, pools, router_skew)
+            bar.update()
+            return data
 
         return produce
 
     fmts = [_tensor_type(qtype, t, p) for t in specs]
-    tensors = [(t.name, t.shape, fmt, lazy(i, t, fmt)) for i, (t, fmt) in enumerate(zip(specs, fmts))]
-    write_gguf(out, _metadata(p, preset, qtype), tensors)
+    with Progress("writing tensors", len(specs)) as bar:
+        tensors = [(t.name, t.shape, fmt, lazy(t, fmt, bar)) for t, fmt in zip(specs, fmts)]
+        write_gguf(out, _metadata(p, preset, qtype), tensors)
     return out

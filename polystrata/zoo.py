@@ -168,6 +168,14 @@ def is_cached(name: str, verify: bool = False) -> bool:
     return path.is_file() and _file_digest(path, rehash=verify) == model.sha256
 
 
+def cached_by_sha256(sha256: str) -> Path | None:
+    """The cached zoo model whose pinned digest is `sha256`, if it is in the cache and intact; else None."""
+    for name, model in ZOO.items():
+        if model.sha256 == sha256 and is_cached(name):
+            return models_dir() / model.filename
+    return None
+
+
 @contextmanager
 def _pull_lock(dest_dir: Path, progress: bool) -> Iterator[None]:
     """Hold the models directory's lock, waiting for another pull that holds it.

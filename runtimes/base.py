@@ -17,12 +17,13 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from polystrata.errors import PolystrataError
 from polystrata.ir.expr import Bin, Const, Expr, Var
 from polystrata.ir.kernel import Buf, Call, Kernel, Scalar, expr_str, stable_digest
 from polystrata.paths import atomic_write, file_lock, home_dir, private_dir
+from polystrata.progress import Progress
 
 
 def cache_dir(target: str) -> Path:
@@ -98,6 +100,14 @@ class CacheEntry:
         record = {"key": self.key, "sha256": {name: _sha256(f) for name, f in sorted(self.files().items())}}
         atomic_write(self.record, json.dumps(record, indent=1) + "\n")
 
+    def copy_to(self, directory: Path) -> None:
+        """Copy the files and then the record into `directory` (an artifact's `kernels/`, or a cache directory),
+        keeping their modification times (older Numba versions stamp a cached source by its mtime; 0.68 hashes it)."""
+        for name, f in sorted(self.files().items()):
+            (directory / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(f, directory / name)
+        shutil.copy2(self.record, directory / self.record.name)
+
     def discard(self) -> None:
         """Remove the record and every file of the entry."""
         for f in (self.record, *self.files().values()):
@@ -113,9 +123,9 @@ class CacheEntry:
         return out
 
 
-def _warn_rebuilt(path: Path) -> None:
+def _warn_rebuilt(path: Path, where: str = "kernel cache entry") -> None:
     """The one line that says a corrupt cache entry was thrown away."""
-    print(f"warning: kernel cache entry {path} was corrupt; rebuilt", file=sys.stderr)
+    print(f"warning: {where} {path} was corrupt; rebuilt", file=sys.stderr)
 
 
 def log_head(text: str, lines: int = 20) -> str:
@@ -248,11 +258,12 @@ class DeviceBuffer:
 class CompiledKernel:
     """A kernel ready to launch on one runtime; `cached`: it came from the kernel cache (for `compile`'s report)."""
 
-    def __init__(self, kernel: Kernel, handle: Any, source: str, cached: bool):
+    def __init__(self, kernel: Kernel, handle: Any, source: str, cached: bool, entry: CacheEntry | None = None):
         self.kernel = kernel
         self.handle = handle
         self.source = source
         self.cached = cached
+        self.entry = entry  # its files in the kernel cache (what `compile -o` copies into the artifact)
 
 
 class Runtime(ABC):
@@ -299,6 +310,21 @@ class Runtime(ABC):
         self._compiled: dict[str, CompiledKernel] = {}  # cache key -> kernel compiled in this process
         self._recording: list | None = None  # prepared launches of an open capture
         self._staging: np.ndarray | None = None  # see `staging`
+        # Directories of compiled kernels laid out as the cache is (an artifact's `kernels/`), copied into the
+        # cache when it lacks an entry: a run from an artifact compiles nothing the artifact holds.
+        self.kernel_stores: list[Path] = []
+
+    def compile_all(self, kernels: Iterable[Kernel]) -> dict[str, CompiledKernel]:
+        """Compile each distinct kernel once (`compile`), showing "compiling kernels k/N (h from the cache)";
+        returns them by fingerprint."""
+        todo = {k.fingerprint(): k for k in kernels}
+        out: dict[str, CompiledKernel] = {}
+        hits = self.cache_hits
+        with Progress("compiling kernels", len(todo)) as bar:
+            for fp, kernel in todo.items():
+                out[fp] = self.compile(kernel)
+                bar.update(note=f"{self.cache_hits - hits} from the cache")
+        return out
 
     def _compile_cached(self, kernel: Kernel, source: str, key: str, filename: str,
                         load: Callable[[Path], Any], build: Callable[[Path], Any]) -> CompiledKernel:
@@ -315,7 +341,7 @@ class Runtime(ABC):
             self.cache_hits += 1
         else:
             self.cache_misses += 1
-        ck = self._compiled[key] = CompiledKernel(kernel, handle, source, cached)
+        ck = self._compiled[key] = CompiledKernel(kernel, handle, source, cached, entry)
         return ck
 
     def _load_or_build(self, entry: CacheEntry, load: Callable[[Path], Any],
@@ -323,6 +349,8 @@ class Runtime(ABC):
         """`_compile_cached`'s work on the disk, under the entry's lock: (handle, whether it came from the cache)."""
         handle, cached = None, False
         state = entry.verify()
+        if state is None:
+            state = self._copy_from_stores(entry)
         if not state:  # no files left that a build could trip over (a half-built entry, one from before records)
             entry.discard()
             if state is False:
@@ -369,6 +397,21 @@ class Runtime(ABC):
                                       f"{log_head(str(e))}") from None
 
         return self._compile_cached(kernel, source, key, f"k_{key}.py", load, build)
+
+    def _copy_from_stores(self, entry: CacheEntry) -> bool | None:
+        """Fill a missing cache entry from the first kernel store that holds it verified (`entry.verify()` of the
+        copy); a store's corrupt entry is passed over with one warning, and the kernel rebuilt."""
+        for store in self.kernel_stores:
+            shipped = CacheEntry(store / entry.path.name, entry.key)
+            state = shipped.verify()
+            if state:
+                entry.discard()  # a build's leftovers, which `files()` would count as the entry's
+                shipped.copy_to(entry.path.parent)
+                return entry.verify()
+            if state is False:
+                _warn_rebuilt(shipped.path, "artifact kernel")
+                return None
+        return None
 
     @abstractmethod
     def render(self, kernel: Kernel) -> str:
@@ -476,10 +519,6 @@ class Runtime(ABC):
         """Seconds of device time between two `mark`s (events with `seconds_since`), once `end` is reached; None
         without marks."""
         return None if start is None or end is None else end.seconds_since(start)
-
-    def code_object(self, ck: CompiledKernel) -> bytes | None:
-        """The compiled code an artifact carries beside the kernel's source (hip's code objects); None by default."""
-        return None
 
     def kernel_resources(self, ck: CompiledKernel) -> dict[str, int]:
         """What a compiled kernel holds (registers, local and shared bytes, groups per multiprocessor), where the

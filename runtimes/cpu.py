@@ -14,6 +14,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from polystrata import threads
 from polystrata.codegen.cpu import NUMPY_DTYPES, render
 from polystrata.ir.kernel import Kernel
 from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key, cpu_name, host_memory, numba_signature
@@ -36,6 +37,7 @@ class CPURuntime(Runtime):
 
     def __init__(self) -> None:
         super().__init__()
+        threads.configure()  # before Numba's pool starts: the CLI's -t, else the default (polystrata.threads)
         self.device = f"{cpu_name()} ({os.cpu_count()} threads, numba {numba.__version__})"
 
     def render(self, kernel: Kernel) -> str:

@@ -223,9 +223,6 @@ class HIPRuntime(Runtime):
 
         return self._compile_cached(kernel, source, key, f"{kernel.name}_{key}.co", load, build)
 
-    def code_object(self, ck: CompiledKernel) -> bytes:
-        return ck.handle.code
-
     def _build(self, source: str, name: str) -> bytes:
         return compile_in_child(f"{__name__}:hiprtc_compile", source, [name, *self.options], "hiprtc", name, self.arch)
 

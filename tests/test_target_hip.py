@@ -195,7 +195,6 @@ def test_code_object_cache_hit_in_fresh_runtime(home, arch, other):
     first = hiprt.HIPRuntime(arch, compile_only=True)
     a = first.compile(kern)
     assert not a.cached and first.cache_misses == 1 and first.compile(kern) is a
-    assert first.code_object(a) == a.handle.code  # what `compile -o` puts beside the source
     fresh = hiprt.HIPRuntime(arch, compile_only=True)
     b = fresh.compile(kern)
     assert b.cached and fresh.cache_hits == 1 and fresh.cache_misses == 0 and b.handle.code == a.handle.code

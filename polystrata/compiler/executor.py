@@ -24,6 +24,7 @@ from polystrata.gguf import GGUFFile
 from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import STEP_SYMBOLS, Buf
 from polystrata.ir.layout import repack
+from polystrata.progress import Progress
 from polystrata.runtimes.base import CompiledKernel, Runtime, eval_int
 from polystrata.runtimes.memory import ExpertStreamer, VRAMGuard, expert_source, guard_step
 from polystrata.runtimes.reference import OneSequence
@@ -97,6 +98,9 @@ class PlanExecutor(OneSequence):
         self.log = (experts or {}).get("log") or (lambda _msg: None)
         if self.streamer is not None:
             self.handles.update(self.streamer.handles())
+        weights = {name for plan in plans.values() for name, spec in plan.buffers.items()
+                   if spec.kind == "weight" and name not in self.handles}
+        loading = Progress("loading weights", len(weights))  # closed below; an error ends the command
         for plan in plans.values():
             for name, spec in plan.buffers.items():
                 if spec.kind in ("weight", "kv", "state", "input", "slots") and name in self.handles:
@@ -107,10 +111,12 @@ class PlanExecutor(OneSequence):
                     else:  # in the layout the plan's kernels read
                         data = repack(np.asarray(file.raw(name)), file.tensors[name].fmt, spec.fmt)
                     self.handles[name] = runtime.upload(data)
+                    loading.update()
                 elif spec.kind == "activation":
                     self.handles[(id(plan), name)] = runtime.alloc((spec.count,), spec.dtype)
                 else:
                     self.handles[name] = runtime.alloc((spec.count,), spec.dtype)
+        loading.close()
         # Recurrent states (name -> f32 count): zero at the start of every sequence.
         self.states = {name: spec.count for plan in plans.values() for name, spec in plan.buffers.items()
                        if spec.kind == "state"}
@@ -118,8 +124,9 @@ class PlanExecutor(OneSequence):
         # Per plan: its buffer names -> handles.
         self.local = {pid: {name: self.handles[(id(plan), name)] if spec.kind == "activation" else self.handles[name]
                             for name, spec in plan.buffers.items()} for pid, plan in plans.items()}
+        compiled = runtime.compile_all(la.kernel for plan in plans.values() for la in plan.launches)
         self.bound: dict[int, list[_BoundLaunch]] = {
-            pid: [_BoundLaunch(runtime.compile(la.kernel), self.local[pid], la) for la in plan.launches]
+            pid: [_BoundLaunch(compiled[la.kernel.fingerprint()], self.local[pid], la) for la in plan.launches]
             for pid, plan in plans.items()}
         # Per plan: (first launch, end, stream, layer) of each streamed MoE layer's expert launches.
         self.sections: dict[int, list[tuple[int, int, Any, int]]] = {}

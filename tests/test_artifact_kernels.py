@@ -1,0 +1,162 @@
+"""Artifacts that save the wait: `compile -o` keeps the compiled kernels, `run ARTIFACT` on an empty kernel cache
+compiles nothing, and the model is found by its sha256. Also the progress lines these waits print."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from polystrata import progress, zoo
+from polystrata.artifact import KERNELS, file_sha256, write_artifact
+from polystrata.cli import main
+from polystrata.errors import PolystrataError
+from polystrata.synth import synth_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    """A folder with a tiny model: the one test_cli uses, at the same context, so the kernels are shared."""
+    d = tmp_path_factory.mktemp("bundle")
+    synth_model("llama", d / "tiny.gguf", preset="tiny", qtype="Q8_0", seed=0)
+    return d
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny) -> Path:
+    """The tiny model's folder with its cpu artifact `art` beside it."""
+    write_artifact(tiny / "tiny.gguf", "cpu", tiny / "art")
+    return tiny
+
+
+@pytest.fixture
+def lines(monkeypatch):
+    """Every progress step printed as a plain line."""
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "LINE_EVERY_S", 0.0)
+
+
+def _compiles(err: str) -> tuple[int, int, int]:
+    """(done, total, from the cache) of the last "compiling kernels" line."""
+    k, n, hits = re.findall(r"^compiling kernels (\d+)/(\d+) \((\d+) from the cache\)$", err, re.M)[-1]
+    return int(k), int(n), int(hits)
+
+
+def _fresh_home(monkeypatch, tmp_path: Path) -> Path:
+    home = tmp_path / "home"
+    monkeypatch.setenv("POLYSTRATA_HOME", str(home))
+    return home
+
+
+def test_artifact_holds_every_kernel_as_the_cache_does(bundle):
+    art = bundle / "art"
+    m = yaml.safe_load((art / "manifest.yaml").read_text())
+    records = list((art / KERNELS).glob("*.sha256.json"))
+    assert records and len(records) == len(list((art / "src").iterdir())) == len({k["id"] for k in m["kernels"]})
+    assert any((art / KERNELS / "__pycache__").iterdir())  # Numba's machine code travels along
+
+
+def test_run_from_an_artifact_on_an_empty_cache_compiles_nothing(bundle, tmp_path, monkeypatch, capsys, lines):
+    moved = tmp_path / "moved"
+    shutil.copytree(bundle, moved)  # the artifact and its model moved together: found relative to the artifact
+    home = _fresh_home(monkeypatch, tmp_path)
+    assert main(["run", str(moved / "art"), "-p", "hi", "-n", "3", "--temp", "0", "--raw"]) == 0
+    out, err = capsys.readouterr()
+    k, n, hits = _compiles(err)
+    assert k == n == hits > 0 and "warning" not in err
+    assert len(list((home / "kernels" / "cpu").glob("*.sha256.json"))) == n
+    # The same text as the model run directly, kernels compiled or not.
+    assert main(["run", str(moved / "tiny.gguf"), "-p", "hi", "-n", "3", "--temp", "0", "--raw"]) == 0
+    assert capsys.readouterr().out == out
+    # An artifact with kernels is still an artifact to replace.
+    write_artifact(moved / "tiny.gguf", "cpu", moved / "art")
+    (moved / "art" / KERNELS / "__pycache__" / "mine").mkdir()
+    with pytest.raises(PolystrataError, match="kernels/__pycache__/mine, which is not part of a PolyStrata"):
+        write_artifact(moved / "tiny.gguf", "cpu", moved / "art")
+
+
+def test_damaged_artifact_kernel_is_rebuilt_with_one_warning(bundle, tmp_path, monkeypatch, capsys, lines):
+    art = tmp_path / "art"
+    shutil.copytree(bundle / "art", art)
+    victim = sorted((art / KERNELS).glob("k_*.py"))[0]
+    victim.write_text(victim.read_text() + "\n# edited\n")
+    _fresh_home(monkeypatch, tmp_path)
+    assert main(["run", str(art), "--model", str(bundle / "tiny.gguf"), "-p", "hi", "-n", "2", "--raw"]) == 0
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("warning")]
+    assert warnings == [f"warning: artifact kernel {victim} was corrupt; rebuilt"]
+    k, n, hits = _compiles(err)
+    assert k == n and hits == n - 1
+
+
+def test_model_found_by_sha256(tmp_path, monkeypatch, capsys):
+    (tmp_path / "m").mkdir()
+    model = synth_model("llama", tmp_path / "m" / "tiny.gguf", preset="tiny", qtype="F16", seed=3)
+    other = synth_model("llama", tmp_path / "other.gguf", preset="tiny", qtype="F16", seed=4)
+    art = tmp_path / "art"
+    write_artifact(model, "reference", art)
+    run = ["run", str(art), "-p", "hi", "-n", "2", "--raw", "--temp", "0"]
+    assert main(run) == 0
+    text = capsys.readouterr().out
+    kept = tmp_path / "kept.gguf"
+    model.rename(kept)
+    assert main(run) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "is gone and no zoo model in the cache has its sha256" in err
+    assert "--model PATH" in err and len(err.splitlines()) == 1
+    assert main([*run, "--model", str(kept)]) == 0 and capsys.readouterr().out == text
+    assert main([*run, "--model", str(other)]) == 1
+    assert f"{other} is not the model {art} was compiled from" in capsys.readouterr().err
+    # A zoo model with that digest, in the cache: found there.
+    home = _fresh_home(monkeypatch, tmp_path)
+    (home / "models").mkdir(parents=True)
+    shutil.copy(kept, home / "models" / "tiny.gguf")
+    entry = zoo.ZooModel("tiny", "tiny.gguf", file_sha256(kept), ())
+    monkeypatch.setitem(zoo.ZOO, "tiny", entry)
+    assert main(run) == 0 and capsys.readouterr().out == text
+    # Without an artifact, --model names the model (llama.cpp's -m); with both, one is too many.
+    assert main(["run", "--model", str(kept), "--target", "reference", *run[2:]]) == 0
+    assert capsys.readouterr().out == text
+    assert main(["run", str(kept), "--model", str(kept), "-n", "1"]) == 1
+    assert "give the model once" in capsys.readouterr().err
+
+
+def test_progress_on_long_waits_but_not_under_json(bundle, tmp_path, capsys, lines):
+    assert main(["synth", "--arch", "llama", "-o", str(tmp_path / "t.gguf")]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"^writing tensors (\d+)/\1$", err, re.M)
+    assert main(["compile", str(bundle / "tiny.gguf"), "--target", "cpu", "-o", str(tmp_path / "art")]) == 0
+    k, n, hits = _compiles(capsys.readouterr().err)
+    assert k == n == hits > 0
+    # The context of the artifact (the model's 2048): the same kernels, compiled once in a test run.
+    bench = ["bench", str(bundle / "tiny.gguf"), "--target", "cpu", "-p", "4", "-n", "2", "-r", "1", "-c", "2048"]
+    assert main(bench) == 0
+    assert _compiles(capsys.readouterr().err)[0] > 0
+    assert main([*bench, "--json"]) == 0
+    assert "compiling kernels" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("target", [pytest.param(t, marks=pytest.mark.target(t)) for t in ("opencl", "cuda", "hip")])
+def test_device_artifact_on_an_empty_cache_compiles_nothing(target, tiny, tmp_path, monkeypatch, capsys, lines):
+    """OpenCL binaries here (PoCL); cubins and hip code objects on a GPU machine (pytest -k device_artifact)."""
+    from polystrata.targets import make_runtime
+
+    if target == "cuda" and os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        pytest.skip("the CUDA simulator compiles nothing to keep")
+    try:
+        rt = make_runtime(target)
+    except (ImportError, OSError, PolystrataError) as e:
+        pytest.skip(str(e))
+    if getattr(rt, "gpu", True) is False:
+        pytest.skip(f"{target} compiles here but has no GPU to run on")
+    art = tmp_path / "art"
+    write_artifact(tiny / "tiny.gguf", target, art)
+    assert list((art / KERNELS).glob("*.sha256.json"))
+    _fresh_home(monkeypatch, tmp_path)
+    assert main(["run", str(art), "--model", str(tiny / "tiny.gguf"), "-p", "hi", "-n", "2", "--raw"]) == 0
+    k, n, hits = _compiles(capsys.readouterr().err)
+    assert k == n == hits > 0
