@@ -309,4 +309,4 @@ def find_model(directory: Path, recorded: str, sha256: str, model: str | os.Path
         return cached
     state = "has changed" if path.is_file() else "is gone"
     raise PolystrataError(f"{directory}: the model it was compiled from ({path}) {state} and no zoo model in the "
-                          f"cache has its sha256 {sha256[:16]}…; give the file with --model PATH, or compile again")
+                          f"cache has its sha256 {sha256[:16]}…; give the file with -m PATH, or compile again")

@@ -86,7 +86,7 @@ def _merge_model(a) -> None:
         if a.model is not None and is_artifact(a.model):
             a.model_file = flag
         elif a.model is not None:
-            a.command_parser.error("give the model once, as MODEL or as -m MODEL (or ARTIFACT -m MODEL)")
+            a.command_parser.error("give the model once, as MODEL or as -m MODEL (ARTIFACT -m MODEL: its model file)")
         else:
             a.model = flag
     if getattr(a, "model_required", False) and a.model is None:

@@ -107,7 +107,7 @@ def test_model_found_by_sha256(tmp_path, monkeypatch, capsys):
     assert main(run) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "is gone and no zoo model in the cache has its sha256" in err
-    assert "--model PATH" in err and len(err.splitlines()) == 1
+    assert "-m PATH" in err and len(err.splitlines()) == 1
     assert main([*run, "--model", str(kept)]) == 0 and capsys.readouterr().out == text
     assert main([*run, "--model", str(other)]) == 1
     assert f"{other} is not the model {art} was compiled from" in capsys.readouterr().err
@@ -118,11 +118,12 @@ def test_model_found_by_sha256(tmp_path, monkeypatch, capsys):
     entry = zoo.ZooModel("tiny", "tiny.gguf", file_sha256(kept), ())
     monkeypatch.setitem(zoo.ZOO, "tiny", entry)
     assert main(run) == 0 and capsys.readouterr().out == text
-    # Without an artifact, --model names the model (llama.cpp's -m); with both, one is too many.
+    # Without an artifact, -m/--model names the model (llama.cpp's -m); with a model too, one is too many.
     assert main(["run", "--model", str(kept), "--target", "reference", *run[2:]]) == 0
     assert capsys.readouterr().out == text
-    assert main(["run", str(kept), "--model", str(kept), "-n", "1"]) == 1
-    assert "give the model once" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        main(["run", str(kept), "--model", str(kept), "-n", "1"])
+    assert usage.value.code == 2 and "give the model once" in capsys.readouterr().err
 
 
 def test_progress_on_long_waits_but_not_under_json(bundle, tmp_path, capsys, lines):
