@@ -1,12 +1,11 @@
 """Host threads of the cpu target: how many compute a kernel, and how idle workers wait.
 
 Numba's parallel kernels run on its thread pool (the `omp` layer: GNU OpenMP). A decode step is a few hundred
-short parallel regions. By default an OpenMP worker spins for about 3 ms after each region before it sleeps: on an
-idle machine that is the fastest (SmolLM2 decodes at ~108 tok/s, against ~49 with workers that sleep at once),
-but on a machine busy with other processes the spinning workers take the cores the next region needs and decode
-falls to 0.3-3 tok/s (issue 22; figures in docs/benchmarks.md), where workers that sleep at once
-(`OMP_WAIT_POLICY=PASSIVE`) keep 14-35. So the wait is chosen when the pool starts: passive where other processes
-are running then (`machine_busy`), OpenMP's default otherwise. Set `OMP_WAIT_POLICY` to choose yourself.
+short parallel regions. By default an OpenMP worker spins for a while after each region before it sleeps: on an
+idle machine that is the fastest, but on a machine busy with other processes the spinning workers take the cores
+the next region needs and decode collapses, where workers that sleep at once (`OMP_WAIT_POLICY=PASSIVE`) keep most
+of their speed (figures in docs/benchmarks.md). So the wait is chosen when the pool starts: passive where other
+processes are running then (`machine_busy`), OpenMP's default otherwise. Set `OMP_WAIT_POLICY` to choose yourself.
 
 The pool reads these settings once, when it starts (the first parallel kernel compiled or run, or the first
 `numba.get_num_threads()`): `configure` must come before that. The CLI calls it with `-t/--threads` before any

@@ -2,7 +2,7 @@
 
 Buffers are 1-D numba device arrays holding the IR storage dtypes. Compilation is the Numba targets' source entry
 (`Runtime._compile_python`; numba-cuda keeps its cubins beside the source). Launches bypass numba's dispatcher
-(about 30-125 µs of Python per launch): the kernel's CUfunction is called with `cuLaunchKernel`, with arguments
+(tens of µs of Python per launch, docs/benchmarks.md): the kernel's CUfunction is called with `cuLaunchKernel`, with arguments
 flattened the way numba-cuda does it (an array is 7 words: meminfo, parent, nitems, itemsize, data, shape[0],
 strides[0]) and packed once per `prepare`. `begin_capture` / `end_capture` record those launches into a CUDA graph
 that `replay` re-runs with one driver call; the graph holds the arguments as they were at capture (buffer pointers
@@ -187,7 +187,7 @@ class CUDARuntime(Runtime):
             out[:] = _bytes(buf)[: out.size].copy_to_host(stream=self.stream)
             self.stream.synchronize()
             return
-        # Through the driver into a pinned staging buffer: numba's slice-and-copy costs about 100 µs of Python a
+        # Through the driver into a pinned staging buffer: numba's slice-and-copy costs far more Python a
         # call, and a pageable copy is slower; a decode step downloads its logits every token.
         staging = self.staging(out.size)
         check(driver.cuMemcpyDtoHAsync(staging.ctypes.data, device_pointer(buf), out.size, self.stream.handle))

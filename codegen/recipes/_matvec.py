@@ -316,10 +316,9 @@ RUN_WORDS = 4  # "auto" sub with runs: each lane a run of 4 words (16 bytes) of 
 
 def use_runs(fmt: QuantFormat, runs: bool | int | str = "auto") -> bool:
     """Whether `split_row_dot` gives each lane runs of words (knob runs; "auto": where chunks have at least two
-    runs of `RUN_WORDS`, so that at least two lanes share a block). Measured on the H200 (wide loads), graph-timed:
-    Q4_K 4096 x 14336 25.6 -> 20.6 µs, 14336 x 4096 25.5 -> 19.0, Q8_0 14336 x 4096 37.3 -> 22.7 (its words
-    are 16-bit pairs, but the activation codes load 16 bytes at a time); Q6_K, one lane per block with runs,
-    38.0 -> 53.8 µs."""
+    runs of `RUN_WORDS`, so that at least two lanes share a block): faster on the wide-load targets for Q4_K and
+    Q8_0, slower for Q6_K (one lane per block); the H200 figures are in docs/benchmarks.md ("Matvec schedule
+    knobs")."""
     if runs == "auto":
         wf = fmt_for(fmt)
         return chunk_len(wf, finest_group(wf)) // 4 >= 2 * RUN_WORDS
@@ -328,8 +327,8 @@ def use_runs(fmt: QuantFormat, runs: bool | int | str = "auto") -> bool:
 
 def runs_for_target(runs: bool | int | str, wide_loads: bool) -> bool | int | str:
     """The knob runs as a target takes it: "auto" (per format, `use_runs`) where the target merges aligned loads
-    (`RecipeContext.wide_loads`), else off: runs of scalar loads coalesce worse than interleaved words (through
-    NVRTC, which does not merge them, the Q4_K matvec took 48.7 µs with runs against 30.2 without)."""
+    (`RecipeContext.wide_loads`), else off: runs of scalar loads coalesce worse than interleaved words where the
+    compiler does not merge them (NVRTC; docs/benchmarks.md, "Matvec schedule knobs")."""
     return 0 if runs == "auto" and not wide_loads else runs
 
 
@@ -337,11 +336,9 @@ def sub_lanes(fmt: QuantFormat, sub: int | str = "auto", runs: bool | int | str 
     """Lanes sharing one block in `split_row_dot`: the knob `sub`, or by default ("auto") with `runs` as many as
     give each lane `RUN_WORDS` consecutive words of each chunk, else one lane per word of a chunk, up to
     `SUB_MAX`. More lanes per block means fewer blocks per warp, so each warp-wide load touches fewer cache
-    lines: with interleaved words the H200 matvec is bound by L1 requests (ncu: L1 92 % busy, DRAM 22 %), and
-    sub 1, 2, 4 took 85, 42, 26 µs on the 4096 x 14336 Q4_K matvec. Sub 8 (possible for Q4_K, Q5_K, Q8_0) did
-    not pay: the same matvec time as 4 when graph-timed (25.2 and 27.6 µs against 26.2 and 27.1 on the two Q4_K
-    shapes), and prefill measured 5 % slower in the one run with it. Runs cut the requests instead: one 16-byte
-    load where interleaving issues four 4-byte ones."""
+    lines (with interleaved words the matvec is bound by L1 requests); beyond 4 it did not pay. Runs cut the
+    requests instead: one 16-byte load where interleaving issues four 4-byte ones. Figures: docs/benchmarks.md
+    ("Matvec schedule knobs")."""
     if sub != "auto":
         return int(sub)
     wf = fmt_for(fmt)

@@ -268,8 +268,8 @@ def q8_rows(kn: dict, ctx: RecipeContext, fmts: Sequence[QuantFormat], n: int, k
     """(rows a group of the int8 matvec, whether its lanes spread over them) (knobs rows and spread, "auto": rows
     with fewer units than a subgroup has lanes are spread, `_matvec.spread_rows` of them a group -- two Q4_K rows
     of qwen3-30b-a3b's 2048 columns, each 16 units; else two rows for matrices of at least 4096 rows of at least
-    4096 columns, each lane sweeping both, sharing its activation loads, else one). Measured on the H200: the
-    llama3-8b shape decoded at 310 tok/s with two rows, 278 with one."""
+    4096 columns, each lane sweeping both, sharing its activation loads, else one; docs/benchmarks.md, "Matvec
+    schedule knobs", has the H200 figures)."""
     spread_n = spread_rows(fmts, k, ctx.subgroup, kn["sub"], kn["runs"])
     spread = spread_n > 1 if kn["spread"] == "auto" else bool(int(kn["spread"]))
     if kn["q8_rows"] != "auto":
