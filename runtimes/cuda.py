@@ -1,14 +1,14 @@
 """CUDA runtime: kernels rendered to numba-cuda source, compiled by numba-cuda, launched through the driver.
 
 Buffers are 1-D numba device arrays holding the IR storage dtypes. Compilation is the Numba targets' source entry
-(`Runtime._compile_python`; numba-cuda keeps its cubins beside the source). Launches bypass numba's dispatcher
-(tens of µs of Python per launch, docs/benchmarks.md): the kernel's CUfunction is called with `cuLaunchKernel`,
-with arguments flattened the way numba-cuda does it (an array is 7 words: meminfo, parent, nitems, itemsize, data,
-shape[0], strides[0]) and packed once per `prepare`. `begin_capture` / `end_capture` record those launches into a CUDA graph
-that `replay` re-runs with one driver call; the graph holds the arguments as they were at capture (buffer pointers
-and scalar values), so new inputs go into the same buffers. With `NUMBA_ENABLE_CUDASIM=1` (set before numba.cuda
-is imported) everything runs in numba-cuda's simulator: launches go through the dispatcher, reductions take the
-shared-memory tree, and a graph is the base class's list of recorded launches.
+(`Runtime._compile_python`; numba-cuda keeps its cubins beside the source). Launches bypass numba's dispatcher (tens
+of µs of Python per launch, docs/benchmarks.md): the kernel's CUfunction is called with `cuLaunchKernel`, with
+arguments flattened the way numba-cuda does it (an array is 7 words: meminfo, parent, nitems, itemsize, data,
+shape[0], strides[0]) and packed once per `prepare`. `begin_capture` / `end_capture` record those launches into a
+CUDA graph that `replay` re-runs with one driver call; the graph holds the arguments as they were at capture (buffer
+pointers and scalar values), so new inputs go into the same buffers. With `NUMBA_ENABLE_CUDASIM=1` (set before
+numba.cuda is imported) everything runs in numba-cuda's simulator: launches go through the dispatcher, reductions
+take the shared-memory tree, and a graph is the base class's list of recorded launches.
 """
 
 from __future__ import annotations
