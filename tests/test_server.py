@@ -178,7 +178,7 @@ def test_a_client_that_leaves_frees_its_slot(served, monkeypatch, stream):
     submit, step = sched.submit, sched.batch.step
     monkeypatch.setattr(sched, "submit", lambda job: (jobs.append(job), submit(job))[1])
     monkeypatch.setattr(sched.batch, "step", lambda *a: (time.sleep(0.02), step(*a))[1])
-    body = json.dumps({"prompt": "Hello", "max_tokens": 100, "stream": stream}).encode()
+    body = json.dumps({"prompt": "Hello", "max_tokens": 100, "stream": stream, "ignore_eos": True}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Authorization": f"Bearer {KEY}"})
     if stream:
         with urllib.request.urlopen(req) as r:
