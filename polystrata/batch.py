@@ -23,6 +23,10 @@ class BatchDecoder:
     def __init__(self, engine: Engine, n_seq: int):
         if not 1 <= n_seq <= PREFILL_CHUNK:
             raise PolystrataError(f"parallel sequences must be between 1 and {PREFILL_CHUNK}, not {n_seq}")
+        if engine.graph_all.recurrent():
+            # Sequences share the K/V cache by rows, but a recurrent state is one per engine (issue 23).
+            raise PolystrataError(f"{engine.hparams.arch} keeps a recurrent state, one per engine: batched decoding "
+                                  "and serve do not support it yet")
         if engine.n_ctx // n_seq < 2:
             raise PolystrataError(f"a context of {engine.n_ctx} tokens cannot hold {n_seq} sequences; "
                                   "use a larger -c/--ctx-size or fewer parallel sequences")

@@ -96,6 +96,16 @@ def test_recurrent_state_rewinds_only_to_its_checkpoint(tiny_hybrid):
     assert e.n_past == 0 and not e.executor.states
 
 
+def test_batched_decoding_refuses_a_recurrent_state(tiny_hybrid):
+    """Batched sequences share one engine's K/V cache by rows; a recurrent state is one per engine, so serve's
+    batches refuse hybrids in one line rather than mix their sequences' states."""
+    from polystrata.batch import BatchDecoder
+
+    e = Engine(tiny_hybrid("qwen35"), target="reference", n_ctx=64)
+    with pytest.raises(PolystrataError, match="recurrent state, one per engine"):
+        BatchDecoder(e, 1)
+
+
 def test_info_names_hybrid_layout_and_unused_mtp_layer(tiny_hybrid):
     r = subprocess.run([sys.executable, "-m", "polystrata", "info", str(tiny_hybrid("qwen35moe"))],
                        capture_output=True, text=True)
