@@ -11,7 +11,6 @@ device and compiler versions.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 import shutil
 import tempfile
@@ -25,7 +24,7 @@ from polystrata.engine import DEFAULT_CTX, tensor_table
 from polystrata.errors import PolystrataError, writing
 from polystrata.gguf import GGUFFile
 from polystrata.models import build_graph
-from polystrata.paths import file_lock
+from polystrata.paths import file_lock, file_sha256
 from polystrata.runtimes.base import CacheEntry
 from polystrata.targets import KERNEL_TARGETS, make_runtime, resolve_target, runtime_class
 
@@ -46,15 +45,6 @@ _TOP_FILES = frozenset({MANIFEST, GRAPH_DUMP, KERNELS_DUMP})
 def _source_suffixes() -> frozenset[str]:
     """What files in an artifact's `src/` end with: each kernel target's source extension."""
     return frozenset(f".{runtime_class(t).source_ext}" for t in KERNEL_TARGETS)
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, read in 8 MiB pieces."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def is_artifact(arg: str | os.PathLike) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import sys
 import tempfile
@@ -90,3 +91,9 @@ def atomic_write(path: Path, data: bytes | str, mode: int | None = None) -> None
     (default: mkstemp's user-only 0o600)."""
     with atomic_file(path, mode) as f:
         f.write(data.encode() if isinstance(data, str) else data)
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 of a file's bytes, as hex."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

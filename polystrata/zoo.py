@@ -30,7 +30,7 @@ from typing import IO
 
 from polystrata import __version__
 from polystrata.errors import ZooError
-from polystrata.paths import atomic_write, file_lock, home_dir, private_dir
+from polystrata.paths import atomic_write, file_lock, file_sha256, home_dir, private_dir
 
 DEFAULT_PYPI_URL = "https://pypi.org/pypi"
 _CHUNK = 1 << 20
@@ -141,21 +141,13 @@ def _recorded_digest(path: Path, key: dict[str, int]) -> str | None:
     return None
 
 
-def _hash_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _file_digest(path: Path, rehash: bool = False) -> str:
     """The sha256 of `path`: from its sidecar while the record still describes the file, else hashed (and
     recorded). `rehash` hashes it whatever the record says."""
     key = _stat_key(path)  # taken before hashing: a change during the hash leaves a record that no longer matches
     digest = None if rehash else _recorded_digest(path, key)
     if digest is None:
-        digest = _hash_file(path)
+        digest = file_sha256(path)
         _write_sidecar(path, digest, key)
     return digest
 

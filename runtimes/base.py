@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -33,7 +32,7 @@ from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
 from polystrata.ir.expr import Bin, Const, Expr, Var
 from polystrata.ir.kernel import Buf, Call, Kernel, Scalar, expr_str, stable_digest
-from polystrata.paths import atomic_write, file_lock, home_dir, private_dir
+from polystrata.paths import atomic_write, file_lock, file_sha256, home_dir, private_dir
 from polystrata.progress import Progress
 
 
@@ -46,11 +45,6 @@ def cache_dir(target: str) -> Path:
 def cache_key(source: str, target: str, device: str, compiler: str) -> str:
     """Binary-cache key: a hash of the source, target, device and compiler version."""
     return stable_digest((source, target, device, compiler), 24)
-
-
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 class CacheEntry:
@@ -90,14 +84,14 @@ class CacheEntry:
             record = json.loads(text)
             files = self.files()
             return (record["key"] == self.key and set(record["sha256"]) == set(files) and self.path.name in files
-                    and all(_sha256(f) == record["sha256"][name] for name, f in files.items()))
+                    and all(file_sha256(f) == record["sha256"][name] for name, f in files.items()))
         except (ValueError, KeyError, TypeError, OSError):
             return False
 
     def seal(self) -> None:
         """Record the key and the digests of the files now on disk (after a build, or after the compiler added
         to its own cache)."""
-        record = {"key": self.key, "sha256": {name: _sha256(f) for name, f in sorted(self.files().items())}}
+        record = {"key": self.key, "sha256": {name: file_sha256(f) for name, f in sorted(self.files().items())}}
         atomic_write(self.record, json.dumps(record, indent=1) + "\n")
 
     def copy_to(self, directory: Path) -> None:

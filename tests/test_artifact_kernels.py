@@ -12,9 +12,10 @@ import pytest
 import yaml
 
 from polystrata import progress, zoo
-from polystrata.artifact import KERNELS, file_sha256, write_artifact
+from polystrata.artifact import KERNELS, write_artifact
 from polystrata.cli import main
 from polystrata.errors import PolystrataError
+from polystrata.paths import file_sha256
 from polystrata.synth import synth_model
 
 

@@ -172,7 +172,7 @@ def test_pull_downloads_extracts_and_caches(index, home, monkeypatch, capsys):
 
     # Second pull: no network at all, and the sidecar spares the re-hash.
     index.requests.clear()
-    monkeypatch.setattr(zoo, "_hash_file", lambda p: pytest.fail("re-hashed a verified file"))
+    monkeypatch.setattr(zoo, "file_sha256", lambda p: pytest.fail("re-hashed a verified file"))
     assert zoo.pull("fake", progress=True) == path
     assert index.requests == []
     assert capsys.readouterr().err == ""
