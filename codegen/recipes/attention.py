@@ -16,15 +16,16 @@ that many query heads of one KV head, each K and V value decoded once for all of
 one-token GPU plans of contexts longer than LONG_CONTEXT, where their scores fit GROUP_SCORES).
 
 The kernels depend on the context only through its key span (`key_span`: n_ctx rounded up), so contexts that
-differ a little share kernel sources; and however long the context, a GPU group's run of keys holds at most
-DECODE_RUN_KEYS (one-token plans) or PREFILL_RUN_KEYS keys, so their scores fit local memory.
+differ a little share kernel sources; and however long the context, a GPU group's scores fit local memory (runs of
+DECODE_RUN_KEYS keys in one-token plans, longer beyond MAX_DECODE_RUNS runs; at most PREFILL_RUN_KEYS otherwise).
 
-Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by the span, and at least span / PREFILL_RUN_KEYS,
-in one-token plans span / DECODE_RUN_KEYS: flash-decoding): one group per head leaves most of a GPU idle at
-decode, so launch 2 runs `splits` groups per (token, head), each over its run of the keys (equal shares of the
-keys visible at run time, at least knob `min_run` long), writing unnormalised partials (output row, max score, sum
-of exponentials) to plan scratch, and launch 3 (`attention_combine_kernel`) rescales and adds those of the runs
-holding keys; where the output projection takes int8 activations, the combine writes them too (`Launch.provides`).
+Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by the span, and at least span / PREFILL_RUN_KEYS, in
+one-token plans span / DECODE_RUN_KEYS up to MAX_DECODE_RUNS: flash-decoding): one group per head leaves most of a
+GPU idle at decode, so launch 2 runs `splits` groups per (token, head), each over its run of the keys (equal shares
+of the keys visible at run time, at least knob `min_run` long), writing unnormalised partials (output row, max
+score, sum of exponentials) to plan scratch, and launch 3 (`attention_combine_kernel`) rescales and adds those of
+the runs holding keys; where the output projection takes int8 activations, the combine writes them too
+(`Launch.provides`).
 """
 
 from __future__ import annotations
