@@ -544,7 +544,9 @@ class Runtime(ABC):
     def copy_async(self, buf: Any, offset: int, host: np.ndarray) -> Any:
         """Start copying `host`'s bytes into `buf` at byte `offset` on a second queue, beside the compute queue's
         work; returns an event for `wait_for` / `wait_host`, or None when the copy is already complete. `host`
-        (an `alloc_host` buffer) must not change until then. Default: a synchronous `write_region`."""
+        (an `alloc_host` buffer) must not change until then. The copy is not ordered with the compute queue's
+        work queued before it (`alloc`'s zero fill included): the caller syncs where it must. Default: a
+        synchronous `write_region`."""
         self.write_region(buf, offset, host)
         return None
 

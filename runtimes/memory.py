@@ -611,6 +611,9 @@ class ExpertStreamer:
     def _alloc_slots(self, layer: _Layer, slots: int) -> None:
         layer.device = [self.rt.alloc((max(slots, 1) * src.nbytes // DTYPE_BYTES[src.dtype],), src.dtype)
                         for src in layer.host]
+        # A new buffer's zero fill is queued on the compute queue; uploads go on the copy queue, which is not
+        # ordered with it: the fill must have landed before the first upload, or it could overwrite that upload.
+        self.rt.sync()
 
     def _free_slots(self, layer: _Layer) -> None:
         for buf in layer.device:
