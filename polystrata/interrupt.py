@@ -1,12 +1,13 @@
 """Ctrl-C ends the command within a second, whatever it is doing.
 
-SIGINT normally raises KeyboardInterrupt in the main thread, and `main` turns that into one line
-`error: interrupted` and exit code 130. That is not enough on its own: an exception raised while llvmlite
-or Numba runs a Python callback from C is printed and dropped (the compile carries on), and a long call
-into C delays the handler until it returns. So `arm` also lets CPython's C-level signal handler write to a
-pipe (signal.set_wakeup_fd), which wakes a watchdog thread at once; if the process is still running
-GRACE_S later, the watchdog reports and exits with os._exit. Caches and artifacts are written to a
-temporary file and renamed, so stopping at any point leaves them valid.
+SIGINT normally raises KeyboardInterrupt in the main thread, and `main` turns that into one line `error:
+interrupted` and exit code 130. That is not enough on its own: an exception raised while llvmlite or Numba
+runs a Python callback from C, or in a callback such as the import system's weakref ones, is printed as
+"Exception ignored" and dropped (the compile carries on), and a long call into C delays the handler until it
+returns. So `arm` also lets CPython's C-level signal handler write to a pipe (signal.set_wakeup_fd), which
+wakes a watchdog thread at once; if the process is still running GRACE_S later, the watchdog reports and exits
+with os._exit. Such a dropped KeyboardInterrupt is not printed (`_unraisable`): the watchdog ends the command.
+Caches and artifacts are written to a temporary file and renamed, so stopping at any point leaves them valid.
 """
 
 from __future__ import annotations
@@ -59,7 +60,15 @@ def arm() -> None:
         os.close(write_fd)
         return
     _armed = True
+    sys.unraisablehook = _unraisable
     threading.Thread(target=_watch, args=(read_fd,), name="polystrata-ctrl-c", daemon=True).start()
+
+
+def _unraisable(unraisable) -> None:
+    """`sys.unraisablehook` while armed: a KeyboardInterrupt Python could not raise (it landed in a callback) is
+    left to the watchdog, which reports it; anything else is printed as usual."""
+    if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+        sys.__unraisablehook__(unraisable)
 
 
 def _watch(read_fd: int) -> None:

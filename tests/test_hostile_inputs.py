@@ -349,3 +349,20 @@ def test_ctrl_c_during_compile_leaves_the_cache_valid(base, tmp_path):
                             "-o", str(tmp_path / "a")], capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0, again.stderr
     assert "from the binary cache" in again.stderr and "warning" not in again.stderr
+
+
+def test_a_ctrl_c_python_cannot_raise_is_left_to_the_watchdog(capsys):
+    """A KeyboardInterrupt that lands in a callback (the import system's weakref ones, Numba's from C) is dropped
+    by Python with an "Exception ignored" traceback; while armed it is not printed (the watchdog reports the one
+    `error: interrupted` line), and any other unraisable exception still is."""
+    from types import SimpleNamespace
+
+    from polystrata import interrupt
+
+    def unraisable(exc):
+        return SimpleNamespace(exc_type=type(exc), exc_value=exc, exc_traceback=None, err_msg=None, object=None)
+
+    interrupt._unraisable(unraisable(KeyboardInterrupt()))
+    assert capsys.readouterr().err == ""
+    interrupt._unraisable(unraisable(ValueError("kept")))
+    assert "ValueError: kept" in capsys.readouterr().err
