@@ -351,18 +351,25 @@ def test_ctrl_c_during_compile_leaves_the_cache_valid(base, tmp_path):
     assert "from the binary cache" in again.stderr and "warning" not in again.stderr
 
 
-def test_a_ctrl_c_python_cannot_raise_is_left_to_the_watchdog(capsys):
+def test_a_ctrl_c_python_cannot_raise_is_left_to_the_watchdog(capsys, monkeypatch):
     """A KeyboardInterrupt that lands in a callback (the import system's weakref ones, Numba's from C) is dropped
     by Python with an "Exception ignored" traceback; while armed it is not printed (the watchdog reports the one
     `error: interrupted` line), and any other unraisable exception still is."""
-    from types import SimpleNamespace
+    import gc
 
     from polystrata import interrupt
 
-    def unraisable(exc):
-        return SimpleNamespace(exc_type=type(exc), exc_value=exc, exc_traceback=None, err_msg=None, object=None)
+    class Raises:  # raises from __del__, where Python cannot raise: an unraisable exception
+        def __init__(self, exc):
+            self.exc = exc
 
-    interrupt._unraisable(unraisable(KeyboardInterrupt()))
+        def __del__(self):
+            raise self.exc
+
+    monkeypatch.setattr(sys, "unraisablehook", interrupt._unraisable)
+    Raises(KeyboardInterrupt())
+    gc.collect()
     assert capsys.readouterr().err == ""
-    interrupt._unraisable(unraisable(ValueError("kept")))
+    Raises(ValueError("kept"))
+    gc.collect()
     assert "ValueError: kept" in capsys.readouterr().err
