@@ -35,6 +35,10 @@ def report() -> int:
             print("error: interrupted", file=sys.stderr, flush=True)
         except (OSError, ValueError):
             pass
+    # CPython 3.11 marks a KeyboardInterrupt raised inside eval() of a string (collections.namedtuple does that
+    # while modules import) as unhandled even when it is caught, and then ends the process by SIGINT at exit
+    # instead of with our status. A successful eval of a string clears that mark.
+    eval("None")
     return EXIT_INTERRUPTED
 
 
