@@ -3,7 +3,8 @@
 # the benchmarks, and print a short table last. Run from the repository root with the wheels in .whl/:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl numpy==2.4.4 \
 #       pyopencl pytools platformdirs siphash24 gguf   (see docs/benchmarks.md)
-# Stages (default: all but receive, attention, depth and moe): receive selftest tests parity bench attention depth moe.
+# Stages (default: all but receive, attention, depth, moe and serve): receive selftest tests parity bench attention depth
+# moe serve.
 # Example: scripts/device_check.sh bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -178,6 +179,23 @@ if [[ " $STAGES " == *" moe "* ]]; then
         --router-skew "${MOE_SKEW:-0}" -o "$mm" 2>> "$LOG"
     timeout 1500 python3 scripts/moe_offload_bench.py "$mm" --llama-bench /tmp/llamacpp-build/bin/llama-bench \
         ${MOE_ARGS:-} --json "$OUT/moe_skew${MOE_SKEW:-0}.json" 2>&1 | tee -a "$LOG" | tail -14 | tee -a "$SUMMARY"
+fi
+
+if [[ " $STAGES " == *" serve "* ]]; then
+    # Serving throughput (issue 22): `polystrata serve` against llama-server on the llama3-8b preset, 1/4/16
+    # concurrent streams (scripts/serve_bench.py; aiohttp's wheels travel in .whl; llama-server from the unified
+    # binary of device_llamacpp.sh). SERVE_ARGS passes options on (e.g. "--streams 1,16 --tokens 64").
+    M=/tmp/models; mkdir -p "$M"
+    [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
+    lcpp=()
+    if bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1 && bash scripts/device_llamacpp.sh wait 540 >> "$LOG" \
+        && [ -x /tmp/llamacpp-build/bin/llama-server ]; then
+        lcpp=(--llama-server /tmp/llamacpp-build/bin/llama-server --llama-args "-ngl 99 -fa on")
+    else
+        row "llama-server" "not available (see the log): polystrata alone"
+    fi
+    timeout 900 python3 scripts/serve_bench.py "$M/llama3-8b-q4km.gguf" --target cuda "${lcpp[@]}" ${SERVE_ARGS:-} \
+        --json "$OUT/serve.json" 2>&1 | tee -a "$LOG" | tail -10 | tee -a "$SUMMARY"
 fi
 
 echo; echo "=== summary ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) ==="
