@@ -243,6 +243,23 @@ def test_streaming_matches_resident(moe, resident, policy, slots):
         assert s.prefetches > 0  # layer 1's experts predicted at layer 0 of each decode step
 
 
+def test_streamed_segments_replay_as_graphs(moe, resident):
+    """Where the runtime captures graphs, each segment of a streamed step (between the stops at the routers) is
+    captured on its second run and replayed after: the same logits as the resident run, bit for bit, through
+    the base runtime's recording graphs (the expert segment replayed once per group of experts that fits)."""
+    _, want = resident
+    eng = _engine(moe, expert_slots=1)
+    ex = eng.executor
+    ex.use_graphs = True  # as on cuda; the base runtime's graphs record the prepared launches and re-run them
+    for _ in range(3):  # the first run counts, the second captures, the third replays
+        got = _outputs(eng)
+        assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    pid = id(eng.graph_step)
+    segments = {k[2] for k in ex.graphs if k[:2] == (pid, 1)}
+    assert segments == set(range(2 * len(ex.sections[pid]) + 1))  # every segment of the one-token step
+    assert (id(eng.graph_all), len(PROMPT), 1) in ex.graphs  # the prefill's experts, in groups of one slot
+
+
 def _host_bytes(monkeypatch, engine) -> list[int]:
     """Bytes of each host buffer that runtimes of `engine`'s kind allocate from now on (`alloc_host`), in a list
     that grows."""

@@ -6,9 +6,9 @@ few scalar arguments and grids that use them, and launches.
 Plans made for expert streaming (`ExpertStream`s) run in segments: at each streamed MoE layer the host waits for
 the router, reads the routed expert ids, has the memory manager (`runtimes/memory.ExpertStreamer`) make them
 resident, and continues; when a step routes to more experts than the cache holds, the layer's expert launches
-run once per group of experts that fits. Such steps are launched directly, not through captured device graphs;
-capturing each segment is the open lever (docs/benchmarks.md: launches and stops, not uploads, are most of a
-streamed step's time).
+run once per group of experts that fits. Each segment between two such stops is captured as a device graph as a
+whole step is (`_launch`): the expert kernels read their weights through the slot table, so a segment's graph stays
+valid whatever the cache holds.
 """
 
 from __future__ import annotations
@@ -141,11 +141,11 @@ class PlanExecutor(OneSequence):
         # Steps of at most GRAPH_ROWS tokens (decode steps, of one sequence or a batch of them) are captured into a
         # device graph on their second run with a plan and row count, and replayed from then on, where the runtime
         # can: every kernel reads the positions and sequence starts from device memory and its launch depends on
-        # the row count alone, so the graph is the same for every such step.
-        self.use_graphs = (runtime.graphs and not os.environ.get("POLYSTRATA_NO_GRAPHS")
-                           and self.streamer is None)
-        self.graphs: dict[tuple[int, int], Any] = {}  # (id(graph), rows) -> captured graph
-        self.runs: dict[tuple[int, int], int] = {}  # (id(graph), rows) -> steps run before capture
+        # the row count alone, so the graph is the same for every such step. A streamed step's segments likewise.
+        self.use_graphs = runtime.graphs and not os.environ.get("POLYSTRATA_NO_GRAPHS")
+        # (id(graph), rows), or (id(graph), rows, segment) for a streamed step's segment -> its captured graph
+        self.graphs: dict[tuple[int, ...], Any] = {}
+        self.runs: dict[tuple[int, ...], int] = {}  # the same keys -> runs before capture
         # The "starts" buffer (sequence starts in the KV cache, for batched decoding) holds zeros until a step
         # with other starts writes it; its length is that of the plan that allocated it (the first).
         self.starts_zero = False
@@ -200,20 +200,8 @@ class PlanExecutor(OneSequence):
         start = rt.mark() if timed else None
         if self.sections.get(pid):
             self._run_streamed(pid, step)
-        elif (pid, t) in self.graphs:
-            rt.replay(self.graphs[pid, t])
-        elif t <= GRAPH_ROWS and self.use_graphs and self.runs.get((pid, t), 0) >= 1:
-            # Captured launches do not run: capture, then replay to compute this step.
-            rt.begin_capture()
-            for b in self.bound[pid]:
-                b.run(rt, step)
-            self.graphs[pid, t] = rt.end_capture()
-            rt.replay(self.graphs[pid, t])
         else:
-            for b in self.bound[pid]:
-                b.run(rt, step)
-            if t <= GRAPH_ROWS:
-                self.runs[pid, t] = self.runs.get((pid, t), 0) + 1
+            self._launch((pid, t), self.bound[pid], step)
         end = rt.mark() if timed else None
         rows = t if plan.output_shape[0] == "T" else int(plan.output_shape[0])
         out = rt.download(self.handles[(id(plan), plan.output)], (rows, int(plan.output_shape[1])), "f32")
@@ -223,6 +211,28 @@ class PlanExecutor(OneSequence):
             if self.guard is not None:
                 self._watch_memory()
         return out
+
+    def _launch(self, key: tuple[int, ...], launches: list[_BoundLaunch], step: dict[str, int]) -> None:
+        """Run `launches` (a step, or a segment of a streamed one: `key` names it with the step's row count second):
+        replayed from the device graph captured on their second run, where the runtime has graphs and the step is
+        at most GRAPH_ROWS rows; else launch by launch."""
+        if not launches:
+            return
+        rt = self.rt
+        graph = self.graphs.get(key)
+        if graph is None and step["T"] <= GRAPH_ROWS and self.use_graphs and self.runs.get(key, 0) >= 1:
+            # Captured launches do not run: capture, then replay to compute this step.
+            rt.begin_capture()
+            for b in launches:
+                b.run(rt, step)
+            graph = self.graphs[key] = rt.end_capture()
+        if graph is not None:
+            rt.replay(graph)
+            return
+        for b in launches:
+            b.run(rt, step)
+        if step["T"] <= GRAPH_ROWS:
+            self.runs[key] = self.runs.get(key, 0) + 1
 
     def _write_starts(self, starts: np.ndarray | None) -> None:
         """The step's sequence starts into their buffer; zeros (the buffer's whole length) only when it holds
@@ -239,9 +249,8 @@ class PlanExecutor(OneSequence):
         resident (in groups of at most the cache's slots), the expert launches once per group, and on."""
         rt, bound, local, streamer = self.rt, self.bound[pid], self.local[pid], self.streamer
         i = 0
-        for start, end, st, li in self.sections[pid]:
-            for b in bound[i:start]:
-                b.run(rt, step)
+        for n, (start, end, st, li) in enumerate(self.sections[pid]):
+            self._launch((pid, step["T"], 2 * n), bound[i:start], step)
             n_tok = step["T"] if st.tokens == "T" else int(st.tokens)
             ids = rt.download(local[st.route], (n_tok * st.k,), "i32")  # waits for the router
             cache = streamer.layers[li].cache
@@ -257,13 +266,11 @@ class PlanExecutor(OneSequence):
                 if len(groups) > 1:  # list only this group's experts (the lists of their entries stand)
                     active = np.asarray([len(experts), *experts], np.int32)
                     rt.write_region(local[st.lists], 4 * st.n_expert * (1 + st.cap), active)
-                for b in bound[start:end]:
-                    b.run(rt, step)
+                self._launch((pid, step["T"], 2 * n + 1), bound[start:end], step)
             if guess is not None:  # uploads for the next layer, beside this layer's expert kernels
                 streamer.predict(li, guess)
             i = end
-        for b in bound[i:]:
-            b.run(rt, step)
+        self._launch((pid, step["T"], 2 * len(self.sections[pid])), bound[i:], step)
 
     def _watch_memory(self) -> None:
         """The VRAM guard: a free-memory reading after a sync; the expert cache shrinks or grows on its word."""
@@ -273,6 +280,7 @@ class PlanExecutor(OneSequence):
             return
         slots = guard_step(self.streamer, self.guard, info[0], self.log)
         if slots is not None:
+            self.graphs.clear()  # they hold the old slot buffers
             handles = self.streamer.resize(slots)
             self.handles.update(handles)
             for pid, bound in self.bound.items():
