@@ -3,8 +3,8 @@
 # the benchmarks, and print a short table last. Run from the repository root with the wheels in .whl/:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl numpy==2.4.4 \
 #       pyopencl pytools platformdirs siphash24 gguf   (see docs/benchmarks.md)
-# Stages (default: all but receive, attention, depth, moe and serve): receive selftest tests parity bench attention depth
-# moe serve.
+# Stages (default: all but receive, attention, depth, moe, hostprof and serve): receive selftest tests parity bench
+# attention depth moe hostprof serve.
 # Example: scripts/device_check.sh bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -179,6 +179,17 @@ if [[ " $STAGES " == *" moe "* ]]; then
         --router-skew "${MOE_SKEW:-0}" -o "$mm" 2>> "$LOG"
     timeout 1500 python3 scripts/moe_offload_bench.py "$mm" --llama-bench /tmp/llamacpp-build/bin/llama-bench \
         ${MOE_ARGS:-} --json "$OUT/moe_skew${MOE_SKEW:-0}.json" 2>&1 | tee -a "$LOG" | tail -14 | tee -a "$SUMMARY"
+fi
+
+if [[ " $STAGES " == *" hostprof "* ]]; then
+    # Where the host's time of a resident decode step goes (issue 19: host share 0.07 -> 0.19 ms/token between two
+    # runs with the same device time): cProfile over a decode-only bench of the llama3-8b preset, by own time.
+    M=/tmp/models; mkdir -p "$M"
+    [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
+    timeout 600 python3 -m cProfile -s tottime -m polystrata bench "$M/llama3-8b-q4km.gguf" --target cuda -p 0 -n 256 \
+        -r 2 --json 2>> "$LOG" > "$OUT/hostprof.txt"
+    head -1 "$OUT/hostprof.txt" | cut -c1-200 | tee -a "$SUMMARY"
+    grep -A 25 "Ordered by" "$OUT/hostprof.txt" | cut -c1-160 | tee -a "$SUMMARY"
 fi
 
 if [[ " $STAGES " == *" serve "* ]]; then
