@@ -96,19 +96,48 @@ def test_attention_runs(rt, kv, gqa, window, softcap, lanes, heads, splits):
     assert attn.grid[1].value == 2 * gqa // heads
 
 
-@pytest.mark.parametrize("kv,gqa,window,lanes,splits", [("f16", 1, 0, 1, 1), ("q8_0", 3, 4, 128, 4)],
-                         ids=["lanes1", "lanes128-split4"])
-def test_attention_batched_sequences(rt, kv, gqa, window, lanes, splits):
+@pytest.mark.parametrize("kv,gqa,window,softcap,q_tile,k_tile", [
+    ("f16", 1, 0, 0.0, 16, 32), ("f16", 4, 10, 0.0, 4, 8), ("q8_0", 3, 0, 30.0, 16, 32), ("q8_0", 1, 10, 0.0, 4, 8),
+    ("q8_g64", 3, 0, 20.0, 8, 16), ("q8_g64", 2, 10, 0.0, 4, 8),
+])
+def test_attention_tiles(rt, kv, gqa, window, softcap, q_tile, k_tile):
+    """Prefill attention in tiles (`attention_tiles`: rows in tiles of q_tile, keys of k_tile, the online softmax)
+    against the reference: chunks whose rows do not fill their last tile, keys starting mid-tile and a window
+    inside a tile, decode steps through the same kernel, GQA, softcap."""
+    gpu_shaped(rt, 128, sampled=kv == "q8_0" and q_tile == 4)
+    knobs = {"tiles": 1, "tiles_above": 0, "q_tile": q_tile, "k_tile": k_tile}
+    launches = _check_attention(rt, kv, gqa, window, softcap, 128, 64, knobs, (21, 1, 1, 6, 13), 13)
+    tiles = launches[1].kernel
+    assert len(launches) == 2 and dict(tiles.knobs) == {"tiles": 1, "q_tile": q_tile, "k_tile": k_tile}
+
+
+def test_attention_tiles_or_rows_by_the_step(rt):
+    """A plan for steps of up to 16 rows with tiles above 5: both kernels, each running only for its steps (the
+    other's output, poisoned, would spoil the result), a 13-row prefill in tiles and then 1- to 5-row steps by
+    rows, the row kernels' split-K combine not providing the int8 activations (the tiles do not write them)."""
+    gpu_shaped(rt, 128, sampled=False)
+    knobs = {"tiles": 1, "tiles_above": 5, "q_tile": 4, "k_tile": 8}
+    launches = _check_attention(rt, "q8_0", 2, 0, 0.0, 128, 128, knobs, (13, 1, 5, 6), 17)  # 2 runs of keys
+    assert [la.kernel.name.rsplit("_", 1)[-1] for la in launches[1:]] == ["gt5", "le5", "le5"]
+    assert not launches[-1].provides
+
+
+@pytest.mark.parametrize("kv,gqa,window,lanes,knobs", [
+    ("f16", 1, 0, 1, {"splits": 1}), ("q8_0", 3, 4, 128, {"splits": 4}),
+    ("q8_0", 3, 4, 128, {"tiles": 1, "tiles_above": 0, "q_tile": 4, "k_tile": 8})],
+    ids=["lanes1", "lanes128-split4", "lanes128-tiles"])
+def test_attention_batched_sequences(rt, kv, gqa, window, lanes, knobs):
     """Rows of several sequences in one step (batched decoding): each row's K and V go to its sequence's cache
     rows (`starts[t] + positions[t]`) and it attends over those only, as if its sequence ran alone (one reference
-    executor per sequence); the sequences are prefilled one by one, then decoded together in varying order."""
+    executor per sequence); the sequences are prefilled one by one, then decoded together in varying order. In
+    tiles, a tile holding rows of several sequences takes a pass a row."""
     if lanes > 1 and rt.lanes == 1:
         pytest.skip("GPU-shaped kernels")
     hkv, d, n_ctx = 2, 64, 32
     hq = hkv * gqa
     g = _attention_graph(hq, hkv, d, window)
     ctx = recipe_context(g, kv=kv, n_ctx=n_ctx, lanes=lanes)
-    ctx.knobs = {"attention": {"splits": splits}}
+    ctx.knobs = {"attention": knobs}
     launches = recipe("attention").lower(g.nodes, ctx)
     fmt = KV_FORMATS[kv]
     kvb = n_ctx * row_bytes(fmt, hkv * d)
@@ -139,7 +168,8 @@ def test_attention_batched_sequences(rt, kv, gqa, window, lanes, splits):
 def test_attention_splits_grow_with_the_context_in_one_token_steps():
     """splits "auto": on GPUs up to 8 runs, and enough that none holds more than DECODE_RUN_KEYS keys (one-token
     plans: flash-decoding) or PREFILL_RUN_KEYS keys at a full context, each group taking the 4 query heads of a KV
-    head beyond LONG_CONTEXT (heads "auto"); on the CPU one group per head. All by the key span, not n_ctx."""
+    head beyond LONG_CONTEXT (heads "auto"); on the CPU one group per head. All by the key span, not n_ctx. Plans
+    with steps of more than TILES_ABOVE rows on GPUs add the tiles kernel for those."""
     from polystrata.codegen.recipes.attention import (
         DECODE_RUN_KEYS,
         LONG_CONTEXT,
@@ -164,6 +194,9 @@ def test_attention_splits_grow_with_the_context_in_one_token_steps():
     assert attn(128, 1, n_ctx) == ({**runs, "splits": min(MAX_DECODE_RUNS, span // DECODE_RUN_KEYS), "heads": 4}, 3)
     assert attn(128, 16, n_ctx) == ({**runs, "splits": 9}, 3)  # 33792 / 4096, rounded up
     assert attn(128, 16, 131072) == ({**runs, "splits": 131072 // PREFILL_RUN_KEYS}, 3)
+    # Steps of more than TILES_ABOVE rows: the tiles, at any context (then the row kernels for shorter steps).
+    assert attn(128, 256, n_ctx) == ({"tiles": 1, "q_tile": 16, "k_tile": 32}, 4)
+    assert attn(128, 256, 131072) == ({"tiles": 1, "q_tile": 16, "k_tile": 32}, 4)
     assert attn(128, 1, 131072) == ({**runs, "splits": MAX_DECODE_RUNS, "heads": 4}, 3)  # runs of 256 keys
     assert attn(128, 1, LONG_CONTEXT) == ({**runs, "splits": LONG_CONTEXT // DECODE_RUN_KEYS}, 3)
     assert attn(128, 1, 640) == ({**runs, "splits": 16}, 3)  # the span, 1024, in runs of 64
@@ -191,6 +224,8 @@ def test_attention_kernels_depend_on_the_key_span_only():
                [k.fingerprint() for k in kernels(lanes, t_max, 5120)]
         assert [k.fingerprint() for k in kernels(lanes, t_max, 5120)] != \
                [k.fingerprint() for k in kernels(lanes, t_max, 5121)]
+    # The tiles (steps of many rows on GPUs) depend on nothing of the context.
+    assert len({kernels(128, 256, n)[1].fingerprint() for n in (40, 5121, 131072)}) == 1
     for t_max in (1, 16):
         for n_ctx in (8192, 131072, 262144):
             attn = kernels(128, t_max, n_ctx)[1]

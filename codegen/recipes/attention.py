@@ -19,6 +19,11 @@ The kernels depend on the context only through its key span (`key_span`: n_ctx r
 differ a little share kernel sources; and however long the context, a GPU group's scores fit local memory (runs of
 DECODE_RUN_KEYS keys in one-token plans, longer beyond MAX_DECODE_RUNS runs; at most PREFILL_RUN_KEYS otherwise).
 
+Steps of more than `tiles_above` tokens (knob, "auto": TILES_ABOVE) on GPUs (knob `tiles`, "auto": there, unless
+`splits` is set) take launch 2 from `attention_tiles.prefill_attention_kernel` instead: a group per tile of query
+rows and head, keys in tiles decoded once for all the rows, the online softmax (knobs `q_tile`, `k_tile`). Plans
+that serve both kinds of step hold both kernels, each run only for its kind (the row count picks at run time).
+
 Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by the span, and at least span / PREFILL_RUN_KEYS, in
 one-token plans span / DECODE_RUN_KEYS up to MAX_DECODE_RUNS: flash-decoding): one group per head leaves most of a
 GPU idle at decode, so launch 2 runs `splits` groups per (token, head), each over its run of the keys (equal shares
@@ -37,6 +42,7 @@ from polystrata.codegen.dequant import Decoder, chunk_len
 from polystrata.codegen.format_analysis import block_stride, finest_group, widen
 from polystrata.codegen.recipes import Recipe, RecipeContext, register
 from polystrata.codegen.recipes._matvec import QB, round_half_away
+from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE, default_tiles, prefill_attention_kernel
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
 from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
 from polystrata.ir.expr import Const, Expr, FieldLoad, Var
@@ -191,6 +197,12 @@ def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: 
     return Kernel(name, tuple(params), (Var("T"), Const(nq + 2 * hkv)), tuple(body), lanes=lanes)
 
 
+def scaled_score(x: Expr, scale: float, softcap: float) -> Expr:
+    """A q . k product as the softmax takes it: times `scale`, then softcapped (gemma3) where `softcap` is set."""
+    x = x * float(scale)
+    return Const(float(softcap)) * Call("tanh", x / float(softcap)) if softcap else x
+
+
 def _runs(pos: Expr, window: int, splits: int, min_run: int) -> tuple[Let, ...]:
     """Lets of how split-K divides the keys a query at `pos` sees: `lo0` the first visible position, `nall` how many
     are visible (the window, else all), `per` keys a run (an equal share of `splits`, at least `min_run`), `runs`
@@ -204,7 +216,7 @@ def _runs(pos: Expr, window: int, splits: int, min_run: int) -> tuple[Let, ...]:
 
 def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int, scale: float,
                      window: int, softcap: float, lanes: int, splits: int = 1, min_run: int = 1,
-                     heads: int = 1) -> Kernel:
+                     heads: int = 1, active: Expr | None = None) -> Kernel:
     """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq / heads). The keys
     of a token at position p are those of positions up to p in its sequence's cache rows, from `starts[t]` on.
 
@@ -216,6 +228,9 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     run time, so the grid stays fixed, as a captured graph needs), and writes its unnormalised partial output,
     max score and sum of exponentials to `po` / `pm` / `pz` (row (t * hq + h) * splits + s) for
     `attention_combine_kernel`; a group past the visible keys stores nothing (the combine does not read it).
+
+    `active` (uniform, of scalars): the steps the kernel works for; in others it sees no keys and stores nothing
+    (zero-trip loops rather than a branch around the body: PoCL mishandles barriers inside one).
     """
     kf, vf = _kv_fmt(fmt, d), _kv_fmt(fmt, dv)
     g = hq // hkv
@@ -262,8 +277,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
                     tuple(kdec.walk(lambda s0, sz, env, inner: inner, chunk, split=split)))]
 
     def scaled(x: Expr) -> Expr:
-        x = x * float(scale)
-        return Const(float(softcap)) * Call("tanh", x / float(softcap)) if softcap else x
+        return scaled_score(x, scale, softcap)
 
     if kparts == 1:
         scores = [LaneFor("jj", n, (Let("kj", Var("lo") + Var("jj")), *key_dot(None),
@@ -307,7 +321,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         """Head hh's output element e: normalised, or (split-K) the unnormalised partial."""
         if splits > 1:
             return guarded(Store("po", prow(hh) * dv + e, val))
-        return Store("out", qrow(hh) * dv + e, val / Var(f"z{hh}"))
+        return guarded(Store("out", qrow(hh) * dv + e, val / Var(f"z{hh}")))
 
     keys = (Let("vj", Var("lo") + Var("jj")), *(Let(f"p{hh}", Load("s", sidx(hh, Var("jj")))) for hh in hs))
     if 1 < parts == chunk:
@@ -348,6 +362,8 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     else:
         lo0, nall = _runs(pos, window, 1, 1)[:2]
         span = (lo0, nall, Let("lo", Load("starts", t) + Var("lo0")), Let("n", Var("nall")))
+    if active is not None:
+        span = (*span[:-1], Let("n", Select(active, span[-1].expr, Const(0))))
     # A group past the visible keys (n = 0) runs no loop iterations: it costs a few barriers.
     jj = Var("jj")
     body = (
@@ -383,18 +399,23 @@ UNROLL = 4
 
 
 def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int, quant: bool = False,
-                             min_run: int = 1, window: int = 0) -> Kernel:
+                             min_run: int = 1, window: int = 0, active: Expr | None = None) -> Kernel:
     """out[t, h] from the split-K partials of `attention_kernel` (its `splits`, `min_run` and `window`): with M the
     largest partial max, out = sum_s po_s * exp(pm_s - M) / sum_s pz_s * exp(pm_s - M) over the runs that hold
     visible keys (`_runs`, from the position read at run time). M and the denominator are reductions over the
     group's lanes; the weights exp(pm_s - M) go to local memory for the lanes' sums over s, one per element.
-    `quant`: also write out as the output projection's int8 activations (`linear.quantize_staged`)."""
+    `quant`: also write out as the output projection's int8 activations (`linear.quantize_staged`). `active`: as
+    `attention_kernel`'s (in other steps no run holds keys and nothing is stored)."""
     r = Var("g0") * hq + Var("g1")
     s, e, runs = Var("s"), Var("e"), Var("runs")
     store = (Store("out", r * dv + e, Var("ov")),) + ((Store("ol", staged(e), Var("ov")),) if quant else ())
+    runs_lets = _runs(Var("pos"), window, splits, min_run)
+    if active is not None:
+        runs_lets = (*runs_lets[:-1], Let("runs", Select(active, runs_lets[-1].expr, Const(0))))
+        store = (If(runs > 0, store),)
     body = (
         Let("pos", Load("positions", Var("g0"))),
-        *_runs(Var("pos"), window, splits, min_run),
+        *runs_lets,
         Reduce("mx", "max", "s", runs, (), Load("pm", r * splits + s)),
         LaneFor("s", runs, (Store("cw", s, Call("exp", Load("pm", r * splits + s) - Var("mx"))),)),
         Reduce("zs", "+", "s", runs, (), Load("pz", r * splits + s) * Load("cw", s)),
@@ -443,8 +464,42 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     else:
         store = Launch(kv_store_kernel(f"kv_store_{heads}", fmt, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
     tag = f"{heads}_{a['window']}_{stable_digest((a['scale'], a['softcap']), 8)}"
-    span = key_span(ctx.n_ctx)
+    window, softcap = int(a["window"]), float(a["softcap"] or 0.0)
+    io = (("q", q), ("kc", kn), ("vc", vn), ("positions", p), ("starts", "starts"))
+    out = ctx.buf(node.output)
     splits = ctx.knob("attention", "splits", "auto")
+    tiles = ctx.knob("attention", "tiles", "auto")
+    if tiles == "auto":  # GPUs, steps of several tokens: key tiles decoded once for a tile of query rows
+        tiles = int(ctx.lanes > 1 and ctx.t_max > 1 and splits == "auto")
+    above = ctx.knob("attention", "tiles_above", "auto")
+    above = TILES_ABOVE if above == "auto" else int(above)
+    if not int(tiles) or ctx.t_max <= above:
+        return [store, *_row_launches(ctx, node, fmt, tag, io, splits, window, softcap, provide=True)]
+    qt, kt = default_tiles(d, dv)
+    qt, kt = (dflt if v == "auto" else int(v) for v, dflt in
+              ((ctx.knob("attention", "q_tile", "auto"), qt), (ctx.knob("attention", "k_tile", "auto"), kt)))
+    # With `above` > 0, steps of at most `above` rows (short prompts, batched decoding) keep the row kernels: a
+    # group a row, and a row's result independent of which rows share its step. The row count picks at run time.
+    sel = (Var("T") > above, f"_gt{above}") if above else (None, "")
+    tk = prefill_attention_kernel(f"attn_tiles_{tag}_{qt}x{kt}{sel[1]}", _kv_fmt(fmt, d), _kv_fmt(fmt, dv), hq, hkv,
+                                  d, dv, lambda x: scaled_score(x, float(a["scale"]), softcap), window, ctx.lanes,
+                                  qt, kt, active=sel[0])
+    rows = _row_launches(ctx, node, fmt, tag, io, splits, window, softcap, provide=False,
+                         active=(Var("T") <= above, f"le{above}")) if above else []
+    return [store, Launch(tk, (*io, ("out", out)), (("T", "T"),)), *rows]
+
+
+def _row_launches(ctx: RecipeContext, node: Node, fmt: QuantFormat, tag: str, io: tuple, splits, window: int,
+                  softcap: float, provide: bool, active: tuple[Expr, str] | None = None) -> list[Launch]:
+    """The one-row attention kernel (`attention_kernel`) and, with split-K, the combine, which writes the output
+    projection's int8 activations too where `provide` and the target's matmuls take them. `active`: (the steps
+    they work for, a name suffix saying which)."""
+    cond, suffix = active if active else (None, "")
+    qv, k, v, _ = node.inputs
+    hq, d = (int(x) for x in qv.type.shape[1:])
+    hkv, dv = int(k.type.shape[1]), int(v.type.shape[2])
+    a = node.attrs
+    span = key_span(ctx.n_ctx)
     if splits == "auto":  # GPUs: enough groups to fill the device (one per head is 32 for 132 SMs)
         splits = 1 if ctx.lanes == 1 else max(1, min(8, span // 64))
         if ctx.lanes > 1 and ctx.t_max == 1:  # one token: runs of DECODE_RUN_KEYS keys (flash-decoding)
@@ -461,23 +516,23 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
         if ctx.lanes > 1 and ctx.t_max == 1 and span > LONG_CONTEXT:
             heads = max(h for h in range(1, hq // hkv + 1) if (hq // hkv) % h == 0 and h * run <= GROUP_SCORES)
     heads = int(heads)
-    window = int(a["window"])
     at = attention_kernel(f"attn_{tag}_{splits}" + (f"_r{min_run}" if splits > 1 else "") +
-                          (f"_h{heads}" if heads > 1 else ""), fmt, hq, hkv, d, dv, span, float(a["scale"]),
-                          window, float(a["softcap"] or 0.0), ctx.lanes, splits, min_run, heads)
-    io = (("q", q), ("kc", kn), ("vc", vn), ("positions", p), ("starts", "starts"))
+                          (f"_h{heads}" if heads > 1 else "") + (f"_{suffix}" if suffix else ""), fmt, hq, hkv, d,
+                          dv, span, float(a["scale"]), window, softcap, ctx.lanes, splits, min_run, heads, cond)
+    out = ctx.buf(node.output)
     if splits == 1:
-        return [store, Launch(at, (*io, ("out", ctx.buf(node.output))), (("T", "T"),))]
+        return [Launch(at, (*io, ("out", out)), (("T", "T"),))]
     rows = ctx.t_max * hq * splits
     parts = (("po", ctx.scratch("attn_o", "f32", rows * dv)), ("pm", ctx.scratch("attn_m", "f32", rows)),
              ("pz", ctx.scratch("attn_z", "f32", rows)))
-    out = ctx.buf(node.output)
     # The output projection's int8 activations, which the combine can write too (a block of 32 within a head).
-    qbufs, provides = quantized_output(ctx, out, hq * dv, "T") if dv % QB == 0 else ((), ())
-    comb = attention_combine_kernel(f"attn_combine{'_q8' if provides else ''}_{hq}_{dv}_{splits}_r{min_run}_{window}",
-                                    hq, dv, splits, ctx.lanes, bool(provides), min_run, window)
-    return [store, Launch(at, (*io, *parts), (("T", "T"),)),
-            Launch(comb, (*parts, ("positions", p), ("out", out), *qbufs), (("T", "T"),), provides=provides)]
+    qbufs, provides = quantized_output(ctx, out, hq * dv, "T") if provide and dv % QB == 0 else ((), ())
+    comb = attention_combine_kernel(f"attn_combine{'_q8' if provides else ''}_{hq}_{dv}_{splits}_r{min_run}_{window}"
+                                    + (f"_{suffix}" if suffix else ""), hq, dv, splits, ctx.lanes, bool(provides),
+                                    min_run, window, cond)
+    return [Launch(at, (*io, *parts), (("T", "T"),)),
+            Launch(comb, (*parts, ("positions", dict(io)["positions"]), ("out", out), *qbufs), (("T", "T"),),
+                   provides=provides)]
 
 
 def _lower_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -507,7 +562,8 @@ def _match_norm_rope_attention(nodes: Sequence[Node]) -> bool:
 
 
 register(Recipe("attention", ("attention",), _lower_attention, None,
-                (("two_pass", 1), ("splits", "auto"), ("min_run", "auto"), ("heads", "auto"))))
+                (("two_pass", 1), ("splits", "auto"), ("min_run", "auto"), ("heads", "auto"), ("tiles", "auto"),
+                 ("tiles_above", "auto"), ("q_tile", "auto"), ("k_tile", "auto"))))
 register(Recipe("rope_attention", ("rope", "rope", "attention"), _lower_rope_attention, _match_rope_attention))
 register(Recipe("norm_rope_attention", ("rms_norm", "rms_norm", "rope", "rope", "attention"), _lower_rope_attention,
                 _match_norm_rope_attention))

@@ -1,0 +1,188 @@
+"""Prefill attention in tiles (FlashAttention's schedule): a group per (tile of query rows, query head) walks the keys
+its rows see in tiles, each K and V value decoded once into local memory for all the tile's rows, with the online
+softmax (a running max, denominator and output per row, rescaled as each key tile arrives).
+
+The one-row kernel (`attention.attention_kernel`) has a group per (token, head) and decodes every visible key for
+each token: at a prompt of T tokens each K/V value is read about T/2 times. Here it is read T / `q_tile` / 2 times,
+and nothing depends on the context's length (no scores of the whole context in local memory, no split-K).
+
+Rows of several sequences in one step (batched decoding) are allowed: each row sees the cache rows of its own
+sequence (`starts[t] + lo .. starts[t] + positions[t]`). A tile whose rows share one start takes its keys in one
+pass over the union of their ranges (masked per row); otherwise it takes one pass a row, the other rows masked
+(their running state passes through unchanged).
+
+The tile products (q . k over the head, p . v over the key tile) are loops here, the portable form; they are what
+a matrix-multiply construct of the kernel IR would take over on targets with matrix units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from polystrata.codegen.dequant import Decoder
+from polystrata.codegen.format_analysis import block_stride
+from polystrata.ir.expr import Const, Expr, Var
+from polystrata.ir.formats import QuantFormat
+from polystrata.ir.kernel import (
+    Assign,
+    Buf,
+    Call,
+    Cast,
+    Decl,
+    For,
+    If,
+    Kernel,
+    LaneFor,
+    Let,
+    Load,
+    LocalArray,
+    Reduce,
+    Scalar,
+    Select,
+    Store,
+)
+
+# A masked score, and the running max before any key: finite, so that exp(m_old - m_new) is 1, not NaN, while a
+# row has seen no key (its denominator and output stay 0).
+NO_SCORE = -1.0e30
+# Steps of more rows than this take the tiles; shorter ones (short prompts, batched decoding: a row a sequence)
+# keep the one-row kernels, whose groups are a row each (more of them at work) and whose rows do not depend on
+# each other (a sequence decodes to the same bits whichever sequences share its step).
+TILES_ABOVE = 64
+# Local memory a group may take for its tiles (K and V tiles, scores, outputs); 48 KiB is what every GPU target
+# offers a group without opting in.
+TILE_LOCAL_BYTES = 44 << 10
+# Tile sizes tried in order (rows, keys): the first whose local arrays fit TILE_LOCAL_BYTES.
+TILE_CHOICES = ((16, 32), (16, 16), (8, 32), (8, 16), (4, 16), (4, 8), (2, 8), (1, 8))
+
+
+def tile_local_bytes(d: int, dv: int, q_tile: int, k_tile: int) -> int:
+    """Bytes of local memory `prefill_attention_kernel` takes for these tiles."""
+    return 4 * (k_tile * (d + dv) + q_tile * k_tile + q_tile * dv + 5 * q_tile)
+
+
+def default_tiles(d: int, dv: int) -> tuple[int, int]:
+    """(q_tile, k_tile): the largest of TILE_CHOICES whose local arrays fit TILE_LOCAL_BYTES."""
+    return next(c for c in TILE_CHOICES if tile_local_bytes(d, dv, *c) <= TILE_LOCAL_BYTES)
+
+
+def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: int, d: int, dv: int,
+                             scaled: Callable[[Expr], Expr], window: int, lanes: int, q_tile: int,
+                             k_tile: int, active: Expr | None = None) -> Kernel:
+    """out[t, h] = softmax over t's visible keys of scaled(q . k) times v, for every row t of the step; grid
+    (ceil(T / q_tile), hq). `kf`, `vf`: the KV cache's block formats for K and V rows; `scaled(x)`: the score of a
+    raw dot product (scale, softcap); `window`: keys within that many positions (0: all). Reductions are over f32,
+    so the key ranges and starts they take are exact below 2**24. `active` (uniform, of scalars): the steps the
+    kernel works for; in others it takes no pass over the keys and stores nothing (no branch around the body: PoCL
+    mishandles barriers inside one)."""
+    bq, bk = q_tile, k_tile
+    g = hq // hkv
+    t0, h = Var("g0") * bq, Var("g1")
+    kvh = h // g
+    krb = hkv * d // kf.block_size * block_stride(kf)
+    vrb = hkv * dv // vf.block_size * block_stride(vf)
+    r, j, u, e = Var("r"), Var("j"), Var("u"), Var("e")
+    tr = Call("min", t0 + r, Var("T") - 1)  # row r's token (clamped: rows past T are masked)
+
+    def stage(buf: str, fmt: QuantFormat, width: int, rb: int, dst: str, prefix: str) -> LaneFor:
+        """Decode the tile's key rows of cache `buf` (blocks of `fmt`, `width` values a head) into local `dst`
+        ([k_tile, width]); rows past the last key hold 0."""
+        nb = width // fmt.block_size
+        dec = Decoder(fmt, buf, Var(f"{prefix}row") * rb + (kvh * nb + Var(f"{prefix}b")) * block_stride(fmt), prefix)
+
+        def chunk(c, L, i0, env, lw) -> list:
+            at = Var(f"{prefix}j") * width + Var(f"{prefix}b") * fmt.block_size + (c + Var(i0))
+            return [Store(dst, at, dec.value(lw))]
+
+        def zero(c, L, i0, env, lw) -> list:
+            return [Store(dst, Var(f"{prefix}j") * width + Var(f"{prefix}b") * fmt.block_size + (c + Var(i0)),
+                          Const(0.0))]
+
+        return LaneFor(f"{prefix}u", Const(bk * nb), (
+            Let(f"{prefix}j", Var(f"{prefix}u") // nb), Let(f"{prefix}b", Var(f"{prefix}u") % nb),
+            Let(f"{prefix}row", Var("kb0") + Var(f"{prefix}j")),
+            If(Var(f"{prefix}row") <= Var("kmax"), tuple(dec.walk(lambda s0, sz, env, inner: inner, chunk)),
+               tuple(dec.walk(lambda s0, sz, env, inner: inner, zero))),
+        ))
+
+    # Per pass: which rows take part (all in one pass where the rows share a start, else row `pass`), their key
+    # ranges into rlo / rhi (an empty range for the others), and the union of the ranges.
+    in_pass = (Var("uni") > 0) | r.eq(Var("ps"))
+    lo = Load("starts", tr) + (Call("max", Const(0), Load("positions", tr) - (window - 1)) if window else Const(0))
+    ranges = LaneFor("r", Const(bq), (
+        Let("row_on", (t0 + r < Var("T")) & in_pass),
+        Store("rlo", r, Select(Var("row_on"), lo, Const(1 << 30))),
+        Store("rhi", r, Select(Var("row_on"), Load("starts", tr) + Load("positions", tr), Const(-1))),
+    ))
+    scores = LaneFor("u", Const(bq * bk), (
+        Let("r", u // bk), Let("j", u % bk), Let("kj", Var("kb0") + j),
+        Decl("sc", "f32", Const(NO_SCORE)),
+        If((Var("kj") >= Load("rlo", r)) & (Var("kj") <= Load("rhi", r)), (
+            Decl("dot", "f32", Const(0.0)),
+            For("e", Const(0), Const(d), (
+                Assign("dot", Var("dot") + Load("q", (tr * hq + h) * d + e) * Load("ks", j * d + e)),), unroll=4),
+            Assign("sc", scaled(Var("dot"))),
+        )),
+        Store("s", u, Var("sc")),
+    ))
+    softmax = LaneFor("r", Const(bq), (
+        Decl("mt", "f32", Const(NO_SCORE)),
+        For("j", Const(0), Const(bk), (Assign("mt", Call("max", Var("mt"), Load("s", r * bk + j))),)),
+        Let("mo", Load("m", r)),
+        Let("mn", Call("max", Var("mo"), Var("mt"))),
+        Decl("ls", "f32", Const(0.0)),
+        For("j", Const(0), Const(bk), (
+            Let("sv", Load("s", r * bk + j)),
+            Let("pv", Select(Var("sv") > NO_SCORE / 2, Call("exp", Var("sv") - Var("mn")), Const(0.0))),
+            Store("s", r * bk + j, Var("pv")),
+            Assign("ls", Var("ls") + Var("pv")),
+        )),
+        Let("corr", Call("exp", Var("mo") - Var("mn"))),
+        Store("l", r, Load("l", r) * Var("corr") + Var("ls")),
+        Store("m", r, Var("mn")),
+        Store("c", r, Var("corr")),
+    ))
+    pv = LaneFor("u", Const(bq * dv), (
+        Let("r", u // dv), Let("e", u % dv),
+        Decl("acc", "f32", Load("o", u) * Load("c", r)),
+        For("j", Const(0), Const(bk), (
+            Assign("acc", Var("acc") + Load("s", r * bk + j) * Load("vs", j * dv + e)),), unroll=4),
+        Store("o", u, Var("acc")),
+    ))
+    key_tiles = For("kt", Const(0), (Var("kmax") + 1 - Var("kmin") + (bk - 1)) // bk, (
+        Let("kb0", Var("kmin") + Var("kt") * bk),
+        stage("kc", kf, d, krb, "ks", "k_"),
+        stage("vc", vf, dv, vrb, "vs", "v_"),
+        scores, softmax, pv,
+    ))
+    rows = Call("min", Const(bq), Var("T") - t0)
+    working = Const(1) > 0 if active is None else active
+    body = (
+        # One pass where the tile's rows share their sequence's start, else one a row.
+        Reduce("smax", "max", "r", rows, (), Cast("f32", Load("starts", t0 + r))),
+        Reduce("sneg", "max", "r", rows, (), Cast("f32", Const(0) - Load("starts", t0 + r))),
+        Let("uni", Select((Var("smax") + Var("sneg")).eq(0.0), Const(1), Const(0))),
+        LaneFor("u", Const(bq * dv), (Store("o", u, Const(0.0)),)),
+        LaneFor("r", Const(bq), (Store("m", r, Const(NO_SCORE)), Store("l", r, Const(0.0)))),
+        For("ps", Const(0), Select(working, Select(Var("uni") > 0, Const(1), rows), Const(0)), (
+            ranges,
+            Reduce("kneg", "max", "r", Const(bq), (), Cast("f32", Const(0) - Load("rlo", r))),
+            Reduce("khi", "max", "r", Const(bq), (), Cast("f32", Load("rhi", r))),
+            Let("kmin", Const(0) - Cast("i32", Var("kneg"))),
+            Let("kmax", Cast("i32", Var("khi"))),
+            key_tiles,
+        )),
+        LaneFor("u", Const(bq * dv), (
+            Let("r", u // dv), Let("e", u % dv),
+            If((t0 + r < Var("T")) & working,
+               (Store("out", ((t0 + r) * hq + h) * dv + e, Load("o", u) / Load("l", r)),)),
+        )),
+    )
+    params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), Buf("starts", "i32"),
+              Buf("out", "f32", out=True), Scalar("T"))
+    local = (LocalArray("ks", "f32", bk * d), LocalArray("vs", "f32", bk * dv), LocalArray("s", "f32", bq * bk),
+             LocalArray("o", "f32", bq * dv), LocalArray("m", "f32", bq), LocalArray("l", "f32", bq),
+             LocalArray("c", "f32", bq), LocalArray("rlo", "i32", bq), LocalArray("rhi", "i32", bq))
+    grid = ((Var("T") + (bq - 1)) // bq, Const(hq))
+    return Kernel(name, params, grid, body, lanes=lanes, local=local,
+                  knobs=(("tiles", 1), ("q_tile", bq), ("k_tile", bk)))
