@@ -58,7 +58,7 @@ TILE_CHOICES = ((16, 32), (16, 16), (8, 32), (8, 16), (4, 16), (4, 8), (2, 8), (
 
 def tile_local_bytes(d: int, dv: int, q_tile: int, k_tile: int) -> int:
     """Bytes of local memory `prefill_attention_kernel` takes for these tiles."""
-    return 4 * (k_tile * (d + dv) + q_tile * k_tile + q_tile * dv + 5 * q_tile)
+    return 4 * (k_tile * (d + 1 + dv) + q_tile * (k_tile + 1) + q_tile * dv + 5 * q_tile)
 
 
 def default_tiles(d: int, dv: int) -> tuple[int, int]:
@@ -82,20 +82,23 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
     krb = hkv * d // kf.block_size * block_stride(kf)
     vrb = hkv * dv // vf.block_size * block_stride(vf)
     r, j, u, e = Var("r"), Var("j"), Var("u"), Var("e")
+    # Rows of the K tile and of the scores one value longer than they hold: lanes reading down a column (the
+    # keys of the scores' lanes, the rows of the softmax's) then hit different local-memory banks.
+    ks_row, s_row = d + 1, bk + 1
     tr = Call("min", t0 + r, Var("T") - 1)  # row r's token (clamped: rows past T are masked)
 
-    def stage(buf: str, fmt: QuantFormat, width: int, rb: int, dst: str, prefix: str) -> LaneFor:
+    def stage(buf: str, fmt: QuantFormat, width: int, stride: int, rb: int, dst: str, prefix: str) -> LaneFor:
         """Decode the tile's key rows of cache `buf` (blocks of `fmt`, `width` values a head) into local `dst`
-        ([k_tile, width]); rows past the last key hold 0."""
+        (rows `stride` apart); rows past the last key hold 0."""
         nb = width // fmt.block_size
         dec = Decoder(fmt, buf, Var(f"{prefix}row") * rb + (kvh * nb + Var(f"{prefix}b")) * block_stride(fmt), prefix)
 
         def chunk(c, L, i0, env, lw) -> list:
-            at = Var(f"{prefix}j") * width + Var(f"{prefix}b") * fmt.block_size + (c + Var(i0))
+            at = Var(f"{prefix}j") * stride + Var(f"{prefix}b") * fmt.block_size + (c + Var(i0))
             return [Store(dst, at, dec.value(lw))]
 
         def zero(c, L, i0, env, lw) -> list:
-            return [Store(dst, Var(f"{prefix}j") * width + Var(f"{prefix}b") * fmt.block_size + (c + Var(i0)),
+            return [Store(dst, Var(f"{prefix}j") * stride + Var(f"{prefix}b") * fmt.block_size + (c + Var(i0)),
                           Const(0.0))]
 
         return LaneFor(f"{prefix}u", Const(bk * nb), (
@@ -120,21 +123,21 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
         If((Var("kj") >= Load("rlo", r)) & (Var("kj") <= Load("rhi", r)), (
             Decl("dot", "f32", Const(0.0)),
             For("e", Const(0), Const(d), (
-                Assign("dot", Var("dot") + Load("q", (tr * hq + h) * d + e) * Load("ks", j * d + e)),), unroll=4),
+                Assign("dot", Var("dot") + Load("q", (tr * hq + h) * d + e) * Load("ks", j * ks_row + e)),), unroll=4),
             Assign("sc", scaled(Var("dot"))),
         )),
-        Store("s", u, Var("sc")),
+        Store("s", r * s_row + j, Var("sc")),
     ))
     softmax = LaneFor("r", Const(bq), (
         Decl("mt", "f32", Const(NO_SCORE)),
-        For("j", Const(0), Const(bk), (Assign("mt", Call("max", Var("mt"), Load("s", r * bk + j))),)),
+        For("j", Const(0), Const(bk), (Assign("mt", Call("max", Var("mt"), Load("s", r * s_row + j))),)),
         Let("mo", Load("m", r)),
         Let("mn", Call("max", Var("mo"), Var("mt"))),
         Decl("ls", "f32", Const(0.0)),
         For("j", Const(0), Const(bk), (
-            Let("sv", Load("s", r * bk + j)),
+            Let("sv", Load("s", r * s_row + j)),
             Let("pv", Select(Var("sv") > NO_SCORE / 2, Call("exp", Var("sv") - Var("mn")), Const(0.0))),
-            Store("s", r * bk + j, Var("pv")),
+            Store("s", r * s_row + j, Var("pv")),
             Assign("ls", Var("ls") + Var("pv")),
         )),
         Let("corr", Call("exp", Var("mo") - Var("mn"))),
@@ -146,13 +149,13 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
         Let("r", u // dv), Let("e", u % dv),
         Decl("acc", "f32", Load("o", u) * Load("c", r)),
         For("j", Const(0), Const(bk), (
-            Assign("acc", Var("acc") + Load("s", r * bk + j) * Load("vs", j * dv + e)),), unroll=4),
+            Assign("acc", Var("acc") + Load("s", r * s_row + j) * Load("vs", j * dv + e)),), unroll=4),
         Store("o", u, Var("acc")),
     ))
     key_tiles = For("kt", Const(0), (Var("kmax") + 1 - Var("kmin") + (bk - 1)) // bk, (
         Let("kb0", Var("kmin") + Var("kt") * bk),
-        stage("kc", kf, d, krb, "ks", "k_"),
-        stage("vc", vf, dv, vrb, "vs", "v_"),
+        stage("kc", kf, d, ks_row, krb, "ks", "k_"),
+        stage("vc", vf, dv, dv, vrb, "vs", "v_"),
         scores, softmax, pv,
     ))
     rows = Call("min", Const(bq), Var("T") - t0)
@@ -180,7 +183,7 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
     )
     params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), Buf("starts", "i32"),
               Buf("out", "f32", out=True), Scalar("T"))
-    local = (LocalArray("ks", "f32", bk * d), LocalArray("vs", "f32", bk * dv), LocalArray("s", "f32", bq * bk),
+    local = (LocalArray("ks", "f32", bk * ks_row), LocalArray("vs", "f32", bk * dv), LocalArray("s", "f32", bq * s_row),
              LocalArray("o", "f32", bq * dv), LocalArray("m", "f32", bq), LocalArray("l", "f32", bq),
              LocalArray("c", "f32", bq), LocalArray("rlo", "i32", bq), LocalArray("rhi", "i32", bq))
     grid = ((Var("T") + (bq - 1)) // bq, Const(hq))
