@@ -225,22 +225,25 @@ def test_llama_cpp_agrees_on_converted_models(arch, tmp_path):
 
 
 @pytest.mark.llama_cpp
-@pytest.mark.parametrize("arch", HYBRIDS)
-def test_llama_cpp_agrees_on_synth_models(arch, tiny_hybrid):
-    """llama.cpp as a second oracle on the synthetic tiny models (`synth --preset tiny`): a prompt of several
-    delta-rule chunks, then token-by-token decode, llama.cpp's logits against the reference executor's (which the
-    kernel targets are checked against)."""
+@pytest.mark.parametrize(("arch", "target"), [
+    *((arch, "reference") for arch in HYBRIDS),
+    pytest.param("qwen35moe", "cpu", marks=pytest.mark.slow),  # the kernels of test_kernel_target_matches_reference
+])
+def test_llama_cpp_agrees_on_synth_models(arch, target, tiny_hybrid):
+    """llama.cpp as a second oracle on the synthetic tiny models (`synth --preset tiny`; test_synth.py compares one
+    short pass): a prompt of two delta-rule chunks, then token-by-token decode, against the reference executor and
+    the cpu target's kernels (the chunked form, then the recurrent one)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     path = tiny_hybrid(arch)
-    n_prompt, n_decode = 150, 8
+    n_prompt, n_decode = 100, 8
     ids = [int(i) for i in np.random.default_rng(5).integers(0, 1000, n_prompt + n_decode)]
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, logits_all=True, verbose=False, type_k=0,
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, logits_all=True, verbose=False, type_k=0,
                           type_v=0)
     llm.eval(ids[:n_prompt])
     for i in range(n_prompt, len(ids)):
         llm.eval([ids[i]])
     want = np.asarray(llm.scores[: len(ids)])
-    e = Engine(path, target="reference", n_ctx=256)
+    e = Engine(path, target=target, n_ctx=128)
     got = [e.forward(ids[:n_prompt], all_logits=True)]
     got += [e.forward(ids[i : i + 1], all_logits=True) for i in range(n_prompt, len(ids))]
     top = np.argsort(-want, axis=1)[:, :40]

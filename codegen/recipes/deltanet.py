@@ -201,12 +201,10 @@ def _recurrent_kernel(node: Node, ctx: RecipeContext) -> Kernel:
         Store("y", out, (Var("decay") * Var("qs") + Var("qk") * Var("delta")) * float(node.attrs["scale"])),
         LaneFor("e", Const(dk), (Store("s", s, Load("s", s) * Var("decay") + Load("k", qk) * Var("delta")),)),
     )
-    body = (For("t", Const(0), Var("T"), token),)
+    body = (If(Var("T") <= Var("above"), (For("t", Const(0), Var("T"), token),)),)
     params = (Buf("q", "f32"), Buf("k", "f32"), Buf("v", "f32"), Buf("g", "f32"), Buf("s", "f32", out=True),
               Buf("y", "f32", out=True), Scalar("T"), Scalar("above"))
-    body = (If(Var("T") <= Var("above"), body),)
-    name = f"delta_rule_{tag}"
-    return Kernel(name, params, (Const(hv), Const(dv)), body, lanes=ctx.lanes)
+    return Kernel(f"delta_rule_{tag}", params, (Const(hv), Const(dv)), body, lanes=ctx.lanes)
 
 
 def _chunk_extent(s0: Expr, c: int) -> Let:
@@ -262,18 +260,16 @@ def _chunk_prep_kernel(node: Node, ctx: RecipeContext) -> Kernel:
             Store(out, at, Var("x")),
         )),))
 
-    e_col = Var("col")
-    body = (
+    cl = Var("col")
+    body = (If(Var("above") < Var("T"), (
         Let("s0", Var("g1") * c), _chunk_extent(s0, c), cumsum, scores,
-        solve("u", dv, Load("v", ((s0 + i) * hv + h) * dv + e_col) * gate(i, 1)),
-        solve("w", dk, Load("k", ((s0 + i) * hk + kh) * dk + e_col) * gate(i, 1) * Call("exp", Load("lg", i))),
-    )
+        solve("u", dv, Load("v", ((s0 + i) * hv + h) * dv + cl) * gate(i, 1)),
+        solve("w", dk, Load("k", ((s0 + i) * hk + kh) * dk + cl) * gate(i, 1) * Call("exp", Load("lg", i))),
+    )),)
     params = (Buf("q", "f32"), Buf("k", "f32"), Buf("v", "f32"), Buf("g", "f32"), Buf("gc", "f32", out=True),
               Buf("a", "f32", out=True), Buf("u", "f32", out=True), Buf("w", "f32", out=True), Scalar("T"),
               Scalar("above"))
-    body = (If(Var("above") < Var("T"), body),)
-    name = f"delta_chunk_{tag}_{c}"
-    return Kernel(name, params, (Const(hv), (Var("T") + (c - 1)) // c), body, lanes=ctx.lanes,
+    return Kernel(f"delta_chunk_{tag}_{c}", params, (Const(hv), (Var("T") + (c - 1)) // c), body, lanes=ctx.lanes,
                   local=(LocalArray("lg", "f32", c), LocalArray("la", "f32", c * c)))
 
 
@@ -317,18 +313,16 @@ def _chunk_scan_kernel(node: Node, ctx: RecipeContext) -> Kernel:
     ))
     chunk = (Let("s0", Var("ci") * c), _chunk_extent(s0, c), Let("last", Load("gc", row + n - 1)),
              writes, outputs, update)
-    body = (
+    body = (If(Var("above") < Var("T"), (
         LaneFor("e", Const(dk), (Store("sc", e, Load("s", s)),)),
         For("ci", Const(0), (Var("T") + (c - 1)) // c, chunk),
         LaneFor("e", Const(dk), (Store("s", s, Load("sc", e)),)),
-    )
+    )),)
     params = (Buf("q", "f32"), Buf("k", "f32"), Buf("gc", "f32"), Buf("a", "f32"), Buf("u", "f32"), Buf("w", "f32"),
               Buf("s", "f32", out=True), Buf("y", "f32", out=True), Scalar("T"), Scalar("above"))
     local = (LocalArray("sc", "f32", dk), LocalArray("vn", "f32", c), LocalArray("vd", "f32", c),
              LocalArray("qo", "f32", c))
-    body = (If(Var("above") < Var("T"), body),)
-    name = f"delta_scan_{tag}_{c}"
-    return Kernel(name, params, (Const(hv), Const(dv)), body, lanes=ctx.lanes, local=local)
+    return Kernel(f"delta_scan_{tag}_{c}", params, (Const(hv), Const(dv)), body, lanes=ctx.lanes, local=local)
 
 
 def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
