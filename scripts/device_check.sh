@@ -184,16 +184,18 @@ fi
 if [[ " $STAGES " == *" qwen36 "* ]]; then
     # Issue 23's benchmark: the qwen3.6-35b-a3b preset (Qwen3.6-35B-A3B's shape, every layer: 30 Gated DeltaNet and
     # 10 gated attention, 256 experts; ~20 GB in Q4_K_M) decode and pp512 on cuda, then llama-bench on the same
-    # file. QWEN36_ARGS shortens the PolyStrata run (e.g. "-p 512 -n 32 -r 1"), QWEN36_LAYERS writes fewer layers.
-    M=/tmp/models; mkdir -p "$M"
-    bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1
+    # file. QWEN36_ARGS shortens the PolyStrata run (e.g. "-p 512 -n 32 -r 1"), QWEN36_LAYERS writes fewer layers,
+    # QWEN36_PARTS runs one side a call ("polystrata" or "llamacpp"; a warm machine keeps the model in /tmp/models).
+    M=/tmp/models; mkdir -p "$M"; PARTS36=" ${QWEN36_PARTS:-polystrata llamacpp} "
+    [[ "$PARTS36" == *" llamacpp "* ]] && bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1
     mm="$M/qwen36-35b-a3b${QWEN36_LAYERS:+-${QWEN36_LAYERS}l}-q4km.gguf"
     [ -f "$mm" ] || timeout 1200 python3 -m polystrata synth --arch qwen35moe --preset qwen3.6-35b-a3b --type Q4_K_M \
         ${QWEN36_LAYERS:+--layers "$QWEN36_LAYERS"} -o "$mm" 2>> "$LOG" || row "qwen3.6 synth" "failed (see the log)"
     ls -la "$mm" | tee -a "$LOG"
-    timeout 1500 python3 -m polystrata bench "$mm" --target "${BENCH_TARGET:-cuda}" ${QWEN36_ARGS:--p 512 -n 128 -r 3} \
-        --json > "$OUT/bench_qwen36.json" 2>> "$LOG" || row "qwen3.6 polystrata" "failed (exit $?, see the log)"
-    [ -s "$OUT/bench_qwen36.json" ] && python3 - "$OUT/bench_qwen36.json" <<'EOF2' | tee -a "$SUMMARY"
+    if [[ "$PARTS36" == *" polystrata "* ]]; then
+        if timeout 1500 python3 -m polystrata bench "$mm" --target "${BENCH_TARGET:-cuda}" \
+                ${QWEN36_ARGS:--p 512 -n 128 -r 3} --json > "$OUT/bench_qwen36.json" 2>> "$LOG"; then
+            python3 - "$OUT/bench_qwen36.json" <<'EOF2' | tee -a "$SUMMARY"
 import json, sys
 r = json.load(open(sys.argv[1]))
 pp, tg = r["pp"], r["tg"]
@@ -201,17 +203,22 @@ print(f"{'qwen3.6-35b-a3b q4km polystrata':34s} pp{pp['n']} {pp['tok_s_mean']:.0
       f"{tg['tok_s_mean']:.1f}±{tg['tok_s_sd']:.1f} tok/s  roofline {r['roofline_pct'] or 0:.0f}%  host "
       f"{r.get('host_ms_per_token', 'n/a')} ms/token")
 EOF2
-    if bash scripts/device_llamacpp.sh wait 900 >> "$LOG"; then
-        timeout 600 /tmp/llamacpp-build/bin/llama-bench -m "$mm" -p 512 -n 128 -r 3 -fa 1 -ngl 99 -o json \
-            > "$OUT/lcpp_qwen36.json" 2>> "$LOG" || row "qwen3.6 llama.cpp" "failed (exit $?, see the log)"
-        [ -s "$OUT/lcpp_qwen36.json" ] && python3 -c "
+        else
+            row "qwen3.6 polystrata" "failed (exit $?, see the log)"
+        fi
+    fi
+    if [[ "$PARTS36" == *" llamacpp "* ]]; then
+        if bash scripts/device_llamacpp.sh wait 900 >> "$LOG" && timeout 600 /tmp/llamacpp-build/bin/llama-bench \
+                -m "$mm" -p 512 -n 128 -r 3 -fa 1 -ngl 99 -o json > "$OUT/lcpp_qwen36.json" 2>> "$LOG"; then
+            python3 - "$OUT/lcpp_qwen36.json" <<'EOF2' | tee -a "$SUMMARY"
 import json, sys
 for r in json.load(open(sys.argv[1])):
-    test = f\"pp{r['n_prompt']}\" if r['n_prompt'] else f\"tg{r['n_gen']}\"
-    print(f\"{'qwen3.6-35b-a3b q4km llama.cpp ' + test:34s} {r['avg_ts']:.1f}±{r['stddev_ts']:.1f} tok/s\")
-" "$OUT/lcpp_qwen36.json" | tee -a "$SUMMARY"
-    else
-        row "qwen3.6 llama.cpp" "llama-bench not built (see the log)"
+    test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+    print(f"{'qwen3.6-35b-a3b q4km llama.cpp ' + test:34s} {r['avg_ts']:.1f}±{r['stddev_ts']:.1f} tok/s")
+EOF2
+        else
+            row "qwen3.6 llama.cpp" "failed or not built (exit $?, see the log)"
+        fi
     fi
 fi
 
