@@ -49,6 +49,8 @@ CHUNK = 64
 # Steps of more tokens than this run the delta rule's chunked form, shorter ones (decode) the recurrent form: the
 # `chunked_above` knob's default.
 CHUNKED_ABOVE = 16
+# Tokens of keys the chunked form's state update stages in local memory at a time.
+KEY_TILE = 16
 
 
 def state_buffer(node: Node) -> tuple[str, int]:
@@ -277,7 +279,7 @@ def _chunk_scan_kernel(node: Node, ctx: RecipeContext) -> Kernel:
     """The chunked form's second half: a group per (value head, column j of its state) carries the column (in local
     memory) through the step's chunks: per chunk, what each token writes, v_new_i = u_i - w_i . S (S as the chunk
     found it), then out_i = scale exp(gc_i) q_i . S + sum_{m <= i} attn[i, m] v_new_m, and S = exp(gc_last) S +
-    sum_i k_i exp(gc_last - gc_i) v_new_i: three lane loops a chunk instead of a reduction a token."""
+    sum_i k_i exp(gc_last - gc_i) v_new_i: a few lane loops a chunk instead of a reduction a token."""
     hk, dk, hv, dv, kh, tag = _delta_heads(node)
     c = int(node.attrs["chunk"])
     h, col, i, m, e = Var("g0"), Var("g1"), Var("i"), Var("m"), Var("e")
@@ -306,13 +308,28 @@ def _chunk_scan_kernel(node: Node, ctx: RecipeContext) -> Kernel:
         For("m", Const(0), i + 1, (Assign("o", Var("o") + Load("a", (row + i) * c + m) * Load("vn", m)),)),
         Store("y", ((s0 + i) * hv + h) * dv + col, Var("o")),
     ))
-    update = LaneFor("e", Const(dk), (
-        Decl("acc", "f32", Load("sc", e) * Call("exp", Var("last"))),
-        For("i", Const(0), n, (Assign("acc", Var("acc") + key("k", i) * Load("vd", i)),)),
-        Store("sc", e, Var("acc")),
-    ))
+    # S = exp(gc_last) S + sum_i k_i vd_i, the keys staged KEY_TILE tokens at a time in local memory, transposed
+    # (padded rows: no bank conflicts): each lane then reads its e's keys contiguously, where global memory has
+    # them Hk * Dk floats apart (8 KB at Qwen3.6's shape: cache-set conflicts on CPUs).
+    t0, ti, te, pad = Var("t0"), Var("ti"), Var("te"), KEY_TILE + 1
+    update = (
+        LaneFor("e", Const(dk), (Store("sc", e, Load("sc", e) * Call("exp", Var("last"))),)),
+        For("t0", Const(0), n, (
+            Let("tn", Select(n - t0 < KEY_TILE, n - t0, Const(KEY_TILE))),
+            LaneFor("p", Var("tn") * dk, (
+                Let("ti", Var("p") // dk), Let("te", Var("p") % dk),
+                Store("kc", te * pad + ti, Load("k", ((s0 + t0 + ti) * hk + kh) * dk + te)),
+            )),
+            LaneFor("e", Const(dk), (
+                Decl("acc", "f32", Load("sc", e)),
+                For("i", Const(0), Var("tn"), (Assign("acc", Var("acc") + Load("kc", e * pad + i)
+                                                      * Load("vd", t0 + i)),)),
+                Store("sc", e, Var("acc")),
+            )),
+        ), step=KEY_TILE),
+    )
     chunk = (Let("s0", Var("ci") * c), _chunk_extent(s0, c), Let("last", Load("gc", row + n - 1)),
-             writes, outputs, update)
+             writes, outputs, *update)
     body = (If(Var("above") < Var("T"), (
         LaneFor("e", Const(dk), (Store("sc", e, Load("s", s)),)),
         For("ci", Const(0), (Var("T") + (c - 1)) // c, chunk),
@@ -321,7 +338,7 @@ def _chunk_scan_kernel(node: Node, ctx: RecipeContext) -> Kernel:
     params = (Buf("q", "f32"), Buf("k", "f32"), Buf("gc", "f32"), Buf("a", "f32"), Buf("u", "f32"), Buf("w", "f32"),
               Buf("s", "f32", out=True), Buf("y", "f32", out=True), Scalar("T"), Scalar("above"))
     local = (LocalArray("sc", "f32", dk), LocalArray("vn", "f32", c), LocalArray("vd", "f32", c),
-             LocalArray("qo", "f32", c))
+             LocalArray("qo", "f32", c), LocalArray("kc", "f32", dk * pad))
     return Kernel(f"delta_scan_{tag}_{c}", params, (Const(hv), Const(dv)), body, lanes=ctx.lanes, local=local)
 
 
