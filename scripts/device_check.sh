@@ -123,10 +123,11 @@ EOF
 fi
 
 if [[ " $STAGES " == *" qwen36 "* ]]; then
-    # Not run by default (a stage of its own, named on the command line). Issue 23's benchmark: the qwen3.6-35b-a3b preset (Qwen3.6-35B-A3B's shape, every layer: 30 Gated DeltaNet and
-    # 10 gated attention, 256 experts; ~20 GB in Q4_K_M) decode and pp512 on cuda, then llama-bench on the same
-    # file. QWEN36_ARGS shortens the PolyStrata run (e.g. "-p 512 -n 32 -r 1"), QWEN36_LAYERS writes fewer layers,
-    # QWEN36_PARTS runs one side a call ("polystrata" or "llamacpp"; a warm machine keeps the model in /tmp/models).
+    # Issue 23's benchmark (not among the default stages): the qwen3.6-35b-a3b preset (Qwen3.6-35B-A3B's shape,
+    # every layer: 30 Gated DeltaNet and 10 gated attention, 256 experts; ~20 GB in Q4_K_M) decode and pp512 on
+    # cuda, then llama-bench on the same file. QWEN36_ARGS shortens the PolyStrata run (e.g. "-p 512 -n 32 -r 1"),
+    # QWEN36_LAYERS writes fewer layers, QWEN36_PARTS runs one side a call ("polystrata" or "llamacpp"; a warm
+    # machine keeps the model in /tmp/models).
     M=/tmp/models; mkdir -p "$M"; PARTS36=" ${QWEN36_PARTS:-polystrata llamacpp} "
     [[ "$PARTS36" == *" llamacpp "* ]] && bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1
     mm="$M/qwen36-35b-a3b${QWEN36_LAYERS:+-${QWEN36_LAYERS}l}-q4km.gguf"
