@@ -123,6 +123,48 @@ EOF
     done
 fi
 
+if [[ " $STAGES " == *" qwen36 "* ]]; then
+    # Issue 23's benchmark (not among the default stages): the qwen3.6-35b-a3b preset (Qwen3.6-35B-A3B's shape,
+    # every layer: 30 Gated DeltaNet and 10 gated attention, 256 experts; ~20 GB in Q4_K_M) decode and pp512 on
+    # cuda, then llama-bench on the same file. QWEN36_ARGS shortens the PolyStrata run (e.g. "-p 512 -n 32 -r 1"),
+    # QWEN36_LAYERS writes fewer layers, QWEN36_PARTS runs one side a call ("polystrata" or "llamacpp"; a warm
+    # machine keeps the model in /tmp/models).
+    M=/tmp/models; mkdir -p "$M"; PARTS36=" ${QWEN36_PARTS:-polystrata llamacpp} "
+    [[ "$PARTS36" == *" llamacpp "* ]] && bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1
+    mm="$M/qwen36-35b-a3b${QWEN36_LAYERS:+-${QWEN36_LAYERS}l}-q4km.gguf"
+    [ -f "$mm" ] || timeout 1200 python3 -m polystrata synth --arch qwen35moe --preset qwen3.6-35b-a3b --type Q4_K_M \
+        ${QWEN36_LAYERS:+--layers "$QWEN36_LAYERS"} -o "$mm" 2>> "$LOG" || row "qwen3.6 synth" "failed (see the log)"
+    ls -la "$mm" | tee -a "$LOG"
+    if [[ "$PARTS36" == *" polystrata "* ]]; then
+        if timeout 1500 python3 -m polystrata bench "$mm" --target "${BENCH_TARGET:-cuda}" \
+                ${QWEN36_ARGS:--p 512 -n 128 -r 3} --json > "$OUT/bench_qwen36.json" 2>> "$LOG"; then
+            python3 - "$OUT/bench_qwen36.json" <<'EOF2' | tee -a "$SUMMARY"
+import json, sys
+r = json.load(open(sys.argv[1]))
+pp, tg = r["pp"], r["tg"]
+print(f"{'qwen3.6-35b-a3b q4km polystrata':34s} pp{pp['n']} {pp['tok_s_mean']:.0f}±{pp['tok_s_sd']:.0f}  tg{tg['n']} "
+      f"{tg['tok_s_mean']:.1f}±{tg['tok_s_sd']:.1f} tok/s  roofline {r['roofline_pct'] or 0:.0f}%  host "
+      f"{r.get('host_ms_per_token', 'n/a')} ms/token")
+EOF2
+        else
+            row "qwen3.6 polystrata" "failed (exit $?, see the log)"
+        fi
+    fi
+    if [[ "$PARTS36" == *" llamacpp "* ]]; then
+        if bash scripts/device_llamacpp.sh wait 900 >> "$LOG" && timeout 600 /tmp/llamacpp-build/bin/llama-bench \
+                -m "$mm" -p 512 -n 128 -r 3 -fa 1 -ngl 99 -o json > "$OUT/lcpp_qwen36.json" 2>> "$LOG"; then
+            python3 - "$OUT/lcpp_qwen36.json" <<'EOF2' | tee -a "$SUMMARY"
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+    print(f"{'qwen3.6-35b-a3b q4km llama.cpp ' + test:34s} {r['avg_ts']:.1f}±{r['stddev_ts']:.1f} tok/s")
+EOF2
+        else
+            row "qwen3.6 llama.cpp" "failed or not built (exit $?, see the log)"
+        fi
+    fi
+fi
+
 if [[ " $STAGES " == *" depth "* ]]; then
     # Decode after DEPTH tokens of context (llama-bench -d) on the llama3-8b preset, each KV cache type. Issue 17's
     # goal: q8_g64 at least as fast as f16 at 8192, >= 1.2x f16 at 32768. bench fills the depth from one

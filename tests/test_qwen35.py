@@ -15,6 +15,7 @@ from polystrata.models import build_graph, model_hparams
 from polystrata.parity import Parity
 from polystrata.runtimes.reference import delta_rule_chunked, delta_rule_recurrent, l2_normalize
 from polystrata.synth import preset_metadata, synth_model, tensor_plan
+from polystrata.targets import available_kernel_targets
 
 HYBRIDS = ("qwen35", "qwen35moe", "qwen3next")
 
@@ -115,14 +116,20 @@ def test_info_names_hybrid_layout_and_unused_mtp_layer(tiny_hybrid):
 
 
 @pytest.mark.slow
-def test_cpu_target_matches_reference(tiny_hybrid):
-    """The recipes' kernels in a whole model (qwen35moe: routed experts, separate alpha and beta, tiled heads): one
-    pass, then prefill and token-by-token decode through the state buffers after a reset that clears them, and the
-    decode again after a rewind to a checkpoint."""
-    path = tiny_hybrid("qwen35moe")
+@pytest.mark.parametrize(("arch", "target"), [("qwen35moe", "cpu"), ("qwen35", "opencl")])
+def test_kernel_target_matches_reference(tiny_hybrid, arch, target):
+    """The recipes' kernels in a whole model (qwen35moe: routed experts, separate alpha and beta, tiled heads; qwen35
+    dense on opencl, GPU-shaped): one pass, then a prompt longer than a delta-rule chunk (the chunked form) and
+    token-by-token decode (the recurrent form) through the state buffers after a reset that clears them, and the
+    decode again after a rewind to a checkpoint. One target each: a whole model's kernels compile per target."""
+    if target not in available_kernel_targets():
+        pytest.skip(f"no {target} device here")
+    path = tiny_hybrid(arch)
     ids = np.random.default_rng(3).integers(0, 1000, 80)
     ref = Engine(path, target="reference", n_ctx=128).score(ids)
-    e = Engine(path, target="cpu", n_ctx=128)
+    e = Engine(path, target=target, n_ctx=128)
+    names = {la.kernel.name for plan in e.executor.plans.values() for la in plan.launches}
+    assert any(n.startswith("delta_scan_") for n in names) and any(n.startswith("delta_rule_") for n in names)
     np.testing.assert_allclose(e.score(ids), ref, rtol=0, atol=5e-3)
     e.reset()
     prefill = e.forward(ids[:70], all_logits=True)
@@ -214,6 +221,34 @@ def test_llama_cpp_agrees_on_converted_models(arch, tmp_path):
     top = np.argsort(-ref, axis=1)[:, :40]
     par = Parity()
     par.add(top, np.take_along_axis(ref, top, 1), np.asarray(llm.scores[: len(ids)]))
+    assert par.kl <= KL_MAX["F32"] and par.top1 >= TOP1_MIN["F32"], str(par)
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.parametrize(("arch", "target"), [
+    *((arch, "reference") for arch in HYBRIDS),
+    pytest.param("qwen35moe", "cpu", marks=pytest.mark.slow),  # the kernels of test_kernel_target_matches_reference
+])
+def test_llama_cpp_agrees_on_synth_models(arch, target, tiny_hybrid):
+    """llama.cpp as a second oracle on the synthetic tiny models (`synth --preset tiny`; test_synth.py compares one
+    short pass): a prompt of two delta-rule chunks, then token-by-token decode, against the reference executor and
+    the cpu target's kernels (the chunked form, then the recurrent one)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = tiny_hybrid(arch)
+    n_prompt, n_decode = 100, 8
+    ids = [int(i) for i in np.random.default_rng(5).integers(0, 1000, n_prompt + n_decode)]
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=128, n_batch=128, logits_all=True, verbose=False, type_k=0,
+                          type_v=0)
+    llm.eval(ids[:n_prompt])
+    for i in range(n_prompt, len(ids)):
+        llm.eval([ids[i]])
+    want = np.asarray(llm.scores[: len(ids)])
+    e = Engine(path, target=target, n_ctx=128)
+    got = [e.forward(ids[:n_prompt], all_logits=True)]
+    got += [e.forward(ids[i : i + 1], all_logits=True) for i in range(n_prompt, len(ids))]
+    top = np.argsort(-want, axis=1)[:, :40]
+    par = Parity()
+    par.add(top, np.take_along_axis(want, top, 1), np.concatenate(got))
     assert par.kl <= KL_MAX["F32"] and par.top1 >= TOP1_MIN["F32"], str(par)
 
 

@@ -5,23 +5,26 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from recipe_cases import recipe, recipe_context, run_launches, target_runtimes
+from recipe_cases import plan_scratch, recipe, recipe_context, run_launches, target_runtimes
 
-from polystrata.codegen.recipes.deltanet import state_buffer
+from polystrata.codegen.recipes.deltanet import CHUNKED_ABOVE, state_buffer
 from polystrata.ir.graph import Graph
 from polystrata.runtimes import reference as R
 
 rt = target_runtimes()
 
 
-def _check(rt, g: Graph, steps=(1, 6), rtol=1e-5, atol=1e-5):
-    """Lower g's one node with its recipe and compare each step's output (and a recurrent op's state after it)
-    with the reference's, carrying the state from step to step."""
+def _check(rt, g: Graph, steps=(1, 6), rtol=1e-5, atol=1e-5, ctx=None) -> list[np.ndarray]:
+    """Lower g's one node with its recipe (in `ctx`, default a one-lane context) and compare each step's output (and
+    a recurrent op's state after it) with the reference's, carrying the state from step to step; the outputs."""
     (node,) = g.nodes
-    launches = recipe(node.op).lower(g.nodes, recipe_context(g))
+    ctx = ctx or recipe_context(g)
+    launches = recipe(node.op).lower(g.nodes, ctx)
+    scratch_bufs, scratch_outs = plan_scratch(ctx)
     ex = R.ReferenceExecutor({}, n_ctx=64)
     state = state_buffer(node) if node.op in ("ssm_conv", "delta_rule") else None
     keep: dict = {}
+    got_outs = []
     for i, t in enumerate(steps):
         rng = np.random.default_rng(t)
         vals = {}
@@ -34,18 +37,22 @@ def _check(rt, g: Graph, steps=(1, 6), rtol=1e-5, atol=1e-5):
             vals[v.name] = x
         ref = R._IMPLS[node.op](ex, node, [vals[v.name] for v in node.inputs])
         bufs = {k: v.reshape(-1) for k, v in vals.items()}
-        outs = {"o": (ref.shape, "f32")}
-        if state is not None and i == 0:
-            bufs[state[0]] = np.zeros(state[1], np.float32)
+        outs = {"o": (ref.shape, "f32"), **scratch_outs}
+        if i == 0:
+            bufs.update(scratch_bufs)
+            if state is not None:
+                bufs[state[0]] = np.zeros(state[1], np.float32)
         keep.pop("o", None)  # sized for this step
         out = run_launches(rt, launches, bufs, {"T": t}, outs, keep)["o"]
         np.testing.assert_allclose(out, ref, rtol=rtol, atol=atol, err_msg=f"step {i} of {t} tokens")
+        got_outs.append(out)
         if state is not None:
             want = next(iter(ex.states.values()))
             if node.op == "delta_rule":  # kept transposed: [Hv, Dv, Dk]
                 want = want.transpose(0, 2, 1)
             got = rt.download(keep[state[0]], (state[1],), "f32")
             np.testing.assert_allclose(got, want.reshape(-1), rtol=rtol, atol=atol)
+    return got_outs
 
 
 def test_slice(rt):
@@ -80,10 +87,42 @@ def test_ssm_conv(rt):
     _check(rt, g, steps=(2, 5, 1))  # a first step shorter than the kernel: the state keeps older rows
 
 
+# Steps of the delta rule tests: shorter and longer than a chunk of 64, ending inside chunks, one token between.
+DELTA_STEPS = (7, 64, 1, 65, 130)
+
+
 @pytest.mark.parametrize("head_map", ["tiled", "grouped"])
-def test_delta_rule(rt, head_map):
+def test_delta_rule_forms(rt, head_map):
+    """The recurrent form alone, the chunked form alone, and the two chosen by step length (the default threshold),
+    over steps that cross chunk boundaries with the state carried: each against the reference (chunked for steps
+    of several tokens, recurrent for one) and against each other. One compile serves every threshold (a scalar);
+    on targets with lanes the kernels run GPU-shaped."""
+    if head_map == "grouped" and rt.lanes == 1:
+        pytest.skip("one-lane targets run the tiled sample (a head map is one index expression; Numba compiles)")
     g = Graph("t")
     q, k = g.input("q", "f32", ("T", 2, 16)), g.input("k", "f32", ("T", 2, 16))
     v, gates = g.input("v", "f32", ("T", 4, 12)), g.input("gates", "f32", ("T", 4, 2))
     g.op("delta_rule", q, k, v, gates, layer=0, scale=0.25, head_map=head_map, chunk=64, name="o")
-    _check(rt, g, steps=(9, 1), rtol=1e-4, atol=1e-5)
+    outs, kernels = {}, {}
+    for form, above in (("recurrent", 1000), ("chunked", 0), ("chosen by length", CHUNKED_ABOVE)):
+        ctx = recipe_context(g, lanes=rt.lanes)
+        ctx.t_max, ctx.knobs = max(DELTA_STEPS), {"delta_rule": {"chunked_above": above}}
+        launches = recipe("delta_rule").lower(g.nodes, ctx)
+        kernels[form] = {la.kernel.name for la in launches}
+        outs[form] = _check(rt, g, steps=DELTA_STEPS, rtol=1e-4, atol=2e-5, ctx=ctx)
+    assert len(kernels["recurrent"]) == 1 and len(kernels["chunked"]) == 2
+    assert kernels["chosen by length"] == kernels["recurrent"] | kernels["chunked"]
+    for form in ("chunked", "chosen by length"):
+        for t, a, b in zip(DELTA_STEPS, outs[form], outs["recurrent"]):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5, err_msg=f"{form} vs recurrent, {t} tokens")
+
+
+def test_delta_rule_decode_plan_has_recurrent_form_only():
+    g = Graph("t")
+    q, k = g.input("q", "f32", ("T", 1, 8)), g.input("k", "f32", ("T", 1, 8))
+    v, gates = g.input("v", "f32", ("T", 2, 8)), g.input("gates", "f32", ("T", 2, 2))
+    g.op("delta_rule", q, k, v, gates, layer=0, scale=0.25, head_map="tiled", chunk=64, name="o")
+    ctx = recipe_context(g)
+    ctx.t_max = 1
+    (launch,) = recipe("delta_rule").lower(g.nodes, ctx)
+    assert launch.kernel.name.startswith("delta_rule_") and not ctx.scratch_buffers

@@ -4,10 +4,14 @@ and the recurrent ops ssm_conv and delta_rule, whose per-sequence state lives in
 
 Row kernels (l2_norm, rms_norm_gated): a group per row, a Reduce over it then a LaneFor writing it. ssm_conv: a
 group per `chunk` channels, each lane one channel through every token of the step (a channel's outputs depend only
-on its own inputs and state). delta_rule: the recurrent form for steps of any length (the chunked WY form of the
-reference executor has no kernel yet): a group per (value head, column j of its state), whose lanes share the
-column's Dk values, kept adjacent (the state is stored transposed); per token: S *= exp(g); delta = beta (v_j -
-k . S[:, j]); S[:, j] += k delta; out_j = scale q . S[:, j], from one read of the column (see `_lower_delta_rule`).
+on its own inputs and state). delta_rule, in two forms over the same state (its matrices stored transposed, a
+column's Dk values adjacent), chosen by the step's length at run time (the knob `chunked_above`, a kernel scalar):
+- recurrent, for decode and short steps: a group per (value head, column j of its state), its lanes sharing the
+  column's Dk values; per token: S *= exp(g); delta = beta (v_j - k . S[:, j]); S[:, j] += k delta;
+  out_j = scale q . S[:, j], from one read of the column (`_recurrent_kernel`);
+- chunked, for prompts: the reference executor's WY / UT form in chunks of the node's `chunk` (64) tokens, in two
+  kernels: what needs no state, for every chunk at once (`_chunk_prep_kernel`: decays, masked scores, the
+  triangular solve), then a group per state column through the chunks in order (`_chunk_scan_kernel`).
 """
 
 from __future__ import annotations
@@ -32,14 +36,21 @@ from polystrata.ir.kernel import (  # the expression nodes Const, Expr, Var too,
     Launch,
     Let,
     Load,
+    LocalArray,
     Reduce,
     Scalar,
+    Select,
     Store,
     Var,
     name_tag,
 )
 
 CHUNK = 64
+# Steps of more tokens than this run the delta rule's chunked form, shorter ones (decode) the recurrent form: the
+# `chunked_above` knob's default.
+CHUNKED_ABOVE = 16
+# Tokens of keys the chunked form's state update stages in local memory at a time.
+KEY_TILE = 16
 
 
 def state_buffer(node: Node) -> tuple[str, int]:
@@ -159,14 +170,25 @@ def _lower_ssm_conv(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     return [Launch(kern, bufs, (("T", token_binding(x)),))]
 
 
-def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
-    (node,) = nodes
-    q, k, v, gates = node.inputs
+def _delta_heads(node: Node) -> tuple[int, int, int, int, Expr, str]:
+    """(Hk, Dk, Hv, Dv, the key head of value head g0, the kernel name's shape tag) of a delta_rule node."""
+    q, _, v, _ = node.inputs
     hk, dk = int(q.type.shape[1]), int(q.type.shape[2])
     hv, dv = int(v.type.shape[1]), int(v.type.shape[2])
     tiled = node.attrs["head_map"] == "tiled"
-    h, col, t, e = Var("g0"), Var("g1"), Var("t"), Var("e")
+    h = Var("g0")
     kh = h % hk if tiled else h // (hv // hk)
+    tag = f"{hk}x{dk}_{hv}x{dv}_{'tiled' if tiled else 'grouped'}_{name_tag(node.attrs['scale'])}"
+    return hk, dk, hv, dv, kh, tag
+
+
+def _recurrent_kernel(node: Node, ctx: RecipeContext) -> Kernel:
+    """The token-by-token form: a group per (value head, column j of its state), whose lanes share the column's Dk
+    values, kept adjacent (the state is stored transposed); per token: S *= exp(g); delta = beta (v_j - k . S[:, j]);
+    S[:, j] += k delta; out_j = scale q . S[:, j], from one read of the column. It works on steps of at most `above`
+    tokens (a scalar: one kernel whatever the threshold), the chunked form's kernels on the others."""
+    hk, dk, hv, dv, kh, tag = _delta_heads(node)
+    h, col, t, e = Var("g0"), Var("g1"), Var("t"), Var("e")
     qk = (t * hk + kh) * dk + e  # element e of the token's key (and query) head
     s = (h * dv + col) * dk + e  # S[h, e, col], kept transposed: a column's Dk values are adjacent
     g = (t * hv + h) * 2
@@ -181,13 +203,171 @@ def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]
         Store("y", out, (Var("decay") * Var("qs") + Var("qk") * Var("delta")) * float(node.attrs["scale"])),
         LaneFor("e", Const(dk), (Store("s", s, Load("s", s) * Var("decay") + Load("k", qk) * Var("delta")),)),
     )
+    body = (If(Var("T") <= Var("above"), (For("t", Const(0), Var("T"), token),)),)
     params = (Buf("q", "f32"), Buf("k", "f32"), Buf("v", "f32"), Buf("g", "f32"), Buf("s", "f32", out=True),
-              Buf("y", "f32", out=True), Scalar("T"))
-    name = f"delta_rule_{hk}x{dk}_{hv}x{dv}_{'tiled' if tiled else 'grouped'}_{name_tag(node.attrs['scale'])}"
-    kern = Kernel(name, params, (Const(hv), Const(dv)), (For("t", Const(0), Var("T"), token),), lanes=ctx.lanes)
-    bufs = (("q", ctx.buf(q)), ("k", ctx.buf(k)), ("v", ctx.buf(v)), ("g", ctx.buf(gates)),
-            ("s", state_buffer(node)[0]), ("y", ctx.buf(node.output)))
-    return [Launch(kern, bufs, (("T", token_binding(v)),))]
+              Buf("y", "f32", out=True), Scalar("T"), Scalar("above"))
+    return Kernel(f"delta_rule_{tag}", params, (Const(hv), Const(dv)), body, lanes=ctx.lanes)
+
+
+def _chunk_extent(s0: Expr, c: int) -> Let:
+    """`n`: the tokens of the chunk that starts at token s0 (c, or fewer in the step's last chunk)."""
+    rest = Var("T") - s0
+    return Let("n", Select(rest < c, rest, Const(c)))
+
+
+def _chunk_prep_kernel(node: Node, ctx: RecipeContext) -> Kernel:
+    """The chunked form's first half, which needs no state: a group per (value head, chunk of C tokens) writes the
+    chunk's cumulative log decays gc, its masked decayed scores attn[i, j] = scale q_i . k_j exp(gc_i - gc_j) (j <= i)
+    and the WY / UT solution [u | w] of (I + A) [u | w] = [beta v | beta k exp(gc)], A[i, j] = beta_i k_i . k_j
+    exp(gc_i - gc_j) (j < i), by forward substitution, one lane per column (`_chunk_scan_kernel` goes on)."""
+    hk, dk, hv, dv, kh, tag = _delta_heads(node)
+    c = int(node.attrs["chunk"])
+    h, i, j, m, e = Var("g0"), Var("i"), Var("j"), Var("m"), Var("e")
+    s0, n = Var("s0"), Var("n")
+    row = h * Var("T") + s0  # row of the chunk's first token in the [Hv, T, ...] scratch buffers
+
+    def key(buf: str, tok: Expr) -> Expr:
+        return Load(buf, ((s0 + tok) * hk + kh) * dk + e)
+
+    def gate(tok: Expr, which: int) -> Expr:
+        return Load("g", ((s0 + tok) * hv + h) * 2 + which)
+
+    cumsum = LaneFor("i", n, (
+        Decl("acc", "f32", Const(0.0)),
+        For("m", Const(0), i + 1, (Assign("acc", Var("acc") + gate(m, 0)),)),
+        Store("lg", i, Var("acc")), Store("gc", row + i, Var("acc")),
+    ))
+    scores = LaneFor("p", n * n, (
+        Let("i", Var("p") // n), Let("j", Var("p") % n),
+        If(j <= i, (
+            Decl("kk", "f32", Const(0.0)), Decl("qk", "f32", Const(0.0)),
+            For("e", Const(0), Const(dk), (
+                Let("kj", key("k", j)),
+                Assign("kk", Var("kk") + key("k", i) * Var("kj")),
+                Assign("qk", Var("qk") + key("q", i) * Var("kj")),
+            )),
+            Let("d", Call("exp", Load("lg", i) - Load("lg", j))),
+            Store("la", i * c + j, gate(i, 1) * Var("d") * Var("kk")),
+            Store("a", (row + i) * c + j, Var("qk") * Var("d") * float(node.attrs["scale"])),
+        )),
+    ))
+
+    def solve(out: str, width: int, rhs: Expr) -> LaneFor:
+        """Column `col` of (I + A) x = rhs, row by row; only the diagonal's left of A is read."""
+        at = (row + i) * width + Var("col")
+        return LaneFor("col", Const(width), (For("i", Const(0), n, (
+            Decl("x", "f32", rhs),
+            For("m", Const(0), i, (Assign("x", Var("x") - Load("la", i * c + m) * Load(out, (row + m) * width
+                                                                                       + Var("col"))),)),
+            Store(out, at, Var("x")),
+        )),))
+
+    cl = Var("col")
+    body = (If(Var("above") < Var("T"), (
+        Let("s0", Var("g1") * c), _chunk_extent(s0, c), cumsum, scores,
+        solve("u", dv, Load("v", ((s0 + i) * hv + h) * dv + cl) * gate(i, 1)),
+        solve("w", dk, Load("k", ((s0 + i) * hk + kh) * dk + cl) * gate(i, 1) * Call("exp", Load("lg", i))),
+    )),)
+    params = (Buf("q", "f32"), Buf("k", "f32"), Buf("v", "f32"), Buf("g", "f32"), Buf("gc", "f32", out=True),
+              Buf("a", "f32", out=True), Buf("u", "f32", out=True), Buf("w", "f32", out=True), Scalar("T"),
+              Scalar("above"))
+    return Kernel(f"delta_chunk_{tag}_{c}", params, (Const(hv), (Var("T") + (c - 1)) // c), body, lanes=ctx.lanes,
+                  local=(LocalArray("lg", "f32", c), LocalArray("la", "f32", c * c)))
+
+
+def _chunk_scan_kernel(node: Node, ctx: RecipeContext) -> Kernel:
+    """The chunked form's second half: a group per (value head, column j of its state) carries the column (in local
+    memory) through the step's chunks: per chunk, what each token writes, v_new_i = u_i - w_i . S (S as the chunk
+    found it), then out_i = scale exp(gc_i) q_i . S + sum_{m <= i} attn[i, m] v_new_m, and S = exp(gc_last) S +
+    sum_i k_i exp(gc_last - gc_i) v_new_i: a few lane loops a chunk instead of a reduction a token."""
+    hk, dk, hv, dv, kh, tag = _delta_heads(node)
+    c = int(node.attrs["chunk"])
+    h, col, i, m, e = Var("g0"), Var("g1"), Var("i"), Var("m"), Var("e")
+    s0, n = Var("s0"), Var("n")
+    row = h * Var("T") + s0
+    s = (h * dv + col) * dk + e  # the state kept transposed, as the recurrent form keeps it
+
+    def key(buf: str, tok: Expr) -> Expr:
+        return Load(buf, ((s0 + tok) * hk + kh) * dk + e)
+
+    writes = LaneFor("i", n, (
+        Decl("ws", "f32", Const(0.0)), Decl("qs", "f32", Const(0.0)),
+        For("e", Const(0), Const(dk), (
+            Let("se", Load("sc", e)),
+            Assign("ws", Var("ws") + Load("w", (row + i) * dk + e) * Var("se")),
+            Assign("qs", Var("qs") + key("q", i) * Var("se")),
+        )),
+        Let("gi", Load("gc", row + i)),
+        Let("vi", Load("u", (row + i) * dv + col) - Var("ws")),
+        Store("vn", i, Var("vi")),
+        Store("vd", i, Var("vi") * Call("exp", Var("last") - Var("gi"))),
+        Store("qo", i, Var("qs") * Call("exp", Var("gi")) * float(node.attrs["scale"])),
+    ))
+    outputs = LaneFor("i", n, (
+        Decl("o", "f32", Load("qo", i)),
+        For("m", Const(0), i + 1, (Assign("o", Var("o") + Load("a", (row + i) * c + m) * Load("vn", m)),)),
+        Store("y", ((s0 + i) * hv + h) * dv + col, Var("o")),
+    ))
+    # S = exp(gc_last) S + sum_i k_i vd_i, the keys staged KEY_TILE tokens at a time in local memory, transposed
+    # (padded rows: no bank conflicts): each lane then reads its e's keys contiguously, where global memory has
+    # them Hk * Dk floats apart (8 KB at Qwen3.6's shape: cache-set conflicts on CPUs).
+    t0, ti, te, pad = Var("t0"), Var("ti"), Var("te"), KEY_TILE + 1
+    update = (
+        LaneFor("e", Const(dk), (Store("sc", e, Load("sc", e) * Call("exp", Var("last"))),)),
+        For("t0", Const(0), n, (
+            Let("tn", Select(n - t0 < KEY_TILE, n - t0, Const(KEY_TILE))),
+            LaneFor("p", Var("tn") * dk, (
+                Let("ti", Var("p") // dk), Let("te", Var("p") % dk),
+                Store("kc", te * pad + ti, Load("k", ((s0 + t0 + ti) * hk + kh) * dk + te)),
+            )),
+            LaneFor("e", Const(dk), (
+                Decl("acc", "f32", Load("sc", e)),
+                For("i", Const(0), Var("tn"), (Assign("acc", Var("acc") + Load("kc", e * pad + i)
+                                                      * Load("vd", t0 + i)),)),
+                Store("sc", e, Var("acc")),
+            )),
+        ), step=KEY_TILE),
+    )
+    chunk = (Let("s0", Var("ci") * c), _chunk_extent(s0, c), Let("last", Load("gc", row + n - 1)),
+             writes, outputs, *update)
+    body = (If(Var("above") < Var("T"), (
+        LaneFor("e", Const(dk), (Store("sc", e, Load("s", s)),)),
+        For("ci", Const(0), (Var("T") + (c - 1)) // c, chunk),
+        LaneFor("e", Const(dk), (Store("s", s, Load("sc", e)),)),
+    )),)
+    params = (Buf("q", "f32"), Buf("k", "f32"), Buf("gc", "f32"), Buf("a", "f32"), Buf("u", "f32"), Buf("w", "f32"),
+              Buf("s", "f32", out=True), Buf("y", "f32", out=True), Scalar("T"), Scalar("above"))
+    local = (LocalArray("sc", "f32", dk), LocalArray("vn", "f32", c), LocalArray("vd", "f32", c),
+             LocalArray("qo", "f32", c), LocalArray("kc", "f32", dk * pad))
+    return Kernel(f"delta_scan_{tag}_{c}", params, (Const(hv), Const(dv)), body, lanes=ctx.lanes, local=local)
+
+
+def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """The recurrent form's kernel, and in plans with steps of more than `chunked_above` tokens the chunked form's
+    two as well (the step's length chooses at run time which do the work)."""
+    (node,) = nodes
+    q, k, v, gates = node.inputs
+    _, dk, hv, dv, _, _ = _delta_heads(node)
+    above = int(ctx.knob("delta_rule", "chunked_above", CHUNKED_ABOVE))
+    tb = token_binding(v)
+    t_max = tb if isinstance(tb, int) else ctx.t_max
+    inputs = (("q", ctx.buf(q)), ("k", ctx.buf(k)))
+    state, out = ("s", state_buffer(node)[0]), ("y", ctx.buf(node.output))
+    step = (("T", tb), ("above", max(above, 0)))
+    launches = []
+    if above >= 1:
+        launches.append(Launch(_recurrent_kernel(node, ctx),
+                               (*inputs, ("v", ctx.buf(v)), ("g", ctx.buf(gates)), state, out), step))
+    if t_max > above:
+        c = int(node.attrs["chunk"])
+        scratch = (("gc", ctx.scratch("delta_gc", "f32", hv * t_max)),
+                   ("a", ctx.scratch("delta_attn", "f32", hv * t_max * c)),
+                   ("u", ctx.scratch("delta_u", "f32", hv * t_max * dv)),
+                   ("w", ctx.scratch("delta_w", "f32", hv * t_max * dk)))
+        launches += [Launch(_chunk_prep_kernel(node, ctx), (*inputs, ("v", ctx.buf(v)), ("g", ctx.buf(gates)),
+                                                              *scratch), step),
+                     Launch(_chunk_scan_kernel(node, ctx), (*inputs, *scratch, state, out), step)]
+    return launches
 
 
 register(Recipe("slice", ("slice",), _lower_slice))
@@ -195,4 +375,4 @@ register(Recipe("l2_norm", ("l2_norm",), _lower_l2_norm))
 register(Recipe("rms_norm_gated", ("rms_norm_gated",), _lower_rms_norm_gated))
 register(Recipe("gdn_gates", ("gdn_gates",), _lower_gdn_gates))
 register(Recipe("ssm_conv", ("ssm_conv",), _lower_ssm_conv, None, (("chunk", CHUNK),)))
-register(Recipe("delta_rule", ("delta_rule",), _lower_delta_rule))
+register(Recipe("delta_rule", ("delta_rule",), _lower_delta_rule, None, (("chunked_above", CHUNKED_ABOVE),)))
