@@ -184,8 +184,8 @@ def portable_tiles(k: Kernel) -> Kernel:
     cols, size = f0.cols, f0.rows * f0.cols
     e = Var("_te")
 
-    def element(name: str, i: str, j: str, body: tuple) -> LaneFor:
-        return LaneFor(e.name, Const(size), (Let(i, e // cols), Let(j, e % cols), *body))
+    def element(i: str, j: str, body: tuple) -> tuple:
+        return (Let(i, e // cols), Let(j, e % cols), *body)
 
     def each_body(body: tuple) -> tuple:
         out = []
@@ -202,11 +202,19 @@ def portable_tiles(k: Kernel) -> Kernel:
     def tiles(body: tuple) -> tuple:
         out = []
         for s in body:
-            if isinstance(s, TileEach):
-                s = element("_te", s.i, s.j, each_body(s.body))
-            elif isinstance(s, TileMMA):
-                s = element("_te", "_ti", "_tj", _portable_product(s, Var("_ti"), Var("_tj"), e))
-            elif isinstance(s, For):
+            if isinstance(s, TileEach | TileMMA):
+                if isinstance(s, TileEach):
+                    part = element(s.i, s.j, each_body(s.body))
+                else:
+                    part = element("_ti", "_tj", _portable_product(s, Var("_ti"), Var("_tj"), e))
+                # A run of tile statements is one lane loop: each lane only touches its own elements, so they
+                # need no barrier between them.
+                if out and isinstance(out[-1], LaneFor) and out[-1].var == e.name:
+                    out[-1] = LaneFor(e.name, Const(size), out[-1].body + part)
+                else:
+                    out.append(LaneFor(e.name, Const(size), part))
+                continue
+            if isinstance(s, For):
                 s = replace(s, body=tiles(s.body))
             elif isinstance(s, If):
                 s = If(s.cond, tiles(s.then), tiles(s.orelse))

@@ -55,6 +55,7 @@ from polystrata.codegen.recipes._matvec import (
     use_runs,
 )
 from polystrata.codegen.recipes.tile_matmul import tile_matmul_kernel
+from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, tile_mma_fits, tile_mma_kernel
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
@@ -78,13 +79,14 @@ from polystrata.ir.kernel import (
 )
 
 MATMUL_KNOBS = (("rows", "auto"), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"), ("xq", "auto"),
-                ("sub", "auto"), ("runs", "auto"), ("lanes", "auto"), ("spread", "auto"), ("tile", "auto"))
+                ("sub", "auto"), ("runs", "auto"), ("lanes", "auto"), ("spread", "auto"), ("tile", "auto"),
+                *TILE_MMA_KNOBS)
 # Knob tile ("auto": TILE_TOKENS; 0: off): tokens a tile of `tile_matmul_kernel`, which one-lane plans of more than
 # one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
 # (docs/benchmarks.md, "Serving").
 TILE_TOKENS = 16
 # Knobs of the two-launch GPU path only (`_launches`); the rest are `matmul_kernel`'s.
-GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread")
+GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread", *(name for name, _ in TILE_MMA_KNOBS))
 
 
 def matmul_kernel_knobs(kn: dict) -> dict:
@@ -239,6 +241,13 @@ def _int8_kernels(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], k: 
             and all(use_int8(f, True) for f in fmts) and k % QB == 0)
 
 
+def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], k: int) -> bool:
+    """Whether matmuls over `fmts` take `tile_mma_kernel`: plans of steps of several tokens on a target with matrix
+    units, on the GPU path's int8 activations (`_int8_kernels`), formats and K it takes (`tile_mma_fits`)."""
+    return (ctx.matrix_units and ctx.t_max > 1 and _int8_kernels(ctx, kn, fmts, k)
+            and tile_mma_fits(fmts, k, kn["mma_chunk"]))
+
+
 def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind) -> tuple[Launch, str, str]:
     """(the launch quantizing activation buffer `x` of rows of `k` into the shared int8 scratch buffers, codes
     buffer, scales buffer): what the GPU path's matmuls read. Identical launches on an unchanged `x` are dropped by
@@ -284,6 +293,12 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     """The matmul launches: on the GPU path (`_int8_kernels`) a quantize kernel writing x as int8 codes + scales
     into scratch buffers, then `matvec_q8_kernel`; else one `matmul_kernel`."""
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
+    if _tile_products(ctx, kn, fmts, k):
+        # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
+        ql, qb, db = quantize_launch(ctx, x, k, t_bind)
+        mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"], tokens=kn["mma_tokens"],
+                             chunk=kn["mma_chunk"], lanes=kn["mma_lanes"], epilogue=epilogue)
+        return [ql, Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
     if _int8_kernels(ctx, kn, fmts, k):
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)
         rows, spread = q8_rows(kn, ctx, fmts, n, k)
@@ -490,7 +505,7 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
     ns, k = [int(w.type.shape[0]) for w in ws], int(ws[0].type.shape[-1])
     fmts = [_fmt(ctx, w) for w in ws]
     kn = _knobs(ctx, "matmul")
-    if not _int8_kernels(ctx, kn, fmts, k):
+    if not _int8_kernels(ctx, kn, fmts, k) or _tile_products(ctx, kn, fmts, k):
         return [la for n in nodes for la in _lower_matmul([n], ctx)]
     ql, qb, db = quantize_launch(ctx, ctx.buf(x), k, token_binding(x))
     tag = "_".join(f"{f.name.lower()}{n}" for f, n in zip(fmts, ns))
