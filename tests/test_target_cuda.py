@@ -28,6 +28,7 @@ from ir_constructs import (
     reduce_kernel,
     run,
     shared_kernel,
+    tile_kernel,
 )
 
 from polystrata.codegen.cuda import render
@@ -244,3 +245,61 @@ def test_no_gpu_is_a_clear_error():
     if out.strip() == "GPU":
         pytest.skip("a CUDA GPU is present")
     assert out.startswith("no CUDA GPU found: "), out
+
+
+_PTX_CHILD = r"""
+import json, re, shutil, subprocess, sys, tempfile, importlib.util
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+try:
+    from numba import cuda, types
+    from numba.cuda.cudadrv.nvvm import NVVM
+    NVVM()
+except Exception as e:
+    print(json.dumps({"skip": f"no NVVM: {e}"}))
+    sys.exit(0)
+from ir_constructs import tile_kernel
+from polystrata.codegen.cuda import render
+from polystrata.codegen.recipes.tile_mma import tile_mma_kernel
+from polystrata.ir.formats import FORMATS
+out, tmp = {}, Path(tempfile.mkdtemp())
+kernels = [tile_mma_kernel("t_mma_ptx", [FORMATS["Q8_0"]], 64, 256, rows=32, tokens=16, chunk=64, lanes=64),
+           tile_kernel("f16")]
+ptxas = shutil.which("ptxas") or shutil.which("/usr/local/cuda/bin/ptxas")
+for k in kernels:
+    src = render(k, shuffles=True, native=True, mma=True).replace("@cuda.jit(cache=True)", "@cuda.jit")
+    (tmp / f"{k.name}.py").write_text(src)
+    spec = importlib.util.spec_from_file_location(k.name, tmp / f"{k.name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ty = {"u32": types.uint32, "f32": types.float32, "i32": types.int32, "u8": types.uint8}
+    sig = tuple(types.Array(ty[p.dtype], 1, "C") if hasattr(p, "out") else types.int32 for p in k.params)
+    ptx, _ = cuda.compile_ptx(getattr(mod, k.name).py_func, sig, cc=(8, 0))
+    res = {"mma": sorted(set(re.findall(r"mma\.sync\.aligned\.[\w.]+", ptx)))}
+    if ptxas:
+        (tmp / f"{k.name}.ptx").write_text(ptx)
+        p = subprocess.run([ptxas, "-arch=sm_90", str(tmp / f"{k.name}.ptx"), "-o", str(tmp / "k.cubin")],
+                           capture_output=True, text=True)
+        res["ptxas"] = p.returncode == 0 or p.stderr
+    out[k.name] = res
+print(json.dumps(out))
+"""
+
+
+def test_tile_products_compile_to_mma_sync():
+    """With matrix units (sm_80+), tile products become mma.sync in the PTX NVVM makes of the rendered kernel (the
+    recipe's int8 m16n8k32, the conformance f16 m16n8k16), and ptxas assembles it for sm_90 where it is installed.
+    In a child process (numba.cuda stays unimported here); skipped without NVVM (CI: numba-cuda without the CUDA
+    toolkit). The numbers are checked on the GPU: the conformance cases (scripts/cuda_selftest.py)."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", _PTX_CHILD, str(Path(__file__).parent)], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in res:
+        pytest.skip(res["skip"])
+    assert res["t_mma_ptx"]["mma"] == ["mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"]
+    assert res["tile_f16"]["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"]
+    assert all(r.get("ptxas", True) is True for r in res.values()), res
+    assert "= mma_" not in render(tile_kernel("i8"), shuffles=True, native=True)  # no matrix unit asked for
