@@ -188,16 +188,7 @@ def portable_tiles(k: Kernel) -> Kernel:
         return (Let(i, e // cols), Let(j, e % cols), *body)
 
     def each_body(body: tuple) -> tuple:
-        out = []
-        for s in rewrite(body, lambda x: Load(x.frag, e) if isinstance(x, FragElem) else x):
-            if isinstance(s, FragSet):
-                s = Store(s.frag, e, s.value)
-            elif isinstance(s, For):
-                s = replace(s, body=each_body(s.body))
-            elif isinstance(s, If):
-                s = If(s.cond, each_body(s.then), each_body(s.orelse))
-            out.append(s)
-        return tuple(out)
+        return _fragments_as(body, lambda f: Load(f, e), lambda s: Store(s.frag, e, s.value))
 
     def tiles(body: tuple) -> tuple:
         out = []
@@ -426,16 +417,22 @@ class _Lowering:
 
 def _registers_for(body: tuple, names: dict[str, str]) -> list:
     """A `TileEach` body for one element: `FragElem` / `FragSet` of fragment f as the register `names[f]`."""
+    return list(_fragments_as(body, lambda f: Var(names[f]), lambda s: Assign(names[s.frag], s.value)))
+
+
+def _fragments_as(body: tuple, elem, set_) -> tuple:
+    """A `TileEach` body with each `FragElem(f)` replaced by `elem(f)` and each `FragSet` statement by `set_(s)`,
+    in nested `For` and `If` bodies too."""
     out = []
-    for s in rewrite(body, lambda x: Var(names[x.frag]) if isinstance(x, FragElem) else x):
+    for s in rewrite(body, lambda x: elem(x.frag) if isinstance(x, FragElem) else x):
         if isinstance(s, FragSet):
-            s = Assign(names[s.frag], s.value)
+            s = set_(s)
         elif isinstance(s, For):
-            s = replace(s, body=tuple(_registers_for(s.body, names)))
+            s = replace(s, body=_fragments_as(s.body, elem, set_))
         elif isinstance(s, If):
-            s = If(s.cond, tuple(_registers_for(s.then, names)), tuple(_registers_for(s.orelse, names)))
+            s = If(s.cond, _fragments_as(s.then, elem, set_), _fragments_as(s.orelse, elem, set_))
         out.append(s)
-    return out
+    return tuple(out)
 
 
 def _uniform_local_reads(k: Kernel, local: set[str]) -> set[str]:
