@@ -82,6 +82,66 @@ def test_case_matches_numpy_and_cpu(rt, cpu, case):
 
 
 @inner
+@pytest.mark.parametrize("unit,kind", [("mma_sync", "i8"), ("mma_sync", "f16"), ("mma_sync", "recipe"), ("mfma", "i8"),
+                                       ("mfma", "f16")])
+def test_native_tile_lowering_emulated(unit, kind, tmp_path):
+    """The native lowering of tile products for cuda's MMA_SYNC unit and hip's gfx90a MFMA unit (operand loads,
+    accumulator layout, tiles dealt to subgroups), rendered by this printer with the instructions emulated from the
+    vendors' fragment layouts (`matrix_emulation`), against numpy: the conformance cases and the prefill matmul
+    recipe's kernel (int8 m16n8k32 on MMA_SYNC)."""
+    import importlib
+
+    from ir_constructs import tile_case
+
+    from polystrata.codegen.cuda import MMA_SYNC, CUDAPrinter
+    from polystrata.codegen.hip import MFMA_ARCHS
+    from polystrata.codegen.lanes import LaneAbilities
+    from polystrata.codegen.pyfamily import PyPrinter
+
+    mu = MMA_SYNC if unit == "mma_sync" else MFMA_ARCHS["gfx90a"]
+
+    class Emulated(CUDAPrinter):
+        imports = CUDAPrinter.imports + ("from matrix_emulation import mma_s8_k32, mma_s8_k16, mma_f16_k16, "
+                                         "__builtin_amdgcn_mfma_i32_16x16x16i8, "
+                                         "__builtin_amdgcn_mfma_f32_16x16x16f16\n")
+
+        def __init__(self, k):
+            PyPrinter.__init__(self, k, LaneAbilities(several=True, matrix=mu))
+            self.native = False
+
+    if kind == "recipe":
+        from recipe_cases import q8_rounded, weight
+
+        from polystrata.codegen.recipes.tile_mma import tile_mma_kernel
+
+        fmt, wb, wd = weight("Q8_0", 30, 256)
+        kernel = tile_mma_kernel("t_mma_emu", [fmt], 30, 256, rows=32, tokens=16, chunk=64, lanes=64)
+        x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
+        codes = np.round(q8_rounded(x) / (np.abs(x).reshape(7, 8, 32).max(-1, keepdims=True).repeat(32, -1)
+                                          .reshape(7, 256) / 127)).astype(np.int8)
+        inputs = {"xq": codes.view(np.uint32).reshape(-1), "w0": wb,
+                  "xd": (np.abs(x).reshape(7, 8, 32).max(-1) / 127).astype(np.float32).reshape(-1)}
+        outputs, scalars, grid = {"y": (7 * 30, "f32")}, {"T": 7}, (1, 1)
+        want = {"y": (q8_rounded(x) @ wd.T).reshape(-1)}
+    else:
+        label, kernel, inputs, outputs, scalars, grid, want = tile_case(kind, 20 if kind == "f16" else 50, 10)
+    src = Emulated(kernel).render()
+    assert ("= mma_" if unit == "mma_sync" else "= __builtin_amdgcn_mfma") in src
+    (tmp_path / f"emu_{unit}_{kind}.py").write_text(src)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        mod = importlib.import_module(f"emu_{unit}_{kind}")
+    finally:
+        sys.path.remove(str(tmp_path))
+    arrays = {name: np.ascontiguousarray(a) for name, a in inputs.items()}
+    for name, (size, dt) in outputs.items():
+        arrays[name] = np.full(size, np.nan, np.float32) if dt == "f32" else np.full(size, -1, np.int32)
+    args = [arrays[p.name] if hasattr(p, "out") else scalars[p.name] for p in kernel.params]
+    getattr(mod, kernel.name)[grid, kernel.lanes](*args)
+    check_case({name: arrays[name] for name in outputs}, want, outputs, f"{unit} {kind}", tol=1e-4)
+
+
+@inner
 def test_prepared_launch_and_graph_recording(rt):
     kern = reduce_kernel(32)
     x = np.arange(40, dtype=np.float32)
@@ -292,6 +352,9 @@ def test_tile_products_compile_to_mma_sync():
     In a child process (numba.cuda stays unimported here); skipped without NVVM (CI: numba-cuda without the CUDA
     toolkit). The numbers are checked on the GPU: the conformance cases (scripts/cuda_selftest.py)."""
     import json
+
+    if INNER:
+        pytest.skip("runs in the parent (it starts a process of its own)")
 
     proc = subprocess.run([sys.executable, "-c", _PTX_CHILD, str(Path(__file__).parent)], capture_output=True,
                           text=True, timeout=600, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"))
