@@ -54,9 +54,24 @@ def test_tile_mma_formats(rt, fmt_name, chunk):
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=f"{fmt_name} T={t}")
 
 
+def test_tile_mma_f16_weights(rt):
+    """F16 weights: f16 tile products on the activations rounded to f16."""
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped, never planned on one lane")
+    fmt, wb, wd = weight("F16", N, K)
+    kern = tile_mma_kernel("t_mma_f16", [fmt], N, K, rows=32, tokens=16, chunk=64, lanes=64)
+    rng = np.random.default_rng(4)
+    for t in (1, 7, 33, 512):
+        x = rng.standard_normal((t, K)).astype(np.float32)
+        y = run(rt, kern, {"x": x.reshape(-1), "w0": wb}, {"T": t}, {"y": ((t, N), "f32")})["y"]
+        ref = x.astype(np.float16).astype(np.float64) @ wd.T.astype(np.float64)
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(), err_msg=f"F16 T={t}")
+
+
 def test_tile_mma_fits():
     assert tile_mma_fits([FORMATS["Q4_K"], FORMATS["Q8_0"]], 512, 64)
-    assert not tile_mma_fits([FORMATS["F16"]], 512, 64)  # not on the int8 path
+    assert tile_mma_fits([FORMATS["F16"]], 512, 64)  # the f16 path
+    assert not tile_mma_fits([FORMATS["BF16"]], 512, 64)  # neither int8 nor exact in f16
     assert not tile_mma_fits([FORMATS["Q4_K"]], 512, 48)  # a chunk neither dividing nor a multiple of 256
     assert not tile_mma_fits([FORMATS["Q8_0"]], 96, 64)  # K not a multiple of the chunk
 
@@ -74,7 +89,9 @@ def test_taken_for_prefill_on_matrix_units_only():
     assert names[0].startswith("quantize_x") and names[1].endswith("_mma"), names
     assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(True, 1)))  # decode
     assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(False, 16)))
-    assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(True, 16, "F16")))
+    assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(True, 16, "F32")))
+    f16 = _matmul_launches(True, 16, "F16")
+    assert [la.kernel.name.endswith("_mma") for la in f16] == [True] and f16[0].kernel.param("x")
 
 
 def test_fused_glu_launches_match_the_reference(rt):

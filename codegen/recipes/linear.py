@@ -55,7 +55,7 @@ from polystrata.codegen.recipes._matvec import (
     use_runs,
 )
 from polystrata.codegen.recipes.tile_matmul import tile_matmul_kernel
-from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, tile_mma_fits, tile_mma_kernel
+from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, f16_path, tile_mma_fits, tile_mma_kernel
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
@@ -243,9 +243,11 @@ def _int8_kernels(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], k: 
 
 def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], k: int) -> bool:
     """Whether matmuls over `fmts` take `tile_mma_kernel`: plans of steps of several tokens on a target with matrix
-    units, on the GPU path's int8 activations (`_int8_kernels`), formats and K it takes (`tile_mma_fits`)."""
-    return (ctx.matrix_units and ctx.t_max > 1 and _int8_kernels(ctx, kn, fmts, k)
-            and tile_mma_fits(fmts, k, kn["mma_chunk"]))
+    units, formats and K it takes (`tile_mma_fits`): F16 weights, or the GPU path's int8 activations
+    (`_int8_kernels`)."""
+    if not (ctx.matrix_units and ctx.t_max > 1 and ctx.lanes > 1 and tile_mma_fits(fmts, k, kn["mma_chunk"])):
+        return False
+    return f16_path(fmts) or _int8_kernels(ctx, kn, fmts, k)
 
 
 def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind) -> tuple[Launch, str, str]:
@@ -295,9 +297,11 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
     if _tile_products(ctx, kn, fmts, k):
         # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
-        ql, qb, db = quantize_launch(ctx, x, k, t_bind)
         mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"], tokens=kn["mma_tokens"],
                              chunk=kn["mma_chunk"], lanes=kn["mma_lanes"], epilogue=epilogue)
+        if f16_path(fmts):
+            return [Launch(mk, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
+        ql, qb, db = quantize_launch(ctx, x, k, t_bind)
         return [ql, Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
     if _int8_kernels(ctx, kn, fmts, k):
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)

@@ -55,10 +55,20 @@ TILE_MMA_KNOBS = (("mma_rows", 64), ("mma_tokens", 64), ("mma_chunk", 64), ("mma
 PAD = 4  # words of padding after each operand row (see the module docstring)
 
 
+def f16_path(fmts: Sequence[QuantFormat]) -> bool:
+    """Whether weights of `fmts` take the f16 tile products (F16 weights: exact in f16) rather than int8 ones."""
+    return all(f.name == "F16" for f in fmts)
+
+
 def tile_mma_fits(fmts: Sequence[QuantFormat], k: int, chunk: int) -> bool:
-    """Whether `tile_mma_kernel` takes weights of `fmts` with rows of k: int8-path formats, and a K chunk that is
-    a multiple of the activation block and of each weight group, and divides or is divided by each block."""
-    if chunk % QB or not all(use_int8(f, True) for f in fmts):
+    """Whether `tile_mma_kernel` takes weights of `fmts` with rows of k: F16 weights (`f16_path`) or int8-path
+    formats, and a K chunk that is a multiple of the activation block and of each weight group, and divides or is
+    divided by each block."""
+    if chunk % QB or k % chunk:
+        return False
+    if f16_path(fmts):
+        return True
+    if not all(use_int8(f, True) for f in fmts):
         return False
     for f in fmts:
         bs, g = fmt_for(f).block_size, affine(fmt_for(f)).group
@@ -69,20 +79,22 @@ def tile_mma_fits(fmts: Sequence[QuantFormat], k: int, chunk: int) -> bool:
 
 def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, chunk: int,
                     lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
-    """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j) from int8 activations `xq` / `xd`
-    (`linear.quantize_x_kernel`'s), weights [n, k] of `fmts` (`tile_mma_fits`); grid (ceil(n / rows),
-    ceil(T / tokens))."""
+    """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of `fmts` (`tile_mma_fits`), from
+    int8 activations `xq` / `xd` (`linear.quantize_x_kernel`'s), or for F16 weights (`f16_path`) from the f32
+    activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens))."""
+    half = f16_path(fmts)
+    pack_n = 2 if half else 4  # elements a word
     wfs = [fmt_for(f) for f in fmts]
-    afs = [affine(wf) for wf in wfs]
+    afs = [None if half else affine(wf) for wf in wfs]
     big = max(chunk, *(wf.block_size for wf in wfs))  # the outer K step: a whole block of every weight
-    st = chunk // 4 + PAD  # operand row stride in words
-    gx = min(a.group for a in afs)  # activation sums are kept per gx elements
-    offsets = any(a.offset is not None for a in afs)
+    st = chunk // pack_n + PAD  # operand row stride in words
+    gx = min(a.group for a in afs) if not half else chunk  # activation sums are kept per gx elements
+    offsets = any(a is not None and a.offset is not None for a in afs)
     row0, t0, u = Var("g0") * rows, Var("g1") * tokens, Var("u")
     kb, T = Var("kb"), Var("T")
 
     def decode(j: int, s: int) -> list:
-        """Weight j's levels and group scales of sub-chunk s of K step kb into its local arrays."""
+        """Weight j's levels (f16: values) and group scales of sub-chunk s of K step kb into its local arrays."""
         wf, a, w = wfs[j], afs[j], f"w{j}"
         bs, rb = wf.block_size, elements_per_row_bytes(fmts[j], k)
         per = max(1, chunk // bs)  # blocks in a chunk (1 where a chunk is part of a block)
@@ -94,17 +106,18 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
             block, lo, hi = kb, s * chunk, s * chunk + chunk
             at = Const(-lo)
         dec = Decoder(wf, w, Var(f"w{j}_wb"), f"w{j}_")
-        ng = chunk // a.group
 
         def group(start, size, env, inner):
-            gi = (at + start) // a.group
+            if a is None:
+                return inner
+            ng, gi = chunk // a.group, (at + start) // a.group
             out = [*inner, Store(f"ws{j}", r * ng + gi, dec.group_expr(a.scale, start, env))]
             if a.offset is not None:
                 out.append(Store(f"wm{j}", r * ng + gi, dec.group_expr(a.offset, start, env)))
             return out
 
         def element(c, L, i0, env, lw):
-            return [Store(f"wl{j}", r * chunk + at + c + Var(i0), lw.expr(a.level))]
+            return [Store(f"wl{j}", r * chunk + at + c + Var(i0), dec.value(lw) if a is None else lw.expr(a.level))]
 
         row = Call("min", row0 + r, Const(n - 1))  # rows past n decode row n - 1: their results are not stored
         return [LaneFor(u.name, Const(rows * per), (
@@ -112,21 +125,38 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
             *dec.walk(group, element, lo, hi),
         ))]
 
+    def bits(v: Expr) -> Expr:
+        return Call("f32_to_f16_bits", v)
+
     def pack(src: str, dst: str) -> LaneFor:
-        """The i8 levels of `src` (rows of `chunk`) packed into words of `dst` (rows of `st` words)."""
-        r, w = u // (chunk // 4), u % (chunk // 4)
-        word = Cast("u32", Load(src, r * chunk + w * 4) & 255)
-        for e in range(1, 4):
-            word = word | (Cast("u32", Load(src, r * chunk + w * 4 + e) & 255) << (8 * e))
-        return LaneFor(u.name, Const(rows * chunk // 4), (Store(dst, r * st + w, word),))
+        """The levels (f16 values) of `src` (rows of `chunk`) packed into words of `dst` (rows of `st` words)."""
+        per_row = chunk // pack_n
+        r, w = u // per_row, u % per_row
+        at = r * chunk + w * pack_n
+        if half:
+            word = bits(Load(src, at)) | (bits(Load(src, at + 1)) << 16)
+        else:
+            word = Cast("u32", Load(src, at) & 255)
+            for e in range(1, 4):
+                word = word | (Cast("u32", Load(src, at + e) & 255) << (8 * e))
+        return LaneFor(u.name, Const(rows * per_row), (Store(dst, r * st + w, word),))
 
     def activations(s: int) -> list:
-        """The tile's tokens' code words, scales and (with offsets) code sums for sub-chunk s."""
+        """The tile's tokens' operand words (int8: with their scales and, with offsets, code sums) for sub-chunk s;
+        zero past T."""
         e0 = kb * big + s * chunk  # first element of the chunk
-        tk, w = u // (chunk // 4), u % (chunk // 4)
+        per_row = chunk // pack_n
+        tk, w = u // per_row, u % per_row
         live = t0 + tk < T
-        words = LaneFor(u.name, Const(tokens * chunk // 4), (
-            Store("xb", tk * st + w, Select(live, Load("xq", (t0 + tk) * (k // 4) + e0 // 4 + w), Cast("u32", 0))),))
+        if half:
+            at = (t0 + tk) * k + e0 + w * 2
+            word = bits(Load("x", at)) | (bits(Load("x", at + 1)) << 16)
+        else:
+            word = Load("xq", (t0 + tk) * (k // 4) + e0 // 4 + w)
+        word = Select(live, word, Cast("u32", 0))
+        words = LaneFor(u.name, Const(tokens * per_row), (Store("xb", tk * st + w, word),))
+        if half:
+            return [words]
         ng = chunk // gx
         tg, g = u // ng, u % ng
         live = t0 + tg < T
@@ -139,8 +169,10 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         return [words, LaneFor(u.name, Const(tokens * ng), tuple(body))]
 
     def products(j: int) -> list:
-        """Weight j's tile products over the chunk, a group at a time, scaled into fragment f{j}."""
+        """Weight j's tile products over the chunk into fragment f{j}: f16 at once; int8 a group at a time, scaled."""
         a = afs[j]
+        if a is None:
+            return [TileMMA(f"f{j}", "f16", f"wa{j}", Const(0), st, "xb", Const(0), st, chunk // 2)]
         ng, gw = chunk // a.group, a.group // 4
         i, jj = Var("i"), Var("jj")
         out = []
@@ -168,23 +200,30 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     vals = [FragElem(f"f{j}") for j in range(len(fmts))]
     out = epilogue(vals) if epilogue else vals[0]
     row, t = row0 + Var("i"), t0 + Var("jj")
+    clear = tuple(FragSet(f"f{j}", Const(0.0)) for j in range(len(fmts)))
     body = (
-        TileEach("i", "jj", (FragSet("iacc", Const(0)), *(FragSet(f"f{j}", Const(0.0)) for j in range(len(fmts))))),
+        TileEach("i", "jj", clear if half else (FragSet("iacc", Const(0)), *clear)),
         For(kb.name, Const(0), Const(k // big), tuple(step)),
         TileEach("i", "jj", (If((row < n) & (t < T), (Store("y", t * n + row, out),)),)),
     )
-    local = [LocalArray("xb", "u32", tokens * st), LocalArray("xds", "f32", tokens * (chunk // gx))]
+    local = [LocalArray("xb", "u32", tokens * st)]
+    if not half:
+        local.append(LocalArray("xds", "f32", tokens * (chunk // gx)))
     if offsets:
         local.append(LocalArray("xss", "i32", tokens * (chunk // gx)))
     for j, a in enumerate(afs):
-        local += [LocalArray(f"wl{j}", "i8", rows * chunk), LocalArray(f"wa{j}", "u32", rows * st),
-                  LocalArray(f"ws{j}", "f32", rows * (chunk // a.group))]
-        if a.offset is not None:
+        local += [LocalArray(f"wl{j}", "f16" if half else "i8", rows * chunk), LocalArray(f"wa{j}", "u32", rows * st)]
+        if a is not None:
+            local.append(LocalArray(f"ws{j}", "f32", rows * (chunk // a.group)))
+        if a is not None and a.offset is not None:
             local.append(LocalArray(f"wm{j}", "f32", rows * (chunk // a.group)))
-    frags = (Fragment("iacc", "i32", rows, tokens), *(Fragment(f"f{j}", "f32", rows, tokens) for j in range(len(fmts))))
-    params = (Buf("xq", "u32"), Buf("xd", "f32"), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
-              Buf("y", "f32", out=True), Scalar("T"))
+    frags = tuple(Fragment(f"f{j}", "f32", rows, tokens) for j in range(len(fmts)))
+    if not half:
+        frags = (Fragment("iacc", "i32", rows, tokens), *frags)
+    acts = (Buf("x", "f32"),) if half else (Buf("xq", "u32"), Buf("xd", "f32"))
+    params = (*acts, *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)), Buf("y", "f32", out=True),
+              Scalar("T"))
     grid = (Const(-(-n // rows)), (T + (tokens - 1)) // tokens)
     knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes))
     return Kernel(name, params, grid, body, lanes=lanes, local=tuple(local), knobs=knobs, fragments=frags,
-                  doc=f"tile matmul int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
+                  doc=f"tile matmul {'f16' if half else 'int8'} {'+'.join(f.name for f in fmts)} [{n}x{k}]")
