@@ -174,20 +174,20 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         if a is None:
             return [TileMMA(f"f{j}", "f16", f"wa{j}", Const(0), st, "xb", Const(0), st, chunk // 2)]
         ng, gw = chunk // a.group, a.group // 4
-        i, jj = Var("i"), Var("jj")
-        out = []
-        for gi in range(ng):
-            first = gi * a.group // gx  # the group's first activation sum / scale
-            dx = Load("xds", jj * (chunk // gx) + first)
-            term = Load(f"ws{j}", i * ng + gi) * dx * ToF32(FragElem("iacc"))
-            if a.offset is not None:
-                xsum = Load("xss", jj * (chunk // gx) + first)
-                for x in range(1, a.group // gx):
-                    xsum = xsum + Load("xss", jj * (chunk // gx) + first + x)
-                term = term + Load(f"wm{j}", i * ng + gi) * dx * ToF32(xsum)
-            out += [TileMMA("iacc", "i8", f"wa{j}", Const(gi * gw), st, "xb", Const(gi * gw), st, gw),
-                    TileEach("i", "jj", (FragSet(f"f{j}", FragElem(f"f{j}") + term), FragSet("iacc", Const(0))))]
-        return out
+        i, jj, gi = Var("i"), Var("jj"), Var("gi")
+        first = gi * (a.group // gx)  # the group's first activation sum / scale
+        dx = Load("xds", jj * (chunk // gx) + first)
+        term = Load(f"ws{j}", i * ng + gi) * dx * ToF32(FragElem("iacc"))
+        if a.offset is not None:
+            xsum = Load("xss", jj * (chunk // gx) + first)
+            for x in range(1, a.group // gx):
+                xsum = xsum + Load("xss", jj * (chunk // gx) + first + x)
+            term = term + Load(f"wm{j}", i * ng + gi) * dx * ToF32(xsum)
+        # A loop over the groups, not unrolled: each TileEach is unrolled over a lane's accumulators already.
+        return [For(gi.name, Const(0), Const(ng), (
+            TileMMA("iacc", "i8", f"wa{j}", gi * gw, st, "xb", gi * gw, st, gw),
+            TileEach("i", "jj", (FragSet(f"f{j}", FragElem(f"f{j}") + term), FragSet("iacc", Const(0)))),
+        ))]
 
     step: list = []
     for s in range(big // chunk):
