@@ -171,21 +171,23 @@ def _mma(ptx: str, n_a: int, n_b: int, floats: bool):
     return typer, codegen
 
 
-def _mma_intrinsic(ptx: str, n_a: int, n_b: int, floats: bool, doc: str):
+def _mma_intrinsic(name: str, ptx: str, n_a: int, n_b: int, floats: bool, doc: str):
     typer, codegen = _mma(ptx, n_a, n_b, floats)
-    # Numba's intrinsics take named parameters only (no *args): the definition is written out for this arity.
+    # Numba's intrinsics take named parameters only (no *args): the definition is written out for this arity, under
+    # the intrinsic's own name and this module (numba names and caches intrinsics by them).
     names = ", ".join(f"x{k}" for k in range(n_a + n_b + 4))
-    scope = {"typer": typer, "codegen": codegen}
-    exec(f"def impl(typingctx, {names}):\n    sig = typer(({names},))\n"
+    scope = {"typer": typer, "codegen": codegen, "__name__": __name__}
+    exec(f"def {name}(typingctx, {names}):\n    sig = typer(({names},))\n"
          "    return (sig, codegen) if sig is not None else None\n", scope)
-    scope["impl"].__doc__ = doc
-    return intrinsic(scope["impl"])
+    scope[name].__doc__ = doc
+    return intrinsic(scope[name])
 
 
 # One warp's 16 x 8 tile product (`codegen/cuda.py`'s MMA_SYNC unit) on sm_80 and newer.
-mma_s8_k32 = _mma_intrinsic("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {D}, {A}, {B}, {C};", 4, 2, False,
+_MMA = "mma.sync.aligned.{shape}.row.col.{types} {{D}}, {{A}}, {{B}}, {{C}};"
+mma_s8_k32 = _mma_intrinsic("mma_s8_k32", _MMA.format(shape="m16n8k32", types="s32.s8.s8.s32"), 4, 2, False,
                             "16 x 8 x 32 int8 tile product into s32 accumulators (mma.sync).")
-mma_s8_k16 = _mma_intrinsic("mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {D}, {A}, {B}, {C};", 2, 1, False,
+mma_s8_k16 = _mma_intrinsic("mma_s8_k16", _MMA.format(shape="m16n8k16", types="s32.s8.s8.s32"), 2, 1, False,
                             "16 x 8 x 16 int8 tile product into s32 accumulators (mma.sync).")
-mma_f16_k16 = _mma_intrinsic("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {D}, {A}, {B}, {C};", 4, 2, True,
+mma_f16_k16 = _mma_intrinsic("mma_f16_k16", _MMA.format(shape="m16n8k16", types="f32.f16.f16.f32"), 4, 2, True,
                              "16 x 8 x 16 f16 tile product into f32 accumulators (mma.sync).")

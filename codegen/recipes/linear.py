@@ -19,6 +19,10 @@ lanes' sums meet in a group Reduce. Matmuls of one input (q, k, v) are one `stac
 sub, runs (`_matvec.use_runs`) and lanes (group size; "auto" covers the row's units, 32 to 128). xq="inline"
 keeps the one-kernel schedule below (the CPU's, and what `matmul_kernel` builds).
 
+Prompt chunks on matrix units (`RecipeContext.matrix_units`, plans of more than one token): `tile_mma.py`'s tile
+products instead, for int8-path formats after the same quantize launch, for F16 weights on the f32 activations
+(knobs mma_rows, mma_tokens, mma_chunk, mma_lanes); matmuls of one input then launch one by one.
+
 Knobs: rows (rows per group; "auto": 4 with one lane, 1 on GPUs, and `q8_rows` for the int8 matvecs), tokens
 (token tile), int8 (int8-activation path where the format allows it; "auto": off with one lane -- the CPU, where
 the f32 path below vectorizes better -- on otherwise), split ("rows": lanes take rows, each a whole dot product
