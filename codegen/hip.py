@@ -6,11 +6,11 @@ Only what differs from `codegen/cfamily.py` lives here: `extern "C" __global__` 
 older, 32 on RDNA gfx10+), and `__builtin_amdgcn_sdot4` for `dot4_i8` where the architecture has `v_dot4_i32_i8`.
 
 The target declares a subgroup (the wave) that also reduces a power-of-two part of itself and groups of several
-waves; `codegen/lanes.py` picks the combine from that. On CDNA (`MFMA_ARCHS`) it declares an MFMA matrix unit:
+waves; `codegen/lanes.py` picks the combine from that. On CDNA (`MATRIX_ARCHS`) it declares an MFMA matrix unit:
 tile products become `__builtin_amdgcn_mfma_*` on 16 x 16 tiles of a wave64 (int8: 16x16x16i8 on gfx908/gfx90a,
-16x16x32_i8 on gfx94x; f16: 16x16x16f16). RDNA takes the portable loops, whose int8 sums are `dot4_i8` (sdot4
-where the ISA has it: gfx1030's "dp4a path"); gfx11's WMMA is not spelled yet (ROCm 5.2's hiprtc cannot compile
-for gfx11 to check it).
+16x16x32_i8 on gfx94x; f16: 16x16x16f16), on RDNA3 (gfx11) WMMA in wave32 (`WMMA`: spelled and checked against an
+emulation of its layout, but never compiled here: ROCm 5.2's hiprtc does not know gfx11). RDNA2 takes the portable
+loops, whose int8 sums are `dot4_i8` (sdot4 where the ISA has it: gfx1030's "dp4a path").
 """
 
 from __future__ import annotations
@@ -41,16 +41,27 @@ def _mfma(i8_words: int, i8_op: str) -> MatrixUnit:
     ))
 
 
-MFMA_ARCHS = {"gfx908": _mfma(4, "__builtin_amdgcn_mfma_i32_16x16x16i8"),
-              "gfx90a": _mfma(4, "__builtin_amdgcn_mfma_i32_16x16x16i8"),
-              **{a: _mfma(8, "__builtin_amdgcn_mfma_i32_16x16x32_i8") for a in ("gfx940", "gfx941", "gfx942")}}
-# The MFMA operand and accumulator vector types.
-_MFMA_TYPES = """\
-typedef int ps_i32x4 __attribute__((ext_vector_type(4)));
-typedef float ps_f32x4 __attribute__((ext_vector_type(4)));
-typedef _Float16 ps_f16x4 __attribute__((ext_vector_type(4)));
-typedef unsigned int ps_u32x2 __attribute__((ext_vector_type(2)));
-"""
+def _wmma_words(n: int):
+    """Operand words of a wave32 WMMA step: lane l passes row (column) l % 16, all n words of it (lanes 16-31 repeat
+    lanes 0-15)."""
+    return lambda lane: tuple((lane % 16, w) for w in range(n))
+
+
+# RDNA3 WMMA (AMD's "How to accelerate AI applications on RDNA 3 using WMMA"): accumulator r of lane l at row
+# 2 r + l / 16, column l % 16.
+WMMA = MatrixUnit(32, 16, 16, 8, lambda lane, r: (2 * r + lane // 16, lane % 16), (
+    MatrixInstr("i8", 4, "__builtin_amdgcn_wmma_i32_16x16x16_iu8_w32", _wmma_words(4), _wmma_words(4)),
+    MatrixInstr("f16", 8, "__builtin_amdgcn_wmma_f32_16x16x16_f16_w32", _wmma_words(8), _wmma_words(8)),
+))
+# The matrix unit of each architecture that has one (in its default wave size: MFMA wave64, WMMA wave32).
+MATRIX_ARCHS = {"gfx908": _mfma(4, "__builtin_amdgcn_mfma_i32_16x16x16i8"),
+                "gfx90a": _mfma(4, "__builtin_amdgcn_mfma_i32_16x16x16i8"),
+                **{a: _mfma(8, "__builtin_amdgcn_mfma_i32_16x16x32_i8") for a in ("gfx940", "gfx941", "gfx942")},
+                **{a: WMMA for a in ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151")}}
+# The operand and accumulator vector types of the matrix builtins.
+_MATRIX_TYPES = "".join(f"typedef {t} ps_{n} __attribute__((ext_vector_type({w})));\n" for t, n, w in (
+    ("int", "i32x4", 4), ("float", "f32x4", 4), ("_Float16", "f16x4", 4), ("unsigned int", "u32x2", 2),
+    ("int", "i32x8", 8), ("float", "f32x8", 8), ("_Float16", "f16x16", 16), ("unsigned int", "u32x8", 8)))
 
 # `a*b+c` must not become an FMA (quantized dot products match the CPU target bit for bit); the runtime also
 # passes -ffp-contract=off. The fp16 header is only needed for the native f16 conversions.
@@ -110,9 +121,10 @@ class HIPPrinter(CPrinter):
     def __init__(self, kernel: Kernel, arch: str, wave: int | None = None, native_f16: bool = True):
         self.arch = arch
         self.wave = wave or wave_of(arch)
-        unit = MFMA_ARCHS.get(base_arch(arch)) if self.wave == 64 else None
+        unit = MATRIX_ARCHS.get(base_arch(arch))
+        unit = unit if unit and unit.width == self.wave else None
         super().__init__(kernel, LaneAbilities(subgroup=self.wave, partial=True, several=True, matrix=unit))
-        self.mfma = False  # whether the kernel uses the MFMA types
+        self.matrix = False  # whether the kernel uses the matrix builtins (and their vector types)
         self.native_f16 = native_f16
         if native_f16:
             self.f16_buffer_type, self.f16_load = "__half", "__half2float({0}[{1}])"
@@ -135,22 +147,26 @@ class HIPPrinter(CPrinter):
         return f"__shared__ {ctype} {name}[{size}];"
 
     def matrix_op(self, op: str, accs: list[str], a: list[str], b: list[str]) -> str:
-        self.mfma = True
-        vec = "ps_i32x4" if "_i32_" in op else "ps_f32x4"
+        self.matrix = True
+        vec = f"ps_{'i32' if '_i32_' in op else 'f32'}x{len(accs)}"
 
         def operand(words: list[str]) -> str:
-            if "f16" in op:  # two words: four halves
-                return f"__builtin_bit_cast(ps_f16x4, (ps_u32x2){{{words[0]}, {words[1]}}})"
+            listed = ", ".join(words)
+            if "f16" in op:  # two halves a word
+                return f"__builtin_bit_cast(ps_f16x{2 * len(words)}, (ps_u32x{len(words)}){{{listed}}})"
+            if "wmma" in op:  # four words of signed int8
+                return "true, (ps_i32x4){" + ", ".join(f"(int){w}" for w in words) + "}"
             if len(words) == 2:  # 16x16x32_i8: eight int8 in a long
                 return f"(long)(((unsigned long){words[1]} << 32) | {words[0]})"
             return f"(int){words[0]}"
-        c = ", ".join(accs)
+        tail = ("false" if "iu8" in op else "") if "wmma" in op else "0, 0, 0"  # WMMA: clamp; MFMA: cbsz, abid, blgp
+        call = ", ".join(x for x in (operand(a), operand(b), "ps_c", tail) if x)
         sets = " ".join(f"{x} = ps_c[{r}];" for r, x in enumerate(accs))
-        return f"{{ {vec} ps_c = {{{c}}}; ps_c = {op}({operand(a)}, {operand(b)}, ps_c, 0, 0, 0); {sets} }}"
+        return f"{{ {vec} ps_c = {{{', '.join(accs)}}}; ps_c = {op}({call}); {sets} }}"
 
     def prelude(self) -> str:
         return _PRELUDE.format(arch=self.arch, wave=self.wave) + (_FP16 if self.native_f16 else "") \
-            + (_MFMA_TYPES if self.mfma else "")
+            + (_MATRIX_TYPES if self.matrix else "")
 
     def signature(self, params: list[str]) -> str:
         return f'extern "C" __global__ void __launch_bounds__({self.lanes})\n{self.k.name}({", ".join(params)})'

@@ -1,9 +1,9 @@
 """Matrix-unit instructions emulated in numba-cuda's simulator, from the vendors' fragment layouts written out element
 by element (PTX ISA "Matrix fragments for mma.m16n8k16 / m16n8k32"; AMD's matrix instruction calculator for the
-16x16 MFMAs), independently of the `MatrixUnit` descriptions in codegen/cuda.py and codegen/hip.py. A kernel lowered
-natively for a unit and rendered by the CUDA printer calls these (the `MatrixOp` spelling of `PyPrinter`), so
-tests/test_target_cuda.py runs the native lowering's operand loads, accumulator layout and tile dealing against
-numpy without the hardware.
+16x16 MFMAs; AMD's RDNA3 WMMA article for the wave32 WMMAs), independently of the `MatrixUnit` descriptions in
+codegen/cuda.py and codegen/hip.py. A kernel lowered natively for a unit and rendered by the CUDA printer calls
+these (the `MatrixOp` spelling of `PyPrinter`), so tests/test_target_cuda.py runs the native lowering's operand
+loads, accumulator layout and tile dealing against numpy without the hardware.
 
 Each call is warp- (wave-) collective: every lane of the subgroup deposits its registers, they meet at a barrier,
 each computes the whole tile product and keeps its own accumulators.
@@ -109,3 +109,28 @@ def __builtin_amdgcn_mfma_i32_16x16x16i8(a0, b0, c0, c1, c2, c3):
 
 def __builtin_amdgcn_mfma_f32_16x16x16f16(a0, a1, b0, b1, c0, c1, c2, c3):
     return _mfma((a0, a1), (b0, b1), (c0, c1, c2, c3), True)
+
+
+def _wmma(a, b, c, floats: bool):
+    """One wave32 16x16x16 WMMA: A[i][k] at lane i (and i + 16), item k; B[k][j] at lane j (and j + 16), item k;
+    D[i][j] at lane j + 16 (i % 2), item i / 2."""
+    lanes = _exchange(32, (a, b, c))
+    A, B, C = np.zeros((16, 16)), np.zeros((16, 16)), np.zeros((16, 16))
+    for lane, (ra, rb, rc) in enumerate(lanes):
+        if lane < 16:
+            A[lane, :] = np.concatenate([(_halves if floats else _bytes)(w) for w in ra])
+            B[:, lane] = np.concatenate([(_halves if floats else _bytes)(w) for w in rb])
+        for item in range(8):
+            C[2 * item + lane // 16, lane % 16] = rc[item]
+    D = C + A @ B
+    lane = _lane()[0] % 32
+    vals = [D[2 * r + lane // 16, lane % 16] for r in range(8)]
+    return tuple(np.float32(v) for v in vals) if floats else tuple(int(v) for v in vals)
+
+
+def __builtin_amdgcn_wmma_i32_16x16x16_iu8_w32(a0, a1, a2, a3, b0, b1, b2, b3, *c):
+    return _wmma((a0, a1, a2, a3), (b0, b1, b2, b3), c, False)
+
+
+def __builtin_amdgcn_wmma_f32_16x16x16_f16_w32(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7, *c):
+    return _wmma((a0, a1, a2, a3, a4, a5, a6, a7), (b0, b1, b2, b3, b4, b5, b6, b7), c, True)

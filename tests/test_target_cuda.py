@@ -83,27 +83,29 @@ def test_case_matches_numpy_and_cpu(rt, cpu, case):
 
 @inner
 @pytest.mark.parametrize("unit,kind", [("mma_sync", "i8"), ("mma_sync", "f16"), ("mma_sync", "recipe"), ("mfma", "i8"),
-                                       ("mfma", "f16")])
+                                       ("mfma", "f16"), ("wmma", "f16"), ("wmma", "recipe")])
 def test_native_tile_lowering_emulated(unit, kind, tmp_path):
-    """The native lowering of tile products for cuda's MMA_SYNC unit and hip's gfx90a MFMA unit (operand loads,
-    accumulator layout, tiles dealt to subgroups), rendered by this printer with the instructions emulated from the
-    vendors' fragment layouts (`matrix_emulation`), against numpy: the conformance cases and the prefill matmul
-    recipe's kernel (int8 m16n8k32 on MMA_SYNC)."""
+    """The native lowering of tile products for cuda's MMA_SYNC unit and hip's gfx90a MFMA and gfx11 WMMA units
+    (operand loads, accumulator layout, tiles dealt to subgroups), rendered by this printer with the instructions
+    emulated from the vendors' fragment layouts (`matrix_emulation`), against numpy: the conformance cases and the
+    prefill matmul recipe's kernel (int8 m16n8k32 on MMA_SYNC)."""
     import importlib
 
     from ir_constructs import tile_case
 
     from polystrata.codegen.cuda import MMA_SYNC, CUDAPrinter
-    from polystrata.codegen.hip import MFMA_ARCHS
+    from polystrata.codegen.hip import MATRIX_ARCHS
     from polystrata.codegen.lanes import LaneAbilities
     from polystrata.codegen.pyfamily import PyPrinter
 
-    mu = MMA_SYNC if unit == "mma_sync" else MFMA_ARCHS["gfx90a"]
+    mu = MMA_SYNC if unit == "mma_sync" else MATRIX_ARCHS["gfx90a" if unit == "mfma" else "gfx1100"]
 
     class Emulated(CUDAPrinter):
         imports = CUDAPrinter.imports + ("from matrix_emulation import mma_s8_k32, mma_s8_k16, mma_f16_k16, "
                                          "__builtin_amdgcn_mfma_i32_16x16x16i8, "
-                                         "__builtin_amdgcn_mfma_f32_16x16x16f16\n")
+                                         "__builtin_amdgcn_mfma_f32_16x16x16f16, "
+                                         "__builtin_amdgcn_wmma_i32_16x16x16_iu8_w32, "
+                                         "__builtin_amdgcn_wmma_f32_16x16x16_f16_w32\n")
 
         def __init__(self, k):
             PyPrinter.__init__(self, k, LaneAbilities(several=True, matrix=mu))
@@ -126,7 +128,7 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
     else:
         label, kernel, inputs, outputs, scalars, grid, want = tile_case(kind, 20 if kind == "f16" else 50, 10)
     src = Emulated(kernel).render()
-    assert ("= mma_" if unit == "mma_sync" else "= __builtin_amdgcn_mfma") in src
+    assert {"mma_sync": "= mma_", "mfma": "= __builtin_amdgcn_mfma", "wmma": "= __builtin_amdgcn_wmma"}[unit] in src
     (tmp_path / f"emu_{unit}_{kind}.py").write_text(src)
     sys.path.insert(0, str(tmp_path))
     try:

@@ -449,3 +449,8 @@ def test_tile_products_on_mfma_or_dot4(runtimes, arch):
     src = render(tile_mma_kernel("t_mma_942", [FORMATS["Q8_0"]], 64, 256, rows=32, tokens=32, chunk=64, lanes=64),
                  "gfx942")
     assert "__builtin_amdgcn_mfma_i32_16x16x32_i8((long)" in src
+    # RDNA3's WMMA (wave32; this ROCm cannot compile for gfx11 either: the source only, its layout is emulated in
+    # test_target_cuda.py).
+    src = render(tile_mma_kernel("t_mma_11", [FORMATS["Q8_0"]], 64, 256, rows=32, tokens=16, chunk=64, lanes=64),
+                 "gfx1100")
+    assert "__builtin_amdgcn_wmma_i32_16x16x16_iu8_w32(true, (ps_i32x4){(int)" in src
