@@ -76,11 +76,11 @@ def test_tile_mma_fits():
     assert not tile_mma_fits([FORMATS["Q8_0"]], 96, 64)  # K not a multiple of the chunk
 
 
-def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K") -> list:
+def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K", mma_min: int = 32) -> list:
     g = Graph("t")
     g.op("matmul", g.input("x", "f32", ("T", K)), g.weight("w", fmt, (N, K)), name="y")
     ctx = recipe_context(g, formats={"w": FORMATS[fmt]}, lanes=128)
-    ctx.matrix_units, ctx.t_max = matrix_units, t_max
+    ctx.matrix_units, ctx.t_max, ctx.knobs = matrix_units, t_max, {"matmul": {"mma_min": mma_min}}
     return recipe("matmul").lower(g.nodes, ctx)
 
 
@@ -90,6 +90,7 @@ def test_taken_for_prefill_on_matrix_units_only():
     assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(True, 1)))  # decode
     assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(False, 16)))
     assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(True, 16, "F32")))
+    assert not any(la.kernel.name.endswith("_mma") for la in _matmul_launches(True, 16, mma_min=512))  # too small
     f16 = _matmul_launches(True, 16, "F16")
     assert [la.kernel.name.endswith("_mma") for la in f16] == [True] and f16[0].kernel.param("x")
 
@@ -105,7 +106,7 @@ def test_fused_glu_launches_match_the_reference(rt):
     b = g.op("matmul", x, g.weight("wu", "Q4_0", (N, K)), name="b")
     g.op("swiglu", a, b, name="o")
     ctx = recipe_context(g, formats={"wg": FORMATS["Q8_0"], "wu": FORMATS["Q4_0"]}, lanes=128)
-    ctx.matrix_units, ctx.t_max = True, 70
+    ctx.matrix_units, ctx.t_max, ctx.knobs = True, 70, {"matmul_glu": {"mma_min": 32}}
     launches = recipe("matmul_swiglu").lower(g.nodes, ctx)
     sb, so = plan_scratch(ctx)
     assert launches[1].kernel.name.endswith("_mma")

@@ -245,11 +245,12 @@ def _int8_kernels(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], k: 
             and all(use_int8(f, True) for f in fmts) and k % QB == 0)
 
 
-def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], k: int) -> bool:
+def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n: int, k: int) -> bool:
     """Whether matmuls over `fmts` take `tile_mma_kernel`: plans of steps of several tokens on a target with matrix
     units, formats and K it takes (`tile_mma_fits`): F16 weights, or the GPU path's int8 activations
     (`_int8_kernels`)."""
-    if not (ctx.matrix_units and ctx.t_max > 1 and ctx.lanes > 1 and tile_mma_fits(fmts, k, kn["mma_chunk"])):
+    if not (ctx.matrix_units and ctx.t_max > 1 and ctx.lanes > 1 and min(n, k) >= int(kn["mma_min"])
+            and tile_mma_fits(fmts, k, kn["mma_chunk"])):
         return False
     return f16_path(fmts) or _int8_kernels(ctx, kn, fmts, k)
 
@@ -299,7 +300,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     """The matmul launches: on the GPU path (`_int8_kernels`) a quantize kernel writing x as int8 codes + scales
     into scratch buffers, then `matvec_q8_kernel`; else one `matmul_kernel`."""
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
-    if _tile_products(ctx, kn, fmts, k):
+    if _tile_products(ctx, kn, fmts, n, k):
         # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
         mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"], tokens=kn["mma_tokens"],
                              chunk=kn["mma_chunk"], lanes=kn["mma_lanes"], epilogue=epilogue)
@@ -513,7 +514,7 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
     ns, k = [int(w.type.shape[0]) for w in ws], int(ws[0].type.shape[-1])
     fmts = [_fmt(ctx, w) for w in ws]
     kn = _knobs(ctx, "matmul")
-    if not _int8_kernels(ctx, kn, fmts, k) or _tile_products(ctx, kn, fmts, k):
+    if not _int8_kernels(ctx, kn, fmts, k) or any(_tile_products(ctx, kn, [f], n, k) for f, n in zip(fmts, ns)):
         return [la for n in nodes for la in _lower_matmul([n], ctx)]
     ql, qb, db = quantize_launch(ctx, ctx.buf(x), k, token_binding(x))
     tag = "_".join(f"{f.name.lower()}{n}" for f, n in zip(fmts, ns))

@@ -15,7 +15,8 @@ A group computes a tile of `rows` weight rows x `tokens` tokens, walking K in ch
 4. a last `TileEach` stores the rows and tokens inside the matrix (through the epilogue: the GLU's activation).
 
 The activation codes are those of the GPU matvec path, so prefill and decode see the same rounding. Knobs (recipe
-"matmul", read by `linear._launches`): mma_rows, mma_tokens (the tile), mma_chunk (K per staging round), mma_lanes.
+"matmul", read by `linear._launches`): mma_rows, mma_tokens (the tile), mma_chunk (K per staging round), mma_lanes,
+mma_min (the smallest matrix taken).
 Targets without a matrix unit render the same kernel as loops (`codegen/lanes.py`); `linear._launches` takes it
 only where `RecipeContext.matrix_units` says the target has them and the plan serves steps of several tokens.
 """
@@ -51,7 +52,10 @@ from polystrata.ir.kernel import (
     ToF32,
 )
 
-TILE_MMA_KNOBS = (("mma_rows", 64), ("mma_tokens", 64), ("mma_chunk", 64), ("mma_lanes", 128))
+TILE_MMA_KNOBS = (("mma_rows", 64), ("mma_tokens", 64), ("mma_chunk", 64), ("mma_lanes", 128), ("mma_min", 512))
+# Knob mma_min: the tile path takes matrices of at least this many rows and columns only. Smaller ones cost little
+# in a prompt chunk anyway, and each tile kernel is a long compile (docs/benchmarks.md, "Prefill on matrix units"):
+# the test models' 128-wide matrices keep the matvec path.
 PAD = 4  # words of padding after each operand row (see the module docstring)
 
 
