@@ -3,8 +3,7 @@
 # the benchmarks, and print a short table last. Run from the repository root with the wheels in .whl/:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl numpy==2.4.4 \
 #       pyopencl pytools platformdirs siphash24 gguf   (see docs/benchmarks.md)
-# Stages (default: all but receive, attention, depth, moe and prefill): receive selftest tests parity bench attention
-# depth moe prefill.
+# Stages (default: all but receive, attention, depth and moe): receive selftest tests parity bench attention depth moe.
 # Example: scripts/device_check.sh bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -168,21 +167,8 @@ if [[ " $STAGES " == *" attention "* ]]; then
     done
 fi
 
-if [[ " $STAGES " == *" moe "* ]]; then
-    # MoE decode with experts that do not all fit (issue 17): the 48-layer qwen3-30b-a3b preset against llama.cpp's
-    # --n-cpu-moe at equal device memory (scripts/moe_offload_bench.py; llama-bench from device_llamacpp.sh).
-    # MOE_SKEW > 0 uses a model whose routing is concentrated (synth --router-skew); MOE_ARGS passes options on.
-    M=/tmp/models; mkdir -p "$M"
-    bash scripts/device_llamacpp.sh start && bash scripts/device_llamacpp.sh wait 540 | tee -a "$LOG"
-    mm="$M/qwen3moe-48l-q4km-skew${MOE_SKEW:-0}.gguf"
-    [ -f "$mm" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b --type Q4_K_M \
-        --router-skew "${MOE_SKEW:-0}" -o "$mm" 2>> "$LOG"
-    timeout 1500 python3 scripts/moe_offload_bench.py "$mm" --llama-bench /tmp/llamacpp-build/bin/llama-bench \
-        ${MOE_ARGS:-} --json "$OUT/moe_skew${MOE_SKEW:-0}.json" 2>&1 | tee -a "$LOG" | tail -14 | tee -a "$SUMMARY"
-fi
-
 if [[ " $STAGES " == *" prefill "* ]]; then
-    # Issue 21: prefill on matrix units. The main prefill matmuls alone (llama3-8b's ffn_up / ffn_down shapes, 512
+    # Issue 21 (not among the default stages): prefill on matrix units. The main prefill matmuls alone (llama3-8b's ffn_up / ffn_down shapes, 512
     # tokens: TFLOP/s of the tile-product kernel), then pp512 / pp4096 against llama.cpp's on both presets, same files.
     M=/tmp/models; mkdir -p "$M"
     for shape in "14336 4096" "4096 14336"; do
@@ -207,6 +193,19 @@ if [[ " $STAGES " == *" prefill "* ]]; then
                 "$OUT/lcpp_prefill_${m}_$p.json" "$m" "$p" | tee -a "$SUMMARY"
         done
     done
+fi
+
+if [[ " $STAGES " == *" moe "* ]]; then
+    # MoE decode with experts that do not all fit (issue 17): the 48-layer qwen3-30b-a3b preset against llama.cpp's
+    # --n-cpu-moe at equal device memory (scripts/moe_offload_bench.py; llama-bench from device_llamacpp.sh).
+    # MOE_SKEW > 0 uses a model whose routing is concentrated (synth --router-skew); MOE_ARGS passes options on.
+    M=/tmp/models; mkdir -p "$M"
+    bash scripts/device_llamacpp.sh start && bash scripts/device_llamacpp.sh wait 540 | tee -a "$LOG"
+    mm="$M/qwen3moe-48l-q4km-skew${MOE_SKEW:-0}.gguf"
+    [ -f "$mm" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b --type Q4_K_M \
+        --router-skew "${MOE_SKEW:-0}" -o "$mm" 2>> "$LOG"
+    timeout 1500 python3 scripts/moe_offload_bench.py "$mm" --llama-bench /tmp/llamacpp-build/bin/llama-bench \
+        ${MOE_ARGS:-} --json "$OUT/moe_skew${MOE_SKEW:-0}.json" 2>&1 | tee -a "$LOG" | tail -14 | tee -a "$SUMMARY"
 fi
 
 echo; echo "=== summary ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) ==="
