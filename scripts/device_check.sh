@@ -168,8 +168,9 @@ if [[ " $STAGES " == *" attention "* ]]; then
 fi
 
 if [[ " $STAGES " == *" prefill "* ]]; then
-    # Issue 21 (not among the default stages): prefill on matrix units. The main prefill matmuls alone (llama3-8b's ffn_up / ffn_down shapes, 512
-    # tokens: TFLOP/s of the tile-product kernel), then pp512 / pp4096 against llama.cpp's on both presets, same files.
+    # Issue 21 (not among the default stages): prefill on matrix units. The main prefill matmuls alone (llama3-8b's
+    # ffn_up / ffn_down shapes, 512 tokens: TFLOP/s of the tile-product kernel), then pp512 / pp4096 against
+    # llama.cpp's on both presets, same files. PREFILL_LENGTHS, BENCH_MODELS narrow it.
     M=/tmp/models; mkdir -p "$M"
     for shape in "14336 4096" "4096 14336"; do
         set -- $shape
