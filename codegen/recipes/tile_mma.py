@@ -52,7 +52,7 @@ from polystrata.ir.kernel import (
     ToF32,
 )
 
-TILE_MMA_KNOBS = (("mma_rows", 64), ("mma_tokens", 64), ("mma_chunk", 64), ("mma_lanes", 128), ("mma_min", 512))
+TILE_MMA_KNOBS = (("mma_rows", 64), ("mma_tokens", 32), ("mma_chunk", 64), ("mma_lanes", 128), ("mma_min", 512))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only. Smaller ones cost little
 # in a prompt chunk anyway, and each tile kernel is a long compile (docs/benchmarks.md, "Prefill on matrix units"):
 # the test models' 128-wide matrices keep the matvec path.
