@@ -16,7 +16,7 @@ import re
 
 import numpy as np
 
-from polystrata.codegen.lanes import Barrier, LaneAbilities, LaneId, SubgroupReduce, lower
+from polystrata.codegen.lanes import Barrier, LaneAbilities, LaneId, MatrixOp, SubgroupReduce, lower
 from polystrata.ir.expr import TABLES, Table
 from polystrata.ir.kernel import (
     INTRINSICS,
@@ -219,6 +219,11 @@ class CPrinter:
         return (f"{self.func_qualifier} float ps_subgroup_{name}(float x) {{\n{self.unroll()}\n"
                 f"    for (int o = {width // 2}; o > 0; o >>= 1) {step.format(self.shuffle_xor.format('x', 'o'))}\n"
                 "    return x;\n}\n")
+
+    def matrix_op(self, op: str, accs: list[str], a: list[str], b: list[str]) -> str:
+        """One instruction of the target's `MatrixUnit` (`lanes.MatrixOp`): accumulator variables and operand words
+        (unsigned int expressions); only called where the target declared one."""
+        raise NotImplementedError(f"{type(self).__name__} declares no matrix unit")
 
     def prelude(self) -> str:
         """Text before everything else (pragmas, includes)."""
@@ -457,6 +462,9 @@ class CPrinter:
         elif isinstance(s, SubgroupReduce):
             cname = self.lookup(s.var)[0]
             self.emit(d, f"{cname} = {self.subgroup_reduce(s.op, cname, s.width)};")
+        elif isinstance(s, MatrixOp):
+            self.emit(d, self.matrix_op(s.op, [self.lookup(a)[0] for a in s.accs],
+                                        [self.as_type(x, "u") for x in s.a], [self.as_type(x, "u") for x in s.b]))
         else:
             raise TypeError(f"cannot render {s!r}")
 

@@ -6,16 +6,40 @@ file spells its constructs: the barrier is `cuda.syncthreads()`, and with `shuff
 (32 lanes, several per block) whose `SubgroupReduce` is a `shfl_down_sync` chain (then `shfl_sync` from lane 0
 where every lane needs the result). Without shuffles (the simulator has none) reductions take the portable tree
 in shared memory.
+
+With `mma` (sm_80 and newer) the target declares the `MMA_SYNC` matrix unit: tile products (`TileMMA`) become warp
+`mma.sync` instructions on 16 x 8 tiles (int8 m16n8k32 / m16n8k16 into s32, f16 m16n8k16 into f32), through the
+inline-PTX intrinsics of `codegen/cuda_intrinsics.py`; the operand words come from shared memory as single 32-bit
+loads (no `ldmatrix`: its 8 x 8 b16 layout would need the f16 operands transposed for B).
 """
 
 from __future__ import annotations
 
-from polystrata.codegen.lanes import LaneAbilities, SubgroupReduce
+from polystrata.codegen.lanes import LaneAbilities, MatrixInstr, MatrixUnit, SubgroupReduce
 from polystrata.codegen.pyfamily import NUMPY_DTYPES, PyPrinter
 from polystrata.ir.kernel import Kernel
 
 WARP = 32
 _FULL = "0xFFFFFFFF"
+
+
+def _mma_a(lane):
+    """A operand words of m16n8k32 (s8) and m16n8k16 (f16): rows g, g + 8 at words t, t + 4 of the K step."""
+    g, t = lane // 4, lane % 4
+    return ((g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4))
+
+
+def _mma_b(lane):
+    return ((lane // 4, lane % 4), (lane // 4, lane % 4 + 4))
+
+
+# PTX ISA, "Matrix fragments for mma.m16n8k16 / m16n8k32": groupID = lane / 4, threadID_in_group = lane % 4;
+# accumulator r of a lane at row groupID + 8 (r / 2), column 2 threadID_in_group + r % 2.
+MMA_SYNC = MatrixUnit(WARP, 16, 8, 4, lambda lane, r: (lane // 4 + 8 * (r // 2), lane % 4 * 2 + r % 2), (
+    MatrixInstr("i8", 8, "mma_s8_k32", _mma_a, _mma_b),
+    MatrixInstr("i8", 4, "mma_s8_k16", lambda lane: _mma_a(lane)[:2], lambda lane: _mma_b(lane)[:1]),
+    MatrixInstr("f16", 8, "mma_f16_k16", _mma_a, _mma_b),
+))
 
 
 class CUDAPrinter(PyPrinter):
@@ -26,8 +50,9 @@ class CUDAPrinter(PyPrinter):
     lane_id = "_lid"
     barrier = "cuda.syncthreads()"
 
-    def __init__(self, k: Kernel, shuffles: bool = False, native: bool = False):
-        super().__init__(k, LaneAbilities(subgroup=WARP if shuffles else 0, several=True))
+    def __init__(self, k: Kernel, shuffles: bool = False, native: bool = False, mma: bool = False):
+        super().__init__(k, LaneAbilities(subgroup=WARP if shuffles else 0, several=True,
+                                          matrix=MMA_SYNC if mma and native else None))
         self.native = native  # intrinsics as PTX (`codegen/cuda_intrinsics.py`); the simulator runs the portable ones
         if native:
             self.native_intrinsics = {"dot4_i8": "dp4a", "f16_bits_to_f32": "f16_to_f32",
@@ -37,7 +62,8 @@ class CUDAPrinter(PyPrinter):
             self.aligned_loads = {n: f"load_u32_a{n}" for n in (2, 4, 8, 16)}
             self.aligned_elements = {n: f"load_a{n}" for n in (8, 16)}
             self.imports += ("from polystrata.codegen.cuda_intrinsics import dp4a, f16_to_f32, f32_to_f16, "
-                             "load_a8, load_a16, load_u32_a2, load_u32_a4, load_u32_a8, load_u32_a16\n")
+                             "load_a8, load_a16, load_u32_a2, load_u32_a4, load_u32_a8, load_u32_a16, "
+                             "mma_f16_k16, mma_s8_k16, mma_s8_k32\n")
 
     def header(self) -> int:
         k = self.k
@@ -62,10 +88,11 @@ class CUDAPrinter(PyPrinter):
             self.emit(d, f"{v} = cuda.shfl_sync({_FULL}, {v}, 0)")
 
 
-def render(kernel: Kernel, shuffles: bool = False, native: bool = False) -> str:
+def render(kernel: Kernel, shuffles: bool = False, native: bool = False, mma: bool = False) -> str:
     """numba-cuda source of `kernel`: a module with the f16/intrinsic device functions and one `@cuda.jit`
     kernel `kernel.name` taking its parameters in order (1-D arrays and int32/float32 scalars); launch it on
     `grid` blocks of `kernel.lanes` threads. `shuffles` selects warp shuffles for `Reduce` (lanes a multiple of
     32; not available in the simulator), otherwise the shared-memory tree; `native` the PTX forms of the
-    intrinsics (`dp4a`, word loads; not in the simulator), otherwise their portable definitions."""
-    return CUDAPrinter(kernel, shuffles, native).render()
+    intrinsics (`dp4a`, word loads; not in the simulator), otherwise their portable definitions; `mma` (with
+    `native`, sm_80+) tile products on the `MMA_SYNC` unit, otherwise their portable loops."""
+    return CUDAPrinter(kernel, shuffles, native, mma).render()

@@ -133,3 +133,61 @@ def _aligned_element(align: int):
 
 load_a8 = _aligned_element(8)
 load_a16 = _aligned_element(16)
+
+
+def _mma(ptx: str, n_a: int, n_b: int, floats: bool):
+    """An intrinsic of one warp-wide `mma.sync` (`ptx`, its operand lists written as {A}, {B}, {C}, {D}): n_a and
+    n_b operand words (u32, packed int8 or f16 pairs), four accumulators in and out (s32 or f32), returned as a
+    4-tuple; the accumulator list in and out are separate registers."""
+    acc = ir.FloatType() if floats else ir.IntType(32)
+    acc_t = types.float32 if floats else types.int32
+    c = "f" if floats else "r"
+    count = n_a + n_b + 4
+    regs = [f"${k}" for k in range(4 + count)]
+
+    def group(lo: int, hi: int) -> str:
+        return "{" + ", ".join(regs[lo:hi]) + "}"
+
+    nb = 4 + n_a + n_b
+    text = ptx.format(D=group(0, 4), A=group(4, 4 + n_a), B=group(4 + n_a, nb), C=group(nb, nb + 4))
+    constraints = ",".join([f"={c}"] * 4 + ["r"] * (n_a + n_b) + [c] * 4)
+
+    def typer(args):
+        if len(args) != count or not all(isinstance(t, types.Integer) for t in args[:n_a + n_b]):
+            return None
+        return types.UniTuple(acc_t, 4)(*args)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        words = [_narrow(builder, v, 32) for v in args[:n_a + n_b]]
+        accs = []
+        for v, t in zip(args[n_a + n_b:], signature.args[n_a + n_b:]):
+            accs.append(context.cast(builder, v, t, acc_t))
+        fn = ir.FunctionType(ir.LiteralStructType([acc] * 4), [i32] * (n_a + n_b) + [acc] * 4)
+        call = builder.call(ir.InlineAsm(fn, text, constraints), words + accs)
+        call.attributes.add("readnone")
+        return context.make_tuple(builder, signature.return_type, [builder.extract_value(call, k) for k in range(4)])
+
+    return typer, codegen
+
+
+def _mma_intrinsic(name: str, ptx: str, n_a: int, n_b: int, floats: bool, doc: str):
+    typer, codegen = _mma(ptx, n_a, n_b, floats)
+    # Numba's intrinsics take named parameters only (no *args): the definition is written out for this arity, under
+    # the intrinsic's own name and this module (numba names and caches intrinsics by them).
+    names = ", ".join(f"x{k}" for k in range(n_a + n_b + 4))
+    scope = {"typer": typer, "codegen": codegen, "__name__": __name__}
+    exec(f"def {name}(typingctx, {names}):\n    sig = typer(({names},))\n"
+         "    return (sig, codegen) if sig is not None else None\n", scope)
+    scope[name].__doc__ = doc
+    return intrinsic(scope[name])
+
+
+# One warp's 16 x 8 tile product (`codegen/cuda.py`'s MMA_SYNC unit) on sm_80 and newer.
+_MMA = "mma.sync.aligned.{shape}.row.col.{types} {{D}}, {{A}}, {{B}}, {{C}};"
+mma_s8_k32 = _mma_intrinsic("mma_s8_k32", _MMA.format(shape="m16n8k32", types="s32.s8.s8.s32"), 4, 2, False,
+                            "16 x 8 x 32 int8 tile product into s32 accumulators (mma.sync).")
+mma_s8_k16 = _mma_intrinsic("mma_s8_k16", _MMA.format(shape="m16n8k16", types="s32.s8.s8.s32"), 2, 1, False,
+                            "16 x 8 x 16 int8 tile product into s32 accumulators (mma.sync).")
+mma_f16_k16 = _mma_intrinsic("mma_f16_k16", _MMA.format(shape="m16n8k16", types="f32.f16.f16.f32"), 4, 2, True,
+                             "16 x 8 x 16 f16 tile product into f32 accumulators (mma.sync).")

@@ -20,12 +20,26 @@ printer spells one to one:
 
 A target that runs each group as one thread (`ONE_LANE`: the CPU, a C compiler for the host) gets the IR's
 sequential semantics literally: plain loops, plain stores, no barriers, no `LaneId`.
+
+Tile products (`Fragment`, `TileMMA`, `TileEach`) come first:
+
+* portable (no `MatrixUnit` declared, or a kernel whose shapes it does not take): each fragment becomes a local
+  array, element e owned by lane e % lanes; `TileEach` a `LaneFor` over the elements, `TileMMA` a `LaneFor` whose
+  lane sums its elements' products word by word (`dot4_i8` for int8, so a target with a native dot product --
+  dp4a, sdot4 -- uses it), both then lowered as above;
+* native (the target's `MatrixUnit`): each fragment is a set of per-lane registers (`Decl`s named
+  `{fragment}_{tile}_{register}`), the hardware tiles of each fragment dealt round-robin to the group's subgroups;
+  `TileEach` is unrolled over a lane's registers (the element's (i, j) from the unit's accumulator layout),
+  `TileMMA` becomes per hardware tile a `For` over K steps of `MatrixOp`s whose operand words are loaded from the
+  local arrays where the unit's operand layout says; a `Barrier` precedes the next write into local arrays a
+  `TileMMA` or `TileEach` read.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from polystrata.ir.expr import Expr
 from polystrata.ir.kernel import (
@@ -35,6 +49,8 @@ from polystrata.ir.kernel import (
     Const,
     Decl,
     For,
+    FragElem,
+    FragSet,
     If,
     Kernel,
     LaneFor,
@@ -43,15 +59,70 @@ from polystrata.ir.kernel import (
     LocalArray,
     Reduce,
     Store,
+    TileEach,
+    TileMMA,
     Var,
     buffers_read,
     loads,
+    rewrite,
     stmt_exprs,
     walk,
 )
 
 # The local array the lowering adds for reductions that combine through local memory.
 SCRATCH = "ps_red"
+
+
+@dataclass(frozen=True)
+class MatrixInstr:
+    """One tile-product instruction of a `MatrixUnit`: `kind` ("i8", "f16") operands, `words` packed words of K
+    per step; `a(lane)` / `b(lane)`: the (row or column, word) of each operand word a lane of the subgroup passes,
+    within the hardware tile and the K step; `op` names it for the printer (`MatrixOp`)."""
+
+    kind: str
+    words: int
+    op: str
+    a: Callable[[Expr], tuple[tuple[Expr, Expr], ...]]
+    b: Callable[[Expr], tuple[tuple[Expr, Expr], ...]]
+
+
+@dataclass(frozen=True)
+class MatrixUnit:
+    """A target's matrix unit: one subgroup of `width` lanes computes an `m` x `n` accumulator tile, `regs` values a
+    lane, value r of lane l at `acc(l, r)` = (i, j); `instrs` in order of preference."""
+
+    width: int
+    m: int
+    n: int
+    regs: int
+    acc: Callable[[Expr, int], tuple[Expr, Expr]]
+    instrs: tuple[MatrixInstr, ...]
+
+    def instr(self, kind: str, words: int) -> MatrixInstr | None:
+        """The first instruction for `kind` whose K step divides `words`."""
+        return next((i for i in self.instrs if i.kind == kind and words % i.words == 0), None)
+
+    def takes(self, k: Kernel) -> bool:
+        """Whether kernel `k`'s tile products fit: fragment tiles a multiple of m x n, dealt evenly to whole
+        subgroups, and every TileMMA's K a multiple of an instruction's."""
+        if not k.fragments or k.lanes % self.width:
+            return False
+        f = k.fragments[0]
+        tiles = (f.rows // self.m) * (f.cols // self.n)
+        if f.rows % self.m or f.cols % self.n or tiles % (k.lanes // self.width):
+            return False
+        return all(self.instr(s.kind, s.words) for s in walk(k.body) if isinstance(s, TileMMA))
+
+
+@dataclass(frozen=True)
+class MatrixOp:
+    """`accs += A . B` on one hardware tile: instruction `op` of a `MatrixUnit` (only in lowered kernels), `accs` the
+    lane's accumulator variables, `a` / `b` its operand words (u32 values)."""
+
+    op: str
+    accs: tuple[str, ...]
+    a: tuple[Expr, ...]
+    b: tuple[Expr, ...]
 
 
 @dataclass(frozen=True)
@@ -67,6 +138,7 @@ class LaneAbilities:
     subgroup: int = 0
     partial: bool = False
     several: bool = False
+    matrix: MatrixUnit | None = field(default=None, compare=False)
 
 
 ONE_LANE = LaneAbilities(parallel=False)
@@ -98,7 +170,67 @@ class SubgroupReduce:
 
 def lower(k: Kernel, abilities: LaneAbilities) -> Kernel:
     """`k` with its lane semantics made explicit for a target with `abilities` (see the module docstring)."""
+    unit = abilities.matrix if abilities.parallel else None
+    if k.fragments and not (unit and unit.takes(k)):
+        k = portable_tiles(k)
     return _Lowering(k, abilities).kernel()
+
+
+def portable_tiles(k: Kernel) -> Kernel:
+    """`k` with its fragments as local arrays and `TileEach` / `TileMMA` as `LaneFor`s over their elements."""
+    if not k.fragments:
+        return k
+    f0 = k.fragments[0]
+    cols, size = f0.cols, f0.rows * f0.cols
+    e = Var("_te")
+
+    def element(i: str, j: str, body: tuple) -> tuple:
+        return (Let(i, e // cols), Let(j, e % cols), *body)
+
+    def each_body(body: tuple) -> tuple:
+        return _fragments_as(body, lambda f: Load(f, e), lambda s: Store(s.frag, e, s.value))
+
+    def tiles(body: tuple) -> tuple:
+        out = []
+        for s in body:
+            if isinstance(s, TileEach | TileMMA):
+                if isinstance(s, TileEach):
+                    part = element(s.i, s.j, each_body(s.body))
+                else:
+                    part = element("_ti", "_tj", _portable_product(s, Var("_ti"), Var("_tj"), e))
+                # A run of tile statements is one lane loop: each lane only touches its own elements, so they
+                # need no barrier between them.
+                if out and isinstance(out[-1], LaneFor) and out[-1].var == e.name:
+                    out[-1] = LaneFor(e.name, Const(size), out[-1].body + part)
+                else:
+                    out.append(LaneFor(e.name, Const(size), part))
+                continue
+            if isinstance(s, For):
+                s = replace(s, body=tiles(s.body))
+            elif isinstance(s, If):
+                s = If(s.cond, tiles(s.then), tiles(s.orelse))
+            out.append(s)
+        return tuple(out)
+
+    local = tuple(LocalArray(f.name, f.dtype, f.rows * f.cols) for f in k.fragments)
+    return replace(k, body=tiles(k.body), local=k.local + local, fragments=())
+
+
+def _portable_product(s: TileMMA, i: Expr, j: Expr, e: Expr) -> tuple:
+    """Element (i, j) of `s`'s product added to its fragment (stored at e), word by word."""
+    w = Var("_tw")
+    a, b = Load(s.a, s.a_base + i * s.a_stride + w), Load(s.b, s.b_base + j * s.b_stride + w)
+    if s.kind == "i8":
+        step = (Assign("_tacc", Call("dot4_i8", a, b, Var("_tacc"))),)
+    else:
+        def half(word: str, hi: bool) -> Expr:
+            return Call("f16_bits_to_f32", (Var(word) >> 16) if hi else (Var(word) & 0xFFFF))
+        step = (Let("_twa", a), Let("_twb", b),
+                Assign("_tacc", Var("_tacc") + (half("_twa", False) * half("_twb", False)
+                                                + half("_twa", True) * half("_twb", True))))
+    return (Decl("_tacc", "i32" if s.kind == "i8" else "f32", Load(s.acc, e)),
+            For(w.name, Const(0), Const(s.words), step),
+            Store(s.acc, e, Var("_tacc")))
 
 
 def _combine(op: str, a: Expr, b: Expr) -> Expr:
@@ -113,13 +245,59 @@ class _Lowering:
         self.local = {a.name for a in k.local}
         self.loaded = buffers_read(k)
         self.uniform_local_reads = _uniform_local_reads(k, self.local)
+        self.unit = abilities.matrix  # native tile products (`portable_tiles` has removed any it does not take)
+        self.frags = {f.name: f for f in k.fragments}
         self.last_barrier = False  # whether the statement just emitted was a barrier
         self.scratch = 0  # floats of SCRATCH needed
 
     def kernel(self) -> Kernel:
-        body = tuple(self.group(self.k.body))
+        body = tuple(self.registers() + self.group(self.k.body))
         scratch = (LocalArray(SCRATCH, "f32", self.scratch),) if self.scratch else ()
-        return replace(self.k, body=body, local=self.k.local + scratch)
+        return replace(self.k, body=body, local=self.k.local + scratch, fragments=())
+
+    # --- native tile products ---------------------------------------------------------------------------
+
+    def per_lane(self) -> int:
+        """Hardware tiles of a fragment each subgroup holds."""
+        f = next(iter(self.frags.values()))
+        return (f.rows // self.unit.m) * (f.cols // self.unit.n) // (self.lanes // self.unit.width)
+
+    def registers(self) -> list:
+        if not self.frags:
+            return []
+        return [Decl(f"{f.name}_{p}_{r}", f.dtype, Const(0 if f.dtype == "i32" else 0.0))
+                for f in self.frags.values() for p in range(self.per_lane()) for r in range(self.unit.regs)]
+
+    def tile_origin(self, p: int) -> tuple[Expr, Expr]:
+        """(first row, first column) of the p-th hardware tile this lane's subgroup holds."""
+        u, f = self.unit, next(iter(self.frags.values()))
+        groups = self.lanes // u.width
+        t = LaneId() // u.width + p * groups if groups > 1 else Const(p)
+        across = f.cols // u.n
+        return (t // across) * u.m, (t % across) * u.n
+
+    def tile_each(self, s: TileEach) -> list:
+        out = []
+        lane = LaneId() % self.unit.width
+        for p in range(self.per_lane()):
+            i0, j0 = self.tile_origin(p)
+            for r in range(self.unit.regs):
+                names = {f: f"{f}_{p}_{r}" for f in self.frags}
+                di, dj = self.unit.acc(lane, r)
+                out += [Let(s.i, i0 + di), Let(s.j, j0 + dj), *_registers_for(s.body, names)]
+        return out
+
+    def tile_mma(self, s: TileMMA) -> list:
+        ins = self.unit.instr(s.kind, s.words)
+        lane, w = LaneId() % self.unit.width, Var("_tk")
+        out = []
+        for p in range(self.per_lane()):
+            i0, j0 = self.tile_origin(p)
+            a = tuple(Load(s.a, s.a_base + (i0 + r) * s.a_stride + w + c) for r, c in ins.a(lane))
+            b = tuple(Load(s.b, s.b_base + (j0 + r) * s.b_stride + w + c) for r, c in ins.b(lane))
+            accs = tuple(f"{s.acc}_{p}_{r}" for r in range(self.unit.regs))
+            out.append(For(w.name, Const(0), Const(s.words), (MatrixOp(ins.op, accs, a, b),), step=ins.words))
+        return out
 
     def group(self, body) -> list:
         """Group-level statements, lowered."""
@@ -135,6 +313,10 @@ class _Lowering:
                 continue
             if isinstance(s, Store):
                 out += self.store(s)
+                continue
+            if isinstance(s, TileEach | TileMMA):
+                out += self.tile_each(s) if isinstance(s, TileEach) else self.tile_mma(s)
+                self.last_barrier = False
                 continue
             self.last_barrier = False
             if isinstance(s, For):
@@ -233,12 +415,38 @@ class _Lowering:
         return out
 
 
+def _registers_for(body: tuple, names: dict[str, str]) -> list:
+    """A `TileEach` body for one element: `FragElem` / `FragSet` of fragment f as the register `names[f]`."""
+    return list(_fragments_as(body, lambda f: Var(names[f]), lambda s: Assign(names[s.frag], s.value)))
+
+
+def _fragments_as(body: tuple, elem, set_) -> tuple:
+    """A `TileEach` body with each `FragElem(f)` replaced by `elem(f)` and each `FragSet` statement by `set_(s)`,
+    in nested `For` and `If` bodies too."""
+    out = []
+    for s in rewrite(body, lambda x: elem(x.frag) if isinstance(x, FragElem) else x):
+        if isinstance(s, FragSet):
+            s = set_(s)
+        elif isinstance(s, For):
+            s = replace(s, body=_fragments_as(s.body, elem, set_))
+        elif isinstance(s, If):
+            s = If(s.cond, _fragments_as(s.then, elem, set_), _fragments_as(s.orelse, elem, set_))
+        out.append(s)
+    return tuple(out)
+
+
 def _uniform_local_reads(k: Kernel, local: set[str]) -> set[str]:
-    """Local arrays read by uniform (group-level) statements."""
+    """Local arrays read by uniform (group-level) statements, and by tile products (native ones read them from
+    every lane, with no barrier after)."""
     out: set[str] = set()
 
     def visit(body):
         for s in body:
+            if isinstance(s, TileMMA):
+                out.update((s.a, s.b))
+            if isinstance(s, TileEach):
+                out.update(ld.buf for st in walk(s.body) for e in stmt_exprs(st) for ld in loads(e)
+                           if ld.buf in local)
             exprs = (s.stop,) if isinstance(s, LaneFor | Reduce) else stmt_exprs(s)
             for e in exprs:
                 out.update(ld.buf for ld in loads(e) if ld.buf in local)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from polystrata.codegen.lanes import ONE_LANE, Barrier, LaneAbilities, LaneId, SubgroupReduce, lower
+from polystrata.codegen.lanes import ONE_LANE, Barrier, LaneAbilities, LaneId, MatrixOp, SubgroupReduce, lower
 from polystrata.ir.expr import TABLES, Table
 from polystrata.ir.kernel import (
     Assign,
@@ -244,6 +244,10 @@ class PyPrinter:
             self.emit(d, self.barrier)
         elif isinstance(s, SubgroupReduce):
             self.subgroup_reduce(s, d)
+        elif isinstance(s, MatrixOp):
+            # The target's instruction function returns the new accumulators.
+            args = ", ".join([self.e(x) for x in s.a + s.b] + list(s.accs))
+            self.emit(d, f"{', '.join(s.accs)} = {s.op}({args})")
         else:
             raise TypeError(f"cannot render {s!r}")
 

@@ -15,6 +15,16 @@ Execution model (what a recipe writer may assume, and what every target must hon
     written there is visible to whatever follows.
 * `LaneFor` and `Reduce` appear only at group level (not inside each other, nor inside `For`/`If` bodies whose
   condition is not uniform). Inside them: `Let`, `Decl`, `Assign`, `Store`, `For`, `If`.
+* Tile products (matrix units): a `Fragment` is a rows x cols accumulator tile (i32 or f32) owned by the group;
+  `TileMMA` adds to it the product of two tiles of packed words in local arrays (int8 x int8 -> i32, or
+  f16 x f16 -> f32); `TileEach` visits its elements (reading them with `FragElem`, writing them with `FragSet`),
+  e.g. to scale, clear or store them. Read sequentially, these are plain loops, which is how a target without
+  matrix units renders them (`codegen/lanes.py`: the fragment becomes a local array, each element owned by one
+  lane). A target with matrix units keeps each fragment in the registers of its subgroups, in the layout its
+  instruction wants, so `TileEach` must not assume which lane holds which element or in which order they come:
+  its iterations are independent, and it reads local arrays and buffers, writes fragments and buffers.
+  Like `LaneFor`, both appear only at group level; a target makes the local arrays a `TileMMA` or `TileEach`
+  reads safe to overwrite afterwards (a barrier before the next write).
 
 Expressions reuse the quantization expression nodes (`Const`, `Var`, `Bin`, `Select`, `ToF32`) from
 `ir/expr.py` and add buffer loads, casts and calls. Calls are math functions and **intrinsics**; each intrinsic
@@ -235,6 +245,71 @@ class LocalArray:
     size: int
 
 
+TILE_KINDS = {"i8": "i32", "f16": "f32"}  # element kind of a TileMMA's operands -> its accumulator's dtype
+TILE_PACK = {"i8": 4, "f16": 2}  # elements in one operand word (little-endian: element 0 in the low bits)
+
+
+@dataclass(frozen=True)
+class Fragment:
+    """An accumulator tile of `rows` x `cols` values of `dtype` (i32 or f32) owned by the group; undefined until a
+    `TileEach` sets it. Where it lives (local memory, the registers of several subgroups) is the target's choice."""
+
+    name: str
+    dtype: str
+    rows: int
+    cols: int
+
+
+@dataclass(frozen=True)
+class TileMMA:
+    """`acc[i, j] += sum over w < words of dot(a[a_base + i * a_stride + w], b[b_base + j * b_stride + w])` for
+    every element (i, j) of fragment `acc`: a tile product of `acc.rows` x K by K x `acc.cols`, K = words * the
+    elements of a word (`TILE_PACK`). `a` and `b` are u32 local arrays of packed words (`kind` "i8": four signed
+    bytes, products summed exactly into i32; "f16": two f16 halves, products summed into f32 in an order the target
+    chooses); row i of A and column j of B are K-contiguous. `a_base` / `b_base` are uniform; the strides (in
+    words) are constants, so a target can check its access pattern (a stride of words + 4 keeps a warp's fragment
+    loads off each other's banks)."""
+
+    acc: str
+    kind: str
+    a: str
+    a_base: Expr
+    a_stride: int
+    b: str
+    b_base: Expr
+    b_stride: int
+    words: int
+
+
+@dataclass(frozen=True)
+class TileEach:
+    """`for i in range(rows): for j in range(cols): body` over the shape of the kernel's fragments, with element
+    (i, j) of any fragment read by `FragElem` and written by `FragSet`. Iterations are independent and may run in
+    any order, spread over the lanes (see the module docstring)."""
+
+    i: str
+    j: str
+    body: tuple
+
+
+@dataclass(frozen=True)
+class FragElem(Expr):
+    """Inside a `TileEach`: the current element of fragment `frag`."""
+
+    frag: str
+
+
+@dataclass(frozen=True)
+class FragSet:
+    """Inside a `TileEach`: set the current element of fragment `frag` (converted to its dtype)."""
+
+    frag: str
+    value: Expr
+
+
+Stmt = Stmt | TileMMA | TileEach | FragSet
+
+
 @dataclass(frozen=True)
 class Kernel:
     """One kernel: parameters, grid, group size, local arrays, body, and the schedule knobs chosen."""
@@ -247,6 +322,7 @@ class Kernel:
     local: tuple[LocalArray, ...] = ()
     knobs: tuple[tuple[str, Any], ...] = ()
     doc: str = ""
+    fragments: tuple[Fragment, ...] = ()
 
     def __post_init__(self):
         verify(self)
@@ -307,7 +383,7 @@ def walk(body: tuple) -> Iterator[Stmt]:
 
 
 def _children(s) -> tuple:
-    if isinstance(s, For | LaneFor | Reduce):
+    if isinstance(s, For | LaneFor | Reduce | TileEach):
         return (s.body,)
     if isinstance(s, If):
         return (s.then, s.orelse)
@@ -320,17 +396,41 @@ def verify(k: Kernel) -> None:
         raise KernelError(f"{k.name}: grid must have 1 to 3 dims")
     if k.lanes < 1:
         raise KernelError(f"{k.name}: lanes must be >= 1")
-    names = [p.name for p in k.params] + [a.name for a in k.local]
+    names = [p.name for p in k.params] + [a.name for a in k.local] + [f.name for f in k.fragments]
     if len(set(names)) != len(names):
-        raise KernelError(f"{k.name}: duplicate parameter or local array names")
+        raise KernelError(f"{k.name}: duplicate parameter, local array or fragment names")
+    frags = {f.name: f for f in k.fragments}
+    for f in k.fragments:
+        if f.dtype not in ("i32", "f32") or f.rows < 1 or f.cols < 1:
+            raise KernelError(f"{k.name}: fragment {f.name} must be i32 or f32 with rows, cols >= 1")
+    if len({(f.rows, f.cols) for f in k.fragments}) > 1:
+        raise KernelError(f"{k.name}: fragments of one kernel share one shape (TileEach walks it)")
+    u32_local = {a.name for a in k.local if a.dtype in ("u32", "i32")}
     for p in k.params:
         if isinstance(p, Buf) and p.dtype not in DTYPES:
             raise KernelError(f"{k.name}: buffer {p.name} has unknown dtype {p.dtype}")
     bufs = {p.name for p in k.params if isinstance(p, Buf)} | {a.name for a in k.local}
     outs = {p.name for p in k.params if isinstance(p, Buf) and p.out} | {a.name for a in k.local}
 
-    def check_group(body: tuple, top: bool) -> None:
+    def check_group(body: tuple, top: bool, each: bool = False) -> None:
         for s in body:
+            if isinstance(s, TileMMA):
+                f = frags.get(s.acc)
+                if not top or f is None or TILE_KINDS.get(s.kind) != f.dtype:
+                    raise KernelError(f"{k.name}: TileMMA into {s.acc} must be at group level, into a fragment "
+                                      f"of dtype {TILE_KINDS.get(s.kind, '(kind i8 or f16)')}")
+                if s.a not in u32_local or s.b not in u32_local or s.words < 1:
+                    raise KernelError(f"{k.name}: TileMMA operands {s.a}, {s.b} must be u32 local arrays")
+            if isinstance(s, TileEach):
+                if not top or not frags:
+                    raise KernelError(f"{k.name}: TileEach must be at group level, in a kernel with fragments")
+                check_group(s.body, False, True)
+            if isinstance(s, FragSet) and (not each or s.frag not in frags):
+                raise KernelError(f"{k.name}: FragSet of {s.frag} outside a TileEach or of no fragment")
+            for e in stmt_exprs(s):
+                for fe in expr_nodes(e):
+                    if isinstance(fe, FragElem) and (not each or fe.frag not in frags):
+                        raise KernelError(f"{k.name}: FragElem of {fe.frag} outside a TileEach or of no fragment")
             if isinstance(s, LaneFor | Reduce):
                 if not top:
                     raise KernelError(f"{k.name}: {type(s).__name__} over {s.var} must be at group level")
@@ -338,10 +438,10 @@ def verify(k: Kernel) -> None:
                     raise KernelError(f"{k.name}: unknown reduction {s.op}")
                 check_group(s.body, False)
             elif isinstance(s, For):
-                check_group(s.body, top)
+                check_group(s.body, top, each)
             elif isinstance(s, If):
-                check_group(s.then, top)
-                check_group(s.orelse, top)
+                check_group(s.then, top, each)
+                check_group(s.orelse, top, each)
             if isinstance(s, Store):
                 if s.buf not in outs:
                     raise KernelError(f"{k.name}: store to {s.buf}, which is not an output buffer or local array")
@@ -369,6 +469,10 @@ def stmt_exprs(s) -> tuple[Expr, ...]:
         return (s.stop, *(v for _, v in s.results))
     if isinstance(s, If):
         return (s.cond,)
+    if isinstance(s, TileMMA):
+        return (s.a_base, s.b_base)
+    if isinstance(s, FragSet):
+        return (s.value,)
     return ()
 
 
@@ -443,6 +547,8 @@ def dump(k: Kernel) -> str:
         lines.append("  knobs " + ", ".join(f"{n}={v}" for n, v in k.knobs))
     for a in k.local:
         lines.append(f"  local {a.dtype} {a.name}[{a.size}]")
+    for f in k.fragments:
+        lines.append(f"  fragment {f.dtype} {f.name}[{f.rows}x{f.cols}]")
     _dump_body(k.body, lines, 1)
     return "\n".join(lines)
 
@@ -475,6 +581,14 @@ def _dump_body(body: tuple, lines: list[str], depth: int) -> None:
             lines.append(f"{pad}{names} = reduce {s.op} over {s.var} in 0..{expr_str(s.stop)}:")
             _dump_body(s.body, lines, depth + 1)
             lines.append(f"{pad}  yield {', '.join(expr_str(v) for _, v in s.results)}")
+        elif isinstance(s, TileMMA):
+            lines.append(f"{pad}{s.acc} += tile {s.kind} {s.a}[{expr_str(s.a_base)} + i*{s.a_stride}] . "
+                         f"{s.b}[{expr_str(s.b_base)} + j*{s.b_stride}] over {s.words} words")
+        elif isinstance(s, TileEach):
+            lines.append(f"{pad}tile for {s.i}, {s.j}:")
+            _dump_body(s.body, lines, depth + 1)
+        elif isinstance(s, FragSet):
+            lines.append(f"{pad}{s.frag}[.] = {expr_str(s.value)}")
         elif isinstance(s, If):
             lines.append(f"{pad}if {expr_str(s.cond)}:")
             _dump_body(s.then, lines, depth + 1)
@@ -501,12 +615,15 @@ def expr_str(e: Expr) -> str:
         return f"{e.buf}[{expr_str(e.index)}]" + (f"@{e.align}" if e.align > 1 else "")
     if isinstance(e, Call):
         return f"{e.fn}({', '.join(expr_str(a) for a in e.args)})"
+    if isinstance(e, FragElem):
+        return f"{e.frag}[.]"
     return repr(e)
 
 
 __all__ = [
-    "Assign", "Bin", "Buf", "Call", "Cast", "Const", "Decl", "For", "GRID_VARS", "If", "Kernel", "KernelError",
-    "LaneFor", "Let", "Load", "LocalArray", "Reduce", "Scalar", "Select", "Store", "ToF32", "Var", "dump",
+    "Assign", "Bin", "Buf", "Call", "Cast", "Const", "Decl", "For", "FragElem", "FragSet", "Fragment", "GRID_VARS",
+    "If", "Kernel", "KernelError", "LaneFor", "Let", "Load", "LocalArray", "Reduce", "Scalar", "Select", "Store",
+    "TileEach", "TileMMA", "ToF32", "Var", "dump",
     "expr_nodes", "expr_str", "loads", "promised_bytes", "rewrite", "stmt_exprs", "substitute", "verify", "walk",
 ]
 

@@ -276,6 +276,9 @@ class Runtime(ABC):
     # Whether the compiler merges runs of aligned neighbouring loads into 16-byte loads (recipes then give each
     # lane runs of consecutive words: `codegen/recipes/_matvec.use_runs`).
     wide_loads: bool = False
+    # Whether the renderer spells tile products (`ir.kernel.TileMMA`) on matrix units (tensor cores, MFMA): prefill
+    # matmuls then take `codegen/recipes/tile_mma.py`'s kernels.
+    matrix_units: bool = False
     # Kernels run on the host CPU: host memory is the device memory (experts stay resident), and `bench`
     # measures the host's bandwidth and reports `threads()`.
     host: bool = False

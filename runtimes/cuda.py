@@ -116,6 +116,7 @@ class CUDARuntime(Runtime):
         self.cuda = cuda
         self.simulator = bool(config.ENABLE_CUDASIM)
         self.compiler = f"numba-cuda {numba_cuda.__version__}"
+        self.matrix_units = False
         if self.simulator:
             self.device = "numba-cuda simulator"
         else:
@@ -126,6 +127,7 @@ class CUDARuntime(Runtime):
             except Exception as e:  # CudaSupportError, missing libcuda or cuda-bindings, no device, ...
                 raise PolystrataError(f"no CUDA GPU found: {e}") from None
             self.device = f"{name} ({arch})"
+            self.matrix_units = int(arch[3:]) >= 80  # mma.sync on int8 and f16 (codegen/cuda.py's MMA_SYNC)
         self.shuffles = (not self.simulator) if shuffles is None else shuffles
         self.fast = not self.simulator  # driver launches; False: numba's dispatcher (for comparisons)
         self.stream = cuda.stream()  # a real stream: the legacy default stream cannot be captured
@@ -134,7 +136,8 @@ class CUDARuntime(Runtime):
     # --- compilation ----------------------------------------------------------------------------------
 
     def render(self, kernel: Kernel, shuffles: bool | None = None) -> str:
-        return render(kernel, self.shuffles if shuffles is None else shuffles, native=not self.simulator)
+        return render(kernel, self.shuffles if shuffles is None else shuffles, native=not self.simulator,
+                      mma=self.matrix_units)
 
     def compile(self, kernel: Kernel, shuffles: bool | None = None) -> CompiledKernel:
         source = self.render(kernel, shuffles)

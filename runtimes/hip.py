@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from polystrata.codegen.hip import base_arch, render, wave_of
+from polystrata.codegen.hip import MATRIX_ARCHS, base_arch, render, wave_of
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import DTYPE_BYTES, Buf, Kernel
 from polystrata.paths import atomic_write
@@ -178,6 +178,7 @@ class HIPRuntime(Runtime):
         self.arch = arch or found
         self._configure(found, dev_name)  # refuses an unknown arch
         self.lanes = self.subgroup = wave_of(self.arch)  # 64 on wave64 (CDNA, GCN), 32 on wave32 (RDNA and CUDA)
+        self.matrix_units = base_arch(self.arch) in MATRIX_ARCHS
 
     example_arch = "gfx1030"  # for the message of a compile-only runtime without an arch
 

@@ -210,6 +210,35 @@ if [[ " $STAGES " == *" attention "* ]]; then
     done
 fi
 
+if [[ " $STAGES " == *" prefill "* ]]; then
+    # Issue 21 (not among the default stages): prefill on matrix units. The main prefill matmuls alone (llama3-8b's
+    # ffn_up / ffn_down shapes, 512 tokens: TFLOP/s of the tile-product kernel), then pp512 / pp4096 against
+    # llama.cpp's on both presets, same files. PREFILL_LENGTHS, BENCH_MODELS narrow it.
+    M=/tmp/models; mkdir -p "$M"
+    for shape in "14336 4096" "4096 14336"; do
+        set -- $shape
+        timeout 300 python3 scripts/matvec_bench.py --target cuda --rows "$1" --cols "$2" --tokens 512 --iters 20 \
+            --copies 2 2>&1 | tee -a "$LOG" | tail -2 | tee -a "$SUMMARY"
+    done
+    [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
+    [ -f "$M/qwen3moe-8l-q4km.gguf" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b --layers 8 \
+        --type Q4_K_M -o "$M/qwen3moe-8l-q4km.gguf"
+    lcpp=$(bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1 && bash scripts/device_llamacpp.sh wait 540 >> "$LOG" && echo yes)
+    for m in ${BENCH_MODELS:-llama3-8b-q4km qwen3moe-8l-q4km}; do
+        for p in ${PREFILL_LENGTHS:-512 4096}; do
+            timeout 600 python3 -m polystrata bench "$M/$m.gguf" --target cuda -p "$p" -n 0 -r 3 --json \
+                > "$OUT/prefill_${m}_$p.json" 2>> "$LOG" || { row "$m pp$p" "failed (see the log)"; continue; }
+            python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['pp']; print(f\"{sys.argv[2] + ' pp' + str(r['n']):34s} {r['tok_s_mean']:.0f}±{r['tok_s_sd']:.0f} tok/s\")" \
+                "$OUT/prefill_${m}_$p.json" "$m" | tee -a "$SUMMARY"
+            [ -n "$lcpp" ] || continue
+            timeout 300 /tmp/llamacpp-build/bin/llama-bench -m "$M/$m.gguf" -p "$p" -n 0 -r 3 -fa 1 -ngl 99 -o json \
+                > "$OUT/lcpp_prefill_${m}_$p.json" 2>> "$LOG" || { row "llama.cpp $m pp$p" "failed"; continue; }
+            python3 -c "import json,sys; r=json.load(open(sys.argv[1]))[0]; print(f\"{'llama.cpp ' + sys.argv[2] + ' pp' + sys.argv[3]:34s} {r['avg_ts']:.0f}±{r['stddev_ts']:.0f} tok/s\")" \
+                "$OUT/lcpp_prefill_${m}_$p.json" "$m" "$p" | tee -a "$SUMMARY"
+        done
+    done
+fi
+
 if [[ " $STAGES " == *" moe "* ]]; then
     # MoE decode with experts that do not all fit (issue 17): the 48-layer qwen3-30b-a3b preset against llama.cpp's
     # --n-cpu-moe at equal device memory (scripts/moe_offload_bench.py; llama-bench from device_llamacpp.sh).

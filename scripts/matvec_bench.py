@@ -6,6 +6,9 @@ the weight in the L2 cache (it caches addresses, not contents: one quantization 
 checked against numpy on the dequantized weight before timing.
 
     python scripts/matvec_bench.py --target cuda [--format Q4_K] [--rows 4096] [--cols 14336] [--bandwidth 4.29e12]
+
+`--tokens T` (> 1) measures the prefill matmul of T tokens instead (the plan's prompt-chunk kernels: tile products
+on matrix units where the target has them) and reports its TFLOP/s (2 x rows x cols x T per step).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> None:
     ap.add_argument("--cols", type=int, default=14336)
     ap.add_argument("--copies", type=int, default=4, help="weight copies rotated to defeat the L2 cache")
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--tokens", type=int, default=1, help="tokens a step (> 1: a prefill matmul, reported in TFLOP/s)")
     ap.add_argument("--bandwidth", type=float, default=4.29e12, help="bytes/s to compare with (H200 measured read)")
     ap.add_argument("--knob", action="append", default=[], metavar="RECIPE.NAME=VALUE",
                     help="schedule knob override, e.g. matmul.sub=2 (repeatable)")
@@ -51,13 +55,14 @@ def main() -> None:
     x = g.op("embed", g.weight("table", "F32", (1, a.cols)), tok)
     y = g.op("matmul", x, g.weight("w", fmt.name, (a.rows, a.cols)))
     g.outputs.append(y)
-    plan = build_plan(g, {"w": fmt, "table": FORMATS["F32"]}, KV_FORMATS["f16"], 16, 1, rt.lanes, rt.subgroup,
-                      knobs, wide_loads=rt.wide_loads)
+    nt = a.tokens
+    plan = build_plan(g, {"w": fmt, "table": FORMATS["F32"]}, KV_FORMATS["f16"], 16, nt, rt.lanes, rt.subgroup,
+                      knobs, wide_loads=rt.wide_loads, matrix_units=rt.matrix_units)
     rng = np.random.default_rng(0)
     raw = quantize(fmt, rng.standard_normal((a.rows, a.cols)).astype(np.float32))
     xs = rng.standard_normal(a.cols).astype(np.float32)
     bufs = {name: rt.alloc((spec.count,), spec.dtype) for name, spec in plan.buffers.items() if spec.kind != "weight"}
-    rt.write(bufs["tokens"], np.zeros(1, np.int32))
+    rt.write(bufs["tokens"], np.zeros(nt, np.int32))
     bufs["table"] = rt.upload(xs)
     packed = repack(raw, fmt, plan.buffers["w"].fmt)  # in the layout the plan reads
     weights = [rt.upload(packed) for _ in range(a.copies)]
@@ -67,7 +72,7 @@ def main() -> None:
         handles = dict(bufs, w=weights[c])
         step = []
         for la in [embed, *rest]:
-            env = {n: (1 if v == "T" else v) for n, v in la.scalars}
+            env = {n: (nt if v == "T" else v) for n, v in la.scalars}
             args = rt.args_for(la.kernel, {p: handles[b] for p, b in la.buffers}, env)
             ck = rt.compile(la.kernel)
             grid = [eval_int(e, env) for e in la.kernel.grid]
@@ -80,8 +85,8 @@ def main() -> None:
 
     run(0, first=0)
     rt.sync()
-    got = rt.download(bufs[plan.output], (1, a.rows), "f32")[0]
-    want = dequantize(fmt, raw, (a.rows, a.cols)) @ xs
+    got = rt.download(bufs[plan.output], (nt, a.rows), "f32")
+    want = np.broadcast_to(dequantize(fmt, raw, (a.rows, a.cols)) @ xs, (nt, a.rows))
     err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     for c in range(a.copies):
         run(c)
@@ -93,6 +98,14 @@ def main() -> None:
 
     dt, graphed = timed(1)
     nbytes = raw.nbytes
+    if nt > 1:
+        flops = 2 * a.rows * a.cols * nt
+        print(f"matmul {a.format} {a.rows}x{a.cols} x {nt} tokens on {rt.device}: {dt * 1e6:.1f} us, "
+              f"{flops / dt / 1e12:.1f} TFLOP/s, rel. error {err:.1e}, kernels "
+              f"{', '.join(la.kernel.name for la in rest)}{' ' + ' '.join(a.knob) if a.knob else ''}")
+        alone, _ = timed(len(rest))
+        print(f"  {rest[-1].kernel.name} alone: {alone * 1e6:.1f} us, {flops / alone / 1e12:.1f} TFLOP/s")
+        return
     bw = nbytes / dt
     print(f"matvec {a.format} {a.rows}x{a.cols} on {rt.device}: {dt * 1e6:.1f} us, {bw / 1e9:.0f} GB/s = "
           f"{100 * bw / a.bandwidth:.0f}% of {a.bandwidth / 1e12:.2f} TB/s, rel. error {err:.1e}, "

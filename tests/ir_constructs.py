@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
-from polystrata.ir.expr import TABLES, Table
+from polystrata.ir.expr import TABLES, Expr, Table
 from polystrata.ir.kernel import (
     Assign,
     Buf,
@@ -18,6 +18,9 @@ from polystrata.ir.kernel import (
     Const,
     Decl,
     For,
+    FragElem,
+    Fragment,
+    FragSet,
     If,
     Kernel,
     LaneFor,
@@ -28,6 +31,8 @@ from polystrata.ir.kernel import (
     Scalar,
     Select,
     Store,
+    TileEach,
+    TileMMA,
     ToF32,
     Var,
 )
@@ -180,6 +185,86 @@ def intrinsics_kernel(lanes: int = 32) -> Kernel:
     ), lanes=lanes)
 
 
+# Tile products: (kind, fragment rows, cols, lanes, words of K a step, steps). Hardware tiles of 16 x 8 (CUDA
+# mma.sync) and 16 x 16 (MFMA) both fit: the i8 tile is 3 x 2 (CUDA, 3 a warp: odd) or 3 x 1 (MFMA) of them, 4
+# words a step (CUDA's k16 form); the f16 tile 1 x 4 or 1 x 2, over two warps on CUDA. Small: the numba-cuda
+# simulator runs every lane as a Python thread.
+TILES = {"i8": ("i8", 48, 16, 64, 4, 2), "f16": ("f16", 16, 32, 64, 8, 2)}
+TILE_SCALES = (0.5, 2.0)  # the i8 kernel's per-step scales (exact in f32 at these sums)
+
+
+def tile_kernel(kind: str) -> Kernel:
+    """y[r, c] = the tile product of rows of a and b (m x K and n x K packed words, m and n not multiples of the
+    tile: partial tiles, zero-padded, stores guarded), K in `steps` steps of `words` words staged in local arrays at
+    a padded stride. i8: each step's i32 product scaled by `TILE_SCALES[step]` into an f32 fragment and added to an
+    exact i32 total (`yi`), the step's fragment cleared by FragSet; f16: f32 sums across steps."""
+    _, rows, cols, lanes, words, steps = TILES[kind]
+    kw, st = words * steps, words + 4
+    r0, c0, e, w = Var("g0") * rows, Var("g1") * cols, Var("e"), Var("step")
+    m, n_ = Var("m"), Var("n")
+    i, jj = Var("i"), Var("jj")
+
+    def stage(local: str, src: str, count: int, first: Expr, limit: Expr) -> LaneFor:
+        row, word = e // words, e % words
+        return LaneFor("e", Const(count * words), (
+            Store(local, row * st + word, Select(first + row < limit, Load(src, (first + row) * kw + w * words + word),
+                                                 Const(0))),))
+
+    acc = "acc"
+    clear = (FragSet("f", Const(0.0)), FragSet("tot", Const(0))) if kind == "i8" else ()
+    body: list = [TileEach("i", "jj", (FragSet(acc, Const(0) if kind == "i8" else Const(0.0)), *clear))]
+    step = [stage("ta", "a", rows, r0, m), stage("tb", "b", cols, c0, n_),
+            TileMMA(acc, kind, "ta", Const(0), st, "tb", Const(0), st, words)]
+    if kind == "i8":
+        step.append(TileEach("i", "jj", (
+            FragSet("f", FragElem("f") + ToF32(FragElem(acc)) * Load("s", w)),
+            FragSet("tot", FragElem("tot") + FragElem(acc)),
+            FragSet(acc, Const(0)),
+        )))
+    body.append(For("step", Const(0), Const(steps), tuple(step)))
+    guard = (r0 + i < m) & (c0 + jj < n_)
+    at = (r0 + i) * n_ + c0 + jj
+    if kind == "i8":
+        out = (Store("y", at, FragElem("f")), Store("yi", at, FragElem("tot")))
+    else:
+        out = (Store("y", at, FragElem(acc)),)
+    body.append(TileEach("i", "jj", (If(guard, out),)))
+    frags = (Fragment(acc, "i32" if kind == "i8" else "f32", rows, cols),)
+    params = [Buf("a", "u32"), Buf("b", "u32"), Buf("y", "f32", True)]
+    if kind == "i8":
+        frags += (Fragment("f", "f32", rows, cols), Fragment("tot", "i32", rows, cols))
+        params += [Buf("yi", "i32", True), Buf("s", "f32")]
+    local = (LocalArray("ta", "u32", rows * st), LocalArray("tb", "u32", cols * st))
+    grid = ((m + rows - 1) // rows, (n_ + cols - 1) // cols)
+    return Kernel(f"tile_{kind}", (*params, Scalar("m"), Scalar("n")), grid, tuple(body), lanes=lanes,
+                  local=local, fragments=frags)
+
+
+def tile_case(kind: str, m: int, n_: int, seed: int = 3) -> tuple:
+    """`tile_kernel(kind)` on an m x n output: inputs and numpy references (a conformance case)."""
+    _, rows, cols, lanes, words, steps = TILES[kind]
+    rng = np.random.default_rng(seed)
+    kw = words * steps
+    if kind == "i8":
+        a8 = rng.integers(-64, 64, (m, kw * 4)).astype(np.int8)
+        b8 = rng.integers(-64, 64, (n_, kw * 4)).astype(np.int8)
+        per = [a8[:, s * words * 4:(s + 1) * words * 4].astype(np.int64)
+               @ b8[:, s * words * 4:(s + 1) * words * 4].astype(np.int64).T for s in range(steps)]
+        scales = np.array(TILE_SCALES, np.float32)
+        ins = {"a": a8.view(np.uint32).reshape(-1), "b": b8.view(np.uint32).reshape(-1), "s": scales}
+        want = {"y": sum(p * float(sc) for p, sc in zip(per, scales)).reshape(-1), "yi": sum(per).reshape(-1)}
+        outs = {"y": (m * n_, "f32"), "yi": (m * n_, "i32")}
+    else:
+        # Positive values: no cancellation, so f32 sums in any order stay within the relative tolerance.
+        a16 = rng.uniform(0.05, 2, (m, kw * 2)).astype(np.float16)
+        b16 = rng.uniform(0.05, 2, (n_, kw * 2)).astype(np.float16)
+        ins = {"a": a16.view(np.uint32).reshape(-1), "b": b16.view(np.uint32).reshape(-1)}
+        want = {"y": (a16.astype(np.float64) @ b16.astype(np.float64).T).reshape(-1)}
+        outs = {"y": (m * n_, "f32")}
+    grid = (-(-m // rows), -(-n_ // cols))
+    return (f"tile product {kind} {m}x{n_}", tile_kernel(kind), ins, outs, {"m": m, "n": n_}, grid, want)
+
+
 # --- cases: kernels with inputs and numpy references -------------------------------------------------------------
 
 
@@ -278,6 +363,7 @@ def cases(scale: int = 1) -> list[tuple]:
                 {"o": dot + np.arange(m) - 50,
                  "w": np.array([q[i * al:i * al + 4].view("<u4")[0] for i in range(m) for al in (1, 2, 4)]),
                  "t": iq4nl[q[:m] & 15] * 0.5, "u": _f16_bits(x), "y": x.astype(np.float16).astype(np.float32)}))
+    out += [tile_case("i8", 50, 10), tile_case("f16", 20, 20)]
     return out
 
 

@@ -28,6 +28,7 @@ from ir_constructs import (
     reduce_kernel,
     run,
     shared_kernel,
+    tile_kernel,
 )
 
 from polystrata.codegen.cuda import render
@@ -78,6 +79,68 @@ def test_case_matches_numpy_and_cpu(rt, cpu, case):
     check_case(got, run(cpu, kernel, inputs, outputs, scalars, grid), outputs, label + " vs cpu")
     if kernel.name.startswith("red"):  # max is exact
         np.testing.assert_array_equal(got["m"], np.asarray(ref["m"], np.float32))
+
+
+@inner
+@pytest.mark.parametrize("unit,kind", [("mma_sync", "i8"), ("mma_sync", "f16"), ("mma_sync", "recipe"), ("mfma", "i8"),
+                                       ("mfma", "f16"), ("wmma", "f16"), ("wmma", "recipe")])
+def test_native_tile_lowering_emulated(unit, kind, tmp_path):
+    """The native lowering of tile products for cuda's MMA_SYNC unit and hip's gfx90a MFMA and gfx11 WMMA units
+    (operand loads, accumulator layout, tiles dealt to subgroups), rendered by this printer with the instructions
+    emulated from the vendors' fragment layouts (`matrix_emulation`), against numpy: the conformance cases and the
+    prefill matmul recipe's kernel (int8 m16n8k32 on MMA_SYNC)."""
+    import importlib
+
+    from ir_constructs import tile_case
+
+    from polystrata.codegen.cuda import MMA_SYNC, CUDAPrinter
+    from polystrata.codegen.hip import MATRIX_ARCHS
+    from polystrata.codegen.lanes import LaneAbilities
+    from polystrata.codegen.pyfamily import PyPrinter
+
+    mu = MMA_SYNC if unit == "mma_sync" else MATRIX_ARCHS["gfx90a" if unit == "mfma" else "gfx1100"]
+
+    class Emulated(CUDAPrinter):
+        imports = CUDAPrinter.imports + ("from matrix_emulation import mma_s8_k32, mma_s8_k16, mma_f16_k16, "
+                                         "__builtin_amdgcn_mfma_i32_16x16x16i8, "
+                                         "__builtin_amdgcn_mfma_f32_16x16x16f16, "
+                                         "__builtin_amdgcn_wmma_i32_16x16x16_iu8_w32, "
+                                         "__builtin_amdgcn_wmma_f32_16x16x16_f16_w32\n")
+
+        def __init__(self, k):
+            PyPrinter.__init__(self, k, LaneAbilities(several=True, matrix=mu))
+            self.native = False
+
+    if kind == "recipe":
+        from recipe_cases import q8_rounded, weight
+
+        from polystrata.codegen.recipes.tile_mma import tile_mma_kernel
+
+        fmt, wb, wd = weight("Q8_0", 30, 256)
+        kernel = tile_mma_kernel("t_mma_emu", [fmt], 30, 256, rows=32, tokens=16, chunk=64, lanes=64)
+        x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
+        codes = np.round(q8_rounded(x) / (np.abs(x).reshape(7, 8, 32).max(-1, keepdims=True).repeat(32, -1)
+                                          .reshape(7, 256) / 127)).astype(np.int8)
+        inputs = {"xq": codes.view(np.uint32).reshape(-1), "w0": wb,
+                  "xd": (np.abs(x).reshape(7, 8, 32).max(-1) / 127).astype(np.float32).reshape(-1)}
+        outputs, scalars, grid = {"y": (7 * 30, "f32")}, {"T": 7}, (1, 1)
+        want = {"y": (q8_rounded(x) @ wd.T).reshape(-1)}
+    else:
+        label, kernel, inputs, outputs, scalars, grid, want = tile_case(kind, 20 if kind == "f16" else 50, 10)
+    src = Emulated(kernel).render()
+    assert {"mma_sync": "= mma_", "mfma": "= __builtin_amdgcn_mfma", "wmma": "= __builtin_amdgcn_wmma"}[unit] in src
+    (tmp_path / f"emu_{unit}_{kind}.py").write_text(src)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        mod = importlib.import_module(f"emu_{unit}_{kind}")
+    finally:
+        sys.path.remove(str(tmp_path))
+    arrays = {name: np.ascontiguousarray(a) for name, a in inputs.items()}
+    for name, (size, dt) in outputs.items():
+        arrays[name] = np.full(size, np.nan, np.float32) if dt == "f32" else np.full(size, -1, np.int32)
+    args = [arrays[p.name] if hasattr(p, "out") else scalars[p.name] for p in kernel.params]
+    getattr(mod, kernel.name)[grid, kernel.lanes](*args)
+    check_case({name: arrays[name] for name in outputs}, want, outputs, f"{unit} {kind}", tol=1e-4)
 
 
 @inner
@@ -244,3 +307,64 @@ def test_no_gpu_is_a_clear_error():
     if out.strip() == "GPU":
         pytest.skip("a CUDA GPU is present")
     assert out.startswith("no CUDA GPU found: "), out
+
+
+_PTX_CHILD = r"""
+import json, re, shutil, subprocess, sys, tempfile, importlib.util
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+try:
+    from numba import cuda, types
+    from numba.cuda.cudadrv.nvvm import NVVM
+    NVVM()
+except Exception as e:
+    print(json.dumps({"skip": f"no NVVM: {e}"}))
+    sys.exit(0)
+from ir_constructs import tile_kernel
+from polystrata.codegen.cuda import render
+from polystrata.codegen.recipes.tile_mma import tile_mma_kernel
+from polystrata.ir.formats import FORMATS
+out, tmp = {}, Path(tempfile.mkdtemp())
+kernels = [tile_mma_kernel("t_mma_ptx", [FORMATS["Q8_0"]], 64, 256, rows=32, tokens=16, chunk=64, lanes=64),
+           tile_kernel("f16")]
+ptxas = shutil.which("ptxas") or shutil.which("/usr/local/cuda/bin/ptxas")
+for k in kernels:
+    src = render(k, shuffles=True, native=True, mma=True).replace("@cuda.jit(cache=True)", "@cuda.jit")
+    (tmp / f"{k.name}.py").write_text(src)
+    spec = importlib.util.spec_from_file_location(k.name, tmp / f"{k.name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ty = {"u32": types.uint32, "f32": types.float32, "i32": types.int32, "u8": types.uint8}
+    sig = tuple(types.Array(ty[p.dtype], 1, "C") if hasattr(p, "out") else types.int32 for p in k.params)
+    ptx, _ = cuda.compile_ptx(getattr(mod, k.name).py_func, sig, cc=(8, 0))
+    res = {"mma": sorted(set(re.findall(r"mma\.sync\.aligned\.[\w.]+", ptx)))}
+    if ptxas:
+        (tmp / f"{k.name}.ptx").write_text(ptx)
+        p = subprocess.run([ptxas, "-arch=sm_90", str(tmp / f"{k.name}.ptx"), "-o", str(tmp / "k.cubin")],
+                           capture_output=True, text=True)
+        res["ptxas"] = p.returncode == 0 or p.stderr
+    out[k.name] = res
+print(json.dumps(out))
+"""
+
+
+def test_tile_products_compile_to_mma_sync():
+    """With matrix units (sm_80+), tile products become mma.sync in the PTX NVVM makes of the rendered kernel (the
+    recipe's int8 m16n8k32, the conformance f16 m16n8k16), and ptxas assembles it for sm_90 where it is installed.
+    In a child process (numba.cuda stays unimported here); skipped without NVVM (CI: numba-cuda without the CUDA
+    toolkit). The numbers are checked on the GPU: the conformance cases (scripts/cuda_selftest.py)."""
+    import json
+
+    if INNER:
+        pytest.skip("runs in the parent (it starts a process of its own)")
+
+    proc = subprocess.run([sys.executable, "-c", _PTX_CHILD, str(Path(__file__).parent)], capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="0"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "skip" in res:
+        pytest.skip(res["skip"])
+    assert res["t_mma_ptx"]["mma"] == ["mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"]
+    assert res["tile_f16"]["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"]
+    assert all(r.get("ptxas", True) is True for r in res.values()), res
+    assert "= mma_" not in render(tile_kernel("i8"), shuffles=True, native=True)  # no matrix unit asked for

@@ -401,3 +401,56 @@ def test_nvidia_matches_numpy_and_cpu(nvrt, case):
     check_case(got, ref, outputs, label, tol=2e-5)
     if kern.name != "mathf":
         check_case(got, run(cpu.CPURuntime(), kern, inputs, outputs, scalars, grid), outputs, label + " vs cpu")
+
+
+# First 16 bits of the VOP3P-MAI words of the MFMA instructions the tile products use on gfx90a (as llvm-objdump
+# shows them: D3D58000 v_mfma_i32_16x16x16i8, D3CD8000 v_mfma_f32_16x16x16f16).
+MFMA_OPCODES = {0xD3D5: "v_mfma_i32_16x16x16i8", 0xD3CD: "v_mfma_f32_16x16x16f16"}
+
+
+def _mfma_in(code: bytes, arch: str) -> set[str]:
+    """The MFMA mnemonics in a code object: llvm-objdump's disassembly where it is installed, else a scan of its
+    32-bit words for the instructions' encodings."""
+    objdump = shutil.which("llvm-objdump")
+    if objdump:
+        import re
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".co") as f:
+            f.write(code)
+            f.flush()
+            text = subprocess.run([objdump, "-d", f"--mcpu={arch}", f.name], capture_output=True, text=True).stdout
+        return set(re.findall(r"v_mfma_\w+", text))
+    words = np.frombuffer(code[:len(code) // 4 * 4], "<u4")
+    return {MFMA_OPCODES[w >> 16] for w in words if w >> 16 in MFMA_OPCODES}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tile_products_on_mfma_or_dot4(runtimes, arch):
+    """gfx90a: the tile products (conformance kernels and the prefill matmul recipe's, int8 and f16) compile to MFMA
+    instructions; gfx1030 (no MFMA): to the portable loops, int8 through sdot4 (v_dot4)."""
+    from ir_constructs import tile_kernel
+
+    from polystrata.codegen.recipes.tile_mma import tile_mma_kernel
+    from polystrata.ir.formats import FORMATS
+
+    rt = runtimes(arch)
+    if arch != "gfx90a":
+        ck = rt.compile(tile_kernel("i8"))
+        assert not rt.matrix_units and not _mfma_in(ck.handle.code, arch) and "__builtin_amdgcn_sdot4" in ck.source
+        return
+    recipe = tile_mma_kernel("t_mma_hip", [FORMATS["Q4_K"]], 64, 256, rows=32, tokens=32, chunk=64, lanes=64)
+    found = {name: _mfma_in(rt.compile(k).handle.code, arch) for name, k in
+             (("i8", tile_kernel("i8")), ("f16", tile_kernel("f16")), ("recipe", recipe))}
+    assert rt.matrix_units
+    assert found == {"i8": {"v_mfma_i32_16x16x16i8"}, "f16": {"v_mfma_f32_16x16x16f16"},
+                     "recipe": {"v_mfma_i32_16x16x16i8"}}, found
+    # gfx942's int8 MFMA takes 8 bytes a lane (ROCm 5.2 cannot compile for it: the source only).
+    src = render(tile_mma_kernel("t_mma_942", [FORMATS["Q8_0"]], 64, 256, rows=32, tokens=32, chunk=64, lanes=64),
+                 "gfx942")
+    assert "__builtin_amdgcn_mfma_i32_16x16x32_i8((long)" in src
+    # RDNA3's WMMA (wave32; this ROCm cannot compile for gfx11 either: the source only, its layout is emulated in
+    # test_target_cuda.py).
+    src = render(tile_mma_kernel("t_mma_11", [FORMATS["Q8_0"]], 64, 256, rows=32, tokens=16, chunk=64, lanes=64),
+                 "gfx1100")
+    assert "__builtin_amdgcn_wmma_i32_16x16x16_iu8_w32(true, (ps_i32x4){(int)" in src

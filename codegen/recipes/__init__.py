@@ -61,6 +61,7 @@ class RecipeContext:
     scratch_buffers: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (dtype, count)
     t_max: int = 256  # most tokens per step the plan serves (sizes per-token scratch buffers)
     wide_loads: bool = False  # the target merges runs of aligned loads into 16-byte loads (`Runtime.wide_loads`)
+    matrix_units: bool = False  # the target renders tile products on matrix units (`Runtime.matrix_units`)
     # A plan for expert streaming: expert kernels read their weights through a slot table (`ExpertStream`), and
     # the recipes record each streamed MoE layer in `expert_streams`.
     stream_experts: bool = False

@@ -19,6 +19,10 @@ lanes' sums meet in a group Reduce. Matmuls of one input (q, k, v) are one `stac
 sub, runs (`_matvec.use_runs`) and lanes (group size; "auto" covers the row's units, 32 to 128). xq="inline"
 keeps the one-kernel schedule below (the CPU's, and what `matmul_kernel` builds).
 
+Prompt chunks on matrix units (`RecipeContext.matrix_units`, plans of more than one token): `tile_mma.py`'s tile
+products instead, for int8-path formats after the same quantize launch, for F16 weights on the f32 activations
+(knobs mma_rows, mma_tokens, mma_chunk, mma_lanes); matmuls of one input then launch one by one.
+
 Knobs: rows (rows per group; "auto": 4 with one lane, 1 on GPUs, and `q8_rows` for the int8 matvecs), tokens
 (token tile), int8 (int8-activation path where the format allows it; "auto": off with one lane -- the CPU, where
 the f32 path below vectorizes better -- on otherwise), split ("rows": lanes take rows, each a whole dot product
@@ -55,6 +59,7 @@ from polystrata.codegen.recipes._matvec import (
     use_runs,
 )
 from polystrata.codegen.recipes.tile_matmul import tile_matmul_kernel
+from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, f16_path, tile_mma_fits, tile_mma_kernel
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
@@ -78,13 +83,14 @@ from polystrata.ir.kernel import (
 )
 
 MATMUL_KNOBS = (("rows", "auto"), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"), ("xq", "auto"),
-                ("sub", "auto"), ("runs", "auto"), ("lanes", "auto"), ("spread", "auto"), ("tile", "auto"))
+                ("sub", "auto"), ("runs", "auto"), ("lanes", "auto"), ("spread", "auto"), ("tile", "auto"),
+                *TILE_MMA_KNOBS)
 # Knob tile ("auto": TILE_TOKENS; 0: off): tokens a tile of `tile_matmul_kernel`, which one-lane plans of more than
 # one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
 # (docs/benchmarks.md, "Serving").
 TILE_TOKENS = 16
 # Knobs of the two-launch GPU path only (`_launches`); the rest are `matmul_kernel`'s.
-GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread")
+GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread", *(name for name, _ in TILE_MMA_KNOBS))
 
 
 def matmul_kernel_knobs(kn: dict) -> dict:
@@ -239,6 +245,16 @@ def _int8_kernels(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], k: 
             and all(use_int8(f, True) for f in fmts) and k % QB == 0)
 
 
+def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n: int, k: int) -> bool:
+    """Whether matmuls over `fmts` take `tile_mma_kernel`: plans of steps of several tokens on a target with matrix
+    units, formats and K it takes (`tile_mma_fits`): F16 weights, or the GPU path's int8 activations
+    (`_int8_kernels`)."""
+    if not (ctx.matrix_units and ctx.t_max > 1 and ctx.lanes > 1 and min(n, k) >= int(kn["mma_min"])
+            and tile_mma_fits(fmts, k, kn["mma_chunk"])):
+        return False
+    return f16_path(fmts) or _int8_kernels(ctx, kn, fmts, k)
+
+
 def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind) -> tuple[Launch, str, str]:
     """(the launch quantizing activation buffer `x` of rows of `k` into the shared int8 scratch buffers, codes
     buffer, scales buffer): what the GPU path's matmuls read. Identical launches on an unchanged `x` are dropped by
@@ -284,6 +300,14 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     """The matmul launches: on the GPU path (`_int8_kernels`) a quantize kernel writing x as int8 codes + scales
     into scratch buffers, then `matvec_q8_kernel`; else one `matmul_kernel`."""
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
+    if _tile_products(ctx, kn, fmts, n, k):
+        # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
+        mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"], tokens=kn["mma_tokens"],
+                             chunk=kn["mma_chunk"], lanes=kn["mma_lanes"], epilogue=epilogue)
+        if f16_path(fmts):
+            return [Launch(mk, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
+        ql, qb, db = quantize_launch(ctx, x, k, t_bind)
+        return [ql, Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
     if _int8_kernels(ctx, kn, fmts, k):
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)
         rows, spread = q8_rows(kn, ctx, fmts, n, k)
@@ -490,7 +514,7 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
     ns, k = [int(w.type.shape[0]) for w in ws], int(ws[0].type.shape[-1])
     fmts = [_fmt(ctx, w) for w in ws]
     kn = _knobs(ctx, "matmul")
-    if not _int8_kernels(ctx, kn, fmts, k):
+    if not _int8_kernels(ctx, kn, fmts, k) or any(_tile_products(ctx, kn, [f], n, k) for f, n in zip(fmts, ns)):
         return [la for n in nodes for la in _lower_matmul([n], ctx)]
     ql, qb, db = quantize_launch(ctx, ctx.buf(x), k, token_binding(x))
     tag = "_".join(f"{f.name.lower()}{n}" for f, n in zip(fmts, ns))

@@ -27,7 +27,8 @@ def compile_plans(
     kv = KV_FORMATS[kv_type]
     return {
         id(g): build_plan(g, formats, kv, n_ctx, (steps or {}).get(id(g), PREFILL_CHUNK), runtime.lanes,
-                          runtime.subgroup, wide_loads=runtime.wide_loads, stream_experts=stream_experts)
+                          runtime.subgroup, wide_loads=runtime.wide_loads, stream_experts=stream_experts,
+                          matrix_units=runtime.matrix_units)
         for g in graphs
     }
 

@@ -97,6 +97,7 @@ def build_plan(
     knobs: dict | None = None,
     wide_loads: bool = False,
     stream_experts: bool = False,
+    matrix_units: bool = False,
 ) -> Plan:
     """Compile `graph` into a plan for a target with `lanes` work-items per group (`wide_loads`: see
     `Runtime.wide_loads`; such a target also reads `PADDED_ON_WIDE_LOADS` formats padded and
@@ -175,7 +176,7 @@ def build_plan(
     ctx = RecipeContext(
         lanes=lanes, subgroup=subgroup, kv_format=kv_format, n_ctx=n_ctx, buffer_names=names,
         weight_formats=weight_formats, knobs=knobs or {}, t_max=t_max, wide_loads=wide_loads,
-        stream_experts=stream_experts,
+        stream_experts=stream_experts, matrix_units=matrix_units,
     )
     launches = []
     recipes_used = []

@@ -1,0 +1,233 @@
+"""`tile_mma_kernel`: prefill matmuls (steps of many tokens) as tile products (`ir.kernel.TileMMA`), for targets
+with matrix units (tensor cores, MFMA); llama.cpp's MMQ scheme, generated from the format descriptions.
+
+A group computes a tile of `rows` weight rows x `tokens` tokens, walking K in chunks of `chunk` elements:
+
+1. each weight row's elements of the chunk are decoded (`codegen.dequant.Decoder`, the int8 path's factoring
+   `value = S_g * level + M_g` of `format_analysis.affine`) to int8 levels in local memory, with each group's scale
+   S_g and offset M_g, then packed four to a word (the tile operand layout: K-contiguous words, rows padded by 4
+   words so that a warp's operand loads fall in distinct banks);
+2. the tokens' int8 activation codes (written once per matmul by `linear.quantize_x_kernel`: codes packed in
+   words, a scale per 32) are copied into the other operand tile, with their scales and, for formats with an
+   offset, each group's code sum (zero for tokens past T: partial tiles);
+3. per weight group g: `TileMMA` of the group's words into an i32 fragment, then a `TileEach` adding
+   `S_g * xd * isum (+ M_g * xd * xsum)` into the weight's f32 fragment and clearing the i32 one;
+4. a last `TileEach` stores the rows and tokens inside the matrix (through the epilogue: the GLU's activation).
+
+The activation codes are those of the GPU matvec path, so prefill and decode see the same rounding. Knobs (recipe
+"matmul", read by `linear._launches`): mma_rows, mma_tokens (the tile), mma_chunk (K per staging round), mma_lanes,
+mma_min (the smallest matrix taken).
+Targets without a matrix unit render the same kernel as loops (`codegen/lanes.py`); `linear._launches` takes it
+only where `RecipeContext.matrix_units` says the target has them and the plan serves steps of several tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from polystrata.codegen.dequant import Decoder
+from polystrata.codegen.format_analysis import affine, block_stride, elements_per_row_bytes, weight_dtype
+from polystrata.codegen.recipes._matvec import QB, fmt_for, use_int8
+from polystrata.ir.expr import Const, Expr, Var
+from polystrata.ir.formats import QuantFormat
+from polystrata.ir.kernel import (
+    Buf,
+    Call,
+    Cast,
+    For,
+    FragElem,
+    Fragment,
+    FragSet,
+    If,
+    Kernel,
+    LaneFor,
+    Let,
+    Load,
+    LocalArray,
+    Scalar,
+    Select,
+    Store,
+    TileEach,
+    TileMMA,
+    ToF32,
+)
+
+TILE_MMA_KNOBS = (("mma_rows", 64), ("mma_tokens", 32), ("mma_chunk", 64), ("mma_lanes", 128), ("mma_min", 512))
+# Knob mma_min: the tile path takes matrices of at least this many rows and columns only. Smaller ones cost little
+# in a prompt chunk anyway, and each tile kernel is a long compile (docs/benchmarks.md, "Prefill on matrix units"):
+# the test models' 128-wide matrices keep the matvec path.
+PAD = 4  # words of padding after each operand row (see the module docstring)
+
+
+def f16_path(fmts: Sequence[QuantFormat]) -> bool:
+    """Whether weights of `fmts` take the f16 tile products (F16 weights: exact in f16) rather than int8 ones."""
+    return all(f.name == "F16" for f in fmts)
+
+
+def tile_mma_fits(fmts: Sequence[QuantFormat], k: int, chunk: int) -> bool:
+    """Whether `tile_mma_kernel` takes weights of `fmts` with rows of k: F16 weights (`f16_path`) or int8-path
+    formats, and a K chunk that is a multiple of the activation block and of each weight group, and divides or is
+    divided by each block."""
+    if chunk % QB or k % chunk:
+        return False
+    if f16_path(fmts):
+        return True
+    if not all(use_int8(f, True) for f in fmts):
+        return False
+    for f in fmts:
+        bs, g = fmt_for(f).block_size, affine(fmt_for(f)).group
+        if chunk % g or (bs % chunk and chunk % bs) or k % max(bs, chunk):
+            return False
+    return True
+
+
+def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, chunk: int,
+                    lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+    """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of `fmts` (`tile_mma_fits`), from
+    int8 activations `xq` / `xd` (`linear.quantize_x_kernel`'s), or for F16 weights (`f16_path`) from the f32
+    activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens))."""
+    half = f16_path(fmts)
+    pack_n = 2 if half else 4  # elements a word
+    wfs = [fmt_for(f) for f in fmts]
+    afs = [None if half else affine(wf) for wf in wfs]
+    big = max(chunk, *(wf.block_size for wf in wfs))  # the outer K step: a whole block of every weight
+    st = chunk // pack_n + PAD  # operand row stride in words
+    gx = min(a.group for a in afs) if not half else chunk  # activation sums are kept per gx elements
+    offsets = any(a is not None and a.offset is not None for a in afs)
+    row0, t0, u = Var("g0") * rows, Var("g1") * tokens, Var("u")
+    kb, T = Var("kb"), Var("T")
+
+    def decode(j: int, s: int) -> list:
+        """Weight j's levels (f16: values) and group scales of sub-chunk s of K step kb into its local arrays."""
+        wf, a, w = wfs[j], afs[j], f"w{j}"
+        bs, rb = wf.block_size, elements_per_row_bytes(fmts[j], k)
+        per = max(1, chunk // bs)  # blocks in a chunk (1 where a chunk is part of a block)
+        r, q = u // per, u % per
+        if bs <= chunk:
+            block, lo, hi = (kb * big + s * chunk) // bs + q, 0, bs
+            at = q * bs  # where the block starts in the chunk
+        else:
+            block, lo, hi = kb, s * chunk, s * chunk + chunk
+            at = Const(-lo)
+        dec = Decoder(wf, w, Var(f"w{j}_wb"), f"w{j}_")
+
+        def group(start, size, env, inner):
+            if a is None:
+                return inner
+            ng, gi = chunk // a.group, (at + start) // a.group
+            out = [*inner, Store(f"ws{j}", r * ng + gi, dec.group_expr(a.scale, start, env))]
+            if a.offset is not None:
+                out.append(Store(f"wm{j}", r * ng + gi, dec.group_expr(a.offset, start, env)))
+            return out
+
+        def element(c, L, i0, env, lw):
+            return [Store(f"wl{j}", r * chunk + at + c + Var(i0), dec.value(lw) if a is None else lw.expr(a.level))]
+
+        row = Call("min", row0 + r, Const(n - 1))  # rows past n decode row n - 1: their results are not stored
+        return [LaneFor(u.name, Const(rows * per), (
+            Let(f"w{j}_wb", row * rb + block * block_stride(wf)),
+            *dec.walk(group, element, lo, hi),
+        ))]
+
+    def bits(v: Expr) -> Expr:
+        return Call("f32_to_f16_bits", v)
+
+    def pack(src: str, dst: str) -> LaneFor:
+        """The levels (f16 values) of `src` (rows of `chunk`) packed into words of `dst` (rows of `st` words)."""
+        per_row = chunk // pack_n
+        r, w = u // per_row, u % per_row
+        at = r * chunk + w * pack_n
+        if half:
+            word = bits(Load(src, at)) | (bits(Load(src, at + 1)) << 16)
+        else:
+            word = Cast("u32", Load(src, at) & 255)
+            for e in range(1, 4):
+                word = word | (Cast("u32", Load(src, at + e) & 255) << (8 * e))
+        return LaneFor(u.name, Const(rows * per_row), (Store(dst, r * st + w, word),))
+
+    def activations(s: int) -> list:
+        """The tile's tokens' operand words (int8: with their scales and, with offsets, code sums) for sub-chunk s;
+        zero past T."""
+        e0 = kb * big + s * chunk  # first element of the chunk
+        per_row = chunk // pack_n
+        tk, w = u // per_row, u % per_row
+        live = t0 + tk < T
+        if half:
+            at = (t0 + tk) * k + e0 + w * 2
+            word = bits(Load("x", at)) | (bits(Load("x", at + 1)) << 16)
+        else:
+            word = Load("xq", (t0 + tk) * (k // 4) + e0 // 4 + w)
+        word = Select(live, word, Cast("u32", 0))
+        words = LaneFor(u.name, Const(tokens * per_row), (Store("xb", tk * st + w, word),))
+        if half:
+            return [words]
+        ng = chunk // gx
+        tg, g = u // ng, u % ng
+        live = t0 + tg < T
+        body = [Store("xds", u, Select(live, Load("xd", (t0 + tg) * (k // QB) + (e0 + g * gx) // QB), Const(0.0)))]
+        if offsets:
+            total = Const(0)
+            for x in range(gx // 4):
+                total = Call("dot4_i8", Cast("u32", Const(0x01010101)), Load("xb", tg * st + g * (gx // 4) + x), total)
+            body.append(Store("xss", u, total))
+        return [words, LaneFor(u.name, Const(tokens * ng), tuple(body))]
+
+    def products(j: int) -> list:
+        """Weight j's tile products over the chunk into fragment f{j}: f16 at once; int8 a group at a time, scaled."""
+        a = afs[j]
+        if a is None:
+            return [TileMMA(f"f{j}", "f16", f"wa{j}", Const(0), st, "xb", Const(0), st, chunk // 2)]
+        ng, gw = chunk // a.group, a.group // 4
+        i, jj, gi = Var("i"), Var("jj"), Var("gi")
+        first = gi * (a.group // gx)  # the group's first activation sum / scale
+        dx = Load("xds", jj * (chunk // gx) + first)
+        term = Load(f"ws{j}", i * ng + gi) * dx * ToF32(FragElem("iacc"))
+        if a.offset is not None:
+            xsum = Load("xss", jj * (chunk // gx) + first)
+            for x in range(1, a.group // gx):
+                xsum = xsum + Load("xss", jj * (chunk // gx) + first + x)
+            term = term + Load(f"wm{j}", i * ng + gi) * dx * ToF32(xsum)
+        # A loop over the groups, not unrolled: each TileEach is unrolled over a lane's accumulators already.
+        return [For(gi.name, Const(0), Const(ng), (
+            TileMMA("iacc", "i8", f"wa{j}", gi * gw, st, "xb", gi * gw, st, gw),
+            TileEach("i", "jj", (FragSet(f"f{j}", FragElem(f"f{j}") + term), FragSet("iacc", Const(0)))),
+        ))]
+
+    step: list = []
+    for s in range(big // chunk):
+        for j in range(len(fmts)):
+            step += decode(j, s)
+            step.append(pack(f"wl{j}", f"wa{j}"))
+        step += activations(s)
+        for j in range(len(fmts)):
+            step += products(j)
+    vals = [FragElem(f"f{j}") for j in range(len(fmts))]
+    out = epilogue(vals) if epilogue else vals[0]
+    row, t = row0 + Var("i"), t0 + Var("jj")
+    clear = tuple(FragSet(f"f{j}", Const(0.0)) for j in range(len(fmts)))
+    body = (
+        TileEach("i", "jj", clear if half else (FragSet("iacc", Const(0)), *clear)),
+        For(kb.name, Const(0), Const(k // big), tuple(step)),
+        TileEach("i", "jj", (If((row < n) & (t < T), (Store("y", t * n + row, out),)),)),
+    )
+    local = [LocalArray("xb", "u32", tokens * st)]
+    if not half:
+        local.append(LocalArray("xds", "f32", tokens * (chunk // gx)))
+    if offsets:
+        local.append(LocalArray("xss", "i32", tokens * (chunk // gx)))
+    for j, a in enumerate(afs):
+        local += [LocalArray(f"wl{j}", "f16" if half else "i8", rows * chunk), LocalArray(f"wa{j}", "u32", rows * st)]
+        if a is not None:
+            local.append(LocalArray(f"ws{j}", "f32", rows * (chunk // a.group)))
+        if a is not None and a.offset is not None:
+            local.append(LocalArray(f"wm{j}", "f32", rows * (chunk // a.group)))
+    frags = tuple(Fragment(f"f{j}", "f32", rows, tokens) for j in range(len(fmts)))
+    if not half:
+        frags = (Fragment("iacc", "i32", rows, tokens), *frags)
+    acts = (Buf("x", "f32"),) if half else (Buf("xq", "u32"), Buf("xd", "f32"))
+    params = (*acts, *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)), Buf("y", "f32", out=True),
+              Scalar("T"))
+    grid = (Const(-(-n // rows)), (T + (tokens - 1)) // tokens)
+    knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes))
+    return Kernel(name, params, grid, body, lanes=lanes, local=tuple(local), knobs=knobs, fragments=frags,
+                  doc=f"tile matmul {'f16' if half else 'int8'} {'+'.join(f.name for f in fmts)} [{n}x{k}]")

@@ -1,0 +1,120 @@
+"""Recipe conformance, codegen/recipes/tile_mma.py: the prefill matmul on tile products, on every target under test
+(the portable rendering of the tile products; matrix units only on GPUs), against the numpy reference on the GPU
+path's int8 activations (`q8_rounded`): float rounding is all that may differ.
+
+Formats are sampled: Q4_K (blocks of 256 with offsets, a K chunk a quarter of a block) and Q6_K (groups of 16, a
+chunk a whole block), one kernel each for T in {1, 7, 33, 512}, and in the fused GLU Q8_0 and Q4_0 (blocks of 32,
+two a chunk). Every other int8-path format goes through the same decoder walk (a format is data); all 13 matched
+the reference on PoCL when this recipe was written, but each costs seconds of PoCL compile, so CI samples.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from recipe_cases import (
+    plan_scratch,
+    q8_rounded,
+    recipe,
+    recipe_context,
+    run,
+    run_launches,
+    target_runtimes,
+    weight,
+)
+
+from polystrata.codegen.recipes.linear import quantize_x_kernel
+from polystrata.codegen.recipes.tile_mma import tile_mma_fits, tile_mma_kernel
+from polystrata.ir.formats import FORMATS
+from polystrata.ir.graph import Graph
+
+rt = target_runtimes()
+N, K = 40, 256  # rows: a full and a partial tile of 32
+
+
+def _quantized(rt, x: np.ndarray) -> dict:
+    t = x.shape[0]
+    qk = quantize_x_kernel(f"quantize_x_{K}", K)
+    return run(rt, qk, {"x": x.reshape(-1)}, {"T": t}, {"xq": ((t * K // 4,), "u32"), "xd": ((t * K // 32,), "f32")})
+
+
+@pytest.mark.parametrize("fmt_name,chunk", [("Q4_K", 64), ("Q6_K", 256)])
+def test_tile_mma_formats(rt, fmt_name, chunk):
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped, never planned on one lane: a Numba compile of 12 s (the tile constructs themselves "
+                    "run there in ir_constructs' cases)")
+    fmt, wb, wd = weight(fmt_name, N, K)
+    kern = tile_mma_kernel(f"t_mma_{fmt_name.lower()}", [fmt], N, K, rows=32, tokens=16, chunk=chunk,
+                           lanes=64)
+    rng = np.random.default_rng(1)
+    for t in (1, 7, 33, 512):
+        x = rng.standard_normal((t, K)).astype(np.float32)
+        y = run(rt, kern, {**_quantized(rt, x), "w0": wb}, {"T": t}, {"y": ((t, N), "f32")})["y"]
+        ref = q8_rounded(x) @ wd.T
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=f"{fmt_name} T={t}")
+
+
+def test_tile_mma_f16_weights(rt):
+    """F16 weights: f16 tile products on the activations rounded to f16."""
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped, never planned on one lane")
+    fmt, wb, wd = weight("F16", N, K)
+    kern = tile_mma_kernel("t_mma_f16", [fmt], N, K, rows=32, tokens=16, chunk=64, lanes=64)
+    rng = np.random.default_rng(4)
+    for t in (1, 7, 33, 512):
+        x = rng.standard_normal((t, K)).astype(np.float32)
+        y = run(rt, kern, {"x": x.reshape(-1), "w0": wb}, {"T": t}, {"y": ((t, N), "f32")})["y"]
+        ref = x.astype(np.float16).astype(np.float64) @ wd.T.astype(np.float64)
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(), err_msg=f"F16 T={t}")
+
+
+def test_tile_mma_fits():
+    assert tile_mma_fits([FORMATS["Q4_K"], FORMATS["Q8_0"]], 512, 64)
+    assert tile_mma_fits([FORMATS["F16"]], 512, 64)  # the f16 path
+    assert not tile_mma_fits([FORMATS["BF16"]], 512, 64)  # neither int8 nor exact in f16
+    assert not tile_mma_fits([FORMATS["Q4_K"]], 512, 48)  # a chunk neither dividing nor a multiple of 256
+    assert not tile_mma_fits([FORMATS["Q8_0"]], 96, 64)  # K not a multiple of the chunk
+
+
+def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K", mma_min: int = 32) -> list:
+    g = Graph("t")
+    g.op("matmul", g.input("x", "f32", ("T", K)), g.weight("w", fmt, (N, K)), name="y")
+    ctx = recipe_context(g, formats={"w": FORMATS[fmt]}, lanes=128)
+    ctx.matrix_units, ctx.t_max, ctx.knobs = matrix_units, t_max, {"matmul": {"mma_min": mma_min}}
+    return recipe("matmul").lower(g.nodes, ctx)
+
+
+def test_taken_for_prefill_on_matrix_units_only():
+    names = [la.kernel.name for la in _matmul_launches(True, 16)]
+    assert names[0].startswith("quantize_x") and names[1].endswith("_mma"), names
+    assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(True, 1)))  # decode
+    assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(False, 16)))
+    assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(True, 16, "F32")))
+    assert not any(la.kernel.name.endswith("_mma") for la in _matmul_launches(True, 16, mma_min=512))  # too small
+    f16 = _matmul_launches(True, 16, "F16")
+    assert [la.kernel.name.endswith("_mma") for la in f16] == [True] and f16[0].kernel.param("x")
+
+
+def test_fused_glu_launches_match_the_reference(rt):
+    """The matmul_swiglu recipe's own launches (quantize + one tile kernel of two weights and the activation as
+    its epilogue, default knobs) for T = 7 and 70."""
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped: a Numba compile of its own")
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", K))
+    a = g.op("matmul", x, g.weight("wg", "Q8_0", (N, K)), name="a")
+    b = g.op("matmul", x, g.weight("wu", "Q4_0", (N, K)), name="b")
+    g.op("swiglu", a, b, name="o")
+    ctx = recipe_context(g, formats={"wg": FORMATS["Q8_0"], "wu": FORMATS["Q4_0"]}, lanes=128)
+    ctx.matrix_units, ctx.t_max, ctx.knobs = True, 70, {"matmul_glu": {"mma_min": 32}}
+    launches = recipe("matmul_swiglu").lower(g.nodes, ctx)
+    sb, so = plan_scratch(ctx)
+    assert launches[1].kernel.name.endswith("_mma")
+    (_, bg, dg), (_, bu, du) = weight("Q8_0", N, K, 5), weight("Q4_0", N, K, 6)
+    for t in (7, 70):
+        xv = np.random.default_rng(t).standard_normal((t, K)).astype(np.float32)
+        out = run_launches(rt, launches, {"x": xv.reshape(-1), "wg": bg, "wu": bu, **sb}, {"T": t},
+                           {"o": ((t, N), "f32"), **so})
+        gate, up = q8_rounded(xv) @ dg.T, q8_rounded(xv) @ du.T
+        ref = gate / (1 + np.exp(-gate)) * up
+        np.testing.assert_allclose(out["o"], ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
