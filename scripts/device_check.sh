@@ -3,8 +3,8 @@
 # the benchmarks, and print a short table last. Run from the repository root with the wheels in .whl/:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl numpy==2.4.4 \
 #       pyopencl pytools platformdirs siphash24 gguf   (see docs/benchmarks.md)
-# Stages (default: all but receive, attention, depth, moe, hostprof, serve and qwen36): receive selftest tests parity
-# bench attention depth moe hostprof serve qwen36.
+# Stages (default: all but receive, attention, depth, moe, hostprof, serve, qwen36 and prefill): receive selftest tests
+# parity bench attention depth moe hostprof serve qwen36 prefill.
 # Example: scripts/device_check.sh bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
