@@ -16,6 +16,7 @@ import numpy as np
 
 from polystrata import threads
 from polystrata.codegen.cpu import NUMPY_DTYPES, render
+from polystrata.codegen.policy import HOST_POLICY
 from polystrata.ir.kernel import Kernel
 from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key, cpu_name, host_memory, numba_signature
 
@@ -25,6 +26,9 @@ class CPURuntime(Runtime):
 
     name = "cpu"
     host = True
+    # One lane (a group is a loop iteration of Numba's prange), the host's schedules; no wide loads or int8 dot
+    # product assumed (LLVM vectorizes the f32 path better: docs/benchmarks.md).
+    policy = HOST_POLICY
     source_ext = "py"
 
     @classmethod

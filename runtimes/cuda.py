@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from polystrata.codegen.cuda import render
+from polystrata.codegen.policy import device_policy
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Buf, Kernel
@@ -92,9 +93,8 @@ class CUDARuntime(Runtime):
     """One NVIDIA GPU (the current numba-cuda device) with one stream, or numba-cuda's simulator."""
 
     name = "cuda"
-    lanes = 128  # 4 warps per group
-    subgroup = 32
-    wide_loads = True  # NVVM, with the alignment the generated loads declare
+    # 4 warps per group; NVVM merges loads with the alignment the generated loads declare; dp4a.
+    policy = device_policy(lanes=128, subgroup=32, wide_loads=True, int8_dot=True)
     source_ext = "py"
     graphs = True
 

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from polystrata.codegen.dequant import Decoder, chunk_len
 from polystrata.codegen.format_analysis import block_stride, finest_group, widen
-from polystrata.codegen.recipes import Recipe, RecipeContext, register
+from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register
 from polystrata.codegen.recipes._matvec import QB, round_half_away
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
 from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
@@ -444,21 +444,24 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
         store = Launch(kv_store_kernel(f"kv_store_{heads}", fmt, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
     tag = f"{heads}_{a['window']}_{stable_digest((a['scale'], a['softcap']), 8)}"
     span = key_span(ctx.n_ctx)
-    splits = ctx.knob("attention", "splits", "auto")
-    if splits == "auto":  # GPUs: enough groups to fill the device (one per head is 32 for 132 SMs)
-        splits = 1 if ctx.lanes == 1 else max(1, min(8, span // 64))
-        if ctx.lanes > 1 and ctx.t_max == 1:  # one token: runs of DECODE_RUN_KEYS keys (flash-decoding)
+    chosen = ctx.knobs_for(ATTENTION_SPACE, f"attn_{tag}_{span}")
+    # Targets that split the keys over groups (the policy's split_keys: GPUs, to fill the device).
+    split_keys = bool(ctx.target().default("attention", "split_keys"))
+    splits = chosen["splits"]
+    if splits == "auto":  # enough groups to fill the device (one per head is 32 for 132 SMs)
+        splits = max(1, min(8, span // 64)) if split_keys else 1
+        if split_keys and ctx.t_max == 1:  # one token: runs of DECODE_RUN_KEYS keys (flash-decoding)
             splits = max(splits, min(MAX_DECODE_RUNS, -(-span // DECODE_RUN_KEYS)))
-        elif ctx.lanes > 1:  # several: runs of at most PREFILL_RUN_KEYS keys
+        elif split_keys:  # several: runs of at most PREFILL_RUN_KEYS keys
             splits = max(splits, -(-span // PREFILL_RUN_KEYS))
     splits = int(splits)
-    min_run = ctx.knob("attention", "min_run", "auto")
-    min_run = int(MIN_RUN_KEYS if min_run == "auto" and ctx.lanes > 1 else 1 if min_run == "auto" else min_run)
-    heads = ctx.knob("attention", "heads", "auto")
+    min_run = chosen["min_run"]
+    min_run = int((MIN_RUN_KEYS if split_keys else 1) if min_run == "auto" else min_run)
+    heads = chosen["heads"]
     if heads == "auto":  # long one-token GPU plans: a KV head's query heads together, their scores in local memory
         run = max(-(-span // splits), min_run)
         heads = 1
-        if ctx.lanes > 1 and ctx.t_max == 1 and span > LONG_CONTEXT:
+        if split_keys and ctx.t_max == 1 and span > LONG_CONTEXT:
             heads = max(h for h in range(1, hq // hkv + 1) if (hq // hkv) % h == 0 and h * run <= GROUP_SCORES)
     heads = int(heads)
     window = int(a["window"])
@@ -506,8 +509,12 @@ def _match_norm_rope_attention(nodes: Sequence[Node]) -> bool:
             and nq.attrs == nk.attrs and all(n.inputs[1].type.shape == (d,) for n in (nq, nk)))
 
 
-register(Recipe("attention", ("attention",), _lower_attention, None,
-                (("two_pass", 1), ("splits", "auto"), ("min_run", "auto"), ("heads", "auto"))))
-register(Recipe("rope_attention", ("rope", "rope", "attention"), _lower_rope_attention, _match_rope_attention))
+# Knob heads: query heads of a KV head together (must divide hq / hkv: the recipe rejects others).
+ATTENTION_SPACE = KnobSpace("attention", (Knob("splits", "auto", (1, 2, 4, 8, 16, 32)),
+                                          Knob("min_run", "auto", (1, 4, 16, 64)), Knob("heads", "auto", (1, 2, 4))),
+                            constraint=lambda kn: kn["min_run"] == "auto" or kn["splits"] not in ("auto", 1))
+register(Recipe("attention", ("attention",), _lower_attention, None, ATTENTION_SPACE))
+register(Recipe("rope_attention", ("rope", "rope", "attention"), _lower_rope_attention, _match_rope_attention,
+                ATTENTION_SPACE))
 register(Recipe("norm_rope_attention", ("rms_norm", "rms_norm", "rope", "rope", "attention"), _lower_rope_attention,
-                _match_norm_rope_attention))
+                _match_norm_rope_attention, ATTENTION_SPACE))
