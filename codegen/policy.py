@@ -51,6 +51,9 @@ class Policy:
     padded_formats: tuple[str, ...] = ()  # weight formats kept with blocks padded to 16 bytes (`ir.layout.padded`)
     sliced_formats: tuple[str, ...] = ()  # weight formats kept in sliced rows (`ir.layout.sliced`)
     knobs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # knob space -> knob -> default
+    # The tuning database's choices for this device (`polystrata.tuning.apply_tuning`): kernel instance signature
+    # (`KnobSpace.signature`) -> knob overrides.
+    tuned: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def default(self, space: str, knob: str) -> Any:
         """What knob `knob` of knob space `space` means on this target when it is "auto"."""

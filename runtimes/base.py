@@ -271,6 +271,7 @@ class Runtime(ABC):
 
     name: str = ""
     device: str = ""
+    compiler: str = ""  # the compiler and its version (and the driver's where it compiles)
     # What the target states about itself: lanes per group, subgroup width, wide loads, int8 dot products, local
     # memory, preferred layouts, and its default schedule knobs (`codegen/policy.py`). The recipes read it; a
     # device whose lane counts are known only once opened replaces it in `__init__` (`Policy.with_shape`).
@@ -314,8 +315,9 @@ class Runtime(ABC):
         return self.policy.wide_loads
 
     def compiler_version(self) -> str:
-        """The compiler (and driver) this runtime's binaries depend on, for keys of caches of measurements."""
-        return getattr(self, "compiler", "")
+        """The compiler (and driver) this runtime's binaries depend on (`compiler`, set by each runtime), for keys
+        of caches of measurements such as the tuning database."""
+        return self.compiler
 
     def __init__(self) -> None:
         self.cache_hits = 0

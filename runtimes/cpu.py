@@ -43,13 +43,14 @@ class CPURuntime(Runtime):
         super().__init__()
         threads.configure()  # before Numba's pool starts: the CLI's -t, else the default (polystrata.threads)
         self.device = f"{cpu_name()} ({os.cpu_count()} threads, numba {numba.__version__})"
+        self.compiler = f"numba {numba.__version__}"
 
     def render(self, kernel: Kernel) -> str:
         return render(kernel)
 
     def compile(self, kernel: Kernel) -> CompiledKernel:
         source = render(kernel)
-        key = cache_key(source, self.name, self.device, f"numba {numba.__version__}")
+        key = cache_key(source, self.name, self.device, self.compiler)
         return self._compile_python(kernel, source, key, numba_signature(kernel, grid_sizes=True))
 
     def alloc(self, shape: Sequence[int], dtype: str) -> np.ndarray:

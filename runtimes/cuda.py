@@ -131,6 +131,12 @@ class CUDARuntime(Runtime):
         self.stream = cuda.stream()  # a real stream: the legacy default stream cannot be captured
         self._copy_stream = None  # the second stream of `copy_async`, made at its first call
 
+    def compiler_version(self) -> str:
+        """numba-cuda's version and the CUDA version of the driver (a new driver may schedule kernels anew)."""
+        if self.simulator:
+            return self.compiler
+        return f"{self.compiler}, CUDA driver {check(driver.cuDriverGetVersion())[0]}"
+
     # --- compilation ----------------------------------------------------------------------------------
 
     def render(self, kernel: Kernel, shuffles: bool | None = None) -> str:

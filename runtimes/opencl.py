@@ -111,6 +111,7 @@ class OpenCLRuntime(Runtime):
         self.policy = self.policy.with_shape(min(64 if gpu else 16, dev.max_work_group_size), 1)
         self.has_subgroups = _has_subgroups(dev) if subgroups is None else subgroups and _has_subgroups(dev)
         self.options = self._std_option()
+        self.compiler = f"opencl driver {dev.driver_version} {' '.join(self.options)}".strip()
         self.policy = self.policy.with_shape(self.lanes, self._probe_subgroup() if self.has_subgroups else 1)
 
     def _std_option(self) -> list[str]:

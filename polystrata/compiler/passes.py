@@ -26,7 +26,8 @@ from polystrata.ir.graph import RECURRENT_OPS, Graph, Node, Value
 from polystrata.ir.kernel import Buf, Launch, buffers_read
 from polystrata.ir.layout import padded, sliced
 
-__all__ = ["PADDED_ON_WIDE_LOADS", "SLICED_ON_WIDE_LOADS", "build_plan", "drop_repeated_launches", "storage_format"]
+__all__ = ["PADDED_ON_WIDE_LOADS", "SLICED_ON_WIDE_LOADS", "build_plan", "drop_repeated_launches", "kept_launches",
+           "launch_effects", "storage_format"]
 
 # The layouts of a wide-load target (`storage_format`'s default).
 WIDE_LOADS = device_policy(128, 32, wide_loads=True)
@@ -173,7 +174,8 @@ def build_plan(
 
     ctx = RecipeContext(
         lanes=policy.lanes, subgroup=policy.subgroup, kv_format=kv_format, n_ctx=n_ctx, buffer_names=names,
-        weight_formats=weight_formats, knobs=knobs or {}, t_max=t_max, wide_loads=policy.wide_loads,
+        weight_formats=weight_formats, knobs={**policy.tuned, **(knobs or {})}, t_max=t_max,
+        wide_loads=policy.wide_loads,
         stream_experts=stream_experts, policy=policy,
     )
     launches = []
@@ -210,6 +212,8 @@ def build_plan(
         launches=[launches[i] for i in kept],
         groups=[groups[i] for i in kept],
         group_sites=group_sites,
+        matches=[it for it in items if isinstance(it, Match)],
+        context=ctx,
         buffers=buffers,
         output=names[id(rootof(out))],
         output_shape=tuple(out.type.shape),
@@ -238,19 +242,19 @@ def kept_launches(launches: list[Launch]) -> list[int]:
     for i, la in enumerate(launches):
         if la in done:
             continue
-        reads, writes = _effects(la)
+        reads, writes = launch_effects(la)
         for old, (r, w) in list(done.items()):
             if writes & (r | w):
                 del done[old]
         for p in (la, *la.provides):
-            pr, pw = _effects(p)
+            pr, pw = launch_effects(p)
             if not pw & pr:
                 done[p] = (pr, pw)
         out.append(i)
     return out
 
 
-def _effects(la: Launch) -> tuple[set[str], set[str]]:
+def launch_effects(la: Launch) -> tuple[set[str], set[str]]:
     """(plan buffers a launch reads, plan buffers it writes)."""
     params = {p.name: p for p in la.kernel.params}
     read_params = buffers_read(la.kernel)

@@ -37,7 +37,11 @@ class Plan:
     recipes: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # (recipe, node names) per match
     expert_streams: list[ExpertStream] = field(default_factory=list)  # streamed MoE layers, in launch order
     groups: list[int] = field(default_factory=list)  # per launch: the match (index into `recipes`) that made it
-    group_sites: list[tuple[Site, ...]] = field(default_factory=list)  # per match: kernel instances it tuned
+    group_sites: list[tuple[Site, ...]] = field(default_factory=list)  # per match: kernel instances it read
+    # What lowered it, for lowering one match again with other knobs (the tuner): the recipe matches (`passes.Match`,
+    # in `recipes` order) and the recipe context.
+    matches: list[Any] = field(default_factory=list)
+    context: Any = None
 
     def tuned(self, index: int) -> bool:
         """Whether launch `index` comes from a match whose knobs a tuned choice set."""
