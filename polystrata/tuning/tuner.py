@@ -95,6 +95,9 @@ class SiteResult:
     best_time: Timing | None = None
     tried: int = 0
     rejected: int = 0
+    # (session time at its start, wall time) of each candidate tried, its compile included
+    candidate_s: list[tuple[float, float]] = field(default_factory=list)
+    setup_s: float = 0.0  # running the plan up to the instance, saving its buffers, timing the default
 
 
 def _local_bytes(kernel: Kernel) -> int:
@@ -255,6 +258,7 @@ class Tuner:
         pid = id(graph)
         plan = ex.plans[pid]
         res = SiteResult(sig)
+        site_start = time.monotonic()
         idx = [i for i, g in enumerate(plan.groups) if g == m]
         step = self._step(plan_name)
         for b in ex.bound[pid][: idx[0]]:
@@ -346,6 +350,7 @@ class Tuner:
             if rt.lanes > 1 and any(_local_bytes(la.kernel) > rt.policy.local_bytes for la in launches):
                 continue
             lowered.append((knobs, launches, specs))
+        res.setup_s = time.monotonic() - site_start
         futures: list[Future | None] = [None] * len(lowered)
         if self.pool is not None:
             for i, (_, launches, _) in enumerate(lowered):
@@ -356,6 +361,8 @@ class Tuner:
             if self.elapsed() >= self.budget_s:
                 break
             res.tried += 1
+            started = time.monotonic()
+            at = self.elapsed()
             try:
                 if futures[i] is not None:
                     futures[i].result()
@@ -366,15 +373,18 @@ class Tuner:
                 got = outputs(launches, hs, specs)
             except PolystrataError as e:
                 res.rejected += 1
+                res.candidate_s.append((at, time.monotonic() - started))
                 self.log(f"tune: {sig} {knobs}: rejected, does not compile ({str(e).splitlines()[0]})")
                 continue
             tol = TOLERANCE_INT8 if int8_default or _uses_int8(launches) else TOLERANCE
             why = compare(want, got, tol)
             if why is not None:
                 res.rejected += 1
+                res.candidate_s.append((at, time.monotonic() - started))
                 self.log(f"tune: {sig} {knobs}: rejected, wrong output: {why}")
                 continue
             t = timed(bound)
+            res.candidate_s.append((at, time.monotonic() - started))
             if best is None or t.median < best[2].median:
                 best = (knobs, bound, t)
         if best is not None:
