@@ -51,8 +51,8 @@ def main() -> None:
     x = g.op("embed", g.weight("table", "F32", (1, a.cols)), tok)
     y = g.op("matmul", x, g.weight("w", fmt.name, (a.rows, a.cols)))
     g.outputs.append(y)
-    plan = build_plan(g, {"w": fmt, "table": FORMATS["F32"]}, KV_FORMATS["f16"], 16, 1, rt.lanes, rt.subgroup,
-                      knobs, wide_loads=rt.wide_loads)
+    plan = build_plan(g, {"w": fmt, "table": FORMATS["F32"]}, KV_FORMATS["f16"], 16, 1, knobs=knobs,
+                      policy=rt.policy)
     rng = np.random.default_rng(0)
     raw = quantize(fmt, rng.standard_normal((a.rows, a.cols)).astype(np.float32))
     xs = rng.standard_normal(a.cols).astype(np.float32)
