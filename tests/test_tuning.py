@@ -247,3 +247,21 @@ def test_matmul_candidates_at_the_extremes_compile_and_agree(tiny, db, monkeypat
     assert res.rejected == 0, logs
     assert res.tried == len(sample)
 
+
+
+def test_bench_tuning_both_runs_untuned_then_tuned(tiny, db, monkeypatch, capsys):
+    from polystrata import bench
+    from polystrata.targets import make_runtime
+    from polystrata.tuning import machine_key
+
+    monkeypatch.setenv(bench.BANDWIDTH_ENV, "1e11")  # no bandwidth measurement
+    target, device, compiler = machine_key(make_runtime("cpu"))
+    sig = "last_row.v1:last_row_128:t1"
+    db.put({**_row(sig, device, compiler, {"chunk": 32}), "target": target})
+    assert main(["bench", str(tiny), "--target", "cpu", "-c", "64", "-p", "4", "-n", "2", "-r", "1",
+                 "--tuning", "both", "-o", "json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["untuned"]["tuned_kernels"] == [] and r["tuned"]["tuned_kernels"] == [sig]
+    assert not r["untuned"]["tuning"] and r["tuned"]["tuning"] and set(r["ratio"]) == {"pp", "tg"}
+    assert main(["bench", str(tiny), "--tuning", "both", "-o", "csv"]) == 2
+    assert "md or json" in capsys.readouterr().err
