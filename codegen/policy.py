@@ -66,11 +66,6 @@ class Policy:
         """This policy for a device whose lane counts are known only once it is opened (OpenCL, HIP)."""
         return replace(self, lanes=lanes, subgroup=subgroup)
 
-    def summary(self) -> dict[str, Any]:
-        """The capabilities, for `polystrata info`-like listings and the tuning database's notes."""
-        return {"lanes": self.lanes, "subgroup": self.subgroup, "wide_loads": self.wide_loads,
-                "int8_dot": self.int8_dot, "local_bytes": self.local_bytes}
-
 
 HOST_POLICY = Policy(knobs=HOST_KNOBS)
 

@@ -28,6 +28,7 @@ already started finishes.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import statistics
@@ -202,8 +203,8 @@ class Tuner:
             self.log("tune: nothing to tune (every kernel instance is in the tuning database for this device)")
             return []
         self.started = time.monotonic()
-        if self.jobs > 1:
-            self.pool = ProcessPoolExecutor(self.jobs)
+        if self.jobs > 1:  # spawned, not forked: this process runs kernels on threads (Numba's, a driver's)
+            self.pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
         try:
             with Progress("tuning kernels", len(todo)) as bar:
                 for plan_name, graph, sig, space, m in todo:
