@@ -236,13 +236,13 @@ EXTREMES = {"cpu": [{"rows": 1}, {"rows": 8}, {"int8": 1}],
 @pytest.mark.slow
 @pytest.mark.parametrize("target", [t for t in EXTREMES if t in available_kernel_targets()])
 def test_matmul_candidates_at_the_extremes_compile_and_agree(tiny, db, monkeypatch, target):
-    """A sample of matmul candidates, extremes included, tuned for real: every one compiles and agrees with the
-    default within the tolerance (none rejected)."""
+    """A sample of matmul candidates, extremes included, tuned for real: every one compiles (in two worker
+    processes) and agrees with the default within the tolerance (none rejected)."""
     sample = EXTREMES[target]
     monkeypatch.setattr(KnobSpace, "candidates", lambda self: sample if self.name == "matmul" else [])
     engine = Engine(tiny, target=target, n_ctx=64, tuning=False)
     logs = []
-    tuner = Tuner(engine, db, 600.0, plans=("decode",), only=r"matmul_q8_0_128x128:t1$", log=logs.append)
+    tuner = Tuner(engine, db, 600.0, plans=("decode",), only=r"matmul_q8_0_128x128:t1$", jobs=2, log=logs.append)
     (res,) = tuner.run()
     assert res.rejected == 0, logs
     assert res.tried == len(sample)
