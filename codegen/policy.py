@@ -48,6 +48,9 @@ class Policy:
     wide_loads: bool = False  # the compiler merges runs of aligned neighbouring loads into 16-byte loads
     int8_dot: bool = False  # a 4-way int8 dot product instruction (`dot4_i8` lowers to it; else the portable form)
     local_bytes: int = 48 * 1024  # local (shared) memory a group may use
+    # The kernels run as loops on the host: block base addresses masked non-negative (`_matvec.NONNEG`: LLVM then
+    # proves loads in bounds and vectorizes) and f16 scales decoded by arithmetic (`dequant.f16_bits_to_f32_arith`).
+    host_arith: bool = False
     padded_formats: tuple[str, ...] = ()  # weight formats kept with blocks padded to 16 bytes (`ir.layout.padded`)
     sliced_formats: tuple[str, ...] = ()  # weight formats kept in sliced rows (`ir.layout.sliced`)
     knobs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # knob space -> knob -> default
@@ -67,7 +70,7 @@ class Policy:
         return replace(self, lanes=lanes, subgroup=subgroup)
 
 
-HOST_POLICY = Policy(knobs=HOST_KNOBS)
+HOST_POLICY = Policy(host_arith=True, knobs=HOST_KNOBS)
 
 
 def device_policy(lanes: int, subgroup: int, wide_loads: bool = False, int8_dot: bool = False) -> Policy:

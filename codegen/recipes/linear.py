@@ -128,9 +128,10 @@ ACTIVATIONS = {"swiglu": silu, "geglu": gelu_tanh}
 
 def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, int8: bool,
                   split: str, lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
-                  vert: bool | str = "auto") -> Kernel:
+                  vert: bool | str = "auto", host_arith: bool | None = None) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j); weights [n, k] of formats `fmts`: the one-kernel
-    schedule (activations quantized inside each group, knob xq="inline")."""
+    schedule (activations quantized inside each group, knob xq="inline"). `host_arith`: `Policy.host_arith`
+    (None, for kernels built without a target: with one lane)."""
     if int8 == "auto":
         int8 = lanes > 1
     int8 = all(use_int8(f, int8) for f in fmts)
@@ -139,7 +140,7 @@ def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, row
     vert = bool(vert) and not int8 and split == "rows"
     if split == "blocks" and lanes > 1:
         fmts = [widen(f, float_chunk(k, lanes)) for f in fmts]
-    cpu = lanes == 1  # one lane: NONNEG masks and arithmetic f16 conversion (the CPU's choices)
+    cpu = lanes == 1 if host_arith is None else host_arith  # NONNEG masks and arithmetic f16 conversion
     rows = max(1, min(rows, n))
     wnames = [f"w{j}" for j in range(len(fmts))]
     params = [Buf("x", "f32"), *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True),
@@ -313,7 +314,8 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
         # Steps of several tokens on the CPU: each weight block's scales decoded once for a tile of tokens.
         kern = tile_matmul_kernel(name + "_tile", fmts, n, k, rows=kn["rows"], tokens=tile, epilogue=epilogue)
         return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
-    kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, **matmul_kernel_knobs(kn))
+    kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, host_arith=ctx.target().host_arith,
+                         **matmul_kernel_knobs(kn))
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
 
 

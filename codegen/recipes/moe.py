@@ -198,16 +198,18 @@ def weight_index(slots: bool) -> Var:
 
 def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
                   act: str, per_token: bool, rows: int, split: str, lanes: int,
-                  epilogue: Callable[[list[Expr]], Expr] | None = None, slots: bool = False) -> Kernel:
+                  epilogue: Callable[[list[Expr]], Expr] | None = None, slots: bool = False,
+                  host_arith: bool | None = None) -> Kernel:
     """out[entry, r] = epilogue(dot(w_j[e, r], a) for each weight j) for each entry listed for expert e = g0.
-    `slots`: the weights hold expert slots, and a slot table (`slot`) maps each expert to its slot.
+    `slots`: the weights hold expert slots, and a slot table (`slot`) maps each expert to its slot. `host_arith`:
+    `Policy.host_arith` (None, for kernels built without a target: with one lane).
 
     Weights [n_exp, n, kd]; the activation row is `act[entry // k]` (`per_token`) or `act[entry]`.
     Grid (experts with entries, ceil(n / rows)) (`_active_grid`): each group reads its weight rows once for all
     the expert's entries.
     """
     rows = max(1, min(rows, n))
-    cpu = lanes == 1
+    cpu = lanes == 1 if host_arith is None else host_arith
     vert = cpu and split == "rows"
     wnames = [f"w{j}" for j in range(len(fmts))]
     rbs = [elements_per_row_bytes(f, kd) for f in fmts]
@@ -475,9 +477,10 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
             combine,
         ]
     kgu = expert_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}".lower(), [fg, fu], n_exp, ff, dm, k, cap, act="x",
-                        per_token=True, rows=rows, split=split, lanes=ctx.lanes, epilogue=gateup, slots=stream)
+                        per_token=True, rows=rows, split=split, lanes=ctx.lanes, epilogue=gateup, slots=stream,
+                        host_arith=policy.host_arith)
     kd = expert_kernel(f"moe_down_{fd.name}_{tag}".lower(), [fd], n_exp, dm, ff, k, cap, act="h", per_token=False,
-                       rows=rows, split=split, lanes=ctx.lanes, slots=stream)
+                       rows=rows, split=split, lanes=ctx.lanes, slots=stream, host_arith=policy.host_arith)
     return [
         *group,
         Launch(kgu, (("x", ctx.buf(x)), ("lst", lst), *slot, ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)),
