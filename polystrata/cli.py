@@ -93,14 +93,15 @@ def _merge_model(a) -> None:
         a.command_parser.error("the following arguments are required: MODEL (or -m MODEL)")
 
 
-def target_arg(p: argparse.ArgumentParser) -> None:
-    """--target and --kv-type."""
+def target_arg(p: argparse.ArgumentParser, tuning: bool = True) -> None:
+    """--target and --kv-type, and (`tuning`) --no-tuning."""
     from polystrata.targets import TARGET_HELP
 
     p.add_argument("--target", default="auto", help=TARGET_HELP)
     p.add_argument("--kv-type", default="f16", help="KV cache format: f16, q8_0, q8_g64 (kernel targets)")
-    p.add_argument("--no-tuning", action="store_true",
-                   help="ignore the tuning database (`polystrata tune`): every kernel with its default knobs")
+    if tuning:
+        p.add_argument("--no-tuning", action="store_true",
+                       help="ignore the tuning database (`polystrata tune`): every kernel with its default knobs")
 
 
 def _int_in(text: str, low: int, high: int, what: str) -> int:

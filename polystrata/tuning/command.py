@@ -17,7 +17,7 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("tune", help="search each kernel's schedule knobs on this device and keep the winners "
                                            "in the tuning database")
     model_arg(p, optional=True)
-    target_arg(p)
+    target_arg(p, tuning=False)  # a session starts from the default knobs
     ctx_arg(p, "the model's, as run takes it (attention kernels are made for the context)")
     threads_arg(p)
     p.add_argument("--budget", default="10m", help="time for the search: NUMBER with s, m or h (the model's load and "
@@ -72,6 +72,7 @@ def cmd_tune(a) -> int:
 def _tune(a, db) -> int:
     from polystrata.cli import _resolve
     from polystrata.engine import Engine
+    from polystrata.targets import resolve_target
     from polystrata.tuning.tuner import Tuner, parse_budget, parse_plans
 
     if a.model is None:
@@ -86,6 +87,8 @@ def _tune(a, db) -> int:
             re.compile(a.only)
         except re.error as e:
             raise UsageError(f"--only is not a regular expression: {e}") from None
+    if resolve_target(a.target) == "reference":
+        raise UsageError("tune needs a kernel target (cpu, cuda, hip, opencl), not the reference executor")
     engine = Engine(_resolve(a.model), target=a.target, n_ctx=a.ctx, kv_type=a.kv_type, tuning=False)
     tuner = Tuner(engine, db, budget, plans, a.only, a.jobs)
     try:
