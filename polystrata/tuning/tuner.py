@@ -15,10 +15,12 @@ first match that reads it:
 3. Check: the candidate's outputs (every buffer the match writes but scratch) against the default's from the
    same inputs; f32 within `tolerance` relative to the largest |value| (looser where int8 activations are on
    either side), other buffers bit for bit. A wrong candidate is rejected and logged, never kept.
-4. Time: warm-up, then `ROUNDS` rounds of enough repetitions for `MIN_ROUND_S` (device marks where the target
-   has them, else the wall clock after a sync); the median and the spread ((max - min) / 2 / median). The best
-   candidate and the default are timed once more at the end; the best is kept only if its median beats the
-   default's by more than both spreads and `MIN_GAIN`.
+4. Time: the launches of every match that makes the instance (a layer each), one after the other, each on its own
+   weights, so that they stream from memory as in a step (one layer's weights alone would sit in a cache and
+   reward the wrong schedule: docs/benchmarks.md); a warm-up, then `ROUNDS` rounds of enough repetitions for
+   `MIN_ROUND_S` (device marks where the target has them, else the wall clock after a sync); the median and the
+   spread ((max - min) / 2 / median). The best candidate and the default are timed once more at the end; the
+   best is kept only if its median beats the default's by more than both spreads and `MIN_GAIN`.
 
 Each finished instance is a row of the tuning database (the default's row when nothing won: not searched again),
 so a Ctrl-C keeps every instance finished before it and a second `tune` resumes with the next. The budget bounds
@@ -80,7 +82,8 @@ def parse_plans(text: str) -> tuple[str, ...]:
 
 @dataclass
 class Timing:
-    """Seconds per run of a match's launches: median and relative spread of `ROUNDS` rounds."""
+    """Seconds per run of the launches of every match of a kernel instance: median and relative spread of
+    `ROUNDS` rounds."""
 
     median: float
     spread: float
@@ -328,12 +331,30 @@ class Tuner:
             med = statistics.median(samples)
             return Timing(med, (max(samples) - min(samples)) / 2 / med if med > 0 else 0.0)
 
-        hs_default = touch(default_launches, plan.buffers)
-        bound_default = bind(default_launches, hs_default)
+        # Every match of the plan that makes this instance (a layer each): the timing runs them all in turn, each
+        # on its own weights, so that they stream from memory as in a step rather than sit in a cache.
+        firsts = {}
+        for i, g in enumerate(plan.groups):
+            if any(st.signature == sig for st in plan.group_sites[g]):
+                firsts.setdefault(g, i)
+        others = [g for g in firsts if g != m]
+
+        def bind_all(first: list[Launch], specs, lower) -> tuple[dict[str, Any], list[BoundLaunch]]:
+            """Handles and bound launches of `first` (this match's) and of the other matches' (`lower(g)`)."""
+            hs = touch(first, specs)
+            bound = bind(first, hs)
+            for g in others:
+                launches, more = lower(g)
+                bound += bind(launches, touch(launches, more))
+            return hs, bound
+
+        hs_default, bound_all_default = bind_all(default_launches, plan.buffers, lambda g: (
+            [la for la, gg in zip(plan.launches, plan.groups) if gg == g], plan.buffers))
+        bound_default = bound_all_default[: len(default_launches)]
         restore()
         run(bound_default)
         want = outputs(default_launches, hs_default, plan.buffers)
-        res.default = timed(bound_default)
+        res.default = timed(bound_all_default)
         int8_default = _uses_int8(default_launches)
 
         # Lower every candidate first (cheap), drop those that change nothing, start their compiles.
@@ -367,10 +388,10 @@ class Tuner:
             try:
                 if futures[i] is not None:
                     futures[i].result()
-                hs = touch(launches, specs)
-                bound = bind(launches, hs)
+                hs, bound_all = bind_all(launches, specs, lambda g, kn=knobs: self.candidate_launches(
+                    plan, g, firsts[g], sig, kn))
                 restore()
-                run(bound)
+                run(bound_all[: len(launches)])
                 got = outputs(launches, hs, specs)
             except PolystrataError as e:
                 res.rejected += 1
@@ -384,13 +405,13 @@ class Tuner:
                 res.candidate_s.append((at, time.monotonic() - started))
                 self.log(f"tune: {sig} {knobs}: rejected, wrong output: {why}")
                 continue
-            t = timed(bound)
+            t = timed(bound_all)
             res.candidate_s.append((at, time.monotonic() - started))
             if best is None or t.median < best[2].median:
-                best = (knobs, bound, t)
+                best = (knobs, bound_all, t)
         if best is not None:
             # Once more, default and best back to back: a machine that got busier meanwhile misleads less.
-            res.default = min(res.default, timed(bound_default), key=lambda x: x.median)
+            res.default = min(res.default, timed(bound_all_default), key=lambda x: x.median)
             res.best_time = min(best[2], timed(best[1]), key=lambda x: x.median)
             margin = max(MIN_GAIN, res.default.spread + res.best_time.spread)
             if res.best_time.median < res.default.median * (1 - margin):
