@@ -139,12 +139,13 @@ def _has_marker(directory: Path) -> bool:
 
 def write_artifact(
     model_path: Path, target: str, out: str | os.PathLike, kv_type: str = "f16", arch: str | None = None,
-    n_ctx: int | None = None, gpu_mem: str | None = None, expert_slots: int | None = None,
+    n_ctx: int | None = None, gpu_mem: str | None = None, expert_slots: int | None = None, tuning: bool = True,
 ) -> tuple[Path, str]:
     """Plan `model_path` for `target` with a KV cache of `n_ctx` tokens (default: the trained context, reduced to what
     the device-memory budget `gpu_mem` holds, as `run` would: see `runtimes.memory.fit_plans`), compile its kernels
     (through the binary cache), and write the artifact directory `out` atomically. Returns the path and a one-line
-    report of the kernel cache."""
+    report of the kernel cache. `tuning`: take the tuning database's knobs for this device (the manifest's
+    `tuned` per kernel says which)."""
     target = resolve_target(target)
     if target == "reference":
         from polystrata.runtimes.memory import check_reference_flags
@@ -173,6 +174,10 @@ def write_artifact(
             from polystrata.runtimes.memory import fit_plans
 
             rt = make_runtime(target, arch=arch)
+            if tuning:
+                from polystrata.tuning import apply_tuning
+
+                apply_tuning(rt)
             device, source_ext = rt.device, rt.source_ext
             # As the engine runs them: one-token steps, prompt chunks (last logits), scoring (every token's).
             plans, mem = fit_plans(f, [score, prefill, decode], {id(decode): 1}, rt, n_ctx_asked,

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from polystrata.cli import ctx_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg, threads_arg
-from polystrata.errors import PolystrataError
+from polystrata.errors import PolystrataError, UsageError
 from polystrata.runtimes.base import cpu_name
 from polystrata.runtimes.memory import fmt_bytes
 from polystrata.targets import is_host
@@ -149,6 +149,14 @@ def _params(engine) -> int:
 # --- timing ----------------------------------------------------------------------------------------------------
 
 
+def tuned_instances(engine) -> list[str]:
+    """The kernel instances whose knobs came from the tuning database in `engine`'s plans (none on the
+    reference)."""
+    from polystrata.tuning import tuned_signatures
+
+    return tuned_signatures(engine.executor.plans) if getattr(engine, "runtime", None) is not None else []
+
+
 def rate_stats(n: int, rates: list[float]) -> dict:
     """The pp/tg JSON entry: token count, mean and sample standard deviation of tok/s, and every repetition."""
     return {
@@ -243,10 +251,12 @@ def run_bench(
     depth: int = 0,
     n_ctx: int | None = None,
     memory: dict | None = None,
+    tuning: bool = True,
 ) -> dict:
     """Benchmark `model` on `target` with a KV cache of `kv_type` holding `n_ctx` tokens (default: just what the
     tests need, depth + max(p, n)); returns the `--json` object (see the module docstring for its meaning).
-    `memory`: the Engine's memory options (gpu_mem, expert_slots, expert_policy)."""
+    `memory`: the Engine's memory options (gpu_mem, expert_slots, expert_policy). `tuning`: the tuning
+    database's knobs (`polystrata.tuning`), recorded in the result with how many kernel instances they set."""
     from polystrata import zoo
     from polystrata.engine import Engine
 
@@ -265,7 +275,7 @@ def run_bench(
 
     path = zoo.resolve_model(model)
     # Every test starts after `depth` tokens, so the cache only needs to hold that and the longest test.
-    engine = Engine(path, target=target, n_ctx=n_ctx or need, kv_type=kv_type, **(memory or {}))
+    engine = Engine(path, target=target, n_ctx=n_ctx or need, kv_type=kv_type, tuning=tuning, **(memory or {}))
     target = getattr(engine, "target", target)  # `auto` resolved to what actually runs
     threads = engine_threads(engine)
     device = describe_device(engine, target)
@@ -286,6 +296,8 @@ def run_bench(
         "kv_type": kv_type if target != "reference" else "f32",  # the reference executor keeps f32 K and V
         "depth": depth,
         "n_ctx": engine.n_ctx,
+        "tuning": tuning,
+        "tuned_kernels": tuned_instances(engine),
         "pp": None,
         "tg": None,
     }
@@ -432,25 +444,53 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", dest="output_format", choices=OUTPUT_FORMATS, default="md",
                    help="md: the table; json: one JSON object; csv: a header and one row per test (llama-bench -o)")
     p.add_argument("--json", dest="output_format", action="store_const", const="json", help="the same as -o json")
+    p.add_argument("--tuning", choices=("on", "off", "both"), default="on",
+                   help="the tuning database's knobs (polystrata tune): on, off (= --no-tuning), or both: the model "
+                        "benched without them, then with them, and the ratios")
     memory_args(p)
     return p
 
 
+def tuning_ratios(untuned: dict, tuned: dict) -> dict:
+    """Tuned over untuned tok/s of each test both ran."""
+    return {test: tuned[test]["tok_s_mean"] / untuned[test]["tok_s_mean"]
+            for test in ("pp", "tg") if untuned[test] and tuned[test] and untuned[test]["tok_s_mean"] > 0}
+
+
 def cmd_bench(a) -> int:
-    """Run `polystrata bench`: the table (or one JSON object) on stdout, progress on stderr."""
+    """Run `polystrata bench`: the table (or one JSON object) on stdout, progress on stderr. `--tuning both`:
+    the untuned run, then the tuned one; md prints both tables and the ratios, json an object {"untuned",
+    "tuned", "ratio"}."""
+    mode = "off" if a.no_tuning else a.tuning
+    if mode == "both" and a.output_format == "csv":
+        raise UsageError("--tuning both prints md or json, not csv")
     progress = None if a.output_format != "md" else (lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True))
-    r = run_bench(
-        a.model,
-        target=a.target,
-        n_prompt=a.n_prompt,
-        n_gen=a.n_gen,
-        repetitions=a.repetitions,
-        seed=a.seed,
-        progress=progress,
-        kv_type=a.kv_type,
-        depth=a.depth,
-        n_ctx=a.ctx,
-        memory=memory_kwargs(a),
-    )
-    print({"json": json.dumps, "csv": format_csv, "md": format_table}[a.output_format](r))
+    runs = {}
+    for tuning in {"on": (True,), "off": (False,), "both": (False, True)}[mode]:
+        runs[tuning] = run_bench(
+            a.model,
+            target=a.target,
+            n_prompt=a.n_prompt,
+            n_gen=a.n_gen,
+            repetitions=a.repetitions,
+            seed=a.seed,
+            progress=progress,
+            kv_type=a.kv_type,
+            depth=a.depth,
+            n_ctx=a.ctx,
+            memory=memory_kwargs(a),
+            tuning=tuning,
+        )
+    if mode != "both":
+        (r,) = runs.values()
+        print({"json": json.dumps, "csv": format_csv, "md": format_table}[a.output_format](r))
+        return 0
+    ratio = tuning_ratios(runs[False], runs[True])
+    if a.output_format == "json":
+        print(json.dumps({"untuned": runs[False], "tuned": runs[True], "ratio": ratio}))
+        return 0
+    for tuning, r in runs.items():
+        print(f"tuning {'on' if tuning else 'off'} ({len(r['tuned_kernels'])} tuned kernel instances):")
+        print(format_table(r) + "\n")
+    print("tuned / untuned: " + ", ".join(f"{test} x{v:.3f}" for test, v in ratio.items()))
     return 0

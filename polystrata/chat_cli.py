@@ -75,7 +75,7 @@ def open_engine(a) -> Engine:
     else:
         path = _resolve(a.model)
     return Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, kernel_store=store,
-                  **memory_kwargs(a))
+                  tuning=not a.no_tuning, **memory_kwargs(a))
 
 
 def make_sampler(a) -> Sampler:

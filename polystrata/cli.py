@@ -93,12 +93,15 @@ def _merge_model(a) -> None:
         a.command_parser.error("the following arguments are required: MODEL (or -m MODEL)")
 
 
-def target_arg(p: argparse.ArgumentParser) -> None:
-    """--target and --kv-type."""
+def target_arg(p: argparse.ArgumentParser, tuning: bool = True) -> None:
+    """--target and --kv-type, and (`tuning`) --no-tuning."""
     from polystrata.targets import TARGET_HELP
 
     p.add_argument("--target", default="auto", help=TARGET_HELP)
     p.add_argument("--kv-type", default="f16", help="KV cache format: f16, q8_0, q8_g64 (kernel targets)")
+    if tuning:
+        p.add_argument("--no-tuning", action="store_true",
+                       help="ignore the tuning database (`polystrata tune`): every kernel with its default knobs")
 
 
 def _int_in(text: str, low: int, high: int, what: str) -> int:
@@ -295,8 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, type=_output_path)
 
     from polystrata.bench import add_bench_parser
+    from polystrata.tuning.command import add_tune_parser
 
     add_bench_parser(sub)
+    add_tune_parser(sub)
 
     p = sub.add_parser("synth", help="write a random-weight model at a real shape")
     p.add_argument("--arch", required=True, choices=["llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "gemma3",
@@ -495,7 +500,7 @@ def cmd_score(a) -> int:
         raise PolystrataError(f"the text has {len(ids)} tokens, more than the context (-c {a.ctx})")
     # One pass over the whole text: the context must hold all of it, however long.
     eng = Engine(path, target=a.target, n_ctx=a.ctx or max(len(ids), DEFAULT_CTX), kv_type=a.kv_type,
-                 **memory_kwargs(a))
+                 tuning=not a.no_tuning, **memory_kwargs(a))
     t0 = time.perf_counter()
     logits = eng.score(ids)
     dt = time.perf_counter() - t0
@@ -551,8 +556,8 @@ def cmd_parity(a) -> int:
         raise PolystrataError("--against-kv compares KV cache types of a kernel target; the reference keeps f32 K, V")
     path = _resolve(a.model)
     refs = _read_fixtures(Path(a.fixtures), path, ("ids", "top_ids", "top_logits") + (("greedy",) * bool(a.against_kv)))
-    eng = Engine(path, target=a.target, kv_type=a.kv_type)
-    base = Engine(path, target=eng.target, kv_type=a.against_kv) if a.against_kv else None
+    eng = Engine(path, target=a.target, kv_type=a.kv_type, tuning=not a.no_tuning)
+    base = Engine(path, target=eng.target, kv_type=a.against_kv, tuning=not a.no_tuning) if a.against_kv else None
     par = Parity()
     for ref in refs:
         if base is None:
@@ -597,7 +602,7 @@ def cmd_compile(a) -> int:
             n_layer = model_hparams(f.metadata, tensor_table(f)).n_layer
         target = gpu_layers_target(target, resolve_target(target), a.n_gpu_layers, n_layer)
     out, report = write_artifact(path, target, a.output, kv_type=a.kv_type, arch=a.arch, n_ctx=a.ctx,
-                                 gpu_mem=a.gpu_mem, expert_slots=a.expert_slots)
+                                 gpu_mem=a.gpu_mem, expert_slots=a.expert_slots, tuning=not a.no_tuning)
     print(f"wrote {out}: {report}", file=sys.stderr)
     return 0
 
@@ -616,6 +621,12 @@ def cmd_bench(a) -> int:
     from polystrata.bench import cmd_bench as run
 
     return run(a)
+
+
+def cmd_tune(a) -> int:
+    from polystrata.tuning.command import cmd_tune as tune
+
+    return tune(a)
 
 
 def cmd_run(a) -> int:
@@ -644,6 +655,7 @@ COMMANDS = {
     "compile": cmd_compile,
     "parity": cmd_parity,
     "synth": cmd_synth,
+    "tune": cmd_tune,
 }
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from polystrata.codegen.policy import HOST_POLICY, Policy
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
 from polystrata.ir.expr import Bin, Const, Expr, Var
@@ -270,15 +271,11 @@ class Runtime(ABC):
 
     name: str = ""
     device: str = ""
-    # Lanes per group that recipes should use on this device (1 on the CPU), and the subgroup (warp) width.
-    lanes: int = 1
-    subgroup: int = 1
-    # Whether the compiler merges runs of aligned neighbouring loads into 16-byte loads (recipes then give each
-    # lane runs of consecutive words: `codegen/recipes/_matvec.use_runs`).
-    wide_loads: bool = False
-    # Whether the renderer spells tile products (`ir.kernel.TileMMA`) on matrix units (tensor cores, MFMA): prefill
-    # matmuls then take `codegen/recipes/tile_mma.py`'s kernels.
-    matrix_units: bool = False
+    compiler: str = ""  # the compiler and its version (and the driver's where it compiles)
+    # What the target states about itself: lanes per group, subgroup width, wide loads, int8 dot products, local
+    # memory, preferred layouts, and its default schedule knobs (`codegen/policy.py`). The recipes read it; a
+    # device whose lane counts are known only once opened replaces it in `__init__` (`Policy.with_shape`).
+    policy: Policy = HOST_POLICY
     # Kernels run on the host CPU: host memory is the device memory (experts stay resident), and `bench`
     # measures the host's bandwidth and reports `threads()`.
     host: bool = False
@@ -300,6 +297,33 @@ class Runtime(ABC):
     def threads(self) -> int | None:
         """Host threads the kernels run on (host targets; None on a device)."""
         return None
+
+    @property
+    def lanes(self) -> int:
+        """Lanes per group that recipes use on this device (`policy.lanes`)."""
+        return self.policy.lanes
+
+    @property
+    def subgroup(self) -> int:
+        """The subgroup (warp) width (`policy.subgroup`)."""
+        return self.policy.subgroup
+
+    @property
+    def wide_loads(self) -> bool:
+        """Whether the compiler merges runs of aligned neighbouring loads into 16-byte loads (recipes then give
+        each lane runs of consecutive words: `codegen/recipes/_matvec.use_runs`)."""
+        return self.policy.wide_loads
+
+    @property
+    def matrix_units(self) -> bool:
+        """Whether the renderer spells tile products (`ir.kernel.TileMMA`) on matrix units (tensor cores, MFMA,
+        WMMA): prefill matmuls then take `codegen/recipes/tile_mma.py`'s kernels (`policy.matrix_units`)."""
+        return self.policy.matrix_units
+
+    def compiler_version(self) -> str:
+        """The compiler (and driver) this runtime's binaries depend on (`compiler`, set by each runtime), for keys
+        of caches of measurements such as the tuning database."""
+        return self.compiler
 
     def __init__(self) -> None:
         self.cache_hits = 0

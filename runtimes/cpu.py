@@ -16,6 +16,7 @@ import numpy as np
 
 from polystrata import threads
 from polystrata.codegen.cpu import NUMPY_DTYPES, render
+from polystrata.codegen.policy import HOST_POLICY
 from polystrata.ir.kernel import Kernel
 from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key, cpu_name, host_memory, numba_signature
 
@@ -25,6 +26,9 @@ class CPURuntime(Runtime):
 
     name = "cpu"
     host = True
+    # One lane (a group is a loop iteration of Numba's prange), the host's schedules; no wide loads or int8 dot
+    # product assumed (LLVM vectorizes the f32 path better: docs/benchmarks.md).
+    policy = HOST_POLICY
     source_ext = "py"
 
     @classmethod
@@ -39,13 +43,14 @@ class CPURuntime(Runtime):
         super().__init__()
         threads.configure()  # before Numba's pool starts: the CLI's -t, else the default (polystrata.threads)
         self.device = f"{cpu_name()} ({os.cpu_count()} threads, numba {numba.__version__})"
+        self.compiler = f"numba {numba.__version__}"
 
     def render(self, kernel: Kernel) -> str:
         return render(kernel)
 
     def compile(self, kernel: Kernel) -> CompiledKernel:
         source = render(kernel)
-        key = cache_key(source, self.name, self.device, f"numba {numba.__version__}")
+        key = cache_key(source, self.name, self.device, self.compiler)
         return self._compile_python(kernel, source, key, numba_signature(kernel, grid_sizes=True))
 
     def alloc(self, shape: Sequence[int], dtype: str) -> np.ndarray:

@@ -16,11 +16,13 @@ from __future__ import annotations
 import ctypes
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from polystrata.codegen.cuda import render
+from polystrata.codegen.policy import device_policy
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Buf, Kernel
@@ -92,9 +94,8 @@ class CUDARuntime(Runtime):
     """One NVIDIA GPU (the current numba-cuda device) with one stream, or numba-cuda's simulator."""
 
     name = "cuda"
-    lanes = 128  # 4 warps per group
-    subgroup = 32
-    wide_loads = True  # NVVM, with the alignment the generated loads declare
+    # 4 warps per group; NVVM merges loads with the alignment the generated loads declare; dp4a.
+    policy = device_policy(lanes=128, subgroup=32, wide_loads=True, int8_dot=True)
     source_ext = "py"
     graphs = True
 
@@ -116,7 +117,6 @@ class CUDARuntime(Runtime):
         self.cuda = cuda
         self.simulator = bool(config.ENABLE_CUDASIM)
         self.compiler = f"numba-cuda {numba_cuda.__version__}"
-        self.matrix_units = False
         if self.simulator:
             self.device = "numba-cuda simulator"
         else:
@@ -127,11 +127,18 @@ class CUDARuntime(Runtime):
             except Exception as e:  # CudaSupportError, missing libcuda or cuda-bindings, no device, ...
                 raise PolystrataError(f"no CUDA GPU found: {e}") from None
             self.device = f"{name} ({arch})"
-            self.matrix_units = int(arch[3:]) >= 80  # mma.sync on int8 and f16 (codegen/cuda.py's MMA_SYNC)
+            # mma.sync on int8 and f16 from sm_80 (codegen/cuda.py's MMA_SYNC)
+            self.policy = replace(self.policy, matrix_units=int(arch[3:]) >= 80)
         self.shuffles = (not self.simulator) if shuffles is None else shuffles
         self.fast = not self.simulator  # driver launches; False: numba's dispatcher (for comparisons)
         self.stream = cuda.stream()  # a real stream: the legacy default stream cannot be captured
         self._copy_stream = None  # the second stream of `copy_async`, made at its first call
+
+    def compiler_version(self) -> str:
+        """numba-cuda's version and the CUDA version of the driver (a new driver may schedule kernels anew)."""
+        if self.simulator:
+            return self.compiler
+        return f"{self.compiler}, CUDA driver {check(driver.cuDriverGetVersion())[0]}"
 
     # --- compilation ----------------------------------------------------------------------------------
 

@@ -13,13 +13,14 @@ import contextlib
 import ctypes
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from polystrata.codegen.hip import MATRIX_ARCHS, base_arch, render, wave_of
+from polystrata.codegen.policy import device_policy
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import DTYPE_BYTES, Buf, Kernel
 from polystrata.paths import atomic_write
@@ -154,6 +155,8 @@ class HIPRuntime(Runtime):
 
     name = "hip"
     source_ext = "hip"
+    # GPU schedules, a group of one wave (`__init__`: the arch's width); no load merging assumed; sdot4 / dp4a.
+    policy = device_policy(lanes=64, subgroup=64, int8_dot=True)
     takes_arch = True
     no_gpu = _NO_GPU  # the error of a compile-only runtime asked to run
 
@@ -177,8 +180,8 @@ class HIPRuntime(Runtime):
             raise PolystrataError(self.no_gpu.format(arch=self.example_arch) + "; give an arch to compile for")
         self.arch = arch or found
         self._configure(found, dev_name)  # refuses an unknown arch
-        self.lanes = self.subgroup = wave_of(self.arch)  # 64 on wave64 (CDNA, GCN), 32 on wave32 (RDNA and CUDA)
-        self.matrix_units = base_arch(self.arch) in MATRIX_ARCHS
+        wave = wave_of(self.arch)  # 64 on wave64 (CDNA, GCN), 32 on wave32 (RDNA and CUDA)
+        self.policy = replace(self.policy.with_shape(wave, wave), matrix_units=base_arch(self.arch) in MATRIX_ARCHS)
 
     example_arch = "gfx1030"  # for the message of a compile-only runtime without an arch
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from polystrata.codegen.opencl import render
+from polystrata.codegen.policy import device_policy
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import DTYPE_BYTES, Kernel
 from polystrata.paths import atomic_write
@@ -85,6 +86,9 @@ class OpenCLRuntime(Runtime):
 
     name = "opencl"
     source_ext = "cl"
+    # GPU schedules; no wide loads or int8 dot product assumed (OpenCL C has no portable one). Lanes and subgroup
+    # width come from the device (`__init__`).
+    policy = device_policy(lanes=64, subgroup=1)
 
     @classmethod
     def present(cls) -> bool:
@@ -104,10 +108,11 @@ class OpenCLRuntime(Runtime):
         self.device = f"{dev.name.strip()} ({dev.platform.name.strip()}, driver {dev.driver_version})"
         gpu = bool(dev.type & cl.device_type.GPU)
         # PoCL's CPU driver runs a group's lanes as a vectorised loop in one thread: small groups are fastest.
-        self.lanes = min(64 if gpu else 16, dev.max_work_group_size)
+        self.policy = self.policy.with_shape(min(64 if gpu else 16, dev.max_work_group_size), 1)
         self.has_subgroups = _has_subgroups(dev) if subgroups is None else subgroups and _has_subgroups(dev)
         self.options = self._std_option()
-        self.subgroup = self._probe_subgroup() if self.has_subgroups else 1
+        self.compiler = f"opencl driver {dev.driver_version} {' '.join(self.options)}".strip()
+        self.policy = self.policy.with_shape(self.lanes, self._probe_subgroup() if self.has_subgroups else 1)
 
     def _std_option(self) -> list[str]:
         # sub_group_* built-ins are only declared for OpenCL C 2.0+.

@@ -61,7 +61,7 @@ def main() -> None:
         outs.append(g.op("reshape", o, shape=("T", hq * d)))
     g.outputs.extend(outs)
     weights = {w: FORMATS["F32"] for w in g.weights}
-    plan = build_plan(g, weights, kvf, n_ctx, 1, rt.lanes, rt.subgroup, parse_knobs(a.knob), wide_loads=rt.wide_loads)
+    plan = build_plan(g, weights, kvf, n_ctx, 1, knobs=parse_knobs(a.knob), policy=rt.policy)
     rng = np.random.default_rng(0)
     bufs, want = {}, []
     for name, spec in plan.buffers.items():

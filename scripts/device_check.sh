@@ -3,8 +3,8 @@
 # the benchmarks, and print a short table last. Run from the repository root with the wheels in .whl/:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl numpy==2.4.4 \
 #       pyopencl pytools platformdirs siphash24 gguf   (see docs/benchmarks.md)
-# Stages (default: all but receive, attention, depth, moe, hostprof, serve, qwen36 and prefill): receive selftest tests
-# parity bench attention depth moe hostprof serve qwen36 prefill.
+# Stages (default: all but receive, attention, depth, moe, hostprof, serve, qwen36, prefill and tune): receive
+# selftest tests parity bench attention depth moe hostprof serve qwen36 prefill tune.
 # Example: scripts/device_check.sh bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -278,6 +278,36 @@ if [[ " $STAGES " == *" serve "* ]]; then
     fi
     timeout 900 python3 scripts/serve_bench.py "$M/llama3-8b-q4km.gguf" --target cuda "${lcpp[@]}" ${SERVE_ARGS:-} \
         --json "$OUT/serve.json" 2>&1 | tee -a "$LOG" | tail -10 | tee -a "$SUMMARY"
+fi
+
+if [[ " $STAGES " == *" tune "* ]]; then
+    # Kernel autotuning (issue 20): per model and target, `tune` with TUNE_BUDGET (default 10m; the time actually
+    # spent is in the summary), then `bench --tuning both` (untuned, then tuned, in one run). TUNE_TARGETS and
+    # TUNE_MODELS narrow it; TUNE_BENCH_ARGS shortens the bench. The tuning database starts empty on each machine;
+    # its rows come back as tuning_h200.json (`polystrata tune --import` takes them).
+    M=/tmp/models; mkdir -p "$M"
+    [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M \
+        -o "$M/llama3-8b-q4km.gguf" 2>> "$LOG"
+    [ -f "$M/qwen3moe-8l-q4km.gguf" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b \
+        --layers 8 --type Q4_K_M -o "$M/qwen3moe-8l-q4km.gguf" 2>> "$LOG"
+    for t in ${TUNE_TARGETS:-cuda hip opencl}; do
+        for m in ${TUNE_MODELS:-llama3-8b-q4km qwen3moe-8l-q4km}; do
+            timeout 1500 python3 -m polystrata tune "$M/$m.gguf" --target "$t" --budget "${TUNE_BUDGET:-10m}" \
+                2>&1 | tee -a "$LOG" | grep -E '^tune: [0-9]+ kernel' | sed "s/^/$m $t: /" | tee -a "$SUMMARY"
+            timeout 900 python3 -m polystrata bench "$M/$m.gguf" --target "$t" --tuning both \
+                ${TUNE_BENCH_ARGS:--p 512 -n 128 -r 3} --json > "$OUT/tune_${m}_$t.json" 2>> "$LOG"
+            python3 - "$OUT/tune_${m}_$t.json" "$m $t" <<'EOF' | tee -a "$SUMMARY"
+import json, sys
+r = json.load(open(sys.argv[1]))
+u, t = r["untuned"], r["tuned"]
+print(f"{sys.argv[2]:34s} pp {u['pp']['tok_s_mean']:.0f} -> {t['pp']['tok_s_mean']:.0f}  "
+      f"tg {u['tg']['tok_s_mean']:.1f} -> {t['tg']['tok_s_mean']:.1f} tok/s  ratio {r['ratio']}  "
+      f"{len(t['tuned_kernels'])} tuned instances")
+EOF
+        done
+    done
+    python3 -m polystrata tune --show > "$OUT/tuning_rows.txt" 2>> "$LOG"
+    python3 -m polystrata tune --export "$OUT/tuning_h200.json" 2>> "$LOG"
 fi
 
 echo; echo "=== summary ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) ==="

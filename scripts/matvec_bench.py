@@ -56,8 +56,8 @@ def main() -> None:
     y = g.op("matmul", x, g.weight("w", fmt.name, (a.rows, a.cols)))
     g.outputs.append(y)
     nt = a.tokens
-    plan = build_plan(g, {"w": fmt, "table": FORMATS["F32"]}, KV_FORMATS["f16"], 16, nt, rt.lanes, rt.subgroup,
-                      knobs, wide_loads=rt.wide_loads, matrix_units=rt.matrix_units)
+    plan = build_plan(g, {"w": fmt, "table": FORMATS["F32"]}, KV_FORMATS["f16"], 16, nt, knobs=knobs,
+                      policy=rt.policy)
     rng = np.random.default_rng(0)
     raw = quantize(fmt, rng.standard_normal((a.rows, a.cols)).astype(np.float32))
     xs = rng.standard_normal(a.cols).astype(np.float32)

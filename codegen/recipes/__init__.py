@@ -24,9 +24,70 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from polystrata.codegen.policy import Policy, shape_policy
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node, Value
 from polystrata.ir.kernel import Launch
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One schedule knob: its default ("auto": the recipe or the target's policy decides) and the values a tuner
+    tries (`candidates`; the default is always tried too)."""
+
+    name: str
+    default: Any
+    candidates: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class KnobSpace:
+    """The knobs a recipe exposes, for the tuner: names, defaults, candidate values and `constraint` (which
+    combinations of set knobs make sense; None: any). `version` goes into the tuning database's key: raise it
+    when a knob's meaning changes, so that old measurements no longer apply."""
+
+    name: str  # the space's name; overrides by this name apply to every kernel the space makes
+    knobs: tuple[Knob, ...]
+    version: int = 1
+    constraint: Callable[[dict[str, Any]], bool] | None = None
+
+    def defaults(self) -> dict[str, Any]:
+        return {k.name: k.default for k in self.knobs}
+
+    def signature(self, instance: str, t_max: int) -> str:
+        """The key of one kernel instance of this space (its shapes and formats in `instance`, the plan's step
+        size): what the tuning database and per-instance overrides are keyed by."""
+        return f"{self.name}.v{self.version}:{instance}:t{t_max}"
+
+    def candidates(self) -> list[dict[str, Any]]:
+        """Every set of overrides the tuner may try (one knob or two changed from the defaults, allowed by
+        `constraint`), the extremes of each knob first."""
+        out: list[dict[str, Any]] = []
+        singles = [(k.name, v) for k in self.knobs for v in _extremes_first(k.candidates) if v != k.default]
+        for name, v in singles:
+            out.append({name: v})
+        for i, (a, va) in enumerate(singles):
+            for b, vb in singles[i + 1:]:
+                if a != b:
+                    out.append({a: va, b: vb})
+        return [c for c in out if self.constraint is None or self.constraint({**self.defaults(), **c})]
+
+
+def _extremes_first(values: tuple) -> list:
+    """`values` with the first and last first (the extremes, which a sampled check must not skip)."""
+    if len(values) <= 2:
+        return list(values)
+    return [values[0], values[-1], *values[1:-1]]
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a knob space was read while lowering: the kernel instance's signature and whether a per-instance
+    override (a tuned choice) applied."""
+
+    signature: str
+    space: KnobSpace
+    tuned: bool
 
 
 @dataclass(frozen=True)
@@ -49,7 +110,7 @@ class ExpertStream:
 
 @dataclass
 class RecipeContext:
-    """What a recipe may know about the compilation: target shape, buffers, KV type, knob overrides."""
+    """What a recipe may know about the compilation: target shape and policy, buffers, KV type, knob overrides."""
 
     lanes: int  # work-items per group the target wants (1 on the CPU)
     subgroup: int  # subgroup / warp width (1 on the CPU, 32 or 64 on GPUs)
@@ -57,15 +118,24 @@ class RecipeContext:
     n_ctx: int
     buffer_names: dict[int, str]  # id(Value) -> plan buffer name
     weight_formats: dict[str, QuantFormat]  # GGUF tensor name -> its format
-    knobs: dict[str, dict[str, Any]] = field(default_factory=dict)  # recipe name -> knob overrides (tuner)
+    # Knob overrides: knob space name (every kernel of the space) or a kernel instance's signature
+    # (`KnobSpace.signature`: the tuner's choices) -> knob -> value.
+    knobs: dict[str, dict[str, Any]] = field(default_factory=dict)
     scratch_buffers: dict[str, tuple[str, int]] = field(default_factory=dict)  # name -> (dtype, count)
     t_max: int = 256  # most tokens per step the plan serves (sizes per-token scratch buffers)
     wide_loads: bool = False  # the target merges runs of aligned loads into 16-byte loads (`Runtime.wide_loads`)
-    matrix_units: bool = False  # the target renders tile products on matrix units (`Runtime.matrix_units`)
     # A plan for expert streaming: expert kernels read their weights through a slot table (`ExpertStream`), and
     # the recipes record each streamed MoE layer in `expert_streams`.
     stream_experts: bool = False
     expert_streams: list[ExpertStream] = field(default_factory=list)
+    # The target's policy (`codegen/policy.py`); None: the policy of the bare shape (`shape_policy`: kernel tests).
+    policy: Policy | None = None
+    # Kernel instances whose knobs were read while lowering the current match (`knobs_for`), for the plan.
+    sites: list[Site] = field(default_factory=list)
+
+    def target(self) -> Policy:
+        """The target's policy (see `policy`)."""
+        return self.policy or shape_policy(self.lanes, self.subgroup, self.wide_loads)
 
     def buf(self, v: Value) -> str:
         """Plan buffer name of a graph value or weight."""
@@ -85,8 +155,21 @@ class RecipeContext:
         return name
 
     def knob(self, recipe: str, name: str, default: Any) -> Any:
-        """A schedule knob: the tuner's override, else the recipe's default."""
+        """A schedule knob read by space name alone: its override, else `default`."""
         return self.knobs.get(recipe, {}).get(name, default)
+
+    def knobs_for(self, space: KnobSpace, instance: str | None) -> dict[str, Any]:
+        """The knobs of `space` for one kernel instance (`instance`: its shapes and formats, see
+        `KnobSpace.signature`): the instance's override (the tuner's), else the space's, else the space's
+        default ("auto" where the recipe and the target's policy decide). Records the instance in `sites`;
+        `instance` None (a recipe asking what another recipe would choose) records nothing."""
+        values = {**space.defaults(), **self.knobs.get(space.name, {})}
+        if instance is None:
+            return values
+        sig = space.signature(instance, self.t_max)
+        tuned = self.knobs.get(sig)
+        self.sites.append(Site(sig, space, tuned is not None))
+        return {**values, **(tuned or {})}
 
 
 @dataclass(frozen=True)
@@ -97,7 +180,11 @@ class Recipe:
     pattern: tuple[str, ...]
     lower: Callable[[Sequence[Node], RecipeContext], list[Launch]]
     match: Callable[[Sequence[Node]], bool] | None = None
-    knobs: tuple[tuple[str, Any], ...] = ()  # the knobs this recipe exposes, with defaults (for the tuner)
+    knobs: KnobSpace | None = None  # the knobs this recipe exposes (for the tuner)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.knobs, tuple):  # (name, default) pairs: a space of knobs without candidates
+            object.__setattr__(self, "knobs", KnobSpace(self.name, tuple(Knob(n, d) for n, d in self.knobs)))
 
 
 RECIPES: list[Recipe] = []

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 from polystrata.codegen.dequant import Decoder, chunk_len
 from polystrata.codegen.format_analysis import block_stride, finest_group, widen
-from polystrata.codegen.recipes import Recipe, RecipeContext, register
+from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register
 from polystrata.codegen.recipes._matvec import QB, round_half_away
 from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE, default_tiles, prefill_attention_kernel
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
@@ -467,53 +467,56 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     window, softcap = int(a["window"]), float(a["softcap"] or 0.0)
     io = (("q", q), ("kc", kn), ("vc", vn), ("positions", p), ("starts", "starts"))
     out = ctx.buf(node.output)
-    splits = ctx.knob("attention", "splits", "auto")
-    tiles = ctx.knob("attention", "tiles", "auto")
-    if tiles == "auto":  # GPUs, steps of several tokens: key tiles decoded once for a tile of query rows
-        tiles = int(ctx.lanes > 1 and ctx.t_max > 1 and splits == "auto")
-    above = ctx.knob("attention", "tiles_above", "auto")
-    above = TILES_ABOVE if above == "auto" else int(above)
+    span = key_span(ctx.n_ctx)
+    chosen = ctx.knobs_for(ATTENTION_SPACE, f"attn_{tag}_{span}")
+    # Targets that split the keys over groups (the policy's split_keys: GPUs, to fill the device).
+    split_keys = bool(ctx.target().default("attention", "split_keys"))
+    tiles = chosen["tiles"]
+    if tiles == "auto":  # there, steps of several tokens: key tiles decoded once for a tile of query rows
+        tiles = int(split_keys and ctx.t_max > 1 and chosen["splits"] == "auto")
+    above = TILES_ABOVE if chosen["tiles_above"] == "auto" else int(chosen["tiles_above"])
     if not int(tiles) or ctx.t_max <= above:
-        return [store, *_row_launches(ctx, node, fmt, tag, io, splits, window, softcap, provide=True)]
-    qt, kt = default_tiles(d, dv)
-    qt, kt = (dflt if v == "auto" else int(v) for v, dflt in
-              ((ctx.knob("attention", "q_tile", "auto"), qt), (ctx.knob("attention", "k_tile", "auto"), kt)))
+        return [store, *_row_launches(ctx, node, fmt, tag, io, chosen, split_keys, window, softcap, provide=True)]
+    qt, kt = default_tiles(d, dv, ctx.target().local_bytes)
+    qt, kt = (dflt if chosen[name] == "auto" else int(chosen[name]) for name, dflt in (("q_tile", qt), ("k_tile", kt)))
     # With `above` > 0, steps of at most `above` rows (short prompts, batched decoding) keep the row kernels: a
     # group a row, and a row's result independent of which rows share its step. The row count picks at run time.
     sel = (Var("T") > above, f"_gt{above}") if above else (None, "")
     tk = prefill_attention_kernel(f"attn_tiles_{tag}_{qt}x{kt}{sel[1]}", _kv_fmt(fmt, d), _kv_fmt(fmt, dv), hq, hkv,
                                   d, dv, lambda x: scaled_score(x, float(a["scale"]), softcap), window, ctx.lanes,
                                   qt, kt, active=sel[0])
-    rows = _row_launches(ctx, node, fmt, tag, io, splits, window, softcap, provide=False,
+    rows = _row_launches(ctx, node, fmt, tag, io, chosen, split_keys, window, softcap, provide=False,
                          active=(Var("T") <= above, f"le{above}")) if above else []
     return [store, Launch(tk, (*io, ("out", out)), (("T", "T"),)), *rows]
 
 
-def _row_launches(ctx: RecipeContext, node: Node, fmt: QuantFormat, tag: str, io: tuple, splits, window: int,
-                  softcap: float, provide: bool, active: tuple[Expr, str] | None = None) -> list[Launch]:
+def _row_launches(ctx: RecipeContext, node: Node, fmt: QuantFormat, tag: str, io: tuple, chosen: dict,
+                  split_keys: bool, window: int, softcap: float, provide: bool,
+                  active: tuple[Expr, str] | None = None) -> list[Launch]:
     """The one-row attention kernel (`attention_kernel`) and, with split-K, the combine, which writes the output
-    projection's int8 activations too where `provide` and the target's matmuls take them. `active`: (the steps
-    they work for, a name suffix saying which)."""
+    projection's int8 activations too where `provide` and the target's matmuls take them. `chosen`: the knobs;
+    `active`: (the steps they work for, a name suffix saying which)."""
     cond, suffix = active if active else (None, "")
     qv, k, v, _ = node.inputs
     hq, d = (int(x) for x in qv.type.shape[1:])
     hkv, dv = int(k.type.shape[1]), int(v.type.shape[2])
     a = node.attrs
     span = key_span(ctx.n_ctx)
-    if splits == "auto":  # GPUs: enough groups to fill the device (one per head is 32 for 132 SMs)
-        splits = 1 if ctx.lanes == 1 else max(1, min(8, span // 64))
-        if ctx.lanes > 1 and ctx.t_max == 1:  # one token: runs of DECODE_RUN_KEYS keys (flash-decoding)
+    splits = chosen["splits"]
+    if splits == "auto":  # enough groups to fill the device (one per head is 32 for 132 SMs)
+        splits = max(1, min(8, span // 64)) if split_keys else 1
+        if split_keys and ctx.t_max == 1:  # one token: runs of DECODE_RUN_KEYS keys (flash-decoding)
             splits = max(splits, min(MAX_DECODE_RUNS, -(-span // DECODE_RUN_KEYS)))
-        elif ctx.lanes > 1:  # several: runs of at most PREFILL_RUN_KEYS keys
+        elif split_keys:  # several: runs of at most PREFILL_RUN_KEYS keys
             splits = max(splits, -(-span // PREFILL_RUN_KEYS))
     splits = int(splits)
-    min_run = ctx.knob("attention", "min_run", "auto")
-    min_run = int(MIN_RUN_KEYS if min_run == "auto" and ctx.lanes > 1 else 1 if min_run == "auto" else min_run)
-    heads = ctx.knob("attention", "heads", "auto")
+    min_run = chosen["min_run"]
+    min_run = int((MIN_RUN_KEYS if split_keys else 1) if min_run == "auto" else min_run)
+    heads = chosen["heads"]
     if heads == "auto":  # long one-token GPU plans: a KV head's query heads together, their scores in local memory
         run = max(-(-span // splits), min_run)
         heads = 1
-        if ctx.lanes > 1 and ctx.t_max == 1 and span > LONG_CONTEXT:
+        if split_keys and ctx.t_max == 1 and span > LONG_CONTEXT:
             heads = max(h for h in range(1, hq // hkv + 1) if (hq // hkv) % h == 0 and h * run <= GROUP_SCORES)
     heads = int(heads)
     at = attention_kernel(f"attn_{tag}_{splits}" + (f"_r{min_run}" if splits > 1 else "") +
@@ -561,9 +564,16 @@ def _match_norm_rope_attention(nodes: Sequence[Node]) -> bool:
             and nq.attrs == nk.attrs and all(n.inputs[1].type.shape == (d,) for n in (nq, nk)))
 
 
-register(Recipe("attention", ("attention",), _lower_attention, None,
-                (("two_pass", 1), ("splits", "auto"), ("min_run", "auto"), ("heads", "auto"), ("tiles", "auto"),
-                 ("tiles_above", "auto"), ("q_tile", "auto"), ("k_tile", "auto"))))
-register(Recipe("rope_attention", ("rope", "rope", "attention"), _lower_rope_attention, _match_rope_attention))
+# Knob heads: query heads of a KV head together (must divide hq / hkv: the recipe rejects others). Knobs tiles,
+# tiles_above, q_tile, k_tile: prefill attention in tiles (`attention_tiles.py`).
+ATTENTION_SPACE = KnobSpace("attention", (Knob("splits", "auto", (1, 2, 4, 8, 16, 32)),
+                                          Knob("min_run", "auto", (1, 4, 16, 64)), Knob("heads", "auto", (1, 2, 4)),
+                                          Knob("tiles", "auto", (0, 1)), Knob("tiles_above", "auto", (0, 16, 256)),
+                                          Knob("q_tile", "auto", (4, 8, 16)), Knob("k_tile", "auto", (8, 16, 32))),
+                            constraint=lambda kn: (kn["min_run"] == "auto" or kn["splits"] not in ("auto", 1))
+                            and (kn["tiles"] != 0 or all(kn[t] == "auto" for t in ("tiles_above", "q_tile", "k_tile"))))
+register(Recipe("attention", ("attention",), _lower_attention, None, ATTENTION_SPACE))
+register(Recipe("rope_attention", ("rope", "rope", "attention"), _lower_rope_attention, _match_rope_attention,
+                ATTENTION_SPACE))
 register(Recipe("norm_rope_attention", ("rms_norm", "rms_norm", "rope", "rope", "attention"), _lower_rope_attention,
-                _match_norm_rope_attention))
+                _match_norm_rope_attention, ATTENTION_SPACE))

@@ -49,10 +49,10 @@ NO_SCORE = -1.0e30
 # keep the one-row kernels, whose groups are a row each (more of them at work) and whose rows do not depend on
 # each other (a sequence decodes to the same bits whichever sequences share its step).
 TILES_ABOVE = 64
-# Local memory a group may take for its tiles (K and V tiles, scores, outputs); 48 KiB is what every GPU target
-# offers a group without opting in.
-TILE_LOCAL_BYTES = 44 << 10
-# Tile sizes tried in order (rows, keys): the first whose local arrays fit TILE_LOCAL_BYTES.
+# Local memory left for a lane-lowered reduction's scratch (a float a lane): the tiles take the rest of what the
+# target's policy offers a group (`Policy.local_bytes`).
+REDUCE_LOCAL_BYTES = 4 << 10
+# Tile sizes tried in order (rows, keys): the first whose local arrays fit.
 TILE_CHOICES = ((16, 32), (16, 16), (8, 32), (8, 16), (4, 16), (4, 8), (2, 8), (1, 8))
 
 
@@ -61,9 +61,10 @@ def tile_local_bytes(d: int, dv: int, q_tile: int, k_tile: int) -> int:
     return 4 * (k_tile * (d + 1 + dv) + q_tile * (k_tile + 1) + q_tile * dv + 5 * q_tile)
 
 
-def default_tiles(d: int, dv: int) -> tuple[int, int]:
-    """(q_tile, k_tile): the largest of TILE_CHOICES whose local arrays fit TILE_LOCAL_BYTES."""
-    return next(c for c in TILE_CHOICES if tile_local_bytes(d, dv, *c) <= TILE_LOCAL_BYTES)
+def default_tiles(d: int, dv: int, local_bytes: int) -> tuple[int, int]:
+    """(q_tile, k_tile): the largest of TILE_CHOICES whose local arrays fit a group's `local_bytes` (less what a
+    reduction takes)."""
+    return next(c for c in TILE_CHOICES if tile_local_bytes(d, dv, *c) <= local_bytes - REDUCE_LOCAL_BYTES)
 
 
 def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: int, d: int, dv: int,

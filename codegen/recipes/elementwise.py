@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
+from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import QB
 from polystrata.codegen.recipes.linear import (
     ACTIVATIONS,
@@ -105,8 +105,9 @@ def _lower_elementwise(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch
     _, tbind, _ = _rows(node.output)
     sig = "_".join(str(s) for _, s in ins)
     key = name_tag(f"{node.op}_{node.attrs.get('factor', '')}")
-    kern = elementwise_kernel(f"ew_{key}_{sig}_{per}".replace("-", "b"), ins, per, _FNS[node.op](node),
-                              ctx.knob(node.op, "chunk", CHUNK), ctx.lanes)
+    name = f"ew_{key}_{sig}_{per}".replace("-", "b")
+    kern = elementwise_kernel(name, ins, per, _FNS[node.op](node), ctx.knobs_for(_SPACES[node.op], name)["chunk"],
+                              ctx.lanes)
     bufs = tuple((nm, ctx.buf(v)) for (nm, _), v in zip(ins, node.inputs)) + (("y", ctx.buf(node.output)),)
     return [Launch(kern, bufs, (("T", tbind),))]
 
@@ -114,7 +115,7 @@ def _lower_elementwise(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch
 def _lower_last_row(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     per = _per_token(node.inputs[0])
-    chunk = max(1, min(ctx.knob("last_row", "chunk", CHUNK), per))
+    chunk = max(1, min(ctx.knobs_for(_SPACES["last_row"], f"last_row_{per}")["chunk"], per))
     c = Var("g0") * chunk + Var("l")
     body = (LaneFor("l", Const(chunk), (If(c < per, (Store("y", c, Load("x", (Var("T") - 1) * per + c)),)),)),)
     kern = Kernel(f"last_row_{per}", (Buf("x", "f32"), Buf("y", "f32", out=True), Scalar("T")),
@@ -321,8 +322,10 @@ def _lower_rope(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
 
 
 register(Recipe("add_rms_norm", ("add", "rms_norm"), _lower_add_rms, match_add_rms))
+# Knob chunk: values a group takes (its lanes' loop).
+_SPACES = {op: KnobSpace(op, (Knob("chunk", CHUNK, (32, 64, 128, 512, 1024)),)) for op in (*_FNS, "last_row")}
 for _op in _FNS:
-    register(Recipe(_op, (_op,), _lower_elementwise, None, (("chunk", CHUNK),)))
-register(Recipe("last_row", ("last_row",), _lower_last_row, None, (("chunk", CHUNK),)))
+    register(Recipe(_op, (_op,), _lower_elementwise, None, _SPACES[_op]))
+register(Recipe("last_row", ("last_row",), _lower_last_row, None, _SPACES["last_row"]))
 register(Recipe("rms_norm", ("rms_norm",), _lower_rms, None))
 register(Recipe("rope", ("rope",), _lower_rope, None))

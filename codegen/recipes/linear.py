@@ -6,7 +6,7 @@ each of its `rows` weight rows and each token of the tile computes the dot produ
 that is a plain matvec (grid over row tiles); for large T each group reads its weight rows once from memory
 and reuses them (from cache) for the whole token tile.
 
-GPU path (knob xq="kernel", the default with lanes > 1, for formats of the int8 path): two launches. A small
+GPU path (knob xq="kernel", the GPU policies' default, for formats of the int8 path): two launches. A small
 kernel quantizes x once per matmul into scratch buffers (`quantize_x_kernel`: int8 codes packed 4 per u32 word,
 a scale per 32 values; a norm or the attention combine before the matmul may write them instead, see
 `quantize_launch`), then `matvec_q8_kernel`: `q8_rows` weight rows per group (rows shorter than a subgroup
@@ -19,16 +19,17 @@ lanes' sums meet in a group Reduce. Matmuls of one input (q, k, v) are one `stac
 sub, runs (`_matvec.use_runs`) and lanes (group size; "auto" covers the row's units, 32 to 128). xq="inline"
 keeps the one-kernel schedule below (the CPU's, and what `matmul_kernel` builds).
 
-Prompt chunks on matrix units (`RecipeContext.matrix_units`, plans of more than one token): `tile_mma.py`'s tile
+Prompt chunks on matrix units (the policy's `matrix_units`, plans of more than one token): `tile_mma.py`'s tile
 products instead, for int8-path formats after the same quantize launch, for F16 weights on the f32 activations
-(knobs mma_rows, mma_tokens, mma_chunk, mma_lanes); matmuls of one input then launch one by one.
+(knobs mma_rows, mma_tokens, mma_chunk, mma_lanes, mma_min); matmuls of one input then launch one by one.
 
-Knobs: rows (rows per group; "auto": 4 with one lane, 1 on GPUs, and `q8_rows` for the int8 matvecs), tokens
-(token tile), int8 (int8-activation path where the format allows it; "auto": off with one lane -- the CPU, where
-the f32 path below vectorizes better -- on otherwise), split ("rows": lanes take rows, each a whole dot product
--- the CPU default; "blocks": for each row a Reduce over the row's blocks spread over the lanes -- the GPU
-default), vert (split "rows", f32 path: per-element partial sums in a local array, see `_matvec`; "auto": on with
-one lane). With one lane the kernels also mask block base addresses non-negative and decode f16 scales
+Knobs (`MATMUL_SPACE`; "auto" of split, rows, xq, int8 and vert is what the target's policy says,
+`codegen/policy.py`): rows (rows per group; the policy's: 4 on the CPU, 1 on GPUs; `q8_rows` for the int8
+matvecs), tokens (token tile), int8 (int8-activation path where the format allows it; off on the CPU, where the
+f32 path below vectorizes better), split ("rows": lanes take rows, each a whole dot product -- the CPU's;
+"blocks": for each row a Reduce over the row's blocks spread over the lanes -- the GPUs'), vert (split "rows", f32
+path: per-element partial sums in a local array, see `_matvec`; on for the CPU). With one lane the kernels also
+mask block base addresses non-negative and decode f16 scales
 arithmetically (see `_matvec.NONNEG`, `dequant.f16_bits_to_f32_arith`).
 """
 
@@ -38,7 +39,7 @@ from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import Decoder
 from polystrata.codegen.format_analysis import block_stride, elements_per_row_bytes, weight_dtype, widen
-from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
+from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,
     Act,
@@ -82,15 +83,29 @@ from polystrata.ir.kernel import (
     Store,
 )
 
-MATMUL_KNOBS = (("rows", "auto"), ("tokens", 8), ("int8", "auto"), ("split", "auto"), ("vert", "auto"), ("xq", "auto"),
-                ("sub", "auto"), ("runs", "auto"), ("lanes", "auto"), ("spread", "auto"), ("tile", "auto"),
-                *TILE_MMA_KNOBS)
+MATMUL_KNOBS = (Knob("rows", "auto", (1, 2, 4, 8)), Knob("tokens", 8, (1, 2, 4, 8, 16)),
+                Knob("int8", "auto", (0, 1)), Knob("split", "auto", ("rows", "blocks")), Knob("vert", "auto", (0, 1)),
+                Knob("xq", "auto", ("inline", "kernel")), Knob("sub", "auto", (1, 2, 4, 8)),
+                Knob("runs", "auto", (0, 1)), Knob("lanes", "auto", (32, 64, 128, 256)),
+                Knob("spread", "auto", (0, 1)), Knob("tile", "auto", (0, 8, 16, 32)), *TILE_MMA_KNOBS)
+
+
+def _matmul_constraint(kn: dict) -> bool:
+    """Knob sets worth trying: the f32 path's options (vert, tile) only with split "rows", int8 kernels' (sub,
+    runs, lanes, spread) only with xq "kernel"."""
+    if kn["split"] == "blocks" and (kn["vert"] not in ("auto", 0) or kn["tile"] not in ("auto", 0)):
+        return False
+    return not (kn["xq"] == "inline" and any(kn[k] != "auto" for k in ("sub", "runs", "lanes", "spread")))
+
+
+MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, constraint=_matmul_constraint)
+GLU_SPACE = KnobSpace("matmul_glu", MATMUL_KNOBS, constraint=_matmul_constraint)
 # Knob tile ("auto": TILE_TOKENS; 0: off): tokens a tile of `tile_matmul_kernel`, which one-lane plans of more than
 # one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
 # (docs/benchmarks.md, "Serving").
 TILE_TOKENS = 16
 # Knobs of the two-launch GPU path only (`_launches`); the rest are `matmul_kernel`'s.
-GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread", *(name for name, _ in TILE_MMA_KNOBS))
+GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread", *(knob.name for knob in TILE_MMA_KNOBS))
 
 
 def matmul_kernel_knobs(kn: dict) -> dict:
@@ -118,9 +133,10 @@ ACTIVATIONS = {"swiglu": silu, "geglu": gelu_tanh}
 
 def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, int8: bool,
                   split: str, lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
-                  vert: bool | str = "auto") -> Kernel:
+                  vert: bool | str = "auto", host_arith: bool | None = None) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j); weights [n, k] of formats `fmts`: the one-kernel
-    schedule (activations quantized inside each group, knob xq="inline")."""
+    schedule (activations quantized inside each group, knob xq="inline"). `host_arith`: `Policy.host_arith`
+    (None, for kernels built without a target: with one lane)."""
     if int8 == "auto":
         int8 = lanes > 1
     int8 = all(use_int8(f, int8) for f in fmts)
@@ -129,7 +145,7 @@ def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, row
     vert = bool(vert) and not int8 and split == "rows"
     if split == "blocks" and lanes > 1:
         fmts = [widen(f, float_chunk(k, lanes)) for f in fmts]
-    cpu = lanes == 1  # one lane: NONNEG masks and arithmetic f16 conversion (the CPU's choices)
+    cpu = lanes == 1 if host_arith is None else host_arith  # NONNEG masks and arithmetic f16 conversion
     rows = max(1, min(rows, n))
     wnames = [f"w{j}" for j in range(len(fmts))]
     params = [Buf("x", "f32"), *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True),
@@ -225,15 +241,16 @@ def _only(loops: list, j: int, b: Expr) -> list:
     return [loops[2 * j], Let("b", b), *loops[2 * j + 1].body]
 
 
-def _knobs(ctx: RecipeContext, recipe: str) -> dict:
-    kn = {name: ctx.knob(recipe, name, default) for name, default in MATMUL_KNOBS}
-    if kn["split"] == "auto":
-        kn["split"] = "rows" if ctx.lanes == 1 else "blocks"
+def _knobs(ctx: RecipeContext, space: KnobSpace, instance: str | None) -> dict:
+    """The matmul knobs of kernel instance `instance` (None: of the space, recording nothing), "auto" resolved
+    where the target's policy decides (split, rows, xq, int8, vert: `codegen/policy.py`; on GPUs a group per row,
+    as small f32 matmuls such as MoE routers need every SM busy)."""
+    kn = ctx.knobs_for(space, instance)
     kn["q8_rows"] = kn["rows"]  # "auto": see `q8_rows`
-    if kn["rows"] == "auto":  # GPUs: a group per row (small f32 matmuls such as MoE routers need every SM busy)
-        kn["rows"] = 4 if ctx.lanes == 1 else 1
-    if kn["xq"] == "auto":
-        kn["xq"] = "inline" if ctx.lanes == 1 else "kernel"
+    policy = ctx.target()
+    for name in ("split", "rows", "xq", "int8", "vert"):
+        if kn[name] == "auto":
+            kn[name] = policy.default("matmul", name)
     kn["runs"] = runs_for_target(kn["runs"], ctx.wide_loads)
     return kn
 
@@ -249,7 +266,7 @@ def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n:
     """Whether matmuls over `fmts` take `tile_mma_kernel`: plans of steps of several tokens on a target with matrix
     units, formats and K it takes (`tile_mma_fits`): F16 weights, or the GPU path's int8 activations
     (`_int8_kernels`)."""
-    if not (ctx.matrix_units and ctx.t_max > 1 and ctx.lanes > 1 and min(n, k) >= int(kn["mma_min"])
+    if not (ctx.target().matrix_units and ctx.t_max > 1 and min(n, k) >= int(kn["mma_min"])
             and tile_mma_fits(fmts, k, kn["mma_chunk"])):
         return False
     return f16_path(fmts) or _int8_kernels(ctx, kn, fmts, k)
@@ -268,7 +285,7 @@ def quantized_output(ctx: RecipeContext, y: str, k: int, t_bind) -> tuple[tuple,
     """For a kernel that can also write its output `y` (rows of `k`) as the next matmuls' int8 activations (a norm,
     the attention combine): the xq / xd bindings to add and the quantize launch it then `provides`; ((), ()) where
     this target's matmuls do not read quantized activations."""
-    if not _int8_kernels(ctx, _knobs(ctx, "matmul"), (), k):
+    if not _int8_kernels(ctx, _knobs(ctx, MATMUL_SPACE, None), (), k):
         return (), ()
     ql = quantize_launch(ctx, y, k, t_bind)[0]
     return tuple(b for b in ql.buffers if b[0] in ("xq", "xd")), (ql,)
@@ -320,7 +337,8 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
         # Steps of several tokens on the CPU: each weight block's scales decoded once for a tile of tokens.
         kern = tile_matmul_kernel(name + "_tile", fmts, n, k, rows=kn["rows"], tokens=tile, epilogue=epilogue)
         return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
-    kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, **matmul_kernel_knobs(kn))
+    kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, host_arith=ctx.target().host_arith,
+                         **matmul_kernel_knobs(kn))
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
 
 
@@ -488,8 +506,9 @@ def _lower_matmul(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     x, w = node.inputs
     n, k = int(w.type.shape[0]), int(w.type.shape[-1])
-    kn = _knobs(ctx, "matmul")
-    return _launches(f"matmul_{_fmt(ctx, w).name.lower()}_{n}x{k}", [_fmt(ctx, w)], n, k, ctx, kn, ctx.buf(x),
+    name = f"matmul_{_fmt(ctx, w).name.lower()}_{n}x{k}"
+    kn = _knobs(ctx, MATMUL_SPACE, name)
+    return _launches(name, [_fmt(ctx, w)], n, k, ctx, kn, ctx.buf(x),
                      [ctx.buf(w)], ctx.buf(node.output), token_binding(x))
 
 
@@ -498,10 +517,11 @@ def _lower_glu(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     x, wg = g.inputs
     _, wu = u.inputs
     n, k = int(wg.type.shape[0]), int(wg.type.shape[-1])
-    kn = _knobs(ctx, "matmul_glu")
     fn = ACTIVATIONS[act.op]
     fg, fu = _fmt(ctx, wg), _fmt(ctx, wu)
-    return _launches(f"glu_{act.op}_{fg.name.lower()}_{fu.name.lower()}_{n}x{k}", [fg, fu], n, k, ctx, kn,
+    name = f"glu_{act.op}_{fg.name.lower()}_{fu.name.lower()}_{n}x{k}"
+    kn = _knobs(ctx, GLU_SPACE, name)
+    return _launches(name, [fg, fu], n, k, ctx, kn,
                      ctx.buf(x), [ctx.buf(wg), ctx.buf(wu)], ctx.buf(act.output), token_binding(x),
                      epilogue=lambda v: fn(v[0]) * v[1])
 
@@ -513,11 +533,15 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
     ws = [n.inputs[1] for n in nodes]
     ns, k = [int(w.type.shape[0]) for w in ws], int(ws[0].type.shape[-1])
     fmts = [_fmt(ctx, w) for w in ws]
-    kn = _knobs(ctx, "matmul")
+    kn = _knobs(ctx, MATMUL_SPACE, None)
     if not _int8_kernels(ctx, kn, fmts, k) or any(_tile_products(ctx, kn, [f], n, k) for f, n in zip(fmts, ns)):
         return [la for n in nodes for la in _lower_matmul([n], ctx)]
-    ql, qb, db = quantize_launch(ctx, ctx.buf(x), k, token_binding(x))
     tag = "_".join(f"{f.name.lower()}{n}" for f, n in zip(fmts, ns))
+    kn = _knobs(ctx, MATMUL_SPACE, f"matmul_stack_{tag}x{k}")
+    if not _int8_kernels(ctx, kn, fmts, k):  # this instance's override left the GPU path
+        ctx.sites.pop()
+        return [la for n in nodes for la in _lower_matmul([n], ctx)]
+    ql, qb, db = quantize_launch(ctx, ctx.buf(x), k, token_binding(x))
     rows, spread = q8_rows(kn, ctx, fmts, sum(ns), k)
     mk = stacked_matvec_q8_kernel(f"matmul_stack_{tag}x{k}_q8", fmts, ns, k, tokens=kn["tokens"], sub=kn["sub"],
                                   runs=kn["runs"], rows=rows, spread=spread, lanes=_gpu_lanes(kn, ctx, fmts, k))
@@ -571,14 +595,16 @@ def _lower_embed(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     w, tok = node.inputs
     fmt = _fmt(ctx, w)
     cols = int(w.type.shape[1])
-    kern = embed_kernel(f"embed_{fmt.name.lower()}_{cols}", fmt, cols, ctx.knob("embed", "chunk", 8), ctx.lanes)
+    name = f"embed_{fmt.name.lower()}_{cols}"
+    kern = embed_kernel(name, fmt, cols, ctx.knobs_for(EMBED_SPACE, name)["chunk"], ctx.lanes)
     return [Launch(kern, (("w", ctx.buf(w)), ("tokens", ctx.buf(tok)), ("y", ctx.buf(node.output))),
                    (("T", "T"),))]
 
 
-register(Recipe("matmul_swiglu", ("matmul", "matmul", "swiglu"), _lower_glu, _match_glu, MATMUL_KNOBS))
-register(Recipe("matmul_geglu", ("matmul", "matmul", "geglu"), _lower_glu, _match_glu, MATMUL_KNOBS))
-register(Recipe("matmul", ("matmul",), _lower_matmul, _match_matmul, MATMUL_KNOBS))
+EMBED_SPACE = KnobSpace("embed", (Knob("chunk", 8, (1, 4, 16, 64)),))
+register(Recipe("matmul_swiglu", ("matmul", "matmul", "swiglu"), _lower_glu, _match_glu, GLU_SPACE))
+register(Recipe("matmul_geglu", ("matmul", "matmul", "geglu"), _lower_glu, _match_glu, GLU_SPACE))
+register(Recipe("matmul", ("matmul",), _lower_matmul, _match_matmul, MATMUL_SPACE))
 # Three matmuls sharing their input (q, k, v): the "matmul" knobs apply.
-register(Recipe("matmul_stack3", ("matmul",) * 3, _lower_matmul_stack, _match_matmul_stack))
-register(Recipe("embed", ("embed",), _lower_embed, None, (("chunk", 8),)))
+register(Recipe("matmul_stack3", ("matmul",) * 3, _lower_matmul_stack, _match_matmul_stack, MATMUL_SPACE))
+register(Recipe("embed", ("embed",), _lower_embed, None, EMBED_SPACE))

@@ -41,7 +41,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 from polystrata.codegen.format_analysis import elements_per_row_bytes, weight_dtype
-from polystrata.codegen.recipes import ExpertStream, Recipe, RecipeContext, register, token_binding
+from polystrata.codegen.recipes import ExpertStream, Knob, KnobSpace, Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,
     Act,
@@ -131,7 +131,10 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int, lists: int 
                   local=(LocalArray("p", "f32", e),))
 
 
-MOE_KNOBS = (("rows", 4), ("split", "auto"), ("xq", "auto"), ("sub", "auto"), ("runs", "auto"), ("spread", "auto"))
+MOE_SPACE = KnobSpace("moe_ffn", (
+    Knob("rows", 4, (1, 2, 8)), Knob("split", "auto", ("rows", "blocks")), Knob("xq", "auto", ("inline", "kernel")),
+    Knob("sub", "auto", (1, 2, 4, 8)), Knob("runs", "auto", (0, 1)), Knob("spread", "auto", (0, 1))),
+    constraint=lambda kn: not (kn["xq"] == "inline" and any(kn[k] != "auto" for k in ("sub", "runs", "spread"))))
 
 
 def list_words(n_exp: int, cap: int) -> int:
@@ -195,16 +198,18 @@ def weight_index(slots: bool) -> Var:
 
 def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
                   act: str, per_token: bool, rows: int, split: str, lanes: int,
-                  epilogue: Callable[[list[Expr]], Expr] | None = None, slots: bool = False) -> Kernel:
+                  epilogue: Callable[[list[Expr]], Expr] | None = None, slots: bool = False,
+                  host_arith: bool | None = None) -> Kernel:
     """out[entry, r] = epilogue(dot(w_j[e, r], a) for each weight j) for each entry listed for expert e = g0.
-    `slots`: the weights hold expert slots, and a slot table (`slot`) maps each expert to its slot.
+    `slots`: the weights hold expert slots, and a slot table (`slot`) maps each expert to its slot. `host_arith`:
+    `Policy.host_arith` (None, for kernels built without a target: with one lane).
 
     Weights [n_exp, n, kd]; the activation row is `act[entry // k]` (`per_token`) or `act[entry]`.
     Grid (experts with entries, ceil(n / rows)) (`_active_grid`): each group reads its weight rows once for all
     the expert's entries.
     """
     rows = max(1, min(rows, n))
-    cpu = lanes == 1
+    cpu = lanes == 1 if host_arith is None else host_arith
     vert = cpu and split == "rows"
     wnames = [f"w{j}" for j in range(len(fmts))]
     rbs = [elements_per_row_bytes(f, kd) for f in fmts]
@@ -413,10 +418,10 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     tb = token_binding(x)
     t_max = tb if isinstance(tb, int) else ctx.t_max
     cap = _moe_cap(node, ctx)
-    rows = int(ctx.knob("moe_ffn", "rows", 4))
-    split = ctx.knob("moe_ffn", "split", "auto")
-    if split == "auto":
-        split = "rows" if ctx.lanes == 1 else "blocks"
+    kn = ctx.knobs_for(MOE_SPACE, f"moe_{fg.name}_{fu.name}_{fd.name}_{n_exp}_{dm}_{ff}_{k}_{cap}".lower())
+    policy = ctx.target()
+    rows = int(kn["rows"])
+    split = policy.default("moe_ffn", "split") if kn["split"] == "auto" else kn["split"]
     lst = _moe_lists(node, ctx, cap)
     hb = ctx.scratch("moe_h", "f32", cap * ff)
     db = ctx.scratch("moe_d", "f32", cap * dm)
@@ -437,19 +442,19 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     group = [] if lists_given else [Launch(kg, (("route", ctx.buf(route)), ("lst", lst)), (("T", tb),))]
     combine = Launch(kc, (("route", ctx.buf(route)), ("d", db), ("y", ctx.buf(node.output))), (("T", tb),))
     gateup = lambda v: silu(v[0]) * v[1]  # noqa: E731
-    xq = ctx.knob("moe_ffn", "xq", "auto")
-    if (xq in ("auto", "kernel") and ctx.lanes > 1 and all(use_int8(f, True) for f in (fg, fu, fd))
+    xq = policy.default("moe_ffn", "xq") if kn["xq"] == "auto" else kn["xq"]
+    if (xq == "kernel" and ctx.lanes > 1 and all(use_int8(f, True) for f in (fg, fu, fd))
             and dm % QB == 0 and ff % QB == 0):
         # GPU path: x and then h quantized to int8 once (as `linear` does), each expert row swept by all lanes.
-        sub = ctx.knob("moe_ffn", "sub", "auto")
-        runs = runs_for_target(ctx.knob("moe_ffn", "runs", "auto"), ctx.wide_loads)
+        sub = kn["sub"]
+        runs = runs_for_target(kn["runs"], ctx.wide_loads)
         qb = ctx.scratch("xq", "u32", max(t_max * dm, cap * ff) // 4)
         xd = ctx.scratch("xd", "f32", max(t_max * dm, cap * ff) // QB)
         qbufs = (("xq", qb), ("xd", xd))
         hq = qbufs
         if stream:
             hq = (("xq", ctx.scratch("xq_h", "u32", cap * ff // 4)), ("xd", ctx.scratch("xd_h", "f32", cap * ff // QB)))
-        spread = ctx.knob("moe_ffn", "spread", "auto")
+        spread = kn["spread"]
 
         def spread_of(fmts, kd):
             return spread_rows(fmts, kd, ctx.subgroup, sub, runs) if spread == "auto" else int(spread)
@@ -472,9 +477,10 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
             combine,
         ]
     kgu = expert_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}".lower(), [fg, fu], n_exp, ff, dm, k, cap, act="x",
-                        per_token=True, rows=rows, split=split, lanes=ctx.lanes, epilogue=gateup, slots=stream)
+                        per_token=True, rows=rows, split=split, lanes=ctx.lanes, epilogue=gateup, slots=stream,
+                        host_arith=policy.host_arith)
     kd = expert_kernel(f"moe_down_{fd.name}_{tag}".lower(), [fd], n_exp, dm, ff, k, cap, act="h", per_token=False,
-                       rows=rows, split=split, lanes=ctx.lanes, slots=stream)
+                       rows=rows, split=split, lanes=ctx.lanes, slots=stream, host_arith=policy.host_arith)
     return [
         *group,
         Launch(kgu, (("x", ctx.buf(x)), ("lst", lst), *slot, ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)),
@@ -486,6 +492,6 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
 
 register(Recipe("router", ("router",), _lower_router, None))
 register(Recipe("router_moe", ("router", "moe_ffn"), _lower_router_moe, _match_router_moe))
-register(Recipe("moe_ffn", ("moe_ffn",), _lower_moe, None, MOE_KNOBS))
+register(Recipe("moe_ffn", ("moe_ffn",), _lower_moe, None, MOE_SPACE))
 register(Recipe("router_moe_add_rms_norm", ("router", "moe_ffn", "add", "rms_norm"), _lower_router_moe_add_rms,
                 _match_router_moe_add_rms))

@@ -18,7 +18,7 @@ The activation codes are those of the GPU matvec path, so prefill and decode see
 "matmul", read by `linear._launches`): mma_rows, mma_tokens (the tile), mma_chunk (K per staging round), mma_lanes,
 mma_min (the smallest matrix taken).
 Targets without a matrix unit render the same kernel as loops (`codegen/lanes.py`); `linear._launches` takes it
-only where `RecipeContext.matrix_units` says the target has them and the plan serves steps of several tokens.
+only where the target's policy says it has them (`Policy.matrix_units`) and the plan serves steps of several tokens.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import Decoder
 from polystrata.codegen.format_analysis import affine, block_stride, elements_per_row_bytes, weight_dtype
+from polystrata.codegen.recipes import Knob
 from polystrata.codegen.recipes._matvec import QB, fmt_for, use_int8
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
@@ -52,7 +53,8 @@ from polystrata.ir.kernel import (
     ToF32,
 )
 
-TILE_MMA_KNOBS = (("mma_rows", 64), ("mma_tokens", 32), ("mma_chunk", 64), ("mma_lanes", 128), ("mma_min", 512))
+TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", 64), Knob("mma_lanes", 128),
+                  Knob("mma_min", 512))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only. Smaller ones cost little
 # in a prompt chunk anyway, and each tile kernel is a long compile (docs/benchmarks.md, "Prefill on matrix units"):
 # the test models' 128-wide matrices keep the matvec path.

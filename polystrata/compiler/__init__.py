@@ -16,19 +16,19 @@ PREFILL_CHUNK = 256
 
 def compile_plans(
     file: GGUFFile, graphs: list[Graph], runtime: Runtime, n_ctx: int, kv_type: str = "f16",
-    steps: dict[int, int] | None = None, stream_experts: bool = False,
+    steps: dict[int, int] | None = None, stream_experts: bool = False, knobs: dict | None = None,
 ) -> dict[int, Plan]:
     """Plans of `graphs` for `runtime`: id(graph) -> Plan. `steps`: id(graph) -> the most tokens a step of its
     plan takes (default `PREFILL_CHUNK`; 1 for a plan of decode steps, whose recipes may then specialize).
-    `stream_experts`: plans for a device cache of MoE expert slots (`runtimes/memory.py`)."""
+    `stream_experts`: plans for a device cache of MoE expert slots (`runtimes/memory.py`). `knobs`: overrides by
+    knob space or kernel instance (the tuning database's choices: `polystrata.tuning`)."""
     if kv_type not in KV_FORMATS:
         raise PolystrataError(f"unknown KV cache type '{kv_type}' (known: {', '.join(KV_FORMATS)})")
     formats = {name: t.fmt for name, t in file.tensors.items()}
     kv = KV_FORMATS[kv_type]
     return {
-        id(g): build_plan(g, formats, kv, n_ctx, (steps or {}).get(id(g), PREFILL_CHUNK), runtime.lanes,
-                          runtime.subgroup, wide_loads=runtime.wide_loads, stream_experts=stream_experts,
-                          matrix_units=runtime.matrix_units)
+        id(g): build_plan(g, formats, kv, n_ctx, (steps or {}).get(id(g), PREFILL_CHUNK), knobs=knobs,
+                          stream_experts=stream_experts, policy=runtime.policy)
         for g in graphs
     }
 

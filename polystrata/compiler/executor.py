@@ -34,7 +34,7 @@ from polystrata.runtimes.reference import OneSequence
 GRAPH_ROWS = 64
 
 
-class _BoundLaunch:
+class BoundLaunch:
     """A launch with buffer handles resolved; only symbol-valued scalars and grids vary per step.
 
     The launch as the runtime packs it (`prepare`) is kept per step shape, so a repeated launch costs the runtime
@@ -125,8 +125,8 @@ class PlanExecutor(OneSequence):
         self.local = {pid: {name: self.handles[(id(plan), name)] if spec.kind == "activation" else self.handles[name]
                             for name, spec in plan.buffers.items()} for pid, plan in plans.items()}
         compiled = runtime.compile_all(la.kernel for plan in plans.values() for la in plan.launches)
-        self.bound: dict[int, list[_BoundLaunch]] = {
-            pid: [_BoundLaunch(compiled[la.kernel.fingerprint()], self.local[pid], la) for la in plan.launches]
+        self.bound: dict[int, list[BoundLaunch]] = {
+            pid: [BoundLaunch(compiled[la.kernel.fingerprint()], self.local[pid], la) for la in plan.launches]
             for pid, plan in plans.items()}
         # Per plan: (first launch, end, stream, layer) of each streamed MoE layer's expert launches.
         self.sections: dict[int, list[tuple[int, int, Any, int]]] = {}
@@ -212,7 +212,7 @@ class PlanExecutor(OneSequence):
                 self._watch_memory()
         return out
 
-    def _launch(self, key: tuple[int, ...], launches: list[_BoundLaunch], step: dict[str, int]) -> None:
+    def _launch(self, key: tuple[int, ...], launches: list[BoundLaunch], step: dict[str, int]) -> None:
         """Run `launches` (a step, or a segment of a streamed one: `key` names it with the step's row count second):
         replayed from the device graph captured on their second run, where the runtime has graphs and the step is
         at most GRAPH_ROWS rows; else launch by launch."""

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from polystrata.codegen.recipes import RECIPES, Recipe, RecipeContext, load_all
+from polystrata.codegen.policy import PADDED_ON_WIDE_LOADS, SLICED_ON_WIDE_LOADS, Policy, device_policy, shape_policy
+from polystrata.codegen.recipes import RECIPES, Recipe, RecipeContext, Site, load_all
 from polystrata.codegen.recipes.deltanet import state_buffer
 from polystrata.compiler.plan import BufferSpec, Plan
 from polystrata.errors import UnsupportedError
@@ -24,6 +25,12 @@ from polystrata.ir.formats import QuantFormat, row_bytes
 from polystrata.ir.graph import RECURRENT_OPS, Graph, Node, Value
 from polystrata.ir.kernel import Buf, Launch, buffers_read
 from polystrata.ir.layout import padded, sliced
+
+__all__ = ["PADDED_ON_WIDE_LOADS", "SLICED_ON_WIDE_LOADS", "build_plan", "drop_repeated_launches", "kept_launches",
+           "launch_effects", "storage_format"]
+
+# The layouts of a wide-load target (`storage_format`'s default).
+WIDE_LOADS = device_policy(128, 32, wide_loads=True)
 
 
 @dataclass
@@ -65,23 +72,12 @@ def value_storage(v: Value, t_max: int) -> tuple[str, int]:
     return "f32", math.prod(dims)
 
 
-# Formats whose blocks a target with wide loads reads padded to 16 bytes (`ir.layout.padded`): Q6_K's 210-byte
-# blocks are only 2-byte aligned, so each of their loads was a 2-byte one. Costs 14 bytes a block (6.7 %).
-PADDED_ON_WIDE_LOADS = ("Q6_K",)
-# Formats whose rows a target with wide loads keeps `sliced` (`ir.layout.sliced`): the matvecs' lanes, two a
-# block, each load 16 bytes of their block, so in the GGUF layout a warp's load touched 16 cache lines; sliced,
-# 2 lines of 256 bytes. Same bytes, moved at upload. H200, 4096 x 14336 matvec kernel: Q4_K 15.5 -> 12.2 us,
-# Q5_K 17.6 -> 14.7 us. (Q6_K's matvec reads interleaved words, whose slices' addresses would be computed at run
-# time; not tried.)
-SLICED_ON_WIDE_LOADS = ("Q4_K", "Q5_K")
-
-
-def storage_format(fmt: QuantFormat, cols: int) -> QuantFormat:
-    """The layout a wide-load target keeps a weight of format `fmt` with rows of `cols` elements in: `fmt` itself,
-    or a padded or sliced form."""
-    if fmt.name in PADDED_ON_WIDE_LOADS:
+def storage_format(fmt: QuantFormat, cols: int, policy: Policy = WIDE_LOADS) -> QuantFormat:
+    """The layout a target keeps a weight of format `fmt` with rows of `cols` elements in, as its policy says
+    (`Policy.padded_formats`, `Policy.sliced_formats`): `fmt` itself, or a padded or sliced form."""
+    if fmt.name in policy.padded_formats:
         return padded(fmt, 16)
-    if fmt.name in SLICED_ON_WIDE_LOADS and cols // fmt.block_size > 1:
+    if fmt.name in policy.sliced_formats and cols // fmt.block_size > 1:
         return sliced(fmt, cols)
     return fmt
 
@@ -92,20 +88,23 @@ def build_plan(
     kv_format: QuantFormat,
     n_ctx: int,
     t_max: int,
-    lanes: int,
-    subgroup: int,
+    lanes: int | None = None,
+    subgroup: int | None = None,
     knobs: dict | None = None,
     wide_loads: bool = False,
     stream_experts: bool = False,
-    matrix_units: bool = False,
+    policy: Policy | None = None,
 ) -> Plan:
-    """Compile `graph` into a plan for a target with `lanes` work-items per group (`wide_loads`: see
-    `Runtime.wide_loads`; such a target also reads `PADDED_ON_WIDE_LOADS` formats padded and
-    `SLICED_ON_WIDE_LOADS` formats sliced). `stream_experts`: MoE experts read through slot tables
+    """Compile `graph` into a plan for a target of policy `policy` (`codegen/policy.py`; None: the policy of a
+    bare shape, `lanes` work-items per group, `subgroup`, `wide_loads`: see `shape_policy`). Weights are kept in
+    the layouts the policy asks for (`storage_format`). `knobs`: overrides by knob space or kernel instance
+    (`RecipeContext.knobs`). `stream_experts`: MoE experts read through slot tables
     (`codegen.recipes.ExpertStream`), for a device cache of expert slots."""
-    if wide_loads:
+    if policy is None:
+        policy = shape_policy(lanes, subgroup, wide_loads)
+    if policy.padded_formats or policy.sliced_formats:
         cols = {name: int(v.type.shape[-1]) for name, v in graph.weights.items()}
-        weight_formats = {name: storage_format(f, cols[name]) if name in cols else f
+        weight_formats = {name: storage_format(f, cols[name], policy) if name in cols else f
                           for name, f in weight_formats.items()}
     items = match_recipes(graph)
     # Aliases: a reshape's output lives in its input's buffer.
@@ -174,19 +173,26 @@ def build_plan(
             names[id(v)] = name
 
     ctx = RecipeContext(
-        lanes=lanes, subgroup=subgroup, kv_format=kv_format, n_ctx=n_ctx, buffer_names=names,
-        weight_formats=weight_formats, knobs=knobs or {}, t_max=t_max, wide_loads=wide_loads,
-        stream_experts=stream_experts, matrix_units=matrix_units,
+        lanes=policy.lanes, subgroup=policy.subgroup, kv_format=kv_format, n_ctx=n_ctx, buffer_names=names,
+        weight_formats=weight_formats, knobs={**policy.tuned, **(knobs or {})}, t_max=t_max,
+        wide_loads=policy.wide_loads,
+        stream_experts=stream_experts, policy=policy,
     )
     launches = []
     recipes_used = []
+    groups: list[int] = []  # per launch: the index of the match (in `recipes_used`) that made it
+    group_sites: list[tuple[Site, ...]] = []  # per match: the kernel instances whose knobs it read
     for idx, it in enumerate(items):
         if isinstance(it, Node):
             names[id(it.output)] = names[id(rootof(it.inputs[0]))]
             continue
         for n in it.nodes:
             assign(n.output)
-        launches.extend(it.recipe.lower(it.nodes, ctx))
+        ctx.sites = []
+        made = it.recipe.lower(it.nodes, ctx)
+        launches.extend(made)
+        groups.extend([len(recipes_used)] * len(made))
+        group_sites.append(tuple(ctx.sites))
         recipes_used.append((it.recipe.name, tuple(n.output.name for n in it.nodes)))
         # Release buffers whose last reader was this match (and outputs nobody reads).
         for n in it.nodes:
@@ -201,8 +207,13 @@ def build_plan(
     for st in ctx.expert_streams:
         buffers[st.slots] = BufferSpec(st.slots, "i32", st.n_expert, "slots")
     out = graph.outputs[0]
+    kept = kept_launches(launches)
     return Plan(
-        launches=drop_repeated_launches(launches),
+        launches=[launches[i] for i in kept],
+        groups=[groups[i] for i in kept],
+        group_sites=group_sites,
+        matches=[it for it in items if isinstance(it, Match)],
+        context=ctx,
         buffers=buffers,
         output=names[id(rootof(out))],
         output_shape=tuple(out.type.shape),
@@ -218,27 +229,32 @@ def _live_elsewhere(buf: str, names: dict[int, str], last: dict[int, int], idx: 
 
 
 def drop_repeated_launches(launches: list[Launch]) -> list[Launch]:
-    """`launches` without those that would recompute what is already in their output buffers: a launch equal to
-    an earlier one, or to one an earlier launch `provides`, with no launch in between writing a buffer it reads
-    or writes. Launches that read a buffer they write are never dropped (running them again is not a no-op)."""
-    out: list[Launch] = []
+    """`launches` without those that would recompute what is already in their output buffers (`kept_launches`)."""
+    return [launches[i] for i in kept_launches(launches)]
+
+
+def kept_launches(launches: list[Launch]) -> list[int]:
+    """Indices of the launches to keep: all but those equal to an earlier one, or to one an earlier launch
+    `provides`, with no launch in between writing a buffer it reads or writes. Launches that read a buffer they
+    write are never dropped (running them again is not a no-op)."""
+    out: list[int] = []
     done: dict[Launch, tuple[set[str], set[str]]] = {}  # launch -> (buffers read, written), still valid
-    for la in launches:
+    for i, la in enumerate(launches):
         if la in done:
             continue
-        reads, writes = _effects(la)
+        reads, writes = launch_effects(la)
         for old, (r, w) in list(done.items()):
             if writes & (r | w):
                 del done[old]
         for p in (la, *la.provides):
-            pr, pw = _effects(p)
+            pr, pw = launch_effects(p)
             if not pw & pr:
                 done[p] = (pr, pw)
-        out.append(la)
+        out.append(i)
     return out
 
 
-def _effects(la: Launch) -> tuple[set[str], set[str]]:
+def launch_effects(la: Launch) -> tuple[set[str], set[str]]:
     """(plan buffers a launch reads, plan buffers it writes)."""
     params = {p.name: p for p in la.kernel.params}
     read_params = buffers_read(la.kernel)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from polystrata.codegen.recipes import ExpertStream
+from polystrata.codegen.recipes import ExpertStream, Site
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.kernel import Launch, dump
 
@@ -36,17 +36,30 @@ class Plan:
     aliases: dict[str, str] = field(default_factory=dict)  # graph value buffer -> buffer it shares (reshapes)
     recipes: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # (recipe, node names) per match
     expert_streams: list[ExpertStream] = field(default_factory=list)  # streamed MoE layers, in launch order
+    groups: list[int] = field(default_factory=list)  # per launch: the match (index into `recipes`) that made it
+    group_sites: list[tuple[Site, ...]] = field(default_factory=list)  # per match: kernel instances it read
+    # What lowered it, for lowering one match again with other knobs (the tuner): the recipe matches (`passes.Match`,
+    # in `recipes` order) and the recipe context.
+    matches: list[Any] = field(default_factory=list)
+    context: Any = None
+
+    def tuned(self, index: int) -> bool:
+        """Whether launch `index` comes from a match whose knobs a tuned choice set."""
+        return bool(self.groups) and any(s.tuned for s in self.group_sites[self.groups[index]])
 
     def kernel_summary(self) -> list[dict[str, Any]]:
-        """One entry per distinct kernel: name, grid, lanes, knobs and how many launches use it."""
+        """One entry per distinct kernel: name, grid, lanes, knobs, whether a tuned choice made it and how many
+        launches use it."""
         seen: dict[str, dict[str, Any]] = {}
-        for la in self.launches:
+        for i, la in enumerate(self.launches):
             k = la.kernel
             key = k.fingerprint()
             if key in seen:
                 seen[key]["launches"] += 1
+                seen[key]["tuned"] = seen[key]["tuned"] or self.tuned(i)
                 continue
-            seen[key] = {"name": k.name, "lanes": k.lanes, "knobs": dict(k.knobs), "launches": 1, "id": key}
+            seen[key] = {"name": k.name, "lanes": k.lanes, "knobs": dict(k.knobs), "tuned": self.tuned(i),
+                         "launches": 1, "id": key}
         return list(seen.values())
 
     def dump_kernels(self) -> str:

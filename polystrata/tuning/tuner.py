@@ -1,0 +1,440 @@
+"""`polystrata tune`: search each kernel instance's knobs on this device, check, time, keep the winners.
+
+For each plan asked for (decode: one-token steps; prefill: prompt chunks), the engine is loaded with its default
+schedules and every kernel instance (`codegen.recipes.Site`) that a recipe's knob space names is tuned on the
+first match that reads it:
+
+1. The launches before that match run on random tokens (decode: after a prefill of `DECODE_DEPTH` tokens), so
+   the match's inputs hold what a real step gives it. What its launches read and write is saved and put back
+   before each run below.
+2. Candidates: the knob space's sets of one or two changed knobs (`KnobSpace.candidates`), each lowered by
+   compiling the plan with that instance's override. A candidate whose launches equal the default's or an earlier
+   candidate's (the target ignores the knob), whose lowering fails, or whose local memory exceeds the policy's,
+   is skipped without compiling. The others are compiled (in worker processes with `jobs` > 1: the kernel cache
+   receives them, and this process loads them from there).
+3. Check: the candidate's outputs (every buffer the match writes but scratch) against the default's from the
+   same inputs; f32 within `tolerance` relative to the largest |value| (looser where int8 activations are on
+   either side), other buffers bit for bit. A wrong candidate is rejected and logged, never kept.
+4. Time: the launches of every match that makes the instance (a layer each), one after the other, each on its own
+   weights, so that they stream from memory as in a step (one layer's weights alone would sit in a cache and
+   reward the wrong schedule: docs/benchmarks.md); a warm-up, then `ROUNDS` rounds of enough repetitions for
+   `MIN_ROUND_S` (device marks where the target has them, else the wall clock after a sync); the median and the
+   spread ((max - min) / 2 / median). The best candidate and the default are timed once more at the end; the
+   best is kept only if its median beats the default's by more than both spreads and `MIN_GAIN`.
+
+Each finished instance is a row of the tuning database (the default's row when nothing won: not searched again),
+so a Ctrl-C keeps every instance finished before it and a second `tune` resumes with the next. The budget bounds
+the search (the engine's load and its default kernels' compile come first and are not counted); a candidate
+already started finishes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from polystrata.codegen.recipes import KnobSpace
+from polystrata.compiler.executor import BoundLaunch
+from polystrata.compiler.passes import kept_launches, launch_effects
+from polystrata.compiler.plan import BufferSpec, Plan
+from polystrata.errors import PolystrataError, UsageError
+from polystrata.ir.kernel import DTYPE_BYTES, Kernel, Launch
+from polystrata.progress import Progress
+from polystrata.tuning import machine_key
+from polystrata.tuning.db import TuningDB, today
+
+PLANS = ("decode", "prefill")
+DECODE_DEPTH = 32  # tokens in the KV cache when decode kernels are timed
+PREFILL_TOKENS = 64  # tokens of the prompt chunk when prefill kernels are timed (any count runs the same kernels)
+ROUNDS = 5
+MIN_ROUND_S = 0.01
+MIN_GAIN = 0.03  # a winner must be at least this much faster than the default, beyond the spreads
+TOLERANCE = 2e-3  # f32 outputs: max |candidate - default| / max |default|
+TOLERANCE_INT8 = 3e-2  # the same where either side quantizes activations to int8
+
+
+def parse_budget(text: str) -> float:
+    """Seconds of a budget written as NUMBER[s|m|h] (`10m`, `30s`, `1.5h`; a bare number: seconds)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([smh]?)\s*", text or "")
+    if not m or float(m.group(1)) <= 0:
+        raise UsageError(f"--budget takes a positive time such as 30s, 10m or 1h, not {text!r}")
+    return float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def parse_plans(text: str) -> tuple[str, ...]:
+    """The plans of `--plans decode,prefill`."""
+    names = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    bad = [p for p in names if p not in PLANS]
+    if not names or bad:
+        raise UsageError(f"--plans takes a comma-separated list of {', '.join(PLANS)}, not {text!r}")
+    return names
+
+
+@dataclass
+class Timing:
+    """Seconds per run of the launches of every match of a kernel instance: median and relative spread of
+    `ROUNDS` rounds."""
+
+    median: float
+    spread: float
+
+
+@dataclass
+class SiteResult:
+    """What tuning one kernel instance found."""
+
+    signature: str
+    default: Timing | None = None
+    best: dict[str, Any] = field(default_factory=dict)  # the winning knobs ({}: the default)
+    best_time: Timing | None = None
+    tried: int = 0
+    rejected: int = 0
+    # (session time at its start, wall time) of each candidate tried, its compile included
+    candidate_s: list[tuple[float, float]] = field(default_factory=list)
+    setup_s: float = 0.0  # running the plan up to the instance, saving its buffers, timing the default
+
+
+def _local_bytes(kernel: Kernel) -> int:
+    return sum(a.size * DTYPE_BYTES[a.dtype] for a in kernel.local)
+
+
+def _is_scratch(name: str) -> bool:
+    return name.startswith("scratch.")
+
+
+def _uses_int8(launches: list[Launch]) -> bool:
+    return any(dict(la.kernel.knobs).get("int8") == 1 or dict(la.kernel.knobs).get("xq") == "kernel"
+               for la in launches)
+
+
+def compare(default: dict[str, np.ndarray], candidate: dict[str, np.ndarray], tolerance: float) -> str | None:
+    """Why `candidate`'s outputs differ from `default`'s (None: they agree): f32 buffers within `tolerance` of the
+    largest |default value|, NaN where the default has none, other dtypes exactly."""
+    for name, want in default.items():
+        got = candidate.get(name)
+        if got is None:
+            return f"does not write {name}"
+        if want.dtype == np.float32:
+            if np.isnan(got).any() and not np.isnan(want).any():
+                return f"NaN in {name}"
+            scale = float(np.nanmax(np.abs(want))) if want.size else 0.0
+            err = float(np.nanmax(np.abs(got - want))) if want.size else 0.0
+            if err > tolerance * max(scale, 1e-6):
+                return f"{name} differs by {err:.3g} (largest value {scale:.3g}, tolerance {tolerance:g})"
+        elif not np.array_equal(got, want):
+            return f"{name} differs"
+    return None
+
+
+def _compile_in_worker(target: str, kernels: list[Kernel]) -> int:
+    """A worker process's job: compile `kernels` for `target` into the kernel cache (the parent then loads them
+    from there)."""
+    from polystrata.targets import make_runtime
+
+    rt = make_runtime(target)
+    for k in kernels:
+        rt.compile(k)
+    return len(kernels)
+
+
+class Tuner:
+    """One tuning session of a loaded engine (`Engine(..., tuning=False)`: its plans hold the default knobs)."""
+
+    def __init__(self, engine, db: TuningDB, budget_s: float, plans: tuple[str, ...] = PLANS,
+                 only: str | None = None, jobs: int = 1, log: Callable[[str], None] | None = None,
+                 seed: int = 0):
+        if engine.runtime is None:
+            raise UsageError("tune needs a kernel target (cpu, cuda, hip, opencl), not the reference executor")
+        self.engine, self.db, self.budget_s = engine, db, budget_s
+        self.rt = engine.runtime
+        self.ex = engine.executor
+        if getattr(self.ex, "streamer", None) is not None:
+            raise PolystrataError("tune needs every MoE expert resident on the device; give more --gpu-mem")
+        self.plan_names = plans
+        self.only = re.compile(only) if only else None
+        self.jobs = max(1, jobs)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr))
+        self.rng = np.random.default_rng(seed)
+        self.key = machine_key(self.rt)
+        self.results: list[SiteResult] = []
+        self.started = time.monotonic()
+        self.pool: ProcessPoolExecutor | None = None
+        self._extra: dict[tuple[str, str, int], Any] = {}  # buffers a candidate needs that the plan lacks
+
+    # --- what to tune -------------------------------------------------------------------------------------
+
+    def _graphs(self) -> list[tuple[str, Any]]:
+        eng = self.engine
+        return [(name, {"decode": eng.graph_step, "prefill": eng.graph_last}[name]) for name in self.plan_names]
+
+    def jobs_todo(self) -> list[tuple[str, Any, str, KnobSpace, int]]:
+        """(plan name, graph, signature, knob space, match index) of every instance still to tune: in a knob
+        space with candidates, matching `only`, not in the database for this machine."""
+        done = {r["signature"] for r in self.db.rows(*self.key)}
+        out, seen = [], set()
+        for plan_name, graph in self._graphs():
+            plan = self.ex.plans[id(graph)]
+            for m, sites in enumerate(plan.group_sites):
+                for s in sites:
+                    if s.signature in seen or s.signature in done or not s.space.candidates():
+                        continue
+                    if self.only and not self.only.search(s.signature):
+                        continue
+                    seen.add(s.signature)
+                    out.append((plan_name, graph, s.signature, s.space, m))
+        return out
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    # --- the session ----------------------------------------------------------------------------------------
+
+    def run(self) -> list[SiteResult]:
+        """Tune every instance `jobs_todo` lists until the budget is spent; returns what was found."""
+        todo = self.jobs_todo()
+        if not todo:
+            self.log("tune: nothing to tune (every kernel instance is in the tuning database for this device)")
+            return []
+        self.started = time.monotonic()
+        if self.jobs > 1:  # spawned, not forked: this process runs kernels on threads (Numba's, a driver's)
+            self.pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
+        try:
+            with Progress("tuning kernels", len(todo)) as bar:
+                for plan_name, graph, sig, space, m in todo:
+                    if self.elapsed() >= self.budget_s:
+                        self.log(f"tune: budget of {self.budget_s:.0f} s spent; {len(todo) - len(self.results)} "
+                                 "kernel instances left for the next run")
+                        break
+                    self.results.append(self._tune_site(plan_name, graph, sig, space, m))
+                    left = max(0.0, self.budget_s - self.elapsed())
+                    bar.update(note=f"{sig.split(':')[1]}; budget left {left:.0f} s")
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(cancel_futures=True)
+        return self.results
+
+    def _step(self, plan_name: str) -> dict[str, int]:
+        """Inputs of a step of `plan_name` written into the executor's buffers; returns its step symbols."""
+        eng, rt = self.engine, self.rt
+        n_vocab = eng.hparams.n_vocab
+        eng.reset()
+        n_past = 0
+        if plan_name == "decode":
+            eng.forward(self.rng.integers(0, n_vocab, size=DECODE_DEPTH))  # a real KV cache to attend to
+            n_past, t = DECODE_DEPTH, 1
+        else:
+            t = min(PREFILL_TOKENS, self.ex.plans[id(eng.graph_last)].t_max)
+        rt.write(self.ex.handles["tokens"], self.rng.integers(0, n_vocab, size=t).astype(np.int32))
+        rt.write(self.ex.handles["positions"], np.arange(n_past, n_past + t, dtype=np.int32))
+        if "starts" in self.ex.handles:
+            rt.write(self.ex.handles["starts"], np.zeros(self.ex.starts_len, np.int32))
+            self.ex.starts_zero = True
+        return {"T": t, "n_past": n_past, "n_kv": n_past + t}
+
+    @staticmethod
+    def candidate_launches(plan: Plan, m: int, first: int, sig: str, knobs: dict
+                           ) -> tuple[list[Launch], dict[str, BufferSpec]]:
+        """The launches match `m` of `plan` (its first launch at `first`) makes with `knobs` set for instance
+        `sig`, less those the launches before it make redundant (as the compiler drops them), and the specs of
+        the buffers they use."""
+        base = plan.context
+        ctx = replace(base, knobs={**base.knobs, sig: knobs}, scratch_buffers=dict(base.scratch_buffers),
+                      expert_streams=[], sites=[])
+        match = plan.matches[m]
+        made = match.recipe.lower(match.nodes, ctx)
+        before = plan.launches[:first]
+        launches = [made[i - first] for i in kept_launches([*before, *made]) if i >= first]
+        scratch = {n: BufferSpec(n, d, c, "activation") for n, (d, c) in ctx.scratch_buffers.items()}
+        return launches, {**plan.buffers, **scratch}
+
+    def _tune_site(self, plan_name: str, graph, sig: str, space: KnobSpace, m: int) -> SiteResult:
+        rt, ex = self.rt, self.ex
+        pid = id(graph)
+        plan = ex.plans[pid]
+        res = SiteResult(sig)
+        site_start = time.monotonic()
+        idx = [i for i, g in enumerate(plan.groups) if g == m]
+        step = self._step(plan_name)
+        for b in ex.bound[pid][: idx[0]]:
+            b.run(rt, step)
+        saved: dict[str, np.ndarray] = {}
+        handles = ex.local[pid]
+        default_launches = [plan.launches[i] for i in idx]
+
+        def touch(launches: list[Launch], specs) -> dict[str, Any]:
+            """Handles of what `launches` use, saving each buffer's contents before anything runs on it."""
+            hs = dict(handles)
+            for la in launches:
+                for _, name in la.buffers:
+                    spec = specs[name]
+                    if spec.kind == "weight":
+                        continue
+                    have = plan.buffers.get(name)
+                    if have is None or have.dtype != spec.dtype or have.count < spec.count:
+                        k = (name, spec.dtype, spec.count)
+                        if k not in self._extra:
+                            self._extra[k] = rt.alloc((spec.count,), spec.dtype)
+                        hs[name] = self._extra[k]
+                    elif name not in saved:
+                        saved[name] = rt.download(handles[name], (have.count,), have.dtype)
+            return hs
+
+        def restore() -> None:
+            for name, data in saved.items():
+                dtype = plan.buffers[name].dtype
+                rt.write(handles[name], data.astype(np.float16) if dtype == "f16" else data)
+
+        def outputs(launches: list[Launch], hs: dict[str, Any], specs) -> dict[str, np.ndarray]:
+            out = {}
+            for la in launches:
+                for name in launch_effects(la)[1]:
+                    if not _is_scratch(name):
+                        spec = specs[name]
+                        out[name] = rt.download(hs[name], (spec.count,), spec.dtype)
+            return out
+
+        def bind(launches: list[Launch], hs: dict[str, Any]) -> list[BoundLaunch]:
+            compiled = [rt.compile(la.kernel) for la in launches]
+            return [BoundLaunch(ck, hs, la) for ck, la in zip(compiled, launches)]
+
+        def run(bound: list[BoundLaunch]) -> None:
+            for b in bound:
+                b.run(rt, step)
+
+        def timed(bound: list[BoundLaunch]) -> Timing:
+            restore()
+            run(bound)  # warm-up
+            rt.sync()
+            t0 = time.perf_counter()
+            run(bound)
+            rt.sync()
+            reps = max(1, min(1000, int(MIN_ROUND_S / max(time.perf_counter() - t0, 1e-7))))
+            samples = []
+            for _ in range(ROUNDS):
+                start, t0 = rt.mark(), time.perf_counter()
+                for _ in range(reps):
+                    run(bound)
+                end = rt.mark()
+                rt.sync()
+                dev = rt.elapsed(start, end)
+                samples.append((dev if dev is not None else time.perf_counter() - t0) / reps)
+            med = statistics.median(samples)
+            return Timing(med, (max(samples) - min(samples)) / 2 / med if med > 0 else 0.0)
+
+        # Every match of the plan that makes this instance (a layer each): the timing runs them all in turn, each
+        # on its own weights, so that they stream from memory as in a step rather than sit in a cache.
+        firsts = {}
+        for i, g in enumerate(plan.groups):
+            if any(st.signature == sig for st in plan.group_sites[g]):
+                firsts.setdefault(g, i)
+        others = [g for g in firsts if g != m]
+
+        def bind_all(first: list[Launch], specs, lower) -> tuple[dict[str, Any], list[BoundLaunch]]:
+            """Handles and bound launches of `first` (this match's) and of the other matches' (`lower(g)`)."""
+            hs = touch(first, specs)
+            bound = bind(first, hs)
+            for g in others:
+                launches, more = lower(g)
+                bound += bind(launches, touch(launches, more))
+            return hs, bound
+
+        hs_default, bound_all_default = bind_all(default_launches, plan.buffers, lambda g: (
+            [la for la, gg in zip(plan.launches, plan.groups) if gg == g], plan.buffers))
+        bound_default = bound_all_default[: len(default_launches)]
+        restore()
+        run(bound_default)
+        want = outputs(default_launches, hs_default, plan.buffers)
+        res.default = timed(bound_all_default)
+        int8_default = _uses_int8(default_launches)
+
+        # Lower every candidate first (cheap), drop those that change nothing, start their compiles.
+        seen = {tuple(default_launches)}
+        lowered = []
+        for knobs in space.candidates():
+            try:
+                launches, specs = self.candidate_launches(plan, m, idx[0], sig, knobs)
+            except Exception as e:  # a knob set the recipe cannot build (an assertion, a shape that does not divide)
+                self.log(f"tune: {sig} {knobs}: skipped, does not lower ({type(e).__name__}: {e})")
+                continue
+            if tuple(launches) in seen:
+                continue
+            seen.add(tuple(launches))
+            if rt.lanes > 1 and any(_local_bytes(la.kernel) > rt.policy.local_bytes for la in launches):
+                continue
+            lowered.append((knobs, launches, specs))
+        res.setup_s = time.monotonic() - site_start
+        futures: list[Future | None] = [None] * len(lowered)
+        if self.pool is not None:
+            for i, (_, launches, _) in enumerate(lowered):
+                futures[i] = self.pool.submit(_compile_in_worker, rt.name, [la.kernel for la in launches])
+
+        best: tuple[dict, list[BoundLaunch], Timing] | None = None
+        for i, (knobs, launches, specs) in enumerate(lowered):
+            if self.elapsed() >= self.budget_s:
+                break
+            res.tried += 1
+            started = time.monotonic()
+            at = self.elapsed()
+            try:
+                if futures[i] is not None:
+                    futures[i].result()
+                hs, bound_all = bind_all(launches, specs, lambda g, kn=knobs: self.candidate_launches(
+                    plan, g, firsts[g], sig, kn))
+                restore()
+                run(bound_all[: len(launches)])
+                got = outputs(launches, hs, specs)
+            except PolystrataError as e:
+                res.rejected += 1
+                res.candidate_s.append((at, time.monotonic() - started))
+                self.log(f"tune: {sig} {knobs}: rejected, does not compile ({str(e).splitlines()[0]})")
+                continue
+            tol = TOLERANCE_INT8 if int8_default or _uses_int8(launches) else TOLERANCE
+            why = compare(want, got, tol)
+            if why is not None:
+                res.rejected += 1
+                res.candidate_s.append((at, time.monotonic() - started))
+                self.log(f"tune: {sig} {knobs}: rejected, wrong output: {why}")
+                continue
+            t = timed(bound_all)
+            res.candidate_s.append((at, time.monotonic() - started))
+            if best is None or t.median < best[2].median:
+                best = (knobs, bound_all, t)
+        if best is not None:
+            # Once more, default and best back to back: a machine that got busier meanwhile misleads less.
+            res.default = min(res.default, timed(bound_all_default), key=lambda x: x.median)
+            res.best_time = min(best[2], timed(best[1]), key=lambda x: x.median)
+            margin = max(MIN_GAIN, res.default.spread + res.best_time.spread)
+            if res.best_time.median < res.default.median * (1 - margin):
+                res.best = best[0]
+        self._record(res, complete=res.tried == len(lowered))
+        return res
+
+    def _record(self, res: SiteResult, complete: bool) -> None:
+        """Write a finished instance's row: the winner, or the default (not searched again) once every
+        candidate was tried. An instance cut short by the budget with no winner is left for the next run."""
+        if not res.best and not complete:
+            return
+        target, device, compiler = self.key
+        won = res.best_time if res.best else res.default
+        self.db.put({"signature": res.signature, "target": target, "device": device, "compiler": compiler,
+                     "knobs": res.best, "best_s": won.median, "default_s": res.default.median,
+                     "spread": max(won.spread, res.default.spread), "date": today()})
+        gain = res.default.median / won.median if won.median > 0 else 1.0
+        verdict = f"{res.best} x{gain:.2f}" if res.best else "default kept"
+        self.log(f"tune: {res.signature}: {verdict} ({res.tried} tried, {res.rejected} rejected, default "
+                 f"{res.default.median * 1e6:.1f} us)")
+
+
+def default_jobs() -> int:
+    """Compile workers by default: half the usable CPUs (the other half times), at most 4, at least 1."""
+    return max(1, min(4, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2) // 2))

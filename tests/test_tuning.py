@@ -1,0 +1,270 @@
+"""Kernel autotuning: knob spaces, the tuning database, tuned knobs in plans and artifacts, `tune` sessions.
+
+The tiny llama here is test_targets' (seed 7, n_ctx 64), so the engine's default kernels come from the run's
+kernel cache; only candidates compile. Sessions tune the cheap instances (last_row, embed) on opencl where PoCL
+is present, else cpu.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from polystrata.cli import main
+from polystrata.codegen.policy import HOST_POLICY
+from polystrata.codegen.recipes import RECIPES, Knob, KnobSpace, load_all
+from polystrata.codegen.recipes import elementwise as ew
+from polystrata.codegen.recipes.linear import MATMUL_SPACE
+from polystrata.compiler.passes import build_plan
+from polystrata.engine import Engine, tensor_table
+from polystrata.errors import UsageError
+from polystrata.gguf import GGUFFile
+from polystrata.ir.formats import KV_FORMATS
+from polystrata.ir.kernel import Kernel
+from polystrata.models import build_graph
+from polystrata.synth import synth_model
+from polystrata.targets import available_kernel_targets
+from polystrata.tuning import db as dbmod
+from polystrata.tuning.db import TuningDB
+from polystrata.tuning.tuner import Tuner, compare, parse_budget, parse_plans
+
+TARGET = "opencl" if "opencl" in available_kernel_targets() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return synth_model("llama", tmp_path_factory.mktemp("tuning") / "llama-Q8_0.gguf", preset="tiny", qtype="Q8_0",
+                       seed=7)
+
+
+@pytest.fixture
+def db(tmp_path, monkeypatch):
+    """A tuning database of this test's own (the run's home is shared by every test)."""
+    monkeypatch.setattr(dbmod, "db_path", lambda: tmp_path / "tuning.sqlite")
+    return TuningDB()
+
+
+def _row(sig="matmul.v1:matmul_q8_0_64x64:t1", device="dev A", compiler="c 1", knobs=None):
+    return {"signature": sig, "target": "cpu", "device": device, "compiler": compiler,
+            "knobs": {"rows": 2} if knobs is None else knobs, "best_s": 1e-5, "default_s": 2e-5, "spread": 0.01,
+            "date": "2026-12-04T00:00:00Z"}
+
+
+def test_knob_spaces_declare_candidates_within_their_constraints():
+    load_all()
+    spaces = {r.knobs.name: r.knobs for r in RECIPES if r.knobs is not None}
+    assert {"matmul", "matmul_glu", "moe_ffn", "attention", "embed", "last_row"} <= set(spaces)
+    for space in spaces.values():
+        for cand in space.candidates():
+            full = {**space.defaults(), **cand}
+            assert space.constraint is None or space.constraint(full)
+            assert set(cand) <= set(space.defaults()) and 1 <= len(cand) <= 2
+    singles = [c for c in MATMUL_SPACE.candidates() if len(c) == 1]
+    # Each knob's extremes come before its middle values.
+    rows = [c["rows"] for c in singles if "rows" in c]
+    assert rows[:2] == [1, 8]
+    assert MATMUL_SPACE.signature("matmul_q4_k_4096x4096", 1) == "matmul.v1:matmul_q4_k_4096x4096:t1"
+
+
+def test_budget_and_plans_parse():
+    assert parse_budget("30s") == 30 and parse_budget("10m") == 600 and parse_budget("1.5h") == 5400
+    assert parse_budget("45") == 45
+    for bad in ("", "0s", "-3m", "10 minutes", "m"):
+        with pytest.raises(UsageError):
+            parse_budget(bad)
+    assert parse_plans("prefill, decode") == ("prefill", "decode")
+    with pytest.raises(UsageError):
+        parse_plans("decode,score")
+
+
+def test_database_round_trip_and_keys(db, tmp_path):
+    db.put_many([_row(), _row(device="dev B"), _row("embed.v1:embed_q8_0_64:t1", knobs={})])
+    assert db.choices("cpu", "dev A", "c 1") == {"matmul.v1:matmul_q8_0_64x64:t1": {"rows": 2}}  # default rows left out
+    assert db.choices("cpu", "dev C", "c 1") == {}  # another device misses
+    assert db.choices("cpu", "dev A", "c 2") == {}  # another compiler version misses
+    assert db.choices("opencl", "dev A", "c 1") == {}
+    db.put(_row(knobs={"rows": 8}))  # the same key replaces
+    assert db.choices("cpu", "dev A", "c 1")["matmul.v1:matmul_q8_0_64x64:t1"] == {"rows": 8}
+    out = tmp_path / "export.json"
+    assert db.export(out) == 3
+    other = TuningDB(tmp_path / "other.sqlite")
+    assert other.import_file(out) == 3
+    assert other.rows() == db.rows()
+
+
+@pytest.mark.parametrize("content,says", [
+    (b"\xff\xfe garbage", "not JSON"),
+    (b"[1, 2]", "not a tuning file"),
+    (b'{"format": "polystrata-tuning/1", "rows": [{"signature": "x"}]}', "row 0: missing"),
+    (json.dumps({"format": "polystrata-tuning/1", "rows": [_row(), {**_row(), "best_s": float("nan")}]}).encode(),
+     "row 1: best_s"),
+    (json.dumps({"format": "polystrata-tuning/1", "rows": [{**_row(), "knobs": {"rows": [1] * 3}}]}).encode(),
+     "knob 'rows'"),
+    (b"[" * 100000 + b"]" * 100000, "not JSON"),
+], ids=["binary", "list", "missing", "nan", "knob-type", "deep"])
+def test_import_refuses_hostile_files(db, tmp_path, capsys, content, says):
+    db.put(_row())
+    before = db.rows()
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(content)
+    assert main(["tune", "--import", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and says in err, err
+    assert db.rows() == before  # nothing half-written
+
+
+def test_tuned_knobs_reach_the_plan_and_the_manifest(tiny, db, tmp_path):
+    with GGUFFile(tiny) as f:
+        graph = build_graph(f.metadata, tensor_table(f), all_logits=False)
+        formats = {n: t.fmt for n, t in f.tensors.items()}
+    plan = build_plan(graph, formats, KV_FORMATS["f16"], 64, 1, policy=HOST_POLICY)
+    sig = next(s.signature for sites in plan.group_sites for s in sites if s.signature.startswith("last_row"))
+    assert not any(k["tuned"] for k in plan.kernel_summary())
+    tuned = build_plan(graph, formats, KV_FORMATS["f16"], 64, 1, policy=dataclasses.replace(
+        HOST_POLICY, tuned={sig: {"chunk": 32}}))
+    summary = {k["name"]: k for k in tuned.kernel_summary()}
+    assert summary["last_row_128"]["tuned"] and summary["last_row_128"]["knobs"] == {"chunk": 32}
+    assert sum(k["tuned"] for k in summary.values()) == 1
+
+    # Through the database: compile picks the choice up for this device, and the manifest says so.
+    from polystrata.targets import make_runtime
+    from polystrata.tuning import machine_key
+
+    target, device, compiler = machine_key(make_runtime("cpu"))
+    db.put({**_row(sig, device, compiler, {"chunk": 32}), "target": target})
+    assert main(["compile", str(tiny), "--target", "cpu", "-c", "64", "-o", str(tmp_path / "art")]) == 0
+    kernels = yaml.safe_load((tmp_path / "art" / "manifest.yaml").read_text())["kernels"]
+    mine = [k for k in kernels if k["plan"] == "decode" and k["name"] == "last_row_128"]
+    assert mine and mine[0]["tuned"] is True and mine[0]["knobs"] == {"chunk": 32}
+    assert not any(k["tuned"] for k in kernels if k["name"] != "last_row_128")
+    assert main(["compile", str(tiny), "--target", "cpu", "-c", "64", "--no-tuning", "-o", str(tmp_path / "a2")]) == 0
+    kernels = yaml.safe_load((tmp_path / "a2" / "manifest.yaml").read_text())["kernels"]
+    assert not any(k["tuned"] for k in kernels)
+
+
+def test_compare_tolerates_rounding_not_errors():
+    want = {"y": np.array([1.0, -2.0, 3.0], np.float32), "kv": np.array([1, 2], np.uint8)}
+    assert compare(want, {"y": want["y"] + 1e-4, "kv": want["kv"]}, 1e-3) is None
+    assert "differs by" in compare(want, {"y": want["y"] * 1.01, "kv": want["kv"]}, 1e-3)
+    assert "kv differs" in compare(want, {"y": want["y"], "kv": want["kv"] + 1}, 1e-3)
+    assert "NaN" in compare(want, {"y": np.full(3, np.nan, np.float32), "kv": want["kv"]}, 1e-3)
+    assert "does not write" in compare(want, {"y": want["y"]}, 1e-3)
+
+
+def _corrupting_last_row(monkeypatch, request):
+    """Give last_row a fake knob `corrupt` whose candidate 1 adds 1 to every value it copies."""
+    space = KnobSpace("last_row", (Knob("chunk", ew.CHUNK, (32,)), Knob("corrupt", 0, (1,))))
+    monkeypatch.setitem(ew._SPACES, "last_row", space)
+    i = next(i for i, r in enumerate(RECIPES) if r.name == "last_row")
+    lower = RECIPES[i].lower
+
+    def corrupting(nodes, ctx):
+        (la,) = lower(nodes, ctx)
+        if not ctx.knobs.get(ctx.sites[-1].signature, {}).get("corrupt"):
+            return [la]
+        k = la.kernel
+        (lanes,) = k.body
+        (guard,) = lanes.body
+        (store,) = guard.then
+        wrong = dataclasses.replace(store, value=store.value + 1.0)
+        body = (dataclasses.replace(lanes, body=(dataclasses.replace(guard, then=(wrong,)),)),)
+        kern = Kernel(k.name + "_bad", k.params, k.grid, body, lanes=k.lanes, knobs=(*k.knobs, ("corrupt", 1)))
+        return [dataclasses.replace(la, kernel=kern)]
+
+    old = RECIPES[i]
+    RECIPES[i] = dataclasses.replace(old, lower=corrupting, knobs=space)
+    request.addfinalizer(lambda: RECIPES.__setitem__(i, old))
+
+
+def test_tune_rejects_a_wrong_candidate_keeps_what_it_measured_and_resumes(tiny, db, monkeypatch, request):
+    _corrupting_last_row(monkeypatch, request)
+    engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
+    logs = []
+    tuner = Tuner(engine, db, 60.0, only="last_row", log=logs.append)
+    todo = tuner.jobs_todo()
+    assert [j[2].split(":")[-1] for j in todo] == ["t1", "t256"]  # one last_row instance per plan
+
+    calls = []
+    tune_site = Tuner._tune_site
+
+    def interrupted_second(self, *args):
+        calls.append(args[2])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return tune_site(self, *args)
+
+    monkeypatch.setattr(Tuner, "_tune_site", interrupted_second)
+    with pytest.raises(KeyboardInterrupt):
+        tuner.run()
+    (res,) = tuner.results
+    assert res.tried == 3 and res.rejected == 2  # chunk 32 alone is right; with corrupt=1 it is not
+    assert any("corrupt" in m and "rejected, wrong output" in m for m in logs)
+    rows = db.rows()
+    assert [r["signature"] for r in rows] == [calls[0]]  # the finished instance was kept
+    assert "corrupt" not in rows[0]["knobs"]
+
+    monkeypatch.setattr(Tuner, "_tune_site", tune_site)
+    again = Tuner(engine, db, 60.0, only="last_row", log=logs.append)
+    assert [j[2] for j in again.jobs_todo()] == [calls[1]]  # resumes with what was left
+    again.run()
+    assert len(db.rows()) == 2 and not Tuner(engine, db, 60.0, only="last_row").jobs_todo()
+
+
+def test_tune_stops_at_its_budget(tiny, db):
+    engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
+    budget = 2.0
+    tuner = Tuner(engine, db, budget, only="embed|last_row", log=lambda m: None)
+    todo = len(tuner.jobs_todo())
+    tuner.run()
+    starts = [t for r in tuner.results for t, _ in r.candidate_s]
+    assert starts and all(t < budget for t in starts)  # no candidate starts once the budget is spent
+    longest = max(s for r in tuner.results for _, s in r.candidate_s)
+    setup = max(r.setup_s for r in tuner.results)
+    assert tuner.elapsed() <= budget + longest + setup + 1.0  # + the last instance's final timing
+    assert todo
+    logs = []
+    spent = Tuner(engine, TuningDB(db.path.with_name("other.sqlite")), 1e-9, only="embed|last_row", log=logs.append)
+    assert spent.run() == [] and "budget of 0 s spent; 4 kernel instances left" in logs[-1]
+
+
+# Per target: the extremes of rows, and the schedule the other kind of target takes by default.
+EXTREMES = {"cpu": [{"rows": 1}, {"rows": 8}, {"int8": 1}],
+            "opencl": [{"rows": 8}, {"xq": "inline"}, {"split": "rows", "xq": "inline"}]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", [t for t in EXTREMES if t in available_kernel_targets()])
+def test_matmul_candidates_at_the_extremes_compile_and_agree(tiny, db, monkeypatch, target):
+    """A sample of matmul candidates, extremes included, tuned for real: every one compiles (in two worker
+    processes) and agrees with the default within the tolerance (none rejected)."""
+    sample = EXTREMES[target]
+    monkeypatch.setattr(KnobSpace, "candidates", lambda self: sample if self.name == "matmul" else [])
+    engine = Engine(tiny, target=target, n_ctx=64, tuning=False)
+    logs = []
+    tuner = Tuner(engine, db, 600.0, plans=("decode",), only=r"matmul_q8_0_128x128:t1$", jobs=2, log=logs.append)
+    (res,) = tuner.run()
+    assert res.rejected == 0, logs
+    assert res.tried == len(sample)
+
+
+
+def test_bench_tuning_both_runs_untuned_then_tuned(tiny, db, monkeypatch, capsys):
+    from polystrata import bench
+    from polystrata.targets import make_runtime
+    from polystrata.tuning import machine_key
+
+    monkeypatch.setenv(bench.BANDWIDTH_ENV, "1e11")  # no bandwidth measurement
+    target, device, compiler = machine_key(make_runtime("cpu"))
+    sig = "last_row.v1:last_row_128:t1"
+    db.put({**_row(sig, device, compiler, {"chunk": 32}), "target": target})
+    assert main(["bench", str(tiny), "--target", "cpu", "-c", "64", "-p", "4", "-n", "2", "-r", "1",
+                 "--tuning", "both", "-o", "json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["untuned"]["tuned_kernels"] == [] and r["tuned"]["tuned_kernels"] == [sig]
+    assert not r["untuned"]["tuning"] and r["tuned"]["tuning"] and set(r["ratio"]) == {"pp", "tg"}
+    assert main(["bench", str(tiny), "--tuning", "both", "-o", "csv"]) == 2
+    assert "md or json" in capsys.readouterr().err
