@@ -4,10 +4,13 @@ models. Outputs are poisoned with NaN before each launch."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from suite_plugin import targets_under_test
 
+from polystrata.codegen.policy import shape_policy
 from polystrata.codegen.recipes import RECIPES, Recipe, RecipeContext, load_all
 from polystrata.compiler.passes import SLICED_ON_WIDE_LOADS
 from polystrata.ir.encode import quantize
@@ -87,15 +90,17 @@ def int8_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     return xe @ np.abs(w).T * 1.01 + 1e-4 * (np.abs(x) @ np.abs(w).T) + 1e-5
 
 
-def recipe_context(g: Graph, kv="f16", n_ctx=64, formats=None, lanes=1):
-    """A recipe context over `g`'s values (lanes > 1: GPU-shaped, with warps of 32)."""
+def recipe_context(g: Graph, kv="f16", n_ctx=64, formats=None, lanes=1, matrix_units=False):
+    """A recipe context over `g`'s values (lanes > 1: GPU-shaped, with warps of 32; `matrix_units`: a target
+    whose policy says it has them)."""
     names = {}
     for v in g.inputs:
         names[id(v)] = v.name
     for nd in g.nodes:
         names[id(nd.output)] = nd.output.name
+    policy = replace(shape_policy(lanes, min(lanes, 32)), matrix_units=True) if matrix_units else None
     return RecipeContext(lanes=lanes, subgroup=min(lanes, 32), kv_format=KV_FORMATS[kv], n_ctx=n_ctx,
-                         buffer_names=names, weight_formats=formats or {}, t_max=16)
+                         buffer_names=names, weight_formats=formats or {}, t_max=16, policy=policy)
 
 
 def recipe(name: str) -> Recipe:

@@ -79,8 +79,8 @@ def test_tile_mma_fits():
 def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K", mma_min: int = 32) -> list:
     g = Graph("t")
     g.op("matmul", g.input("x", "f32", ("T", K)), g.weight("w", fmt, (N, K)), name="y")
-    ctx = recipe_context(g, formats={"w": FORMATS[fmt]}, lanes=128)
-    ctx.matrix_units, ctx.t_max, ctx.knobs = matrix_units, t_max, {"matmul": {"mma_min": mma_min}}
+    ctx = recipe_context(g, formats={"w": FORMATS[fmt]}, lanes=128, matrix_units=matrix_units)
+    ctx.t_max, ctx.knobs = t_max, {"matmul": {"mma_min": mma_min}}
     return recipe("matmul").lower(g.nodes, ctx)
 
 
@@ -105,8 +105,8 @@ def test_fused_glu_launches_match_the_reference(rt):
     a = g.op("matmul", x, g.weight("wg", "Q8_0", (N, K)), name="a")
     b = g.op("matmul", x, g.weight("wu", "Q4_0", (N, K)), name="b")
     g.op("swiglu", a, b, name="o")
-    ctx = recipe_context(g, formats={"wg": FORMATS["Q8_0"], "wu": FORMATS["Q4_0"]}, lanes=128)
-    ctx.matrix_units, ctx.t_max, ctx.knobs = True, 70, {"matmul_glu": {"mma_min": 32}}
+    ctx = recipe_context(g, formats={"wg": FORMATS["Q8_0"], "wu": FORMATS["Q4_0"]}, lanes=128, matrix_units=True)
+    ctx.t_max, ctx.knobs = 70, {"matmul_glu": {"mma_min": 32}}
     launches = recipe("matmul_swiglu").lower(g.nodes, ctx)
     sb, so = plan_scratch(ctx)
     assert launches[1].kernel.name.endswith("_mma")
