@@ -29,6 +29,9 @@ HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
     "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1},
     "moe_ffn": {"split": "rows", "xq": "inline"},
     "attention": {"split_keys": 0},
+    # Steps of more tokens than this take the delta rule's chunked form: never on the host, where its lanes are
+    # one and it does the recurrent form's arithmetic over more memory, 3-4x slower (docs/benchmarks.md, hybrids).
+    "delta_rule": {"chunked_above": 1 << 30},
 }
 # ... and for GPUs (a group per row, its lanes sharing the row's blocks; activations quantized to int8 once per
 # matmul by their own kernel; attention keys split over groups, flash-decoding).
@@ -36,6 +39,7 @@ DEVICE_KNOBS: Mapping[str, Mapping[str, Any]] = {
     "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0},
     "moe_ffn": {"split": "blocks", "xq": "kernel"},
     "attention": {"split_keys": 1},
+    "delta_rule": {"chunked_above": 16},
 }
 
 

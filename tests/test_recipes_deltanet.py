@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from recipe_cases import plan_scratch, recipe, recipe_context, run_launches, target_runtimes
 
-from polystrata.codegen.recipes.deltanet import CHUNKED_ABOVE, state_buffer
+from polystrata.codegen.recipes.deltanet import state_buffer
 from polystrata.ir.graph import Graph
 from polystrata.runtimes import reference as R
 
@@ -104,7 +104,7 @@ def test_delta_rule_forms(rt, head_map):
     v, gates = g.input("v", "f32", ("T", 4, 12)), g.input("gates", "f32", ("T", 4, 2))
     g.op("delta_rule", q, k, v, gates, layer=0, scale=0.25, head_map=head_map, chunk=64, name="o")
     outs, kernels = {}, {}
-    for form, above in (("recurrent", 1000), ("chunked", 0), ("chosen by length", CHUNKED_ABOVE)):
+    for form, above in (("recurrent", 1000), ("chunked", 0), ("chosen by length", 16)):
         ctx = recipe_context(g, lanes=rt.lanes)
         ctx.t_max, ctx.knobs = max(DELTA_STEPS), {"delta_rule": {"chunked_above": above}}
         launches = recipe("delta_rule").lower(g.nodes, ctx)

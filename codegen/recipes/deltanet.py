@@ -46,9 +46,6 @@ from polystrata.ir.kernel import (  # the expression nodes Const, Expr, Var too,
 )
 
 CHUNK = 64
-# Steps of more tokens than this run the delta rule's chunked form, shorter ones (decode) the recurrent form: the
-# `chunked_above` knob's default.
-CHUNKED_ABOVE = 16
 # Tokens of keys the chunked form's state update stages in local memory at a time.
 KEY_TILE = 16
 
@@ -348,7 +345,10 @@ def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]
     (node,) = nodes
     q, k, v, gates = node.inputs
     _, dk, hv, dv, _, _ = _delta_heads(node)
-    above = int(ctx.knob("delta_rule", "chunked_above", CHUNKED_ABOVE))
+    # Steps of more tokens than `chunked_above` run the chunked form, shorter ones (decode) the recurrent form;
+    # "auto": the target's policy (GPUs 16, the host never).
+    above = ctx.knob("delta_rule", "chunked_above", "auto")
+    above = int(ctx.target().default("delta_rule", "chunked_above") if above == "auto" else above)
     tb = token_binding(v)
     t_max = tb if isinstance(tb, int) else ctx.t_max
     inputs = (("q", ctx.buf(q)), ("k", ctx.buf(k)))
@@ -375,4 +375,4 @@ register(Recipe("l2_norm", ("l2_norm",), _lower_l2_norm))
 register(Recipe("rms_norm_gated", ("rms_norm_gated",), _lower_rms_norm_gated))
 register(Recipe("gdn_gates", ("gdn_gates",), _lower_gdn_gates))
 register(Recipe("ssm_conv", ("ssm_conv",), _lower_ssm_conv, None, (("chunk", CHUNK),)))
-register(Recipe("delta_rule", ("delta_rule",), _lower_delta_rule, None, (("chunked_above", CHUNKED_ABOVE),)))
+register(Recipe("delta_rule", ("delta_rule",), _lower_delta_rule, None, (("chunked_above", "auto"),)))
