@@ -1,10 +1,15 @@
 """This test suite's pytest plugin (loaded by conftest.py): one home and kernel cache for the whole run, shared by
-the pytest-xdist workers, and the `--target` option that picks the kernel targets to test."""
+the pytest-xdist workers; the `--target` option that picks the kernel targets to test; and the run's order: test
+files costliest first (their CPU seconds recorded in data/costs.json by `--record-costs`), handed to the workers by
+pytest-xdist's work-stealing scheduler, so that a file's tests mostly stay on one worker (its module fixtures built
+once) and no worker is left running a long test at the end while the other waits."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import resource
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,12 +20,18 @@ from polystrata.paths import private_dir
 from polystrata.targets import KERNEL_TARGETS, available_kernel_targets
 
 RUN_HOME = "run-home"
+COSTS = Path(__file__).parent / "data" / "costs.json"  # CPU seconds of each test file, from `--record-costs`
 _chosen: tuple[str, ...] = KERNEL_TARGETS
+_spent: dict[str, float] = {}  # CPU seconds by test id, this run (`--record-costs`)
 
 
 def pytest_addoption(parser):
     parser.addoption("--target", default="", metavar="T[,T...]",
                      help=f"kernel targets to test: {', '.join(KERNEL_TARGETS)} (default: every one available here)")
+    parser.addoption("--record-costs", default="", metavar="FILE",
+                     help=f"write each test file's CPU seconds (the tests' own and their child processes') to FILE "
+                          f"and print the costliest files and tests; tests/data/{COSTS.name}, from a whole run, "
+                          "orders the runs")
 
 
 def pytest_configure(config):
@@ -38,6 +49,66 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("target")
         if marker and marker.args[0] not in _chosen:
             item.add_marker(pytest.mark.skip(reason=f"--target leaves out {marker.args[0]}"))
+    # Whole files move, their tests keep their order: module fixtures are not built twice.
+    try:
+        costs = json.loads(COSTS.read_text())
+    except (OSError, ValueError):
+        costs = {}
+    items.sort(key=lambda item: -costs.get(item.nodeid.split("::")[0], 0.0))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Work stealing where `-n` asked for the default distribution: each worker starts on a contiguous half of the
+    ordered tests and takes from the other's queue when its own runs out."""
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log) if config.getoption("dist") == "load" else None
+
+
+def _cpu_seconds() -> float:
+    return sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+               for f in ("ru_utime", "ru_stime"))
+
+
+_START = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    if item.config.getoption("record_costs"):
+        item.stash[_START] = _cpu_seconds()
+
+
+def pytest_runtest_makereport(item, call):
+    """With `--record-costs`: the test's CPU seconds (set-up and tear-down included; a child process counts once it
+    has been waited for) go to the controller in its tear-down report."""
+    if call.when == "teardown" and _START in item.stash:
+        item.user_properties.append(("cpu_s", _cpu_seconds() - item.stash[_START]))
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        cost = dict(report.user_properties).get("cpu_s")
+        if cost is not None:
+            _spent[report.nodeid] = cost
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if not config.getoption("record_costs") or not _spent:
+        return
+    files: dict[str, float] = {}
+    for nodeid, cost in _spent.items():
+        files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0.0) + cost
+    path = Path(config.getoption("record_costs"))
+    path.write_text(json.dumps({f: round(c, 1) for f, c in sorted(files.items())}, indent=1) + "\n")
+    write = terminalreporter.write_line
+    write(f"CPU seconds: {sum(files.values()):.0f} in all; by file (written to {path}):")
+    for f, c in sorted(files.items(), key=lambda fc: -fc[1]):
+        write(f"{c:8.1f}  {f}")
+    write("costliest tests:")
+    for nodeid, c in sorted(_spent.items(), key=lambda nc: -nc[1])[:30]:
+        write(f"{c:8.1f}  {nodeid}")
 
 
 def targets_under_test() -> list[str]:
