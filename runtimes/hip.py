@@ -1,11 +1,9 @@
 """HIP runtime: kernels rendered to HIP C++, compiled by hiprtc (ctypes) into AMD code objects, cached on disk.
 
-Without an AMD GPU (`hipGetDeviceCount` fails or finds none) the runtime is compile-only: `compile()` returns
-code objects, buffers and launches raise. hiprtc runs in a child process (`base.compile_in_child`) because ROCm
-5.2's hiprtc aborts the whole process on architectures it does not know; the parent turns a crash into a
-`PolystrataError`. Buffers are device pointers holding the IR storage dtypes (f16 as 2 bytes, u8 as bytes, ...).
-NVIDIA GPUs and `sm_XX` archs: runtimes/hip_nvrtc.py (NVRTC, whose C API hiprtc copies: `rtc_compile` serves both).
-"""
+Without an AMD GPU the runtime is compile-only (buffers and launches raise). hiprtc runs in a child process
+(`base.compile_in_child`): ROCm 5.2's hiprtc aborts the whole process on architectures it does not know, and the
+parent turns that into a `PolystrataError`. NVIDIA GPUs and `sm_XX` archs: runtimes/hip_nvrtc.py (NVRTC, whose C
+API hiprtc copies: `rtc_compile` serves both)."""
 
 from __future__ import annotations
 
@@ -25,9 +23,8 @@ _HIP_LIBS = ("libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so")
 _RTC_LIBS = ("libhiprtc.so.6", "libhiprtc.so.5", "libhiprtc.so", *_HIP_LIBS)
 _NO_HIP = "HIP libraries not found (libamdhip64.so.5); on Debian: apt-get install libamdhip64-5 libhiprtc-builtins5"
 # What hiprtc of ROCm <= 5.2 compiles (measured); anything else (gfx940+, gfx11) aborts the process there.
-KNOWN_ROCM52 = ("gfx803", "gfx900", "gfx902", "gfx906", "gfx908", "gfx909", "gfx90a", "gfx90c", "gfx1010",
-                "gfx1011", "gfx1012", "gfx1013", "gfx1030", "gfx1031", "gfx1032", "gfx1033", "gfx1034", "gfx1035",
-                "gfx1036")
+KNOWN_ROCM52 = tuple("gfx803 gfx900 gfx902 gfx906 gfx908 gfx909 gfx90a gfx90c gfx1010 gfx1011 gfx1012 gfx1013 "
+                     "gfx1030 gfx1031 gfx1032 gfx1033 gfx1034 gfx1035 gfx1036".split())
 # Set to 1 to skip the up-front refusal (tests: the subprocess must survive the crash that follows).
 FORCE_ENV = "POLYSTRATA_HIP_FORCE_ARCH"
 

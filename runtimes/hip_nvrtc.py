@@ -1,13 +1,11 @@
 """hip on NVIDIA (`HIPRuntime()` with an NVIDIA GPU and no AMD one, or `HIPRuntime("sm_XX")`): codegen/hip.py's source
-behind `cuda_prelude()`, NVRTC (through `hip.rtc_compile`) -> cubin (PTX where the GPU is newer than NVRTC),
-`--fmad=false`; `HIPRuntime`'s cache, buffers and launches over `cuda.bindings.driver` (device 0's primary context,
-the null stream)."""
+behind `cuda_prelude()`, NVRTC (`hip.rtc_compile`) -> cubin (PTX where the GPU is newer than NVRTC), `--fmad=false`;
+buffers and launches through `cuda.bindings.driver` (device 0's primary context, the null stream)."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import os
 import re
 from typing import Any
@@ -25,11 +23,10 @@ def wanted(cls: type, arch: str | None, compile_only: bool) -> bool:
                                       not compile_only and not hip.HIPRuntime.present() and gpu_count() > 0)
 
 
-@functools.cache
 def _nvrtc() -> ctypes.CDLL:
     """libnvrtc: where cuda-pathfinder finds it (the nvidia-cuda-nvrtc wheel, or the system's), else by soname."""
     names = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
-    with contextlib.suppress(Exception):  # no cuda-pathfinder, or it finds no libnvrtc
+    with contextlib.suppress(Exception):  # no cuda-pathfinder, or it finds no libnvrtc (it keeps what it found)
         from cuda.pathfinder import load_nvidia_dynamic_lib
 
         names.insert(0, load_nvidia_dynamic_lib("nvrtc").abs_path)
