@@ -1,8 +1,6 @@
 """This test suite's pytest plugin (loaded by conftest.py): one home and kernel cache for the whole run, shared by
-the pytest-xdist workers; the `--target` option that picks the kernel targets to test; and the run's order: test
-files costliest first (their CPU seconds recorded in data/costs.json by `--record-costs`), handed to the workers by
-pytest-xdist's work-stealing scheduler, so that a file's tests mostly stay on one worker (its module fixtures built
-once) and no worker is left running a long test at the end while the other waits."""
+the pytest-xdist workers; the `--target` option that picks the kernel targets to test; and `--record-costs`, the
+CPU seconds of each test and file (what a test costs, whatever else loads the machine)."""
 
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ from polystrata.paths import private_dir
 from polystrata.targets import KERNEL_TARGETS, available_kernel_targets
 
 RUN_HOME = "run-home"
-COSTS = Path(__file__).parent / "data" / "costs.json"  # CPU seconds of each test file, from `--record-costs`
 _chosen: tuple[str, ...] = KERNEL_TARGETS
 _spent: dict[str, float] = {}  # CPU seconds by test id, this run (`--record-costs`)
 
@@ -29,9 +26,8 @@ def pytest_addoption(parser):
     parser.addoption("--target", default="", metavar="T[,T...]",
                      help=f"kernel targets to test: {', '.join(KERNEL_TARGETS)} (default: every one available here)")
     parser.addoption("--record-costs", default="", metavar="FILE",
-                     help=f"write each test file's CPU seconds (the tests' own and their child processes') to FILE "
-                          f"and print the costliest files and tests; tests/data/{COSTS.name}, from a whole run, "
-                          "orders the runs")
+                     help="write each test file's CPU seconds (the tests' own and their child processes') to FILE "
+                          "as JSON and print the costliest files and tests")
 
 
 def pytest_configure(config):
@@ -49,21 +45,6 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("target")
         if marker and marker.args[0] not in _chosen:
             item.add_marker(pytest.mark.skip(reason=f"--target leaves out {marker.args[0]}"))
-    # Whole files move, their tests keep their order: module fixtures are not built twice.
-    try:
-        costs = json.loads(COSTS.read_text())
-    except (OSError, ValueError):
-        costs = {}
-    items.sort(key=lambda item: -costs.get(item.nodeid.split("::")[0], 0.0))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """Work stealing where `-n` asked for the default distribution: each worker starts on a contiguous half of the
-    ordered tests and takes from the other's queue when its own runs out."""
-    from xdist.scheduler import WorkStealingScheduling
-
-    return WorkStealingScheduling(config, log) if config.getoption("dist") == "load" else None
 
 
 def _cpu_seconds() -> float:
