@@ -32,7 +32,7 @@ from polystrata.codegen.policy import HOST_POLICY, Policy
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
 from polystrata.ir.expr import Bin, Const, Expr, Var
-from polystrata.ir.kernel import Buf, Call, Kernel, Scalar, expr_str, stable_digest
+from polystrata.ir.kernel import DTYPE_BYTES, Buf, Call, Kernel, Scalar, expr_str, stable_digest
 from polystrata.paths import atomic_write, file_lock, file_sha256, home_dir, private_dir
 from polystrata.progress import Progress
 
@@ -168,6 +168,21 @@ def _compile_child(argv: list[str]) -> int:
         return 1
     Path(argv[1]).write_bytes(code)
     return 0
+
+
+_LIBS: dict[str, ctypes.CDLL] = {}  # load_library's, by kind
+
+
+def load_library(kind: str, names: Sequence[str], missing: str) -> ctypes.CDLL:
+    """The first of the shared libraries `names` that loads, kept as `kind`; PolystrataError(`missing`) if none."""
+    if kind not in _LIBS:
+        for name in names:
+            with contextlib.suppress(OSError):
+                _LIBS[kind] = ctypes.CDLL(name)
+                break
+        else:
+            raise PolystrataError(missing)
+    return _LIBS[kind]
 
 
 def cpu_name() -> str:
@@ -392,6 +407,19 @@ class Runtime(ABC):
             entry.seal()
         return handle, cached
 
+    def _compile_code(self, kernel: Kernel, source: str, key: str, ext: str, load: Callable[[bytes], Any],
+                      build: Callable[[], tuple[bytes, Any]]) -> CompiledKernel:
+        """`_compile_cached` for compilers whose output is one binary (`<kernel>_<key>.<ext>`, written atomically):
+        `load(code)` makes a handle of the cached bytes; `build()` compiles `source`: (its bytes, a handle)."""
+
+        def built(path: Path) -> Any:
+            code, handle = build()
+            atomic_write(path, code)
+            return handle
+
+        return self._compile_cached(kernel, source, key, f"{kernel.name}_{key}.{ext}",
+                                    lambda path: load(path.read_bytes()), built)
+
     def _compile_python(self, kernel: Kernel, source: str, key: str, signature: tuple | None) -> CompiledKernel:
         """`_compile_cached` for the Numba targets: the entry is the source itself (`k_<key>.py`), imported as a
         module named after the key (Numba's cache re-imports it by that name in a new process) and compiled now
@@ -596,6 +624,63 @@ class Runtime(ABC):
                 v = scalars[p.name]
                 out.append(np.float32(v) if p.dtype == "f32" else np.int32(v))
         return out
+
+
+class DriverRuntime(Runtime):
+    """A runtime over a C driver API through ctypes (hip's AMD and NVIDIA backends; the start of a port to another
+    such API): memory in zeroed `DeviceBuffer`s, launches packed once into `PackedLaunch`es and recorded while a
+    capture is open. `compile_only` without a device: buffers and launches then raise `no_device`. A subclass
+    implements `_malloc`, `_copy` and `_launch`, and its compiled kernels' handles have a `function`."""
+
+    def no_device(self) -> str:
+        """The error of a compile-only runtime asked for buffers or launches."""
+        return f"no {self.name} device here: compile only"
+
+    @property
+    def gpu(self) -> bool:
+        """A device runs this runtime's kernels (not compile-only)."""
+        return not self.compile_only
+
+    def _need_gpu(self) -> None:
+        if not self.gpu:
+            raise PolystrataError(self.no_device())
+
+    @abstractmethod
+    def _malloc(self, nbytes: int) -> DeviceBuffer:
+        """`nbytes` of device memory, zeroed (like the CPU target's buffers)."""
+
+    @abstractmethod
+    def _copy(self, to_device: bool, dev: int, host: int, nbytes: int) -> None:
+        """A synchronous copy of `nbytes` between device address `dev` and host address `host`."""
+
+    @abstractmethod
+    def _launch(self, p: PackedLaunch) -> None:
+        """Queue a packed launch (not empty, no capture open)."""
+
+    def alloc(self, shape: Sequence[int], dtype: str) -> DeviceBuffer:
+        self._need_gpu()
+        return self._malloc(max(int(np.prod(shape)) * DTYPE_BYTES[dtype], 4))
+
+    def read_bytes(self, buf: DeviceBuffer, out: np.ndarray) -> None:
+        self._copy(False, buf.ptr, out.ctypes.data, out.size)
+
+    def write_bytes(self, buf: DeviceBuffer, offset: int, host: np.ndarray) -> None:
+        self._copy(True, buf.ptr + offset, host.ctypes.data, host.size)
+
+    def prepare(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> PackedLaunch:
+        self._need_gpu()
+        values = [ctypes.c_void_p(a.ptr) if isinstance(p, Buf) else scalar_value(p, a)
+                  for p, a in zip(ck.kernel.params, args)]
+        return PackedLaunch(ck.handle.function, grid, ck.kernel.lanes, values)
+
+    def launch_prepared(self, p: PackedLaunch) -> None:
+        if self._recording is not None:
+            super().launch_prepared(p)
+        elif not p.empty:
+            self._launch(p)
+
+    def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
+        self.launch_prepared(self.prepare(ck, args, grid))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,9 @@
 """HIP runtime: kernels rendered to HIP C++, compiled by hiprtc (ctypes) into AMD code objects, cached on disk.
 
-Without an AMD GPU (`hipGetDeviceCount` fails or finds none) the runtime is compile-only: `compile()` returns
-code objects, buffers and launches raise. hiprtc runs in a child process (`base.compile_in_child`) because ROCm
-5.2's hiprtc aborts the whole process on architectures it does not know; the parent turns a crash into a
-`PolystrataError`. Buffers are device pointers holding the IR storage
-dtypes (f16 as 2 bytes, u8 as bytes, ...). NVIDIA GPUs and `sm_XX` archs: runtimes/hip_nvrtc.py (NVRTC).
-"""
+Without an AMD GPU the runtime is compile-only (buffers and launches raise). hiprtc runs in a child process
+(`base.compile_in_child`): ROCm 5.2's hiprtc aborts the whole process on architectures it does not know, and the
+parent turns that into a `PolystrataError`. NVIDIA GPUs and `sm_XX` archs: runtimes/hip_nvrtc.py (NVRTC, whose C
+API hiprtc copies: `rtc_compile` serves both)."""
 
 from __future__ import annotations
 
@@ -13,59 +11,35 @@ import contextlib
 import ctypes
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
-
-import numpy as np
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 from polystrata.codegen.hip import MATRIX_ARCHS, base_arch, render, wave_of
 from polystrata.codegen.policy import device_policy
 from polystrata.errors import PolystrataError
-from polystrata.ir.kernel import DTYPE_BYTES, Buf, Kernel
-from polystrata.paths import atomic_write
-from polystrata.runtimes.base import (
-    CompiledKernel,
-    DeviceBuffer,
-    PackedLaunch,
-    Runtime,
-    cache_key,
-    compile_in_child,
-    scalar_value,
-)
+from polystrata.ir.kernel import Kernel
+from polystrata.runtimes import base
 
 # Sonames, newest first: ROCm 6 ships hiprtc as its own library, ROCm 5.2 (Debian) inside libamdhip64.
 _HIP_LIBS = ("libamdhip64.so.6", "libamdhip64.so.5", "libamdhip64.so")
 _RTC_LIBS = ("libhiprtc.so.6", "libhiprtc.so.5", "libhiprtc.so", *_HIP_LIBS)
+_NO_HIP = "HIP libraries not found (libamdhip64.so.5); on Debian: apt-get install libamdhip64-5 libhiprtc-builtins5"
 # What hiprtc of ROCm <= 5.2 compiles (measured); anything else (gfx940+, gfx11) aborts the process there.
-KNOWN_ROCM52 = ("gfx803", "gfx900", "gfx902", "gfx906", "gfx908", "gfx909", "gfx90a", "gfx90c", "gfx1010",
-                "gfx1011", "gfx1012", "gfx1013", "gfx1030", "gfx1031", "gfx1032", "gfx1033", "gfx1034", "gfx1035",
-                "gfx1036")
+KNOWN_ROCM52 = tuple("gfx803 gfx900 gfx902 gfx906 gfx908 gfx909 gfx90a gfx90c gfx1010 gfx1011 gfx1012 gfx1013 "
+                     "gfx1030 gfx1031 gfx1032 gfx1033 gfx1034 gfx1035 gfx1036".split())
 # Set to 1 to skip the up-front refusal (tests: the subprocess must survive the crash that follows).
 FORCE_ENV = "POLYSTRATA_HIP_FORCE_ARCH"
-_NO_GPU = "no AMD GPU: the hip target can compile (polystrata compile --target hip --arch {arch}) but not run here"
-_LIBS: dict[str, ctypes.CDLL] = {}
 
 
 def _load(kind: str) -> ctypes.CDLL:
-    if kind not in _LIBS:
-        for name in _HIP_LIBS if kind == "hip" else _RTC_LIBS:
-            with contextlib.suppress(OSError):
-                _LIBS[kind] = ctypes.CDLL(name)
-                break
-        else:
-            raise PolystrataError("HIP libraries not found (libamdhip64.so.5); on Debian: "
-                                  "apt-get install libamdhip64-5 libhiprtc-builtins5")
-    return _LIBS[kind]
+    return base.load_library(kind, _HIP_LIBS if kind == "hip" else _RTC_LIBS, _NO_HIP)
 
 
 def available() -> bool:
     """Whether the HIP runtime library can be loaded (compiling needs nothing more)."""
-    try:
-        _load("hip")
-        return True
-    except PolystrataError:
-        return False
+    with contextlib.suppress(PolystrataError):
+        return bool(_load("hip"))
+    return False
 
 
 def rocm_version() -> tuple[int, int, int]:
@@ -101,39 +75,38 @@ def _check(err: int, what: str) -> None:
         raise PolystrataError(f"HIP {what} failed: {(lib.hipGetErrorString(err) or b'').decode()} ({err})")
 
 
-def hiprtc_compile(source: str, name: str, *options: str) -> bytes:
-    """Compile in THIS process (the child's side): code object bytes, or PolystrataError with the log."""
-    rtc = _load("rtc")
-    rtc.hiprtcGetErrorString.restype = ctypes.c_char_p
-    prog = ctypes.c_void_p()
-    err = rtc.hiprtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.hip".encode(), 0, None, None)
-    if err != 0:
-        raise PolystrataError(f"hiprtcCreateProgram failed: {rtc.hiprtcGetErrorString(err).decode()}")
+def rtc_compile(lib: ctypes.CDLL, api: str, source: str, name: str, options: Sequence[str], code: str) -> bytes:
+    """`source` compiled in this process by hiprtc or NVRTC (`api`: "hiprtc" or "nvrtc", one C API under two
+    prefixes): the bytes of its `code` ("Code" of hiprtc, "CUBIN" or "PTX" of NVRTC), or PolystrataError with
+    the compiler's log."""
+    call = lambda fn, *args: getattr(lib, api + fn)(*args)  # noqa: E731
+    getattr(lib, api + "GetErrorString").restype = ctypes.c_char_p
+    prog, size = ctypes.c_void_p(), ctypes.c_size_t()
+    if err := call("CreateProgram", ctypes.byref(prog), source.encode(), f"{name}.hip".encode(), 0, None, None):
+        raise PolystrataError(f"{api}CreateProgram failed: {call('GetErrorString', err).decode()}")
     try:
-        opts = (ctypes.c_char_p * len(options))(*(o.encode() for o in options))
-        err = rtc.hiprtcCompileProgram(prog, len(options), opts)
-        if err != 0:
-            size = ctypes.c_size_t()
-            rtc.hiprtcGetProgramLogSize(prog, ctypes.byref(size))
-            log = ctypes.create_string_buffer(size.value + 1)
-            rtc.hiprtcGetProgramLog(prog, log)
-            raise PolystrataError(f"{rtc.hiprtcGetErrorString(err).decode()}\n{log.value.decode(errors='replace')}")
-        size = ctypes.c_size_t()
-        rtc.hiprtcGetCodeSize(prog, ctypes.byref(size))
-        code = ctypes.create_string_buffer(size.value)
-        rtc.hiprtcGetCode(prog, code)
-        return code.raw
+        err = call("CompileProgram", prog, len(options), (ctypes.c_char_p * len(options))(*map(str.encode, options)))
+        what = "ProgramLog" if err else code
+        call(f"Get{what}Size", prog, ctypes.byref(size))
+        out = ctypes.create_string_buffer(size.value)
+        call(f"Get{what}", prog, out)
+        if err:
+            raise PolystrataError(f"{call('GetErrorString', err).decode()}\n{out.value.decode(errors='replace')}")
+        return out.raw
     finally:
-        rtc.hiprtcDestroyProgram(ctypes.byref(prog))
+        call("DestroyProgram", ctypes.byref(prog))
 
 
-@dataclass
-class HIPCode:
-    """A compiled kernel: the code object and, on a GPU, its loaded module and function."""
+def hiprtc_compile(source: str, name: str, *options: str) -> bytes:
+    """hiprtc's code object of `source` (the child's side of `base.compile_in_child`)."""
+    return rtc_compile(_load("rtc"), "hiprtc", source, name, options, "Code")
+
+
+class HIPCode(NamedTuple):
+    """A compiled kernel: the code object and, on a GPU, its loaded function."""
 
     code: bytes
-    module: int | None = None
-    function: int | None = None
+    function: Any = None
 
 
 def _gpu_count() -> int:
@@ -141,16 +114,7 @@ def _gpu_count() -> int:
     return n.value if _load("hip").hipGetDeviceCount(ctypes.byref(n)) == 0 else 0
 
 
-def _device_arch(lib: ctypes.CDLL) -> tuple[str, str]:
-    """(gcnArchName, name) of device 0; the struct layout varies across ROCm, so both are searched for."""
-    props = ctypes.create_string_buffer(16384)
-    _check(lib.hipGetDeviceProperties(props, 0), "hipGetDeviceProperties")
-    name = props.raw[:256].split(b"\0", 1)[0].decode(errors="replace")
-    i = props.raw.find(b"gfx", 256)
-    return (props.raw[i:].split(b"\0", 1)[0].decode() if i >= 0 else ""), name
-
-
-class HIPRuntime(Runtime):
+class HIPRuntime(base.DriverRuntime):
     """One AMD GPU, or compile-only for `arch` when there is none (or with `compile_only=True`)."""
 
     name = "hip"
@@ -158,7 +122,7 @@ class HIPRuntime(Runtime):
     # GPU schedules, a group of one wave (`__init__`: the arch's width); no load merging assumed; sdot4 / dp4a.
     policy = device_policy(lanes=64, subgroup=64, int8_dot=True)
     takes_arch = True
-    no_gpu = _NO_GPU  # the error of a compile-only runtime asked to run
+    vendor, example_arch = "AMD", "gfx1030"  # for the error of a compile-only runtime asked to run
 
     @classmethod
     def present(cls) -> bool:
@@ -177,28 +141,30 @@ class HIPRuntime(Runtime):
         self.compile_only = compile_only or self._gpu_count() == 0
         found, dev_name = self._open() if self.gpu else (None, "")
         if not (arch or found):
-            raise PolystrataError(self.no_gpu.format(arch=self.example_arch) + "; give an arch to compile for")
+            raise PolystrataError(self.no_device(self.example_arch) + "; give an arch to compile for")
         self.arch = arch or found
         self._configure(found, dev_name)  # refuses an unknown arch
         wave = wave_of(self.arch)  # 64 on wave64 (CDNA, GCN), 32 on wave32 (RDNA and CUDA)
         self.policy = replace(self.policy.with_shape(wave, wave), matrix_units=base_arch(self.arch) in MATRIX_ARCHS)
 
-    example_arch = "gfx1030"  # for the message of a compile-only runtime without an arch
-
-    @property
-    def gpu(self) -> bool:
-        """A GPU runs this runtime's kernels (not compile-only)."""
-        return not self.compile_only
+    def no_device(self, arch: str | None = None) -> str:
+        return (f"no {self.vendor} GPU: the hip target can compile (polystrata compile --target hip --arch "
+                f"{arch or self.arch}) but not run here")
 
     def _gpu_count(self) -> int:
         return _gpu_count()
 
     def _open(self) -> tuple[str, str]:
-        """Make device 0 current: (its arch, its name)."""
+        """Make device 0 current: (its arch, its name). The properties struct's layout varies across ROCm, so the
+        arch name is searched for in it."""
         self.lib = _load("hip")
         self.lib.hipFree.argtypes = [ctypes.c_void_p]  # the buffers' finaliser
         _check(self.lib.hipSetDevice(0), "hipSetDevice")
-        return _device_arch(self.lib)
+        props = ctypes.create_string_buffer(16384)
+        _check(self.lib.hipGetDeviceProperties(props, 0), "hipGetDeviceProperties")
+        i = props.raw.find(b"gfx", 256)
+        return ((props.raw[i:].split(b"\0", 1)[0].decode() if i >= 0 else ""),
+                props.raw[:256].split(b"\0", 1)[0].decode(errors="replace"))
 
     def _configure(self, found: str | None, dev_name: str) -> None:
         """The device description and the compiler's options for `self.arch`."""
@@ -212,73 +178,45 @@ class HIPRuntime(Runtime):
         """HIP C++ for `kernel` on this runtime's architecture."""
         return render(kernel, self.arch, self.subgroup, self.native_f16)
 
-    def compile(self, kernel: Kernel) -> CompiledKernel:
+    def compile(self, kernel: Kernel) -> base.CompiledKernel:
         """Code object of `kernel` from the cache, else from the compiler (`_build`); loaded on a GPU."""
         source = self.render(kernel)
-        key = cache_key(source, self.name, self.arch, self.compiler)
 
-        def load(path: Path) -> HIPCode:
-            code = path.read_bytes()
-            return HIPCode(code, *(self._load_module(code, kernel.name) if self.gpu else ()))
+        def load(code: bytes) -> HIPCode:
+            return HIPCode(code, self._load_function(code, kernel.name) if self.gpu else None)
 
-        def build(path: Path) -> HIPCode:
-            atomic_write(path, self._build(source, kernel.name))
-            return load(path)
+        def build() -> tuple[bytes, HIPCode]:
+            code = self._build(source, kernel.name)
+            return code, load(code)
 
-        return self._compile_cached(kernel, source, key, f"{kernel.name}_{key}.co", load, build)
+        key = base.cache_key(source, self.name, self.arch, self.compiler)
+        return self._compile_code(kernel, source, key, "co", load, build)
 
     def _build(self, source: str, name: str) -> bytes:
-        return compile_in_child(f"{__name__}:hiprtc_compile", source, [name, *self.options], "hiprtc", name, self.arch)
+        args = [name, *self.options]
+        return base.compile_in_child(f"{__name__}:hiprtc_compile", source, args, "hiprtc", name, self.arch)
 
-    def _load_module(self, code: bytes, name: str) -> tuple[Any, Any]:
+    def _load_function(self, code: bytes, name: str) -> Any:
+        """Kernel `name` of a code object, loaded as a module that stays loaded."""
         module, fn = ctypes.c_void_p(), ctypes.c_void_p()
         _check(self.lib.hipModuleLoadData(ctypes.byref(module), code), "hipModuleLoadData")
         _check(self.lib.hipModuleGetFunction(ctypes.byref(fn), module, name.encode()), "hipModuleGetFunction")
-        return module.value, fn.value
+        return fn.value
 
-    def _need_gpu(self) -> None:
-        if not self.gpu:
-            raise PolystrataError(self.no_gpu.format(arch=self.arch))
-
-    def alloc(self, shape: Sequence[int], dtype: str) -> DeviceBuffer:
-        self._need_gpu()
-        return self._malloc(max(int(np.prod(shape)) * DTYPE_BYTES[dtype], 4))
-
-    def _malloc(self, nbytes: int) -> DeviceBuffer:  # zeroed, like the CPU target's buffers
+    def _malloc(self, nbytes: int) -> base.DeviceBuffer:
         ptr = ctypes.c_void_p()
         _check(self.lib.hipMalloc(ctypes.byref(ptr), ctypes.c_size_t(nbytes)), "hipMalloc")
-        buf = DeviceBuffer(ptr.value, nbytes, self.lib.hipFree)
+        buf = base.DeviceBuffer(ptr.value, nbytes, self.lib.hipFree)
         _check(self.lib.hipMemset(ctypes.c_void_p(buf.ptr), 0, ctypes.c_size_t(nbytes)), "hipMemset")
         return buf
 
     def _copy(self, to_device: bool, dev: int, host: int, nbytes: int) -> None:
+        """Synchronous (the base class's `copy_async` uses it too: no second stream or pinned staging here yet, so
+        expert uploads do not overlap with kernels on this target)."""
         what, dst, src = ("hipMemcpyHtoD", dev, host) if to_device else ("hipMemcpyDtoH", host, dev)
         _check(getattr(self.lib, what)(ctypes.c_void_p(dst), ctypes.c_void_p(src), ctypes.c_size_t(nbytes)), what)
 
-    def read_bytes(self, buf: DeviceBuffer, out: np.ndarray) -> None:
-        self._copy(False, buf.ptr, out.ctypes.data, out.size)
-
-    def write_bytes(self, buf: DeviceBuffer, offset: int, host: np.ndarray) -> None:
-        """A synchronous copy (the base class's `copy_async` uses it too: no second stream or pinned staging here
-        yet, so expert uploads do not overlap with kernels on this target)."""
-        self._copy(True, buf.ptr + offset, host.ctypes.data, host.size)
-
-    def prepare(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> PackedLaunch:
-        self._need_gpu()
-        values = [ctypes.c_void_p(a.ptr) if isinstance(p, Buf) else scalar_value(p, a)
-                  for p, a in zip(ck.kernel.params, args)]
-        return PackedLaunch(ck.handle.function, grid, ck.kernel.lanes, values)
-
-    def launch_prepared(self, p: PackedLaunch) -> None:
-        if self._recording is not None:
-            super().launch_prepared(p)
-        elif not p.empty:
-            self._launch(p)
-
-    def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
-        self.launch_prepared(self.prepare(ck, args, grid))
-
-    def _launch(self, p: PackedLaunch) -> None:
+    def _launch(self, p: base.PackedLaunch) -> None:
         _check(self.lib.hipModuleLaunchKernel(
             ctypes.c_void_p(p.fn), *(ctypes.c_uint(g) for g in p.grid), ctypes.c_uint(p.lanes), ctypes.c_uint(1),
             ctypes.c_uint(1), ctypes.c_uint(0), None, p.ptrs, None), "hipModuleLaunchKernel")

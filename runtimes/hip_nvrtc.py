@@ -1,10 +1,11 @@
 """hip on NVIDIA (`HIPRuntime()` with an NVIDIA GPU and no AMD one, or `HIPRuntime("sm_XX")`): codegen/hip.py's source
-behind `cuda_prelude()`, NVRTC -> cubin (PTX where the GPU is newer than NVRTC), `--fmad=false`; `HIPRuntime`'s cache,
-buffers and launches over `cuda.bindings.driver` (device 0's primary context, the null stream)."""
+behind `cuda_prelude()`, NVRTC (`hip.rtc_compile`) -> cubin (PTX where the GPU is newer than NVRTC), `--fmad=false`;
+buffers and launches through `cuda.bindings.driver` (device 0's primary context, the null stream)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 from typing import Any
@@ -12,25 +13,8 @@ from typing import Any
 from polystrata.codegen.hip import cuda_prelude, render
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Kernel
-from polystrata.runtimes import hip
-from polystrata.runtimes.base import CompiledKernel, DeviceBuffer, PackedLaunch, log_head
-from polystrata.runtimes.cuda_driver import (
-    DeviceEvent,
-    check,
-    device_name_arch,
-    driver,
-    function_resources,
-    gpu_count,
-    launch,
-    memory_info,
-)
-
-try:  # nothing is loaded until a first call: libnvrtc may still be missing
-    from cuda.bindings import nvrtc
-except ImportError:  # the hip target on AMD alone
-    nvrtc = None
-
-_NO_GPU = "no NVIDIA GPU: the hip target can compile (polystrata compile --target hip --arch {arch}) but not run here"
+from polystrata.runtimes import base, cuda_driver, hip
+from polystrata.runtimes.cuda_driver import check, driver, gpu_count
 
 
 def wanted(cls: type, arch: str | None, compile_only: bool) -> bool:
@@ -39,14 +23,21 @@ def wanted(cls: type, arch: str | None, compile_only: bool) -> bool:
                                       not compile_only and not hip.HIPRuntime.present() and gpu_count() > 0)
 
 
+def _nvrtc() -> ctypes.CDLL:
+    """libnvrtc: where cuda-pathfinder finds it (the nvidia-cuda-nvrtc wheel, or the system's), else by soname."""
+    names = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    with contextlib.suppress(Exception):  # no cuda-pathfinder, or it finds no libnvrtc (it keeps what it found)
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        names.insert(0, load_nvidia_dynamic_lib("nvrtc").abs_path)
+    return base.load_library("nvrtc", names, "NVRTC not available; pip install nvidia-cuda-nvrtc")
+
+
 def nvrtc_version() -> tuple[int, int]:
-    """(major, minor) of NVRTC; PolystrataError where cuda-bindings or libnvrtc cannot be loaded."""
-    try:
-        major, minor = check(nvrtc.nvrtcVersion())
-    except Exception as e:
-        msg = (str(e).splitlines() or [type(e).__name__])[0]
-        raise PolystrataError(f"NVRTC not available ({msg}); pip install cuda-bindings nvidia-cuda-nvrtc") from None
-    return int(major), int(minor)
+    """(major, minor) of NVRTC; PolystrataError where libnvrtc cannot be loaded."""
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _nvrtc().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    return major.value, minor.value
 
 
 def include_dirs() -> list[str]:
@@ -64,36 +55,27 @@ def arch_option(arch: str) -> tuple[str, bool]:
     m = re.fullmatch(r"sm_(\d+)", arch)
     if m is None:
         raise PolystrataError(f"unknown NVIDIA architecture {arch!r} (expected sm_NN, e.g. sm_90)")
-    cc, known = int(m.group(1)), [int(a) for a in check(nvrtc.nvrtcGetSupportedArchs())[0]]
-    below = [a for a in known if a < cc]
+    n = ctypes.c_int()
+    _nvrtc().nvrtcGetNumSupportedArchs(ctypes.byref(n))
+    known = (ctypes.c_int * n.value)()
+    _nvrtc().nvrtcGetSupportedArchs(known)
+    cc, below = int(m.group(1)), [a for a in known if a < int(m.group(1))]
     return (f"--gpu-architecture={arch}", False) if cc in known or not below else \
         (f"--gpu-architecture=compute_{max(below)}", True)
 
 
 def nvrtc_compile(source: str, name: str, arch: str, options: list[str], ptx: bool = False) -> bytes:
     """A cubin (or PTX) of `source`; PolystrataError with the first lines of NVRTC's log when it does not compile."""
-    prog, = check(nvrtc.nvrtcCreateProgram(source.encode(), f"{name}.cu".encode(), 0, [], []))
     try:
-        err, = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
-        if err:
-            buf = b" " * check(nvrtc.nvrtcGetProgramLogSize(prog))[0]
-            check(nvrtc.nvrtcGetProgramLog(prog, buf))
-            text = log_head(buf.rstrip(b"\0").decode(errors="replace"))
-            raise PolystrataError(f"NVRTC build of kernel {name} failed for {arch} ({err.name}):\n{text}")
-        kind = "PTX" if ptx else "CUBIN"
-        code = b" " * check(getattr(nvrtc, f"nvrtcGet{kind}Size")(prog))[0]
-        check(getattr(nvrtc, f"nvrtcGet{kind}")(prog, code))
-        return code
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+        return hip.rtc_compile(_nvrtc(), "nvrtc", source, name, options, "PTX" if ptx else "CUBIN")
+    except PolystrataError as e:
+        raise PolystrataError(f"NVRTC build of kernel {name} failed for {arch}:\n{base.log_head(str(e))}") from None
 
 
 class NVRTCRuntime(hip.HIPRuntime):
     """The hip target on NVIDIA GPU 0 through NVRTC, or compile-only for `arch` (sm_XX)."""
 
-    no_gpu = _NO_GPU
-
-    example_arch = "sm_90"
+    vendor, example_arch = "NVIDIA", "sm_90"
 
     def _gpu_count(self) -> int:
         return gpu_count()
@@ -102,7 +84,7 @@ class NVRTCRuntime(hip.HIPRuntime):
         """Make device 0's primary context current: (its arch, its name)."""
         dev, = check(driver.cuDeviceGet(0))
         check(driver.cuCtxSetCurrent(check(driver.cuDevicePrimaryCtxRetain(dev))[0]))
-        name, arch = device_name_arch(dev)
+        name, arch = cuda_driver.device_name_arch(dev)
         return arch, name
 
     def _configure(self, found: str | None, dev_name: str) -> None:
@@ -119,33 +101,33 @@ class NVRTCRuntime(hip.HIPRuntime):
     def _build(self, source: str, name: str) -> bytes:
         return nvrtc_compile(source, name, self.arch, self.options, self.ptx)
 
-    def _load_module(self, code: bytes, name: str) -> tuple[Any, Any]:
+    def _load_function(self, code: bytes, name: str) -> Any:
         module, = check(driver.cuModuleLoadData(code))
-        return module, check(driver.cuModuleGetFunction(module, name.encode()))[0]
+        return check(driver.cuModuleGetFunction(module, name.encode()))[0]
 
-    def _malloc(self, nbytes: int) -> DeviceBuffer:  # zeroed, like the CPU target's buffers
+    def _malloc(self, nbytes: int) -> base.DeviceBuffer:  # zeroed, like the CPU target's buffers
         ptr, = check(driver.cuMemAlloc(nbytes))
-        buf = DeviceBuffer(int(ptr), nbytes, driver.cuMemFree)
+        buf = base.DeviceBuffer(int(ptr), nbytes, driver.cuMemFree)
         check(driver.cuMemsetD8(buf.ptr, 0, nbytes))
         return buf
 
     def _copy(self, to_device: bool, dev: int, host: int, nbytes: int) -> None:
         check(driver.cuMemcpyHtoD(dev, host, nbytes) if to_device else driver.cuMemcpyDtoH(host, dev, nbytes))
 
-    def _launch(self, p: PackedLaunch) -> None:
-        launch(p, 0)
+    def _launch(self, p: base.PackedLaunch) -> None:
+        cuda_driver.launch(p, 0)
 
     def sync(self) -> None:
         if self.gpu:
             check(driver.cuCtxSynchronize())
 
-    def mark(self) -> DeviceEvent:
+    def mark(self) -> cuda_driver.DeviceEvent:
         """A device event after the work queued so far (the null stream)."""
         self._need_gpu()
-        return DeviceEvent(0)
+        return cuda_driver.DeviceEvent(0)
 
     def memory_info(self) -> tuple[int, int] | None:
-        return memory_info() if self.gpu else None
+        return cuda_driver.memory_info() if self.gpu else None
 
-    def kernel_resources(self, ck: CompiledKernel) -> dict[str, int]:
-        return function_resources(ck.handle.function, ck.kernel.lanes) if self.gpu else {}
+    def kernel_resources(self, ck: base.CompiledKernel) -> dict[str, int]:
+        return cuda_driver.function_resources(ck.handle.function, ck.kernel.lanes) if self.gpu else {}

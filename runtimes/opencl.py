@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +16,6 @@ from polystrata.codegen.opencl import render
 from polystrata.codegen.policy import device_policy
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import DTYPE_BYTES, Kernel
-from polystrata.paths import atomic_write
 from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key, log_head
 
 try:
@@ -142,20 +140,18 @@ class OpenCLRuntime(Runtime):
         options = " ".join(self.options)
         key = cache_key(source, self.name, f"{self.dev.name} {self.dev.driver_version}", f"opencl {options}")
 
-        def load(path: Path) -> Any:
-            program = cl.Program(self.ctx, [self.dev], [path.read_bytes()]).build(options)
-            return cl.Kernel(program, kernel.name)
+        def load(binary: bytes) -> Any:
+            return cl.Kernel(cl.Program(self.ctx, [self.dev], [binary]).build(options), kernel.name)
 
-        def build(path: Path) -> Any:
+        def build() -> tuple[bytes, Any]:
             try:
                 program = cl.Program(self.ctx, source).build(options)
             except cl.Error as err:
                 raise PolystrataError(f"OpenCL build of kernel {kernel.name} failed on {self.device}:\n"
                                       f"{log_head(str(err))}") from None
-            atomic_write(path, program.binaries[0])
-            return cl.Kernel(program, kernel.name)
+            return program.binaries[0], cl.Kernel(program, kernel.name)
 
-        return self._compile_cached(kernel, source, key, f"{kernel.name}_{key}.bin", load, build)
+        return self._compile_code(kernel, source, key, "bin", load, build)
 
     def alloc(self, shape: Sequence[int], dtype: str) -> Any:
         nbytes = int(np.prod(shape)) * DTYPE_BYTES[dtype]

@@ -195,25 +195,28 @@ def test_hip_garbled_code_object_is_rebuilt(home, capsys):
 # --- stable names: one compile per kernel, whichever process -------------------------------------------------
 
 
-@pytest.mark.slow  # compiles a whole model (about 15 s on 2 cores)
+@pytest.mark.slow  # a whole model's kernels (compiled once a run: test_cli's and test_artifact_kernels' tiny model)
 def test_second_process_compiles_nothing(tmp_path):
-    """`compile` of a llama-family model (rope kernels) in two processes: the second finds every kernel cached
-    and writes no file into the cache."""
+    """A llama-family model's kernels (rope kernels) compiled in this process, through the run's cache, and copied
+    as they are into an empty cache: `compile` in another process finds every one there and writes no file."""
+    from polystrata.artifact import KERNELS, write_artifact
+
     model = synth_model("llama", tmp_path / "tiny.gguf", preset="tiny", qtype="Q8_0", seed=0)
-    env = dict(os.environ, POLYSTRATA_HOME=str(tmp_path / "home"))
+    write_artifact(model, "cpu", tmp_path / "a1")  # its kernels/ holds the cache entries, files and records
     kernels = tmp_path / "home" / "kernels"
+    kernels.mkdir(parents=True)
+    (tmp_path / "a1" / KERNELS).rename(kernels / "cpu")
 
-    def compile_once(out: str) -> str:
-        p = subprocess.run([sys.executable, "-m", "polystrata", "compile", str(model), "--target", "cpu", "-o",
-                            str(tmp_path / out)], capture_output=True, text=True, env=env, timeout=600)
-        assert p.returncode == 0, p.stderr
-        return p.stderr
+    def cache_files() -> list[Path]:  # the entries' files (the locks, dot files, come with the first look)
+        return sorted(p.relative_to(kernels) for p in kernels.rglob("*") if not p.name.startswith("."))
 
-    compile_once("a1")
-    files = sorted(p.relative_to(kernels) for p in kernels.rglob("*"))
-    report = compile_once("a2")
-    assert " 0 compiled (cache hit)" in report, report
-    assert sorted(p.relative_to(kernels) for p in kernels.rglob("*")) == files
+    files = cache_files()
+    env = dict(os.environ, POLYSTRATA_HOME=str(tmp_path / "home"))
+    p = subprocess.run([sys.executable, "-m", "polystrata", "compile", str(model), "--target", "cpu", "-o",
+                        str(tmp_path / "a2")], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    assert " 0 compiled (cache hit)" in p.stderr, p.stderr
+    assert cache_files() == files
 
 
 # --- one home directory --------------------------------------------------------------------------------------

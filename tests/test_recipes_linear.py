@@ -56,7 +56,7 @@ def test_matmul_formats(rt, fmt_name):
             np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("fmt_name,split,int8,rows", [("Q4_K", "blocks", True, 3), ("Q5_1", "blocks", False, 1),
+@pytest.mark.parametrize("fmt_name,split,int8,rows", [("Q4_K", "blocks", True, 2), ("Q5_1", "blocks", False, 1),
                                                       ("F16", "blocks", False, 2), ("F32", "blocks", False, 1),
                                                       ("Q6_K", "rows", False, 5)])
 def test_matmul_schedules(rt, fmt_name, split, int8, rows):

@@ -1,8 +1,9 @@
-"""The suite's own plugin (tests/suite_plugin.py): one home for a whole run, shared by pytest-xdist workers, and the
-`--target` option. Each check runs a child pytest (its own temp folders, its own run)."""
+"""The suite's own plugin (tests/suite_plugin.py): one home for a whole run, shared by pytest-xdist workers, the
+`--target` option and `--record-costs`. Each check runs a child pytest (its own temp folders, its own run)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +22,8 @@ def pytest_run(*args: str, cwd: Path = TESTS) -> subprocess.CompletedProcess:
 
 
 def test_workers_share_one_run_home(tmp_path):
-    """Two xdist workers see one POLYSTRATA_HOME, fresh for the run, with the user's models linked in."""
+    """Two xdist workers see one POLYSTRATA_HOME, fresh for the run, with the user's models linked in;
+    `--record-costs` writes the CPU seconds of each file."""
     (tmp_path / "test_homes.py").write_text(textwrap.dedent("""
         import os, pytest
         @pytest.mark.parametrize("i", range(4))
@@ -30,8 +32,13 @@ def test_workers_share_one_run_home(tmp_path):
             out.write_text(os.environ["POLYSTRATA_HOME"])
     """))
     base = tmp_path / "base"
-    p = pytest_run("-n", "2", "--basetemp", str(base), str(tmp_path / "test_homes.py"), cwd=tmp_path)
+    costs = tmp_path / "costs.json"
+    p = pytest_run("-n", "2", "--basetemp", str(base), "--record-costs", str(costs), str(tmp_path / "test_homes.py"),
+                   cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
+    recorded = json.loads(costs.read_text())
+    assert list(recorded) == ["test_homes.py"] and recorded["test_homes.py"] >= 0, recorded
+    assert "CPU seconds: " in p.stdout and "test_homes.py::test_home[" in p.stdout, p.stdout
     seen = {f.name.split(".")[1]: f.read_text() for f in base.glob("home.*")}
     assert set(seen) == {"gw0", "gw1"} and len(set(seen.values())) == 1, seen
     home = Path(next(iter(seen.values())))
