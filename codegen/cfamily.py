@@ -513,7 +513,8 @@ class CPrinter:
         head += [self.portable(_PORTABLE[n]) for n in sorted(self.used_intrinsics)]
         head += [self.subgroup_helper(op, width) for op, width in sorted(self.subgroup_helpers.items())]
         params = [self.param_decl(p) for p in k.params]
-        doc = f"/* {k.name}: lanes {k.lanes}, grid ({len(k.grid)} dims), knobs {dict(k.knobs)} */\n"
+        about = f"{k.name}: lanes {k.lanes}, grid ({len(k.grid)} dims), knobs {dict(k.knobs)}".replace("*/", "* /")
+        doc = f"/* {about} */\n"  # a knob's text cannot end the comment
         return ("".join(head) + doc + self.signature(params) + " {\n" + "\n".join(body) + "\n}\n"
                 + self.launcher(params))
 

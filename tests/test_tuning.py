@@ -105,7 +105,14 @@ def test_database_round_trip_and_keys(db, tmp_path):
     (json.dumps({"format": "polystrata-tuning/1", "rows": [{**_row(), "knobs": {"rows": [1] * 3}}]}).encode(),
      "knob 'rows'"),
     (b"[" * 100000 + b"]" * 100000, "not JSON"),
-], ids=["binary", "list", "missing", "nan", "knob-type", "deep"])
+    # Knob values reach generated kernel source (a C comment, a kernel's choices): only the space's own values.
+    (json.dumps({"format": "polystrata-tuning/1", "rows": [{**_row(), "knobs": {"split": "*/ int x; /*"}}]}).encode(),
+     "not one the knob space offers"),
+    (json.dumps({"format": "polystrata-tuning/1", "rows": [{**_row(), "knobs": {"rows": 3}}]}).encode(),
+     "knob 'rows' = '3'"),
+    (json.dumps({"format": "polystrata-tuning/1", "rows": [{**_row(), "signature": "matmul.v99:x:t1"}]}).encode(),
+     "names no knob space"),
+], ids=["binary", "list", "missing", "nan", "knob-type", "deep", "knob-source", "knob-value", "space-version"])
 def test_import_refuses_hostile_files(db, tmp_path, capsys, content, says):
     db.put(_row())
     before = db.rows()

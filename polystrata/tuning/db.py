@@ -158,7 +158,26 @@ def _checked_row(r: Any, i: int, path: Path) -> dict[str, Any]:
         if len(k) > 64 or not (isinstance(v, (int, str)) and not isinstance(v, bool)) or \
                 (isinstance(v, str) and len(v) > 64):
             raise bad(f"knob {k[:64]!r} is not a short name with an integer or short string value")
+    # Knob values reach generated kernel source: only those the knob space offers (its default or a candidate).
+    allowed = _allowed_values(r["signature"])
+    if allowed is None:
+        raise bad(f"signature {r['signature'][:80]!r} names no knob space of this version")
+    for k, v in knobs.items():
+        if k not in allowed or v not in allowed[k]:
+            raise bad(f"knob {k[:64]!r} = {str(v)[:64]!r} is not one the knob space offers")
     return {f: r[f] for f in FIELDS}
+
+
+def _allowed_values(signature: str) -> dict[str, tuple] | None:
+    """Knob name -> the values it may take, for the knob space (and version) a signature names; None if none."""
+    from polystrata.codegen.recipes import RECIPES, load_all
+
+    load_all()
+    for recipe in RECIPES:
+        space = recipe.knobs
+        if space is not None and signature.startswith(f"{space.name}.v{space.version}:"):
+            return {k.name: (k.default, *k.candidates) for k in space.knobs}
+    return None
 
 
 def today() -> str:
