@@ -109,7 +109,7 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
                tuple(dec.walk(lambda s0, sz, env, inner: inner, zero))),
         ))
 
-    # Per pass: which rows take part (all in one pass where the rows share a start, else row `pass`), their key
+    # Per pass: which rows take part (all in one pass where the rows share a start, else row `ps`), their key
     # ranges into rlo / rhi (an empty range for the others), and the union of the ranges.
     in_pass = (Var("uni") > 0) | r.eq(Var("ps"))
     lo = Load("starts", tr) + (Call("max", Const(0), Load("positions", tr) - (window - 1)) if window else Const(0))
