@@ -32,6 +32,18 @@ python3 -c "import numpy, numba, numba_cuda; print('numpy', numpy.__version__, '
 python3 -c "from polystrata.targets import available_kernel_targets as a; print('targets', a())" | tee -a "$LOG"
 
 SUMMARY="$OUT/summary.txt"; : > "$SUMMARY"
+
+# The synthetic preset models the benchmark stages share, made once a machine (a warm one keeps /tmp between calls).
+M=/tmp/models; mkdir -p "$M"
+preset_model() {
+    [ -f "$M/$1.gguf" ] && return 0
+    case "$1" in
+        llama3-8b-q4km) python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/$1.gguf" ;;
+        qwen3moe-8l-q4km) python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b --layers 8 --type Q4_K_M \
+            -o "$M/$1.gguf" ;;
+        *) echo "no preset model $1"; return 1 ;;
+    esac 2>> "$LOG"
+}
 row() { printf '%-34s %s\n' "$1" "$2" | tee -a "$SUMMARY"; }
 
 # Model parts (scripts/device_models.sh) are kept outside the checkout: a later call's carry replaces .models/.
@@ -85,13 +97,9 @@ if [[ " $STAGES " == *" parity "* ]]; then
 fi
 
 if [[ " $STAGES " == *" bench "* ]]; then
-    M=/tmp/models; mkdir -p "$M"
     # BENCH_MODELS narrows the models; BENCH_PARTS the parts ("matvec profile bench", all by default).
     BENCH_MODELS=${BENCH_MODELS:-llama3-8b-q4km qwen3moe-8l-q4km}; BENCH_PARTS=${BENCH_PARTS:-matvec profile bench}
-    [[ " $BENCH_MODELS " != *" llama3-8b-q4km "* || -f "$M/llama3-8b-q4km.gguf" ]] \
-        || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
-    [[ " $BENCH_MODELS " != *" qwen3moe-8l-q4km "* || -f "$M/qwen3moe-8l-q4km.gguf" ]] || python3 -m polystrata synth \
-        --arch qwen3moe --preset qwen3-30b-a3b --layers 8 --type Q4_K_M -o "$M/qwen3moe-8l-q4km.gguf"
+    for m in $BENCH_MODELS; do preset_model "$m"; done
     if [[ " $BENCH_PARTS " == *" matvec "* ]]; then
         for t in cuda hip opencl; do python3 scripts/matvec_bench.py --target "$t" 2>&1 | tee -a "$LOG" | tail -2; done
         # Q6_K in the qwen3-30b-a3b output head's shape (cuda keeps Q6_K in 224-byte blocks: ir.layout.padded).
@@ -129,7 +137,7 @@ if [[ " $STAGES " == *" qwen36 "* ]]; then
     # cuda, then llama-bench on the same file. QWEN36_ARGS shortens the PolyStrata run (e.g. "-p 512 -n 32 -r 1"),
     # QWEN36_LAYERS writes fewer layers, QWEN36_PARTS runs one side a call ("polystrata" or "llamacpp"; a warm
     # machine keeps the model in /tmp/models).
-    M=/tmp/models; mkdir -p "$M"; PARTS36=" ${QWEN36_PARTS:-polystrata llamacpp} "
+    PARTS36=" ${QWEN36_PARTS:-polystrata llamacpp} "
     [[ "$PARTS36" == *" llamacpp "* ]] && bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1
     mm="$M/qwen36-35b-a3b${QWEN36_LAYERS:+-${QWEN36_LAYERS}l}-q4km.gguf"
     [ -f "$mm" ] || timeout 1200 python3 -m polystrata synth --arch qwen35moe --preset qwen3.6-35b-a3b --type Q4_K_M \
@@ -169,8 +177,7 @@ if [[ " $STAGES " == *" depth "* ]]; then
     # Decode after DEPTH tokens of context (llama-bench -d) on the llama3-8b preset, each KV cache type. Issue 17's
     # goal: q8_g64 at least as fast as f16 at 8192, >= 1.2x f16 at 32768. bench fills the depth from one
     # prefilled chunk (bench._fill_depth); DEPTHS / KV_TYPES / DEPTH_N / DEPTH_R narrow the stage.
-    M=/tmp/models; mkdir -p "$M"
-    [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
+    preset_model llama3-8b-q4km
     for dp in ${DEPTHS:-8192 32768}; do
         for kv in ${KV_TYPES:-f16 q8_0 q8_g64}; do
             timeout 420 python3 -m polystrata bench "$M/llama3-8b-q4km.gguf" --target "${BENCH_TARGET:-cuda}" -p 0 \
@@ -214,15 +221,12 @@ if [[ " $STAGES " == *" prefill "* ]]; then
     # Issue 21 (not among the default stages): prefill on matrix units. The main prefill matmuls alone (llama3-8b's
     # ffn_up / ffn_down shapes, 512 tokens: TFLOP/s of the tile-product kernel), then pp512 / pp4096 against
     # llama.cpp's on both presets, same files. PREFILL_LENGTHS, BENCH_MODELS narrow it.
-    M=/tmp/models; mkdir -p "$M"
     for shape in "14336 4096" "4096 14336"; do
         set -- $shape
         timeout 300 python3 scripts/matvec_bench.py --target cuda --rows "$1" --cols "$2" --tokens 512 --iters 20 \
             --copies 2 2>&1 | tee -a "$LOG" | tail -2 | tee -a "$SUMMARY"
     done
-    [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
-    [ -f "$M/qwen3moe-8l-q4km.gguf" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b --layers 8 \
-        --type Q4_K_M -o "$M/qwen3moe-8l-q4km.gguf"
+    preset_model llama3-8b-q4km; preset_model qwen3moe-8l-q4km
     lcpp=$(bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1 && bash scripts/device_llamacpp.sh wait 540 >> "$LOG" && echo yes)
     for m in ${BENCH_MODELS:-llama3-8b-q4km qwen3moe-8l-q4km}; do
         for p in ${PREFILL_LENGTHS:-512 4096}; do
@@ -243,7 +247,6 @@ if [[ " $STAGES " == *" moe "* ]]; then
     # MoE decode with experts that do not all fit (issue 17): the 48-layer qwen3-30b-a3b preset against llama.cpp's
     # --n-cpu-moe at equal device memory (scripts/moe_offload_bench.py; llama-bench from device_llamacpp.sh).
     # MOE_SKEW > 0 uses a model whose routing is concentrated (synth --router-skew); MOE_ARGS passes options on.
-    M=/tmp/models; mkdir -p "$M"
     bash scripts/device_llamacpp.sh start && bash scripts/device_llamacpp.sh wait 540 | tee -a "$LOG"
     mm="$M/qwen3moe-48l-q4km-skew${MOE_SKEW:-0}.gguf"
     [ -f "$mm" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b --type Q4_K_M \
@@ -255,8 +258,7 @@ fi
 if [[ " $STAGES " == *" hostprof "* ]]; then
     # Where the host's time of a resident decode step goes (issue 19: host share 0.07 -> 0.19 ms/token between two
     # runs with the same device time): cProfile over a decode-only bench of the llama3-8b preset, by own time.
-    M=/tmp/models; mkdir -p "$M"
-    [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
+    preset_model llama3-8b-q4km
     timeout 600 python3 -m cProfile -s tottime -m polystrata bench "$M/llama3-8b-q4km.gguf" --target cuda -p 0 -n 256 \
         -r 2 --json 2>> "$LOG" > "$OUT/hostprof.txt"
     head -1 "$OUT/hostprof.txt" | cut -c1-200 | tee -a "$SUMMARY"
@@ -267,8 +269,7 @@ if [[ " $STAGES " == *" serve "* ]]; then
     # Serving throughput (issue 22): `polystrata serve` against llama-server on the llama3-8b preset, 1/4/16
     # concurrent streams (scripts/serve_bench.py; aiohttp's wheels travel in .whl; llama-server from the unified
     # binary of device_llamacpp.sh). SERVE_ARGS passes options on (e.g. "--streams 1,16 --tokens 64").
-    M=/tmp/models; mkdir -p "$M"
-    [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M -o "$M/llama3-8b-q4km.gguf"
+    preset_model llama3-8b-q4km
     lcpp=()
     if bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1 && bash scripts/device_llamacpp.sh wait 540 >> "$LOG" \
         && [ -x /tmp/llamacpp-build/bin/llama-server ]; then
@@ -285,11 +286,7 @@ if [[ " $STAGES " == *" tune "* ]]; then
     # spent is in the summary), then `bench --tuning both` (untuned, then tuned, in one run). TUNE_TARGETS and
     # TUNE_MODELS narrow it; TUNE_BENCH_ARGS shortens the bench. The tuning database starts empty on each machine;
     # its rows come back as tuning_h200.json (`polystrata tune --import` takes them).
-    M=/tmp/models; mkdir -p "$M"
-    [ -f "$M/llama3-8b-q4km.gguf" ] || python3 -m polystrata synth --arch llama --preset llama3-8b --type Q4_K_M \
-        -o "$M/llama3-8b-q4km.gguf" 2>> "$LOG"
-    [ -f "$M/qwen3moe-8l-q4km.gguf" ] || python3 -m polystrata synth --arch qwen3moe --preset qwen3-30b-a3b \
-        --layers 8 --type Q4_K_M -o "$M/qwen3moe-8l-q4km.gguf" 2>> "$LOG"
+    preset_model llama3-8b-q4km; preset_model qwen3moe-8l-q4km
     for t in ${TUNE_TARGETS:-cuda hip opencl}; do
         for m in ${TUNE_MODELS:-llama3-8b-q4km qwen3moe-8l-q4km}; do
             timeout 1500 python3 -m polystrata tune "$M/$m.gguf" --target "$t" --budget "${TUNE_BUDGET:-10m}" \
