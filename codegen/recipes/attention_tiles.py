@@ -94,19 +94,17 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
         nb = width // fmt.block_size
         dec = Decoder(fmt, buf, Var(f"{prefix}row") * rb + (kvh * nb + Var(f"{prefix}b")) * block_stride(fmt), prefix)
 
+        block = Var(f"{prefix}j") * stride + Var(f"{prefix}b") * fmt.block_size  # the block's first value in dst
+
         def chunk(c, L, i0, env, lw) -> list:
-            at = Var(f"{prefix}j") * stride + Var(f"{prefix}b") * fmt.block_size + (c + Var(i0))
-            return [Store(dst, at, dec.value(lw))]
+            return [Store(dst, block + (c + Var(i0)), dec.value(lw))]
 
-        def zero(c, L, i0, env, lw) -> list:
-            return [Store(dst, Var(f"{prefix}j") * stride + Var(f"{prefix}b") * fmt.block_size + (c + Var(i0)),
-                          Const(0.0))]
-
+        # Past the last key nothing is read (those cache rows may lie beyond the buffer): the block's values are 0.
+        zero = For(f"{prefix}z", Const(0), Const(fmt.block_size), (Store(dst, block + Var(f"{prefix}z"), Const(0.0)),))
         return LaneFor(f"{prefix}u", Const(bk * nb), (
             Let(f"{prefix}j", Var(f"{prefix}u") // nb), Let(f"{prefix}b", Var(f"{prefix}u") % nb),
             Let(f"{prefix}row", Var("kb0") + Var(f"{prefix}j")),
-            If(Var(f"{prefix}row") <= Var("kmax"), tuple(dec.walk(lambda s0, sz, env, inner: inner, chunk)),
-               tuple(dec.walk(lambda s0, sz, env, inner: inner, zero))),
+            If(Var(f"{prefix}row") <= Var("kmax"), tuple(dec.walk(lambda s0, sz, env, inner: inner, chunk)), (zero,)),
         ))
 
     # Per pass: which rows take part (all in one pass where the rows share a start, else row `ps`), their key
