@@ -30,7 +30,7 @@ HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
     "moe_ffn": {"split": "rows", "xq": "inline"},
     "attention": {"split_keys": 0},
     # Steps of more tokens than this take the delta rule's chunked form: never on the host, where its lanes are
-    # one and it does the recurrent form's arithmetic over more memory, 3-4x slower (docs/benchmarks.md, hybrids).
+    # one and it does the recurrent form's arithmetic over more memory, slower there (docs/benchmarks.md, hybrids).
     "delta_rule": {"chunked_above": 1 << 30},
 }
 # ... and for GPUs (a group per row, its lanes sharing the row's blocks; activations quantized to int8 once per
