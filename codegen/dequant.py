@@ -44,9 +44,8 @@ class _Lowerer:
     """Lowers format expressions for one element chunk `i = c + i0` (or a constant `i` for hoisted lets)."""
 
     def __init__(self, fmt: QuantFormat, buf: str, base: Expr, env: dict[str, Expr], i_val, span: int,
-                 i0: str, f16_arith: bool = False, word_loads: bool = False):
+                 i0: str, word_loads: bool = False):
         self.fmt, self.buf, self.base, self.env = fmt, buf, base, env
-        self.f16_arith = f16_arith  # f16 fields by branch-free integer/float arithmetic instead of the intrinsic
         self.word_loads = word_loads  # fields at constant offsets out of aligned 4-byte words (see Decoder)
         self.i_val = i_val  # int or _Aff
         self.span = span  # L: the range of i0
@@ -144,38 +143,24 @@ class _Lowerer:
                 bits = Call("load_u32", Var(self.buf), at, Const(promise))
                 word = (bits >> 8 * (off - w0) if off > w0 else bits) & ((1 << 8 * size) - 1)
                 # A signed int, as a byte load is: the format's arithmetic on it may go negative.
-                return _field_value(f.dtype, Cast("i32", word), self.f16_arith)
+                return _field_value(f.dtype, Cast("i32", word))
         if f.dtype in ("u8", "i8"):
-            return _field_value(f.dtype, byte(0), self.f16_arith)
+            return _field_value(f.dtype, byte(0))
         word = byte(0)
         for k in range(1, size):
             word = word | (byte(k) << (8 * k))
-        return _field_value(f.dtype, word, self.f16_arith)
+        return _field_value(f.dtype, word)
 
 
-def _field_value(dtype: str, word: Expr, f16_arith: bool) -> Expr:
+def _field_value(dtype: str, word: Expr) -> Expr:
     """The value of a field from its little-endian bits `word`."""
     if dtype == "i8":
         return ((word + 128) & 255) - 128  # sign-extend without branches
     if dtype == "f16":
-        return f16_bits_to_f32_arith(word) if f16_arith else Call("f16_bits_to_f32", word)
+        return Call("f16_bits_to_f32", word)
     if dtype == "bf16":
         return bf16_bits_to_f32(word)
     return word  # u8 / u16 / u32 / i32: integer bits (shifts and masks see the same bits)
-
-
-def f16_bits_to_f32_arith(h: Expr) -> Expr:
-    """Exact f32 of f16 bits `h` by branch-free arithmetic: (-1)^s * (m + 1024 [e > 0]) * 2^max(e, 1) * 2^-25.
-
-    Every step is exact in f32 (an 11-bit integer times powers of two, results >= 2^-24). Infinities and NaNs
-    (e == 31) are not special-cased: weights never hold them. Cheaper than the intrinsic where that is a
-    branchy software routine (Numba) and it vectorizes.
-    """
-    e = (h >> 10) & 31
-    m = h & 1023
-    mant = Cast("f32", m + Select(e.eq(0), Const(0), Const(1024)))
-    mag = mant * Cast("f32", Const(1) << Call("max", e, Const(1))) * float(2.0**-25)
-    return Select(((h >> 15) & 1).eq(1), Const(0.0) - mag, mag)
 
 
 def bf16_bits_to_f32(h: Expr) -> Expr:
@@ -279,7 +264,6 @@ class Decoder:
     buf: str
     base: Expr
     prefix: str
-    f16_arith: bool = False  # see `f16_bits_to_f32_arith` (a CPU-friendly choice; GPUs convert f16 natively)
     # Fields at constant offsets (scales, sub-block metadata) read out of aligned 4-byte words of the block: one
     # load (shared by the fields in it) instead of a load per byte (GPU paths; the base is a multiple of the
     # block size, as row, expert and cache-row bases are).
@@ -292,7 +276,7 @@ class Decoder:
                  i0: str = "_i0", names: set[str] | None = None, suffix: str = "") -> list:
         """`Let` statements for the lets of exactly `group` (evaluated at element `start`); updates env."""
         out = []
-        lw = _Lowerer(self.fmt, self.buf, self.base, env, start if i_val is None else i_val, span, i0, self.f16_arith,
+        lw = _Lowerer(self.fmt, self.buf, self.base, env, start if i_val is None else i_val, span, i0,
                        self.word_loads)
         idx_only = index_only_lets(self.fmt)
         for lt in self.fmt.lets:
@@ -350,7 +334,7 @@ class Decoder:
                         continue
                     once = split is not None and split[1] == L // wide  # one iteration per lane: no loop
                     ic = f"{i0}_{c}" if once else i0  # (a name per chunk: C rejects redeclared names)
-                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, ic, self.f16_arith,
+                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, ic,
                                   self.word_loads)
                     body = (self.lets_for(1, c, lw.env, _Aff(1, c), L, ic, suffix=f"_c{c}" if once else "")
                             if finest != 1 and wide == 1 else [])
@@ -398,7 +382,7 @@ class Decoder:
                 for c in range(start, start + size, L):
                     if c + L <= lo or c >= hi:
                         continue
-                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, i0, self.f16_arith,
+                    lw = _Lowerer(self.fmt, self.buf, self.base, dict(env), _Aff(1, c), L, i0,
                                   self.word_loads)
                     if finest != 1:
                         body.extend(self.lets_for(1, c, lw.env, _Aff(1, c), L, i0, suffix=f"_c{c}"))
@@ -416,7 +400,7 @@ class Decoder:
 
     def group_expr(self, e: Expr, start: int, env: dict[str, Expr]) -> Expr:
         """A group-level format expression (scale, offset) as kernel IR, at group start `start`."""
-        return _Lowerer(self.fmt, self.buf, self.base, env, start, 1, "_unused", self.f16_arith,
+        return _Lowerer(self.fmt, self.buf, self.base, env, start, 1, "_unused",
                         self.word_loads).expr(e)
 
     def value(self, lw: _Lowerer) -> Expr:

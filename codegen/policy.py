@@ -24,10 +24,11 @@ PADDED_ON_WIDE_LOADS = ("Q6_K",)
 SLICED_ON_WIDE_LOADS = ("Q4_K", "Q5_K")
 
 # The schedules picked by hand for the host CPU (one lane: a lane takes whole rows, per-element partial sums
-# that vectorize, activations quantized inside the kernel if at all; no split-K attention) ...
+# that vectorize, activations quantized inside the kernel if at all, multiply-adds fused in the dot products,
+# which are bound by arithmetic there; no split-K attention) ...
 HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
-    "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1},
-    "moe_ffn": {"split": "rows", "xq": "inline"},
+    "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1, "contract": 1},
+    "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1},
     "attention": {"split_keys": 0},
     # Steps of more tokens than this take the delta rule's chunked form: never on the host, where its lanes are
     # one and it does the recurrent form's arithmetic over more memory, slower there (docs/benchmarks.md, hybrids).
@@ -36,8 +37,8 @@ HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
 # ... and for GPUs (a group per row, its lanes sharing the row's blocks; activations quantized to int8 once per
 # matmul by their own kernel; attention keys split over groups, flash-decoding).
 DEVICE_KNOBS: Mapping[str, Mapping[str, Any]] = {
-    "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0},
-    "moe_ffn": {"split": "blocks", "xq": "kernel"},
+    "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0},
+    "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0},
     "attention": {"split_keys": 1},
     "delta_rule": {"chunked_above": 16},
 }
@@ -56,7 +57,7 @@ class Policy:
     # matmuls take `codegen/recipes/tile_mma.py`'s kernels.
     matrix_units: bool = False
     # The kernels run as loops on the host: block base addresses masked non-negative (`_matvec.NONNEG`: LLVM then
-    # proves loads in bounds and vectorizes) and f16 scales decoded by arithmetic (`dequant.f16_bits_to_f32_arith`).
+    # proves loads in bounds and vectorizes).
     host_arith: bool = False
     padded_formats: tuple[str, ...] = ()  # weight formats kept with blocks padded to 16 bytes (`ir.layout.padded`)
     sliced_formats: tuple[str, ...] = ()  # weight formats kept in sliced rows (`ir.layout.sliced`)

@@ -323,6 +323,10 @@ class Kernel:
     knobs: tuple[tuple[str, Any], ...] = ()
     doc: str = ""
     fragments: tuple[Fragment, ...] = ()
+    # Multiply-adds may be fused into one rounding (FMA): a permission a target may use or ignore, given to
+    # dot-product kernels, whose outputs are compared within a tolerance (never to dequantization, which must be
+    # bit-exact). The CPU, where those kernels are bound by arithmetic, uses it.
+    contract: bool = False
 
     def __post_init__(self):
         verify(self)

@@ -58,7 +58,7 @@ def main() -> None:
         for v in variants:
             kn = MATMUL_SPACE.defaults()
             kn.update(_parse_knobs(v))
-            for name in ("split", "rows", "int8", "vert"):  # "auto": what the cpu target's policy says
+            for name in ("split", "rows", "int8", "vert", "contract"):  # "auto": what the cpu target's policy says
                 if kn[name] == "auto":
                     kn[name] = HOST_POLICY.default("matmul", name)
             kern = matmul_kernel(f"bench_{fmt_name.lower()}_{n}x{k}", [fmt], n, k, lanes=1, **matmul_kernel_knobs(kn))

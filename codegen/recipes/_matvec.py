@@ -98,6 +98,21 @@ def quantize_x(x: str, xq: str, xd: str, t0: Expr, nt: Expr, tt_max: int, k: int
     return [LaneFor(idx, Const(tt_max * na), body)]
 
 
+def sum_partials(buf: str, base: Expr, n: int, acc: str) -> list:
+    """Statements adding the `n` partial sums `buf[base:base + n]` (the f32 path's per-element sums) into `acc`:
+    halves added pairwise while `n` is even, then the rest in order. Each level is a loop of independent adds,
+    which a vectorizing compiler turns into a few vector adds, where `n` adds in order form one chain of `n`
+    dependent adds (with 32 to 256 partials a row, the chain took as long as the row's blocks on the CPU)."""
+    e = Var("e")
+    out: list = []
+    while n % 2 == 0:
+        n //= 2
+        pair = Load(buf, base + e) + Load(buf, base + n + e)
+        out.append(For(e.name, Const(0), Const(n), (Store(buf, base + e, pair),)))
+    out.append(For(e.name, Const(0), Const(n), (Assign(acc, Var(acc) + Load(buf, base + e)),)))
+    return out
+
+
 def round_half_away(v: Expr) -> Expr:
     """The i32 nearest to f32 `v`, halves away from zero, as roundf: how every int8 code here is rounded."""
     return Cast("i32", v + Select(v < 0.0, Const(-0.5), Const(0.5)))
@@ -130,13 +145,13 @@ class Act:
 
 def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t: Expr, acc: str,
               prefix: str, part: tuple[str, Expr] | None = None, nonneg: int = 0,
-              f16_arith: bool = False, split: tuple | None = None, word_loads: bool = False) -> list:
+              split: tuple | None = None, word_loads: bool = False) -> list:
     """Statements adding block `b` of the weight row at `row_base` dotted with activation row `t` into `acc`.
 
     `t` indexes the activation rows (a local token index for the int8 arrays, a buffer row otherwise).
     `part` = (local f32 array, offset): f32 path only, add the products to `array[offset + e]` (e < block size)
     instead of `acc` (see the module docstring); `nonneg`: 0, or the mask (`nonneg_mask` of the weight buffer's
-    size) for the weight base address (activation addresses use NONNEG); `f16_arith` see `Decoder`;
+    size) for the weight base address (activation addresses use NONNEG);
     `split` = (sub, S) or (sub, S, runs): S lanes share the block, this one adding its share (`Decoder.walk`)
     to `acc`; `word_loads` see `Decoder`. With packed activations the loads' alignment promises are raised to
     what the final addresses prove (`realign`), so a target can merge a run's words into 16-byte loads.
@@ -150,7 +165,7 @@ def block_dot(fmt: QuantFormat, wbuf: str, row_base: Expr, b: Expr, act: Act, t:
         head.append(Let(f"{prefix}wb", wb & nonneg))
         wb = Var(f"{prefix}wb")
         xo = xo & NONNEG
-    dec = Decoder(wf, wbuf, wb, prefix, f16_arith, word_loads)
+    dec = Decoder(wf, wbuf, wb, prefix, word_loads)
     xoff = Var(f"{prefix}xo")
     head.append(Let(xoff.name, xo))
     if act.int8:

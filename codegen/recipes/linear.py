@@ -28,9 +28,9 @@ Knobs (`MATMUL_SPACE`; "auto" of split, rows, xq, int8 and vert is what the targ
 matvecs), tokens (token tile), int8 (int8-activation path where the format allows it; off on the CPU, where the
 f32 path below vectorizes better), split ("rows": lanes take rows, each a whole dot product -- the CPU's;
 "blocks": for each row a Reduce over the row's blocks spread over the lanes -- the GPUs'), vert (split "rows", f32
-path: per-element partial sums in a local array, see `_matvec`; on for the CPU). With one lane the kernels also
-mask block base addresses non-negative and decode f16 scales
-arithmetically (see `_matvec.NONNEG`, `dequant.f16_bits_to_f32_arith`).
+path: per-element partial sums in a local array, see `_matvec`; on for the CPU), contract (multiply-adds of the
+f32 path's kernels fused, `Kernel.contract`; on for the CPU, where they are bound by arithmetic). With one lane the
+kernels also mask block base addresses non-negative (see `_matvec.NONNEG`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ from polystrata.codegen.recipes._matvec import (
     split_lanes,
     spread_rows,
     sub_lanes,
+    sum_partials,
     use_int8,
     use_runs,
 )
@@ -65,7 +66,6 @@ from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
-    Assign,
     Buf,
     Call,
     Decl,
@@ -87,7 +87,8 @@ MATMUL_KNOBS = (Knob("rows", "auto", (1, 2, 4, 8)), Knob("tokens", 8, (1, 2, 4, 
                 Knob("int8", "auto", (0, 1)), Knob("split", "auto", ("rows", "blocks")), Knob("vert", "auto", (0, 1)),
                 Knob("xq", "auto", ("inline", "kernel")), Knob("sub", "auto", (1, 2, 4, 8)),
                 Knob("runs", "auto", (0, 1)), Knob("lanes", "auto", (32, 64, 128, 256)),
-                Knob("spread", "auto", (0, 1)), Knob("tile", "auto", (0, 8, 16, 32)), *TILE_MMA_KNOBS)
+                Knob("spread", "auto", (0, 1)), Knob("tile", "auto", (0, 8, 16, 32)), Knob("contract", "auto", (0, 1)),
+                *TILE_MMA_KNOBS)
 
 
 def _matmul_constraint(kn: dict) -> bool:
@@ -133,10 +134,10 @@ ACTIVATIONS = {"swiglu": silu, "geglu": gelu_tanh}
 
 def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, int8: bool,
                   split: str, lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
-                  vert: bool | str = "auto", host_arith: bool | None = None) -> Kernel:
+                  vert: bool | str = "auto", host_arith: bool | None = None, contract: bool | str = False) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j); weights [n, k] of formats `fmts`: the one-kernel
     schedule (activations quantized inside each group, knob xq="inline"). `host_arith`: `Policy.host_arith`
-    (None, for kernels built without a target: with one lane)."""
+    (None, for kernels built without a target: with one lane); `contract`: `Kernel.contract` ("auto": off)."""
     if int8 == "auto":
         int8 = lanes > 1
     int8 = all(use_int8(f, int8) for f in fmts)
@@ -145,7 +146,7 @@ def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, row
     vert = bool(vert) and not int8 and split == "rows"
     if split == "blocks" and lanes > 1:
         fmts = [widen(f, float_chunk(k, lanes)) for f in fmts]
-    cpu = lanes == 1 if host_arith is None else host_arith  # NONNEG masks and arithmetic f16 conversion
+    cpu = lanes == 1 if host_arith is None else host_arith  # NONNEG masks
     rows = max(1, min(rows, n))
     wnames = [f"w{j}" for j in range(len(fmts))]
     params = [Buf("x", "f32"), *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True),
@@ -171,7 +172,7 @@ def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, row
             out.append(Let(f"w{j}_rb", rowc * elements_per_row_bytes(f, k)))
             out.append(For("b", Const(0), Const(nb), tuple(block_dot(
                 f, w, Var(f"w{j}_rb"), Var("b"), act, t_act, accs[j], f"w{j}_", parts[j] if parts else None,
-                nonneg=nonneg_mask(n * elements_per_row_bytes(f, k)) if cpu else 0, f16_arith=cpu))))
+                nonneg=nonneg_mask(n * elements_per_row_bytes(f, k)) if cpu else 0))))
         return out
 
     def result(accs: list[str]) -> Expr:
@@ -197,8 +198,7 @@ def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, row
         inner += dots(row, t_act, accs, parts)
         if vert:
             for j, f in enumerate(fmts):
-                inner.append(For("e", Const(0), Const(fmt_for(f).block_size), (
-                    Assign(accs[j], Var(accs[j]) + Load("p", parts[j][1] + Var("e"))),)))
+                inner += sum_partials("p", parts[j][1], fmt_for(f).block_size, accs[j])
         inner.append(Store("y", (t0 + t) * n + row, result(accs)))
         body.append(LaneFor("rr", Const(rows), (
             Let("row", Var("g0") * rows + rr),
@@ -220,9 +220,11 @@ def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, row
             vals = [f"s{r}_{j}" for j in range(len(fmts))]
             body.append(For(t.name, Const(0), nt, (*red, If(row < n, (Store("y", (t0 + t) * n + row, result(vals)),)))))
     grid = (Const((n + rows - 1) // rows), (Var("T") + (tokens - 1)) // tokens)
-    knobs = (("rows", rows), ("tokens", tokens), ("int8", int(int8)), ("split", split), ("vert", int(vert)))
+    contract = contract not in ("auto", False, 0)
+    knobs = (("rows", rows), ("tokens", tokens), ("int8", int(int8)), ("split", split), ("vert", int(vert)),
+             ("contract", int(contract)))
     return Kernel(name, tuple(params), grid, tuple(body), lanes=lanes, local=tuple(local), knobs=knobs,
-                  doc=f"matmul {'+'.join(f.name for f in fmts)} [{n}x{k}]")
+                  contract=contract, doc=f"matmul {'+'.join(f.name for f in fmts)} [{n}x{k}]")
 
 
 def float_chunk(k: int, lanes: int) -> int:
@@ -248,7 +250,7 @@ def _knobs(ctx: RecipeContext, space: KnobSpace, instance: str | None) -> dict:
     kn = ctx.knobs_for(space, instance)
     kn["q8_rows"] = kn["rows"]  # "auto": see `q8_rows`
     policy = ctx.target()
-    for name in ("split", "rows", "xq", "int8", "vert"):
+    for name in ("split", "rows", "xq", "int8", "vert", "contract"):
         if kn[name] == "auto":
             kn[name] = policy.default("matmul", name)
     kn["runs"] = runs_for_target(kn["runs"], ctx.wide_loads)
@@ -335,7 +337,8 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     if tile and ctx.lanes == 1 and ctx.t_max > 1 and kn["int8"] in ("auto", False, 0) and kn["split"] == "rows" \
             and kn["vert"] in ("auto", True, 1):
         # Steps of several tokens on the CPU: each weight block's scales decoded once for a tile of tokens.
-        kern = tile_matmul_kernel(name + "_tile", fmts, n, k, rows=kn["rows"], tokens=tile, epilogue=epilogue)
+        kern = tile_matmul_kernel(name + "_tile", fmts, n, k, rows=kn["rows"], tokens=tile, epilogue=epilogue,
+                                  contract=bool(int(kn["contract"])))
         return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
     kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, host_arith=ctx.target().host_arith,
                          **matmul_kernel_knobs(kn))

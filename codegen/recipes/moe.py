@@ -56,6 +56,7 @@ from polystrata.codegen.recipes._matvec import (
     split_lanes,
     spread_rows,
     sub_lanes,
+    sum_partials,
     use_int8,
     use_runs,
 )
@@ -133,7 +134,8 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int, lists: int 
 
 MOE_SPACE = KnobSpace("moe_ffn", (
     Knob("rows", 4, (1, 2, 8)), Knob("split", "auto", ("rows", "blocks")), Knob("xq", "auto", ("inline", "kernel")),
-    Knob("sub", "auto", (1, 2, 4, 8)), Knob("runs", "auto", (0, 1)), Knob("spread", "auto", (0, 1))),
+    Knob("sub", "auto", (1, 2, 4, 8)), Knob("runs", "auto", (0, 1)), Knob("spread", "auto", (0, 1)),
+    Knob("contract", "auto", (0, 1))),
     constraint=lambda kn: not (kn["xq"] == "inline" and any(kn[k] != "auto" for k in ("sub", "runs", "spread"))))
 
 
@@ -199,10 +201,10 @@ def weight_index(slots: bool) -> Var:
 def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
                   act: str, per_token: bool, rows: int, split: str, lanes: int,
                   epilogue: Callable[[list[Expr]], Expr] | None = None, slots: bool = False,
-                  host_arith: bool | None = None) -> Kernel:
+                  host_arith: bool | None = None, contract: bool = False) -> Kernel:
     """out[entry, r] = epilogue(dot(w_j[e, r], a) for each weight j) for each entry listed for expert e = g0.
     `slots`: the weights hold expert slots, and a slot table (`slot`) maps each expert to its slot. `host_arith`:
-    `Policy.host_arith` (None, for kernels built without a target: with one lane).
+    `Policy.host_arith` (None, for kernels built without a target: with one lane); `contract`: `Kernel.contract`.
 
     Weights [n_exp, n, kd]; the activation row is `act[entry // k]` (`per_token`) or `act[entry]`.
     Grid (experts with entries, ceil(n / rows)) (`_active_grid`): each group reads its weight rows once for all
@@ -241,10 +243,9 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
                 inner.append(For("e", Const(0), Const(fmt_for(f).block_size), (Store("p", po + Var("e"), Const(0.0)),)))
             inner.append(For("b", Const(0), Const(kd // fmt_for(f).block_size), tuple(block_dot(
                 f, wnames[j], Var(f"w{j}_rb"), Var("b"), a, Var("ta"), accs[j], f"w{j}_", parts[j] if vert else None,
-                nonneg=masks[j], f16_arith=cpu))))
+                nonneg=masks[j]))))
             if vert:
-                inner.append(For("e", Const(0), Const(fmt_for(f).block_size), (
-                    Assign(accs[j], Var(accs[j]) + Load("p", po + Var("e"))),)))
+                inner += sum_partials("p", po, fmt_for(f).block_size, accs[j])
         inner.append(Store("out", Var("ent") * n + Var("row"), result([Var(acc) for acc in accs])))
         body.append(LaneFor("rr", Const(rows), (
             Let("row", Var("g1") * rows + Var("rr")),
@@ -273,10 +274,9 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
     params = (Buf(act, "f32"), Buf("lst", "i32"), *_slot_params(slots),
               *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("out", "f32", out=True), Scalar("T"))
     grid = _active_grid(n_exp, k, Const((n + rows - 1) // rows))
-    knobs = (("rows", rows), ("split", split), ("vert", int(vert)))
+    knobs = (("rows", rows), ("split", split), ("vert", int(vert)), ("contract", int(contract)))
     return Kernel(name, params, grid, tuple(_active_expert(n_exp, cap, body, slots)), lanes=lanes,
-                  local=tuple(local),
-                  knobs=knobs,
+                  local=tuple(local), knobs=knobs, contract=contract,
                   doc=f"moe expert matmul {'+'.join(f.name for f in fmts)} [{n_exp}x{n}x{kd}]")
 
 
@@ -422,6 +422,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     policy = ctx.target()
     rows = int(kn["rows"])
     split = policy.default("moe_ffn", "split") if kn["split"] == "auto" else kn["split"]
+    contract = bool(int(policy.default("moe_ffn", "contract") if kn["contract"] == "auto" else kn["contract"]))
     lst = _moe_lists(node, ctx, cap)
     hb = ctx.scratch("moe_h", "f32", cap * ff)
     db = ctx.scratch("moe_d", "f32", cap * dm)
@@ -478,9 +479,10 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
         ]
     kgu = expert_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}".lower(), [fg, fu], n_exp, ff, dm, k, cap, act="x",
                         per_token=True, rows=rows, split=split, lanes=ctx.lanes, epilogue=gateup, slots=stream,
-                        host_arith=policy.host_arith)
+                        host_arith=policy.host_arith, contract=contract)
     kd = expert_kernel(f"moe_down_{fd.name}_{tag}".lower(), [fd], n_exp, dm, ff, k, cap, act="h", per_token=False,
-                       rows=rows, split=split, lanes=ctx.lanes, slots=stream, host_arith=policy.host_arith)
+                       rows=rows, split=split, lanes=ctx.lanes, slots=stream, host_arith=policy.host_arith,
+                       contract=contract)
     return [
         *group,
         Launch(kgu, (("x", ctx.buf(x)), ("lst", lst), *slot, ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)),

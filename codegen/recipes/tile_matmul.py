@@ -20,30 +20,30 @@ from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import Decoder
 from polystrata.codegen.format_analysis import block_stride, elements_per_row_bytes, weight_dtype
-from polystrata.codegen.recipes._matvec import NONNEG, fmt_for, nonneg_mask
+from polystrata.codegen.recipes._matvec import NONNEG, fmt_for, nonneg_mask, sum_partials
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
-from polystrata.ir.kernel import Assign, Buf, Call, Decl, For, If, Kernel, Let, Load, LocalArray, Scalar, Store
+from polystrata.ir.kernel import Buf, Call, Decl, For, If, Kernel, Let, Load, LocalArray, Scalar, Store
 
 
 def tile_matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int,
-                       epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+                       epilogue: Callable[[list[Expr]], Expr] | None = None, contract: bool = False) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of formats `fmts`; grid
     (ceil(n / rows), ceil(T / tokens)), one lane: a group takes `rows` rows for a tile of `tokens` tokens, each
-    weight block's lets decoded once for the tile."""
+    weight block's lets decoded once for the tile. `contract`: `Kernel.contract`."""
     rows = max(1, min(rows, n))
     wfs = [fmt_for(f) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
     params = (Buf("x", "f32"), *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True),
               Scalar("T"))
     local = tuple(LocalArray(f"p{j}", "f32", tokens * wf.block_size) for j, wf in enumerate(wfs))
-    row, t, e, b = Var("row"), Var("t"), Var("e"), Var("b")
+    row, t, b = Var("row"), Var("t"), Var("b")
     t0, nt = Var("t0"), Var("nt")
     per_row: list = []
     for j, (w, f, wf) in enumerate(zip(wnames, fmts, wfs)):
         bs, rb = wf.block_size, elements_per_row_bytes(f, k)
         p = f"p{j}"
-        dec = Decoder(wf, w, Var(f"w{j}_wb"), f"w{j}_", True)  # arithmetic f16 scales, as matmul_kernel's CPU path
+        dec = Decoder(wf, w, Var(f"w{j}_wb"), f"w{j}_")
 
         def product(c, L, i0, env, lw, p=p, dec=dec, bs=bs):
             at = t * bs + (c + Var(i0))
@@ -65,8 +65,7 @@ def tile_matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *
     sums = []
     for j, wf in enumerate(wfs):
         sums += [Decl(f"acc{j}", "f32", Const(0.0)),
-                 For("e", Const(0), Const(wf.block_size), (
-                     Assign(f"acc{j}", Var(f"acc{j}") + Load(f"p{j}", t * wf.block_size + e)),))]
+                 *sum_partials(f"p{j}", t * wf.block_size, wf.block_size, f"acc{j}")]
     vals = [Var(f"acc{j}") for j in range(len(fmts))]
     per_row.append(For("t", Const(0), nt, (*sums, Store("y", (t0 + t) * n + row, epilogue(vals) if epilogue
                                                          else vals[0]))))
@@ -76,5 +75,6 @@ def tile_matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *
     )
     grid = (Const(-(-n // rows)), (Var("T") + (tokens - 1)) // tokens)
     return Kernel(name, params, grid, body, lanes=1, local=local, knobs=(("rows", rows), ("tokens", tokens),
-                                                                         ("tile", 1)),
+                                                                         ("tile", 1), ("contract", int(contract))),
+                  contract=contract,
                   doc=f"tile matmul {'+'.join(f.name for f in fmts)} [{n}x{k}]")
