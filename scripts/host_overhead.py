@@ -9,7 +9,8 @@ as `cuGraphLaunch` is. Each step is bench's decode step (`engine.forward([tok])`
 offset, device timing on), so what is left is the executor's, the engine's and the runtime's per-token Python and
 numpy work, without the driver calls themselves (on the H200 two small uploads, two events, the graph launch, the
 logits' download and a sync). With `--target cuda` (or any target) the same loop runs on that device and the host
-time is bench's (wall less device time); the profile then shows what the driver calls cost.
+time is bench's (wall less device time; the whole step on targets without device timing); the profile then shows
+what the driver calls cost. `scripts/device_check.sh hostprof` runs it on the H200.
 
     python scripts/host_overhead.py [MODEL] [--target null] [-n 2000] [--profile 25]
 
