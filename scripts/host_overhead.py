@@ -28,6 +28,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
+from unittest import mock
 
 import numpy as np
 
@@ -53,6 +54,7 @@ class NullDevice(Runtime):
     policy = CUDARuntime.policy
     graphs = True
     device = compiler = "null device"
+    replays = 0
 
     def render(self, kernel: Kernel) -> str:
         return ""
@@ -73,16 +75,28 @@ class NullDevice(Runtime):
         pass
 
     def replay(self, graph: Any) -> None:
-        pass  # one driver call on a GPU
+        self.replays += 1  # one driver call on a GPU
 
     def mark(self) -> _Event:
         return _Event()
 
 
+def make_engine(model: str, target: str, n_ctx: int) -> Any:
+    """An Engine of `model` (a zoo name or a path) on `target`, "null" for the null device, timing device work."""
+    path = zoo.resolve_model(model)
+    if target == "null":
+        with mock.patch.object(engine_module, "make_runtime", lambda _target: NullDevice()):
+            engine = engine_module.Engine(path, target="cpu", n_ctx=n_ctx, tuning=False)
+    else:
+        engine = engine_module.Engine(path, target=target, n_ctx=n_ctx, tuning=False)
+    engine.executor.time_device = True  # as bench's timed runs
+    return engine
+
+
 def decode(engine: Any, n: int, rng: np.random.Generator) -> list[float]:
-    """Host seconds of each of `n` decode steps as bench takes them (`bench._decode_once`): the step's wall time
-    less its device time (none on the null device)."""
-    engine.rewind(1)
+    """Host seconds of each of `n` decode steps from an empty cache as bench takes them (`bench._decode_once`): the
+    step's wall time less its device time (none on the null device)."""
+    engine.reset()
     n_vocab = engine.hparams.n_vocab
     tok, host = 1, []
     for off in rng.integers(0, n_vocab, size=n):
@@ -99,12 +113,7 @@ def main() -> None:
     ap.add_argument("-n", type=int, default=2000, help="decode steps a run (5 runs)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's N costliest functions")
     a = ap.parse_args()
-    if a.target == "null":
-        engine_module.make_runtime = lambda _target: NullDevice()
-    engine = engine_module.Engine(zoo.resolve_model(a.model), target="cpu" if a.target == "null" else a.target,
-                                  n_ctx=a.n + 8, tuning=False)
-    engine.executor.time_device = True  # as bench's timed runs
-    engine.forward([1])
+    engine = make_engine(a.model, a.target, a.n + 8)
     rng = np.random.default_rng(0)
     decode(engine, 4, rng)  # the one-token graph captured
     runs = [statistics.median(decode(engine, a.n, rng)) for _ in range(5)]
