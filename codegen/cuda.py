@@ -7,39 +7,21 @@ file spells its constructs: the barrier is `cuda.syncthreads()`, and with `shuff
 where every lane needs the result). Without shuffles (the simulator has none) reductions take the portable tree
 in shared memory.
 
-With `mma` (sm_80 and newer) the target declares the `MMA_SYNC` matrix unit: tile products (`TileMMA`) become warp
-`mma.sync` instructions on 16 x 8 tiles (int8 m16n8k32 / m16n8k16 into s32, f16 m16n8k16 into f32), through the
-inline-PTX intrinsics of `codegen/cuda_intrinsics.py`; the operand words come from shared memory as single 32-bit
-loads (no `ldmatrix`: its 8 x 8 b16 layout would need the f16 operands transposed for B).
+With `mma` (sm_80 and newer) the target declares the `MMA_SYNC` matrix unit (`codegen/policy.py`): tile products
+(`TileMMA`) become warp `mma.sync` instructions on 16 x 8 tiles (int8 m16n8k32 / m16n8k16 into s32, f16 m16n8k16
+into f32), through the inline-PTX intrinsics of `codegen/cuda_intrinsics.py`; the operand words come from shared
+memory as single 32-bit loads (no `ldmatrix`: its 8 x 8 b16 layout would need the f16 operands transposed for B).
 """
 
 from __future__ import annotations
 
-from polystrata.codegen.lanes import LaneAbilities, MatrixInstr, MatrixUnit, SubgroupReduce
+from polystrata.codegen.lanes import LaneAbilities, SubgroupReduce
+from polystrata.codegen.policy import MMA_SYNC
 from polystrata.codegen.pyfamily import NUMPY_DTYPES, PyPrinter
 from polystrata.ir.kernel import Kernel
 
 WARP = 32
 _FULL = "0xFFFFFFFF"
-
-
-def _mma_a(lane):
-    """A operand words of m16n8k32 (s8) and m16n8k16 (f16): rows g, g + 8 at words t, t + 4 of the K step."""
-    g, t = lane // 4, lane % 4
-    return ((g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4))
-
-
-def _mma_b(lane):
-    return ((lane // 4, lane % 4), (lane // 4, lane % 4 + 4))
-
-
-# PTX ISA, "Matrix fragments for mma.m16n8k16 / m16n8k32": groupID = lane / 4, threadID_in_group = lane % 4;
-# accumulator r of a lane at row groupID + 8 (r / 2), column 2 threadID_in_group + r % 2.
-MMA_SYNC = MatrixUnit(WARP, 16, 8, 4, lambda lane, r: (lane // 4 + 8 * (r // 2), lane % 4 * 2 + r % 2), (
-    MatrixInstr("i8", 8, "mma_s8_k32", _mma_a, _mma_b),
-    MatrixInstr("i8", 4, "mma_s8_k16", lambda lane: _mma_a(lane)[:2], lambda lane: _mma_b(lane)[:1]),
-    MatrixInstr("f16", 8, "mma_f16_k16", _mma_a, _mma_b),
-))
 
 
 class CUDAPrinter(PyPrinter):

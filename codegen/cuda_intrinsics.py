@@ -2,8 +2,8 @@
 
 Numba's Python has no spelling for PTX's `dp4a` nor for a 4-byte load from a byte array, and the portable
 definitions (`codegen/pyfamily.HELPERS`) cost tens of 64-bit integer instructions each, in the innermost loop of
-every quantized dot product. These are Numba intrinsics emitting the instruction itself (inline PTX for dp4a, LLVM
-`half` casts for the f16 conversions) or an LLVM load of the wider type.
+every quantized dot product. These are Numba intrinsics emitting the instruction itself (inline PTX for dp4a and
+the sm_80 `mma.sync` tile products, LLVM `half` casts for the f16 conversions) or an LLVM load of the wider type.
 """
 
 from __future__ import annotations
@@ -19,27 +19,64 @@ from numba.cuda.extending import intrinsic
 # loads nor reuses a loaded word across it (the Q4_K matvec's 49 scalar loads a lane become 13 16-byte ones).
 
 
-@intrinsic
-def dp4a(typingctx, a, b, acc):
-    """acc + the sum of the products of the four signed bytes of `a` and `b` (all truncated to 32 bits)."""
-    if not all(isinstance(t, types.Integer) for t in (a, b, acc)):
-        return None
-    sig = types.int32(a, b, acc)
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        vals = [_narrow(builder, v, 32) for v in args]
-        asm = ir.InlineAsm(ir.FunctionType(i32, [i32, i32, i32]), "dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r")
-        call = builder.call(asm, vals)
-        call.attributes.add("readnone")
-        return call
-
-    return sig, codegen
-
-
 def _narrow(builder, v, width: int):
     t = ir.IntType(width)
     return builder.trunc(v, t) if v.type.width > width else builder.zext(v, t) if v.type.width < width else v
+
+
+def _asm(name: str, text: str, words: int, accs: int, floats: bool, doc: str):
+    """An intrinsic `name` of inline PTX `text` declared `readnone`: `words` u32 operands (truncated to 32 bits),
+    then `accs` accumulators (s32, or f32 with `floats`) in; the new accumulators out (a tuple where several), as
+    `text`'s registers $0.. (out), then the words and the accumulators in."""
+    acc = ir.FloatType() if floats else ir.IntType(32)
+    acc_t = types.float32 if floats else types.int32
+    c = "f" if floats else "r"
+    constraints = ",".join([f"={c}"] * accs + ["r"] * words + [c] * accs)
+    out_t = types.UniTuple(acc_t, accs) if accs > 1 else acc_t
+
+    def typer(args):
+        ints = args if not floats else args[:words]
+        return out_t(*args) if all(isinstance(t, types.Integer) for t in ints) else None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        ins = [_narrow(builder, v, 32) for v in args[:words]]
+        ins += [context.cast(builder, v, t, acc_t) if floats else _narrow(builder, v, 32)
+                for v, t in zip(args[words:], signature.args[words:])]
+        fn = ir.FunctionType(ir.LiteralStructType([acc] * accs) if accs > 1 else acc, [i32] * words + [acc] * accs)
+        call = builder.call(ir.InlineAsm(fn, text, constraints), ins)
+        call.attributes.add("readnone")
+        if accs == 1:
+            return call
+        return context.make_tuple(builder, out_t, [builder.extract_value(call, k) for k in range(accs)])
+
+    # Numba's intrinsics take named parameters only (no *args): the definition is written out for this arity, under
+    # the intrinsic's own name and this module (numba names and caches intrinsics by them).
+    names = ", ".join(f"x{k}" for k in range(words + accs))
+    scope = {"typer": typer, "codegen": codegen, "__name__": __name__}
+    exec(f"def {name}(typingctx, {names}):\n    sig = typer(({names},))\n"
+         "    return (sig, codegen) if sig is not None else None\n", scope)
+    scope[name].__doc__ = doc
+    return intrinsic(scope[name])
+
+
+dp4a = _asm("dp4a", "dp4a.s32.s32 $0, $1, $2, $3;", 2, 1, False,
+            "acc + the sum of the products of the four signed bytes of `a` and `b` (all truncated to 32 bits).")
+
+
+def _mma(shape: str, kinds: str, n_a: int, n_b: int, floats: bool, doc: str):
+    """One warp's 16 x 8 tile product (`codegen/policy.py`'s MMA_SYNC unit, sm_80 and newer): `mma.sync` with n_a
+    and n_b operand words (packed int8 or f16 pairs) and four accumulators in and out, separate registers."""
+    regs = [f"${k}" for k in range(8 + n_a + n_b)]
+    d, a, b, c = (regs[:4], regs[4:4 + n_a], regs[4 + n_a:4 + n_a + n_b], regs[4 + n_a + n_b:])
+    text = (f"mma.sync.aligned.{shape}.row.col.{kinds} " + ", ".join("{" + ", ".join(g) + "}" for g in (d, a, b, c))
+            + ";")
+    return _asm(f"mma_{'f16' if floats else 's8'}_{shape[-3:]}", text, n_a + n_b, 4, floats, doc)
+
+
+mma_s8_k32 = _mma("m16n8k32", "s32.s8.s8.s32", 4, 2, False, "16 x 8 x 32 int8 tile product into s32 accumulators.")
+mma_s8_k16 = _mma("m16n8k16", "s32.s8.s8.s32", 2, 1, False, "16 x 8 x 16 int8 tile product into s32 accumulators.")
+mma_f16_k16 = _mma("m16n8k16", "f32.f16.f16.f32", 4, 2, True, "16 x 8 x 16 f16 tile product into f32 accumulators.")
 
 
 @intrinsic
@@ -68,126 +105,44 @@ def f32_to_f16(typingctx, x):
     return types.uint32(x), codegen
 
 
-def _element_pointer(context, builder, signature, args):
-    """Pointer to element `args[1]` of the array `args[0]` (no bounds or wrap-around handling: IR indices are
-    in bounds and non-negative)."""
-    ary = context.make_array(signature.args[0])(context, builder, value=args[0])
-    idx = builder.zext(args[1], ir.IntType(64)) if args[1].type.width < 64 else args[1]
-    return builder.gep(ary.data, [idx])
-
-
-def _word_load(width: int, count: int, align: int | None = None):
-    """An intrinsic loading `count` little-endian `width`-bit words at a byte offset of a u8 array into a u32;
-    the first load is declared aligned to `align` bytes (default: the word's), which lets NVVM merge it with
-    loads of the words after it into one vector load."""
+def _load(width: int | None, count: int = 1, align: int | None = None):
+    """An intrinsic `load(arr, index)`: with `width`, `count` little-endian `width`-bit words at byte offset
+    `index` of a u8 array as a u32; without, element `index` of an array of 4-byte elements. The first load is
+    declared aligned to `align` bytes (default: the word's; the IR's alignment promise), which lets NVVM merge it
+    with the loads after it into one vector load. No bounds or wrap-around handling: IR indices are in bounds and
+    non-negative."""
 
     @intrinsic
     def load(typingctx, arr, index):
-        if not (isinstance(arr, types.Array) and arr.dtype == types.uint8 and isinstance(index, types.Integer)):
+        if not (isinstance(arr, types.Array) and isinstance(index, types.Integer)
+                and (arr.dtype == types.uint8 if width else arr.dtype.bitwidth == 32)):
             return None
-        sig = types.uint32(arr, index)
 
         def codegen(context, builder, signature, args):
             i64 = ir.IntType(64)
-            byte_ptr = _element_pointer(context, builder, signature, args)
-            wt = ir.IntType(width)
-            ptr = builder.bitcast(byte_ptr, wt.as_pointer())
+            ary = context.make_array(signature.args[0])(context, builder, value=args[0])
+            ptr = builder.gep(ary.data, [builder.zext(args[1], i64) if args[1].type.width < 64 else args[1]])
+            if not width:
+                return builder.load(ptr, align=align)
+            ptr = builder.bitcast(ptr, ir.IntType(width).as_pointer())
             out = None
             for k in range(count):
-                p = builder.gep(ptr, [ir.Constant(i64, k)]) if k else ptr
-                v = builder.load(p, align=(align or width // 8) if k == 0 else width // 8)
+                v = builder.load(builder.gep(ptr, [ir.Constant(i64, k)]) if k else ptr,
+                                 align=(align or width // 8) if k == 0 else width // 8)
                 v = builder.zext(v, ir.IntType(32)) if width < 32 else v
                 if k:
                     v = builder.shl(v, ir.Constant(ir.IntType(32), width * k))
                 out = v if out is None else builder.or_(out, v)
             return out
 
-        return sig, codegen
+        return (types.uint32 if width else arr.dtype)(arr, index), codegen
 
     return load
 
 
-load_u32_a2 = _word_load(16, 2)  # offset a multiple of 2: two 16-bit loads
-load_u32_a4 = _word_load(32, 1)  # offset a multiple of 4: one 32-bit load
-load_u32_a8 = _word_load(32, 1, 8)  # ... of 8 or 16: one 32-bit load that NVVM may widen with its neighbours
-load_u32_a16 = _word_load(32, 1, 16)
-
-
-def _aligned_element(align: int):
-    """An intrinsic loading element `index` of an array of 4-byte elements, declared `align`-byte aligned (the
-    IR's `Load.align` promise): NVVM merges it with loads of the elements after it into one vector load."""
-
-    @intrinsic
-    def load(typingctx, arr, index):
-        if not (isinstance(arr, types.Array) and arr.dtype.bitwidth == 32 and isinstance(index, types.Integer)):
-            return None
-        sig = arr.dtype(arr, index)
-
-        def codegen(context, builder, signature, args):
-            return builder.load(_element_pointer(context, builder, signature, args), align=align)
-
-        return sig, codegen
-
-    return load
-
-
-load_a8 = _aligned_element(8)
-load_a16 = _aligned_element(16)
-
-
-def _mma(ptx: str, n_a: int, n_b: int, floats: bool):
-    """An intrinsic of one warp-wide `mma.sync` (`ptx`, its operand lists written as {A}, {B}, {C}, {D}): n_a and
-    n_b operand words (u32, packed int8 or f16 pairs), four accumulators in and out (s32 or f32), returned as a
-    4-tuple; the accumulator list in and out are separate registers."""
-    acc = ir.FloatType() if floats else ir.IntType(32)
-    acc_t = types.float32 if floats else types.int32
-    c = "f" if floats else "r"
-    count = n_a + n_b + 4
-    regs = [f"${k}" for k in range(4 + count)]
-
-    def group(lo: int, hi: int) -> str:
-        return "{" + ", ".join(regs[lo:hi]) + "}"
-
-    nb = 4 + n_a + n_b
-    text = ptx.format(D=group(0, 4), A=group(4, 4 + n_a), B=group(4 + n_a, nb), C=group(nb, nb + 4))
-    constraints = ",".join([f"={c}"] * 4 + ["r"] * (n_a + n_b) + [c] * 4)
-
-    def typer(args):
-        if len(args) != count or not all(isinstance(t, types.Integer) for t in args[:n_a + n_b]):
-            return None
-        return types.UniTuple(acc_t, 4)(*args)
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        words = [_narrow(builder, v, 32) for v in args[:n_a + n_b]]
-        accs = []
-        for v, t in zip(args[n_a + n_b:], signature.args[n_a + n_b:]):
-            accs.append(context.cast(builder, v, t, acc_t))
-        fn = ir.FunctionType(ir.LiteralStructType([acc] * 4), [i32] * (n_a + n_b) + [acc] * 4)
-        call = builder.call(ir.InlineAsm(fn, text, constraints), words + accs)
-        call.attributes.add("readnone")
-        return context.make_tuple(builder, signature.return_type, [builder.extract_value(call, k) for k in range(4)])
-
-    return typer, codegen
-
-
-def _mma_intrinsic(name: str, ptx: str, n_a: int, n_b: int, floats: bool, doc: str):
-    typer, codegen = _mma(ptx, n_a, n_b, floats)
-    # Numba's intrinsics take named parameters only (no *args): the definition is written out for this arity, under
-    # the intrinsic's own name and this module (numba names and caches intrinsics by them).
-    names = ", ".join(f"x{k}" for k in range(n_a + n_b + 4))
-    scope = {"typer": typer, "codegen": codegen, "__name__": __name__}
-    exec(f"def {name}(typingctx, {names}):\n    sig = typer(({names},))\n"
-         "    return (sig, codegen) if sig is not None else None\n", scope)
-    scope[name].__doc__ = doc
-    return intrinsic(scope[name])
-
-
-# One warp's 16 x 8 tile product (`codegen/cuda.py`'s MMA_SYNC unit) on sm_80 and newer.
-_MMA = "mma.sync.aligned.{shape}.row.col.{types} {{D}}, {{A}}, {{B}}, {{C}};"
-mma_s8_k32 = _mma_intrinsic("mma_s8_k32", _MMA.format(shape="m16n8k32", types="s32.s8.s8.s32"), 4, 2, False,
-                            "16 x 8 x 32 int8 tile product into s32 accumulators (mma.sync).")
-mma_s8_k16 = _mma_intrinsic("mma_s8_k16", _MMA.format(shape="m16n8k16", types="s32.s8.s8.s32"), 2, 1, False,
-                            "16 x 8 x 16 int8 tile product into s32 accumulators (mma.sync).")
-mma_f16_k16 = _mma_intrinsic("mma_f16_k16", _MMA.format(shape="m16n8k16", types="f32.f16.f16.f32"), 4, 2, True,
-                             "16 x 8 x 16 f16 tile product into f32 accumulators (mma.sync).")
+load_u32_a2 = _load(16, 2)  # offset a multiple of 2: two 16-bit loads
+load_u32_a4 = _load(32)  # offset a multiple of 4: one 32-bit load
+load_u32_a8 = _load(32, 1, 8)  # ... of 8 or 16: one 32-bit load that NVVM may widen with its neighbours
+load_u32_a16 = _load(32, 1, 16)
+load_a8 = _load(None, align=8)  # a 4-byte element at an index promised a multiple of 2 (8 bytes) or 4 (16)
+load_a16 = _load(None, align=16)

@@ -1,4 +1,4 @@
-"""HIP C++ renderer: the C-family printer with HIP's spellings, for AMD GPUs (and CUDA behind `cuda_prelude`).
+"""HIP C++ renderer: the C-family printer with HIP's spellings, for AMD GPUs (and CUDA behind `CUDA_PRELUDE`).
 
 Only what differs from `codegen/cfamily.py` lives here: `extern "C" __global__` kernels with
 `__launch_bounds__(lanes)`, `blockIdx` / `threadIdx`, `__syncthreads()`, `__shared__` arrays, f16 through
@@ -6,11 +6,10 @@ Only what differs from `codegen/cfamily.py` lives here: `extern "C" __global__` 
 older, 32 on RDNA gfx10+), and `__builtin_amdgcn_sdot4` for `dot4_i8` where the architecture has `v_dot4_i32_i8`.
 
 The target declares a subgroup (the wave) that also reduces a power-of-two part of itself and groups of several
-waves; `codegen/lanes.py` picks the combine from that. On CDNA (`MATRIX_ARCHS`) it declares an MFMA matrix unit:
-tile products become `__builtin_amdgcn_mfma_*` on 16 x 16 tiles of a wave64 (int8: 16x16x16i8 on gfx908/gfx90a,
-16x16x32_i8 on gfx94x; f16: 16x16x16f16), on RDNA3 (gfx11) WMMA in wave32 (`WMMA`: spelled and checked against an
-emulation of its layout, but never compiled here: ROCm 5.2's hiprtc does not know gfx11). RDNA2 takes the portable
-loops, whose int8 sums are `dot4_i8` (sdot4 where the ISA has it: gfx1030's "dp4a path").
+waves; `codegen/lanes.py` picks the combine from that. Where the architecture has a matrix unit (`MATRIX_ARCHS`
+in `codegen/policy.py`: MFMA on CDNA, WMMA on RDNA3, the latter spelled and emulated but never compiled here, as
+ROCm 5.2's hiprtc does not know gfx11) tile products become its builtins; elsewhere the portable loops, whose
+int8 sums are `dot4_i8` (sdot4 where the ISA has it: gfx1030's "dp4a path").
 """
 
 from __future__ import annotations
@@ -18,46 +17,10 @@ from __future__ import annotations
 import re
 
 from polystrata.codegen.cfamily import CPrinter
-from polystrata.codegen.lanes import LaneAbilities, MatrixInstr, MatrixUnit
+from polystrata.codegen.lanes import LaneAbilities
+from polystrata.codegen.policy import MATRIX_ARCHS, SDOT4_ARCHS, base_arch
 from polystrata.ir.kernel import Kernel
 
-# Architectures whose ISA has v_dot4_i32_i8 (LLVM's dot1-insts; checked with hiprtc for the ROCm 5.2 ones).
-SDOT4_ARCHS = frozenset({"gfx906", "gfx908", "gfx90a", "gfx1011", "gfx1012", "gfx1030", "gfx1031", "gfx1032",
-                         "gfx1033", "gfx1034", "gfx1035", "gfx1036"})
-
-
-
-def _mfma_words(per: int):
-    """Operand words of a 16x16xK MFMA step: lane l passes row (column) l % 16, words per * (l / 16) + 0..per-1."""
-    return lambda lane: tuple((lane % 16, lane // 16 * per + w) for w in range(per))
-
-
-def _mfma(i8_words: int, i8_op: str) -> MatrixUnit:
-    # AMD matrix instruction calculator, 16x16 tiles on wave64: accumulator r of lane l at row 4 (l / 16) + r,
-    # column l % 16.
-    return MatrixUnit(64, 16, 16, 4, lambda lane, r: (lane // 16 * 4 + r, lane % 16), (
-        MatrixInstr("i8", i8_words, i8_op, _mfma_words(i8_words // 4), _mfma_words(i8_words // 4)),
-        MatrixInstr("f16", 8, "__builtin_amdgcn_mfma_f32_16x16x16f16", _mfma_words(2), _mfma_words(2)),
-    ))
-
-
-def _wmma_words(n: int):
-    """Operand words of a wave32 WMMA step: lane l passes row (column) l % 16, all n words of it (lanes 16-31 repeat
-    lanes 0-15)."""
-    return lambda lane: tuple((lane % 16, w) for w in range(n))
-
-
-# RDNA3 WMMA (AMD's "How to accelerate AI applications on RDNA 3 using WMMA"): accumulator r of lane l at row
-# 2 r + l / 16, column l % 16.
-WMMA = MatrixUnit(32, 16, 16, 8, lambda lane, r: (2 * r + lane // 16, lane % 16), (
-    MatrixInstr("i8", 4, "__builtin_amdgcn_wmma_i32_16x16x16_iu8_w32", _wmma_words(4), _wmma_words(4)),
-    MatrixInstr("f16", 8, "__builtin_amdgcn_wmma_f32_16x16x16_f16_w32", _wmma_words(8), _wmma_words(8)),
-))
-# The matrix unit of each architecture that has one (in its default wave size: MFMA wave64, WMMA wave32).
-MATRIX_ARCHS = {"gfx908": _mfma(4, "__builtin_amdgcn_mfma_i32_16x16x16i8"),
-                "gfx90a": _mfma(4, "__builtin_amdgcn_mfma_i32_16x16x16i8"),
-                **{a: _mfma(8, "__builtin_amdgcn_mfma_i32_16x16x32_i8") for a in ("gfx940", "gfx941", "gfx942")},
-                **{a: WMMA for a in ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151")}}
 # The operand and accumulator vector types of the matrix builtins.
 _MATRIX_TYPES = "".join(f"typedef {t} ps_{n} __attribute__((ext_vector_type({w})));\n" for t, n, w in (
     ("int", "i32x4", 4), ("float", "f32x4", 4), ("_Float16", "f16x4", 4), ("unsigned int", "u32x2", 2),
@@ -75,7 +38,8 @@ _PRELUDE = """\
 _FP16 = "#if !defined(PS_CUDA) && defined(__has_include)\n#if __has_include(<hip/hip_fp16.h>)\n" \
     "#include <hip/hip_fp16.h>\n#endif\n#endif\n"
 
-_CUDA_PRELUDE = """\
+# Text to put before `render(kernel, arch)` so the same source compiles as CUDA (NVRTC / nvcc).
+CUDA_PRELUDE = """\
 /* HIP -> CUDA mapping for polystrata's HIP source (NVRTC or nvcc; pass --fmad=false for exact results). */
 #define PS_CUDA 1
 #include <cuda_fp16.h>
@@ -94,11 +58,6 @@ static __device__ __forceinline__ int ps_dp4a(int a, int b, int c) {
 """
 
 
-def base_arch(arch: str) -> str:
-    """`gfx90a:xnack-` -> `gfx90a` (target features do not change the ISA family)."""
-    return arch.split(":", 1)[0].strip().lower()
-
-
 def wave_of(arch: str) -> int:
     """Wavefront width of an architecture: 32 on RDNA (gfx10, gfx11, gfx12) and CUDA (`sm_*`), else 64."""
     a = base_arch(arch)
@@ -110,7 +69,7 @@ def wave_of(arch: str) -> int:
 
 
 class HIPPrinter(CPrinter):
-    """`CPrinter` for HIP C++ (hiprtc / hipcc), also valid CUDA after `cuda_prelude()`."""
+    """`CPrinter` for HIP C++ (hiprtc / hipcc), also valid CUDA after `CUDA_PRELUDE`."""
 
     func_qualifier = "static __device__ inline"
     const_array_qualifier = "static __constant__ const"
@@ -179,8 +138,3 @@ def render(kernel: Kernel, arch: str, wave: int | None = None, native_f16: bool 
     `native_f16=False` uses the portable bit conversions for f16 instead of `__half` (bit-exact even for NaNs).
     """
     return HIPPrinter(kernel, arch, wave, native_f16).render()
-
-
-def cuda_prelude() -> str:
-    """Text to put before `render(kernel, arch)` so the same source compiles as CUDA (NVRTC / nvcc)."""
-    return _CUDA_PRELUDE

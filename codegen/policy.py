@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from polystrata.codegen.lanes import MatrixInstr, MatrixUnit
+
 # Formats whose blocks a target with wide loads reads padded to 16 bytes (`ir.layout.padded`): Q6_K's 210-byte
 # blocks are only 2-byte aligned, so each of their loads was a 2-byte one. Costs 14 bytes a block (6.7 %).
 PADDED_ON_WIDE_LOADS = ("Q6_K",)
@@ -92,3 +94,75 @@ def shape_policy(lanes: int, subgroup: int, wide_loads: bool = False) -> Policy:
     """The policy of a context made from a bare target shape, without a runtime (kernel tests, scripts that
     build plans for a shape): the host's with one lane, a GPU's otherwise."""
     return HOST_POLICY if lanes == 1 else device_policy(lanes, subgroup, wide_loads)
+
+
+# --- what GPU architectures have, as data: their matrix units and 4-way int8 dot products -----------------------
+# A `MatrixUnit` (`codegen/lanes.py`) is a tile shape, the lanes' accumulator layout and, per instruction, which
+# operand words each lane passes; the renderers only spell the instruction names (`lanes.MatrixOp`).
+
+
+def _mma_a(lane):
+    """A operand words of m16n8k32 (s8) and m16n8k16 (f16): rows g, g + 8 at words t, t + 4 of the K step."""
+    g, t = lane // 4, lane % 4
+    return ((g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4))
+
+
+def _mma_b(lane):
+    return ((lane // 4, lane % 4), (lane // 4, lane % 4 + 4))
+
+
+# NVIDIA sm_80+ `mma.sync` on one warp's 16 x 8 tile (PTX ISA, "Matrix fragments for mma.m16n8k16 / m16n8k32":
+# groupID = lane / 4, threadID_in_group = lane % 4; accumulator r of a lane at row groupID + 8 (r / 2), column
+# 2 threadID_in_group + r % 2). The op names are cuda's intrinsics (`codegen/cuda_intrinsics.py`).
+MMA_SYNC = MatrixUnit(32, 16, 8, 4, lambda lane, r: (lane // 4 + 8 * (r // 2), lane % 4 * 2 + r % 2), (
+    MatrixInstr("i8", 8, "mma_s8_k32", _mma_a, _mma_b),
+    MatrixInstr("i8", 4, "mma_s8_k16", lambda lane: _mma_a(lane)[:2], lambda lane: _mma_b(lane)[:1]),
+    MatrixInstr("f16", 8, "mma_f16_k16", _mma_a, _mma_b),
+))
+
+
+def _row_words(per: int, spread: bool):
+    """Operand words of a 16x16xK AMD step: lane l passes row (column) l % 16, words per * (l / 16) + 0..per-1 with
+    `spread` (MFMA: the K step spread over the wave's four rows of 16 lanes), else words 0..per-1 (WMMA: lanes 16-31
+    repeat lanes 0-15)."""
+    return lambda lane: tuple((lane % 16, (lane // 16 * per if spread else 0) + w) for w in range(per))
+
+
+def _mfma(i8_words: int, i8_op: str) -> MatrixUnit:
+    # AMD matrix instruction calculator, 16x16 tiles on wave64: accumulator r of lane l at row 4 (l / 16) + r,
+    # column l % 16.
+    a = _row_words(i8_words // 4, True)
+    return MatrixUnit(64, 16, 16, 4, lambda lane, r: (lane // 16 * 4 + r, lane % 16), (
+        MatrixInstr("i8", i8_words, i8_op, a, a),
+        MatrixInstr("f16", 8, "__builtin_amdgcn_mfma_f32_16x16x16f16", _row_words(2, True), _row_words(2, True)),
+    ))
+
+
+# RDNA3 WMMA in wave32 (AMD's "How to accelerate AI applications on RDNA 3 using WMMA"): accumulator r of lane l at
+# row 2 r + l / 16, column l % 16.
+WMMA = MatrixUnit(32, 16, 16, 8, lambda lane, r: (2 * r + lane // 16, lane % 16), (
+    MatrixInstr("i8", 4, "__builtin_amdgcn_wmma_i32_16x16x16_iu8_w32", _row_words(4, False), _row_words(4, False)),
+    MatrixInstr("f16", 8, "__builtin_amdgcn_wmma_f32_16x16x16_f16_w32", _row_words(8, False), _row_words(8, False)),
+))
+# The matrix unit of each AMD architecture that has one, in its default wave size: MFMA on CDNA (int8 16x16x16 on
+# gfx908/gfx90a, 16x16x32 on gfx94x), WMMA on RDNA3.
+MATRIX_ARCHS = {"gfx908": _mfma(4, "__builtin_amdgcn_mfma_i32_16x16x16i8"),
+                "gfx90a": _mfma(4, "__builtin_amdgcn_mfma_i32_16x16x16i8"),
+                **{a: _mfma(8, "__builtin_amdgcn_mfma_i32_16x16x32_i8") for a in ("gfx940", "gfx941", "gfx942")},
+                **{a: WMMA for a in ("gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151")}}
+# AMD architectures whose ISA has v_dot4_i32_i8 (LLVM's dot1-insts; checked with hiprtc for the ROCm 5.2 ones).
+SDOT4_ARCHS = frozenset({"gfx906", "gfx908", "gfx90a", "gfx1011", "gfx1012", "gfx1030", "gfx1031", "gfx1032",
+                         "gfx1033", "gfx1034", "gfx1035", "gfx1036"})
+
+
+def base_arch(arch: str) -> str:
+    """`gfx90a:xnack-` -> `gfx90a` (target features do not change the ISA family)."""
+    return arch.split(":", 1)[0].strip().lower()
+
+
+def matrix_unit(arch: str) -> MatrixUnit | None:
+    """The matrix unit of GPU architecture `arch` (`sm_NN`: mma.sync from sm_80; `gfxNNN[:features]`), if any."""
+    a = base_arch(arch)
+    if a.startswith("sm_"):
+        return MMA_SYNC if a[3:].isdigit() and int(a[3:]) >= 80 else None
+    return MATRIX_ARCHS.get(a)

@@ -13,6 +13,7 @@ take the shared-memory tree, and a graph is the base class's list of recorded la
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 from collections import Counter
 from collections.abc import Sequence
@@ -22,22 +23,13 @@ from typing import Any
 import numpy as np
 
 from polystrata.codegen.cuda import render
-from polystrata.codegen.policy import device_policy
+from polystrata.codegen.policy import device_policy, matrix_unit
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Buf, Kernel
+from polystrata.runtimes import cuda_driver
 from polystrata.runtimes.base import CompiledKernel, PackedLaunch, Runtime, cache_key, numba_signature, scalar_value
-from polystrata.runtimes.cuda_driver import (
-    DeviceEvent,
-    Graph,
-    check,
-    device_name_arch,
-    device_pointer,
-    driver,
-    function_resources,
-    launch,
-    memory_info,
-)
+from polystrata.runtimes.cuda_driver import DeviceEvent, Graph, check, device_pointer, driver
 
 
 def _singly_assigned_in_one_pass(lower) -> None:
@@ -48,25 +40,16 @@ def _singly_assigned_in_one_pass(lower) -> None:
     matvec's compile (docs/benchmarks.md). Numba fixed the same scan upstream."""
     from numba.cuda import lowering as lw
 
-    blocks = lower.func_ir.blocks
-    found: set[str] = set()
+    blocks, found = lower.func_ir.blocks, set()
     if not lower.func_ir.func_id.is_generator:
         use_defs = lw.compute_use_defs(blocks)
-        on_stack = lw.must_use_alloca(blocks)
-        defined_in: dict[str, set] = {}
+        # Kept on the stack, or read in a block before any write there: not block-local.
+        skip = lw.must_use_alloca(blocks).union(*use_defs.usemap.values())
+        blocks_of = Counter(var for names in use_defs.defmap.values() for var in names)
         for label, names in use_defs.defmap.items():
-            for var in names:
-                defined_in.setdefault(var, set()).add(label)
-        live_in = {var for names in use_defs.usemap.values() for var in names}  # read in a block before any write
-        counts: dict = {}
-        for var, labels in defined_in.items():
-            if var in on_stack or var in live_in or len(labels) != 1:
-                continue
-            (label,) = labels
-            if label not in counts:
-                counts[label] = Counter(st.target.name for st in blocks[label].find_insts(lw.ir.assign_types))
-            if counts[label][var] == 1:
-                found.add(var)
+            if once := [var for var in names if blocks_of[var] == 1 and var not in skip]:
+                assigned = Counter(st.target.name for st in blocks[label].find_insts(lw.ir.assign_types))
+                found.update(var for var in once if assigned[var] == 1)
     lower._singly_assigned_vars = found
     lower._blk_local_varmap = {}
 
@@ -75,19 +58,16 @@ _numba_cuda_scan = None  # numba-cuda's own scan, once replaced (tests compare t
 
 
 def _linear_lowering_scan() -> None:
-    """Put `_singly_assigned_in_one_pass` in place of numba-cuda's scan (once; left alone where numba-cuda's
-    lowering has another shape)."""
+    """Put `_singly_assigned_in_one_pass` in place of numba-cuda's scan (once, where numba-cuda's lowering has the
+    shape it was written for)."""
     global _numba_cuda_scan
-    try:
+    with contextlib.suppress(ImportError):  # older numba-cuda
         from numba.cuda import lowering as lw
-    except ImportError:  # pragma: no cover - older numba-cuda
-        return
-    scan = getattr(lw.Lower, "_find_singly_assigned_variable", None)
-    if scan is None or scan is _singly_assigned_in_one_pass:
-        return
-    if all(hasattr(lw, n) for n in ("compute_use_defs", "must_use_alloca", "ir")):
-        _numba_cuda_scan = scan
-        lw.Lower._find_singly_assigned_variable = _singly_assigned_in_one_pass
+
+        scan = getattr(lw.Lower, "_find_singly_assigned_variable", None)
+        if scan not in (None, _singly_assigned_in_one_pass) and all(
+                hasattr(lw, n) for n in ("compute_use_defs", "must_use_alloca", "ir")):
+            _numba_cuda_scan, lw.Lower._find_singly_assigned_variable = scan, _singly_assigned_in_one_pass
 
 
 class CUDARuntime(Runtime):
@@ -123,12 +103,11 @@ class CUDARuntime(Runtime):
             _linear_lowering_scan()
             try:
                 cuda.current_context()  # initialises the driver and the primary context
-                name, arch = device_name_arch(check(driver.cuCtxGetDevice())[0])
+                name, arch = cuda_driver.device_name_arch(check(driver.cuCtxGetDevice())[0])
             except Exception as e:  # CudaSupportError, missing libcuda or cuda-bindings, no device, ...
                 raise PolystrataError(f"no CUDA GPU found: {e}") from None
             self.device = f"{name} ({arch})"
-            # mma.sync on int8 and f16 from sm_80 (codegen/cuda.py's MMA_SYNC)
-            self.policy = replace(self.policy, matrix_units=int(arch[3:]) >= 80)
+            self.policy = replace(self.policy, matrix_units=matrix_unit(arch) is not None)  # mma.sync from sm_80
         self.shuffles = (not self.simulator) if shuffles is None else shuffles
         self.fast = not self.simulator  # driver launches; False: numba's dispatcher (for comparisons)
         self.stream = cuda.stream()  # a real stream: the legacy default stream cannot be captured
@@ -177,10 +156,8 @@ class CUDARuntime(Runtime):
         return buf
 
     def free(self, buf: Any) -> None:
-        """Release a device buffer now. numba-cuda frees an array's memory only after its last reference goes,
-        and then defers it to a batch; the memory manager frees a resized expert cache's old slot buffers before
-        it allocates the new ones while the bound launches still refer to them (until they are rebound), so the
-        memory is forced free and the batch flushed here. The simulator's arrays are host memory: nothing to do."""
+        """Release a device buffer now, and flush numba-cuda's batch of deferred frees: a resized expert cache
+        frees its old slots while bound launches still name them. The simulator's arrays are host memory."""
         if self.simulator:
             return
         buf.gpu_data.free()
@@ -194,7 +171,7 @@ class CUDARuntime(Runtime):
 
     def read_bytes(self, buf: Any, out: np.ndarray) -> None:
         if self.simulator:
-            out[:] = _bytes(buf)[: out.size].copy_to_host(stream=self.stream)
+            out[:] = buf.view(np.uint8)[: out.size].copy_to_host(stream=self.stream)
             self.stream.synchronize()
             return
         # Through the driver into a pinned staging buffer: numba's slice-and-copy costs far more Python a
@@ -206,19 +183,17 @@ class CUDARuntime(Runtime):
 
     def write_bytes(self, buf: Any, offset: int, host: np.ndarray) -> None:
         if self.simulator:
-            _bytes(buf)[offset : offset + host.size].copy_to_device(host, stream=self.stream)
+            buf.view(np.uint8)[offset : offset + host.size].copy_to_device(host, stream=self.stream)
         else:  # the driver copies pageable memory into its own staging before it returns, so `host` may go
             ptr = device_pointer(buf) + offset
             check(driver.cuMemcpyHtoDAsync(ptr, host.ctypes.data, host.size, self.stream.handle))
 
     def alloc_host(self, nbytes: int) -> np.ndarray:
-        """Page-locked host memory (`cuda.pinned_array`): host-to-device copies from it run at the link's speed,
-        several times faster than from pageable memory (figures in docs/benchmarks.md)."""
+        """Page-locked host memory: copies from it run at the link's speed (pageable ones several times slower)."""
         return np.empty(nbytes, np.uint8) if self.simulator else self.cuda.pinned_array(nbytes, np.uint8)
 
     def copy_async(self, buf: Any, offset: int, host: np.ndarray) -> Any:
-        """`cuMemcpyHtoDAsync` on a second stream, with an event recorded after it (the simulator: a synchronous
-        copy, no event)."""
+        """`cuMemcpyHtoDAsync` on a second stream, then an event (the simulator: a synchronous copy, no event)."""
         if self.simulator:
             return super().copy_async(buf, offset, host)
         self._check_fits(buf, offset, host.nbytes, "copy")
@@ -248,12 +223,11 @@ class CUDARuntime(Runtime):
                 values.append(scalar_value(p, a))
         return PackedLaunch(ck.cufunc, grid, ck.kernel.lanes, values)
 
-    def launch_prepared(self, h: Any) -> None:
-        """Run a prepared launch on the runtime's stream (captured by the stream when a capture is open)."""
+    def launch_prepared(self, h: Any) -> None:  # on the runtime's stream, which captures it while a capture is open
         if not self.fast:
             super().launch_prepared(h)
         elif not h.empty:
-            launch(h, self.stream.handle)
+            cuda_driver.launch(h, self.stream.handle)
 
     def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
         if self.fast:
@@ -291,12 +265,7 @@ class CUDARuntime(Runtime):
         return None if self.simulator else DeviceEvent(self.stream.handle)
 
     def memory_info(self) -> tuple[int, int] | None:
-        return None if self.simulator else memory_info()
+        return None if self.simulator else cuda_driver.memory_info()
 
     def kernel_resources(self, ck: CompiledKernel) -> dict[str, int]:
-        return {} if ck.cufunc is None else function_resources(ck.cufunc, ck.kernel.lanes)
-
-
-def _bytes(buf: Any) -> Any:
-    """A simulator device array's bytes."""
-    return buf.view(np.uint8) if buf.dtype != np.uint8 else buf
+        return {} if ck.cufunc is None else cuda_driver.function_resources(ck.cufunc, ck.kernel.lanes)

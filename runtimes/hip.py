@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, NamedTuple
 
-from polystrata.codegen.hip import MATRIX_ARCHS, base_arch, render, wave_of
-from polystrata.codegen.policy import device_policy
+from polystrata.codegen.hip import render, wave_of
+from polystrata.codegen.policy import MATRIX_ARCHS, base_arch, device_policy
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Kernel
 from polystrata.runtimes import base
@@ -123,6 +123,7 @@ class HIPRuntime(base.DriverRuntime):
     policy = device_policy(lanes=64, subgroup=64, int8_dot=True)
     takes_arch = True
     vendor, example_arch = "AMD", "gfx1030"  # for the error of a compile-only runtime asked to run
+    source_prelude = ""  # text before the rendered kernel
 
     @classmethod
     def present(cls) -> bool:
@@ -176,7 +177,7 @@ class HIPRuntime(base.DriverRuntime):
 
     def render(self, kernel: Kernel) -> str:
         """HIP C++ for `kernel` on this runtime's architecture."""
-        return render(kernel, self.arch, self.subgroup, self.native_f16)
+        return self.source_prelude + render(kernel, self.arch, self.subgroup, self.native_f16)
 
     def compile(self, kernel: Kernel) -> base.CompiledKernel:
         """Code object of `kernel` from the cache, else from the compiler (`_build`); loaded on a GPU."""

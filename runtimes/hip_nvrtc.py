@@ -1,5 +1,5 @@
 """hip on NVIDIA (`HIPRuntime()` with an NVIDIA GPU and no AMD one, or `HIPRuntime("sm_XX")`): codegen/hip.py's source
-behind `cuda_prelude()`, NVRTC (`hip.rtc_compile`) -> cubin (PTX where the GPU is newer than NVRTC), `--fmad=false`;
+behind `CUDA_PRELUDE`, NVRTC (`hip.rtc_compile`) -> cubin (PTX where the GPU is newer than NVRTC), `--fmad=false`;
 buffers and launches through `cuda.bindings.driver` (device 0's primary context, the null stream)."""
 
 from __future__ import annotations
@@ -10,9 +10,8 @@ import os
 import re
 from typing import Any
 
-from polystrata.codegen.hip import cuda_prelude, render
+from polystrata.codegen.hip import CUDA_PRELUDE
 from polystrata.errors import PolystrataError
-from polystrata.ir.kernel import Kernel
 from polystrata.runtimes import base, cuda_driver, hip
 from polystrata.runtimes.cuda_driver import check, driver, gpu_count
 
@@ -64,21 +63,13 @@ def arch_option(arch: str) -> tuple[str, bool]:
         (f"--gpu-architecture=compute_{max(below)}", True)
 
 
-def nvrtc_compile(source: str, name: str, arch: str, options: list[str], ptx: bool = False) -> bytes:
-    """A cubin (or PTX) of `source`; PolystrataError with the first lines of NVRTC's log when it does not compile."""
-    try:
-        return hip.rtc_compile(_nvrtc(), "nvrtc", source, name, options, "PTX" if ptx else "CUBIN")
-    except PolystrataError as e:
-        raise PolystrataError(f"NVRTC build of kernel {name} failed for {arch}:\n{base.log_head(str(e))}") from None
-
-
 class NVRTCRuntime(hip.HIPRuntime):
     """The hip target on NVIDIA GPU 0 through NVRTC, or compile-only for `arch` (sm_XX)."""
 
     vendor, example_arch = "NVIDIA", "sm_90"
+    source_prelude = CUDA_PRELUDE  # what NVRTC compiles
 
-    def _gpu_count(self) -> int:
-        return gpu_count()
+    _gpu_count = staticmethod(gpu_count)
 
     def _open(self) -> tuple[str, str]:
         """Make device 0's primary context current: (its arch, its name)."""
@@ -95,11 +86,13 @@ class NVRTCRuntime(hip.HIPRuntime):
         self.options = [target, "--fmad=false", *(f"-I{d}" for d in include_dirs())]
         self.compiler = f"nvrtc {ver} {target} --fmad=false"
 
-    def render(self, kernel: Kernel) -> str:  # what NVRTC compiles
-        return cuda_prelude() + render(kernel, self.arch, self.subgroup, self.native_f16)
-
-    def _build(self, source: str, name: str) -> bytes:
-        return nvrtc_compile(source, name, self.arch, self.options, self.ptx)
+    def _build(self, source: str, name: str, ptx: bool = False) -> bytes:
+        """A cubin, or PTX (with `ptx`, and where the arch is newer than NVRTC)."""
+        try:
+            return hip.rtc_compile(_nvrtc(), "nvrtc", source, name, self.options, "PTX" if ptx or self.ptx else "CUBIN")
+        except PolystrataError as e:  # with the first lines of NVRTC's log
+            raise PolystrataError(f"NVRTC build of kernel {name} failed for {self.arch}:\n{base.log_head(str(e))}") \
+                from None
 
     def _load_function(self, code: bytes, name: str) -> Any:
         module, = check(driver.cuModuleLoadData(code))
@@ -121,8 +114,7 @@ class NVRTCRuntime(hip.HIPRuntime):
         if self.gpu:
             check(driver.cuCtxSynchronize())
 
-    def mark(self) -> cuda_driver.DeviceEvent:
-        """A device event after the work queued so far (the null stream)."""
+    def mark(self) -> cuda_driver.DeviceEvent:  # on the null stream
         self._need_gpu()
         return cuda_driver.DeviceEvent(0)
 

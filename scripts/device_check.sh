@@ -263,6 +263,10 @@ if [[ " $STAGES " == *" hostprof "* ]]; then
         -r 2 --json 2>> "$LOG" > "$OUT/hostprof.txt"
     head -1 "$OUT/hostprof.txt" | cut -c1-200 | tee -a "$SUMMARY"
     grep -A 25 "Ordered by" "$OUT/hostprof.txt" | cut -c1-160 | tee -a "$SUMMARY"
+    # The decode step alone (bench's step, wall less device time) and its own profile: the driver calls' share.
+    timeout 600 python3 scripts/host_overhead.py "$M/llama3-8b-q4km.gguf" --target cuda -n 500 --profile 25 \
+        2>> "$LOG" > "$OUT/host_overhead.txt"
+    grep -E "^host time|Ordered by" -A 27 "$OUT/host_overhead.txt" | cut -c1-160 | tee -a "$SUMMARY"
 fi
 
 if [[ " $STAGES " == *" serve "* ]]; then

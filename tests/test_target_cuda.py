@@ -93,9 +93,9 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
 
     from ir_constructs import tile_case
 
-    from polystrata.codegen.cuda import MMA_SYNC, CUDAPrinter
-    from polystrata.codegen.hip import MATRIX_ARCHS
+    from polystrata.codegen.cuda import CUDAPrinter
     from polystrata.codegen.lanes import LaneAbilities
+    from polystrata.codegen.policy import MATRIX_ARCHS, MMA_SYNC
     from polystrata.codegen.pyfamily import PyPrinter
 
     mu = MMA_SYNC if unit == "mma_sync" else MATRIX_ARCHS["gfx90a" if unit == "mfma" else "gfx1100"]

@@ -1,6 +1,6 @@
 """HIP target: the `ir_constructs` kernels (every IR construct), rendered to HIP C++ and compiled by hiprtc into
 AMD code objects for gfx1030 (wave32) and gfx90a (wave64); the compile-only runtime's errors; the same source as
-CUDA behind `cuda_prelude()` where nvcc exists, and through NVRTC (`HIPRuntime("sm_90")`, runtimes/hip_nvrtc.py)
+CUDA behind `CUDA_PRELUDE` where nvcc exists, and through NVRTC (`HIPRuntime("sm_90")`, runtimes/hip_nvrtc.py)
 where libnvrtc loads. hiprtc tests skip where libamdhip64 is absent (CI installs libamdhip64-5 and
 libhiprtc-builtins5). Running the kernels needs an AMD GPU (`test_runs_on_gpu`) or an NVIDIA GPU with no AMD one
 (`test_nvidia_*`: `HIPRuntime()` is then the NVRTC backend, checked against numpy and the CPU target)."""
@@ -30,7 +30,7 @@ from ir_constructs import (
 )
 
 from polystrata.codegen import hip as hipgen
-from polystrata.codegen.hip import cuda_prelude, render, wave_of
+from polystrata.codegen.hip import CUDA_PRELUDE, render, wave_of
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Buf, Call, Const, Kernel, Store
 from polystrata.runtimes.base import cache_dir
@@ -250,7 +250,7 @@ def test_runs_on_gpu():
                                   math_kernel()], ids=lambda kk: kk.name)
 def test_cuda_prelude_compiles_with_nvcc(tmp_path, kern):
     src = tmp_path / f"{kern.name}.cu"
-    src.write_text(cuda_prelude() + render(kern, "sm_80"))
+    src.write_text(CUDA_PRELUDE + render(kern, "sm_80"))
     p = subprocess.run(["nvcc", "-arch=sm_80", "--fmad=false", "--ptx", "-o", str(tmp_path / "k.ptx"), str(src)],
                        capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert p.returncode == 0, p.stderr[-3000:]
@@ -294,7 +294,7 @@ def test_nvrtc_compiles_every_construct(kern):
     assert isinstance(rt, hipnv.NVRTCRuntime)
     ck = rt.compile(kern)
     _is_cubin(ck.handle.code)
-    assert ck.source.startswith(cuda_prelude()) and "sm_90, wave 32" in ck.source
+    assert ck.source.startswith(CUDA_PRELUDE) and "sm_90, wave 32" in ck.source
     assert ck.source.endswith(render(kern, "sm_90"))  # the HIP renderer's source, unchanged
     if kern.name == "intr":
         assert "__builtin_amdgcn_sdot4" in ck.source  # -> PTX dp4a through the prelude
@@ -311,7 +311,7 @@ def test_nvrtc_reuses_loads_across_dp4a():
 
     kern = matvec_q8_kernel("t_mv", [FORMATS["Q4_K"]], 4096, 4096, tokens=1, lanes=128, runs=0)
     rt = hiprt.HIPRuntime("sm_90", compile_only=True)
-    ptx = hipnv.nvrtc_compile(rt.render(kern), kern.name, "sm_90", rt.options, ptx=True).decode(errors="replace")
+    ptx = rt._build(rt.render(kern), kern.name, ptx=True).decode(errors="replace")
     assert len(re.findall(r"\bdp4a\.s32\.s32\b", ptx)) == 32
     assert len(re.findall(r"\bld\.global\.", ptx)) <= 40
 
