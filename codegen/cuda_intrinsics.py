@@ -12,16 +12,14 @@ from llvmlite import ir
 from numba import types
 from numba.cuda.extending import intrinsic
 
+from polystrata.codegen import numba_intrinsics
+from polystrata.codegen.numba_intrinsics import narrow
+
 # The f16 conversions are LLVM `half` casts (NVVM emits one cvt each), not inline asm: asm conversions declared
 # `readnone` made f16 attention come out wrong on the H200 (numba 0.68, CUDA 13) though each conversion alone was
 # exact (caught by test_recipes.py::test_attention on the device). dp4a is asm declared `readnone`: without it
 # NVVM must assume the asm touches memory, so it neither merges the loads on either side of it into vector
 # loads nor reuses a loaded word across it (the Q4_K matvec's 49 scalar loads a lane become 13 16-byte ones).
-
-
-def _narrow(builder, v, width: int):
-    t = ir.IntType(width)
-    return builder.trunc(v, t) if v.type.width > width else builder.zext(v, t) if v.type.width < width else v
 
 
 def _asm(name: str, text: str, words: int, accs: int, floats: bool, doc: str):
@@ -40,8 +38,8 @@ def _asm(name: str, text: str, words: int, accs: int, floats: bool, doc: str):
 
     def codegen(context, builder, signature, args):
         i32 = ir.IntType(32)
-        ins = [_narrow(builder, v, 32) for v in args[:words]]
-        ins += [context.cast(builder, v, t, acc_t) if floats else _narrow(builder, v, 32)
+        ins = [narrow(builder, v, 32) for v in args[:words]]
+        ins += [context.cast(builder, v, t, acc_t) if floats else narrow(builder, v, 32)
                 for v, t in zip(args[words:], signature.args[words:])]
         fn = ir.FunctionType(ir.LiteralStructType([acc] * accs) if accs > 1 else acc, [i32] * words + [acc] * accs)
         call = builder.call(ir.InlineAsm(fn, text, constraints), ins)
@@ -79,30 +77,8 @@ mma_s8_k16 = _mma("m16n8k16", "s32.s8.s8.s32", 2, 1, False, "16 x 8 x 16 int8 ti
 mma_f16_k16 = _mma("m16n8k16", "f32.f16.f16.f32", 4, 2, True, "16 x 8 x 16 f16 tile product into f32 accumulators.")
 
 
-@intrinsic
-def f16_to_f32(typingctx, h):
-    """The f32 value of the f16 bits in the low 16 bits of `h` (one PTX cvt: exact, no branches)."""
-    if not isinstance(h, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        half = builder.bitcast(_narrow(builder, args[0], 16), ir.HalfType())
-        return builder.fpext(half, ir.FloatType())
-
-    return types.float32(h), codegen
-
-
-@intrinsic
-def f32_to_f16(typingctx, x):
-    """The f16 bits (in a u32) of `x` rounded to nearest even (PTX cvt.rn)."""
-    if not isinstance(x, types.Float):
-        return None
-
-    def codegen(context, builder, signature, args):
-        v = args[0] if args[0].type == ir.FloatType() else builder.fptrunc(args[0], ir.FloatType())
-        return builder.zext(builder.bitcast(builder.fptrunc(v, ir.HalfType()), ir.IntType(16)), ir.IntType(32))
-
-    return types.uint32(x), codegen
+f16_to_f32 = intrinsic(numba_intrinsics.f16_to_f32)  # one PTX cvt each way
+f32_to_f16 = intrinsic(numba_intrinsics.f32_to_f16)
 
 
 def _load(width: int | None, count: int = 1, align: int | None = None):
