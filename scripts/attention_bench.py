@@ -21,6 +21,7 @@ from polystrata.ir.encode import quantize
 from polystrata.ir.evaluate import dequantize
 from polystrata.ir.formats import FORMATS, KV_FORMATS
 from polystrata.ir.graph import Graph
+from polystrata.ir.layout import repack
 from polystrata.runtimes.base import eval_int
 from polystrata.targets import make_runtime
 
@@ -79,6 +80,7 @@ def main() -> None:
             deq = dequantize(kvf, raw, rows.shape)
             deq[a.depth] = dequantize(kvf, quantize(kvf, new[None]), (1, hkv * d))[0]  # the step's own row
             spec = plan.buffers[f"kv.{il}.{n}"]
+            raw = repack(raw, kvf, rt.policy.kv_layout(kvf, d))  # the rows as the target keeps them
             bufs[spec.name] = rt.upload(np.frombuffer(raw.tobytes(), np.uint8)[:spec.count].copy())
             caches.append(deq[: a.depth + 1].reshape(-1, hkv, d))
         kc, vc = caches

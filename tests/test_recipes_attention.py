@@ -11,6 +11,7 @@ from polystrata.ir.encode import quantize
 from polystrata.ir.evaluate import dequantize
 from polystrata.ir.formats import KV_FORMATS, row_bytes
 from polystrata.ir.graph import Graph
+from polystrata.ir.layout import repack, split_rows
 from polystrata.runtimes import reference as R
 
 rt = target_runtimes()
@@ -26,13 +27,15 @@ def _attention_graph(hq: int, hkv: int, d: int, window: int = 0, softcap: float 
 
 
 def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: int, n_ctx: int, knobs: dict,
-                     steps: tuple[int, ...], seed: int) -> list:
-    """The attention recipe's launches (lanes, knobs) against the reference over `steps` (token counts, the
-    largest first: `keep` holds buffers sized by it), the cache carried between them; returns the launches."""
-    hkv, d = 2, 64
+                     steps: tuple[int, ...], seed: int, d: int = 64, split_kv: bool = False) -> list:
+    """The attention recipe's launches (lanes, knobs; heads of `d`) against the reference over `steps` (token
+    counts, the largest first: `keep` holds buffers sized by it), the cache carried between them; returns the
+    launches. `split_kv`: the KV rows split (`split_rows`), the reference then fed the very values the cache holds
+    (its rows decoded from that layout), so that only the order of float sums may differ."""
+    hkv = 2
     hq = hkv * gqa
     g = _attention_graph(hq, hkv, d, window, softcap)
-    ctx = recipe_context(g, kv=kv, n_ctx=n_ctx, lanes=lanes)
+    ctx = recipe_context(g, kv=kv, n_ctx=n_ctx, lanes=lanes, split_kv=split_kv)
     ctx.knobs = {"attention": knobs}
     launches = recipe("attention").lower(g.nodes, ctx)
     fmt = KV_FORMATS[kv]
@@ -47,14 +50,20 @@ def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: 
         # The reference sees what the cache holds: K/V rounded through the KV format.
         kq = dequantize(fmt, quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
         vq = dequantize(fmt, quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
-        ref = R._IMPLS["attention"](ex, g.nodes[0], [qv, kq, vq, pv])
         sb, so = plan_scratch(ctx)  # split-K partials, poisoned: a run the combine should not read spoils the output
         out = run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
                                            "positions": pv, "starts": np.zeros(t, np.int32), **sb}, {"T": t},
                             {"o": ((t, hq, d), "f32"), **so},
                             keep)["o"]
+        if split_kv:
+            rows = [dequantize(split_rows(fmt, d), rt.download(keep[f"kv.0.{n}"], (kvb,), "u8"), (n_ctx, hkv, d))
+                    [n_past:n_past + t] for n in "kv"]
+            np.testing.assert_allclose(rows[0], kq, atol=0.03)  # what the store wrote, K/V rounded through the format
+            np.testing.assert_allclose(rows[1], vq, atol=0.03)
+            kq, vq = rows
+        ref = R._IMPLS["attention"](ex, g.nodes[0], [qv, kq, vq, pv])
         # Our encoder may pick the neighbouring f16 scale (round-to-nearest vs. rounding up): a q8 step of a value.
-        np.testing.assert_allclose(out, ref, atol=1e-4 if kv == "f16" else 0.03, rtol=1e-3)
+        np.testing.assert_allclose(out, ref, atol=1e-4 if kv == "f16" or split_kv else 0.03, rtol=1e-3)
         n_past += t
     return launches
 
@@ -109,6 +118,50 @@ def test_attention_tiles(rt, kv, gqa, window, softcap, q_tile, k_tile):
     launches = _check_attention(rt, kv, gqa, window, softcap, 128, 64, knobs, (21, 1, 1, 6, 13), 13)
     tiles = launches[1].kernel
     assert len(launches) == 2 and dict(tiles.knobs) == {"tiles": 1, "q_tile": q_tile, "k_tile": k_tile}
+
+
+# The host's policy never splits KV rows, and its Numba compile of the split rows' kernels costs ~20 s: the split
+# layout's tests run on the targets with lanes (their one-lane case too).
+SPLIT_ON_HOST = "split KV rows: not a host layout"
+
+
+@pytest.mark.parametrize("kv,d,gqa,window,softcap,lanes,knobs", [
+    ("q8_0", 64, 3, 0, 30.0, 1, {"splits": 1}),
+    ("q8_g64", 128, 4, 10, 0.0, 128, {"splits": 5, "min_run": 4, "heads": 2}),
+    ("q8_g64", 128, 3, 10, 20.0, 128, {"tiles": 1, "tiles_above": 0, "q_tile": 8, "k_tile": 16}),
+], ids=["lanes1", "lanes128-split5-heads2", "tiles"])
+def test_attention_split_kv_rows(rt, kv, d, gqa, window, softcap, lanes, knobs):
+    """KV cache rows split into codes and scales (`ir.layout.split_rows`), as a wide-load target's policy keeps
+    q8_0 and q8_g64 (forced here): the store writes them; the row kernels read K a word of 4 codes a load (a lane a
+    key, or lanes sharing a key's dot product) and V a word a lane (lanes sharing a word over phases of the keys
+    where the row has fewer words than the group lanes), and the tiles decode words, each against the reference.
+    Not on the host (`SPLIT_ON_HOST`)."""
+    if rt.lanes == 1:
+        pytest.skip(SPLIT_ON_HOST)
+    steps = (16, 1, 1, 4, 1, 13, 1) if "splits" in knobs else (21, 1, 1, 6, 13)
+    launches = _check_attention(rt, kv, gqa, window, softcap, lanes, 64, knobs, steps, 19, d=d, split_kv=True)
+    assert all("_split_" in la.kernel.name for la in launches[:2])
+
+
+def test_split_kv_store_writes_the_gguf_blocks_repacked(rt):
+    """The K/V store into split rows writes exactly the bytes of its GGUF-layout store, repacked (`repack`)."""
+    if rt.lanes == 1:
+        pytest.skip(SPLIT_ON_HOST)
+    hkv, d, t, n_ctx = 2, 64, 5, 8
+    g = _attention_graph(3 * hkv, hkv, d)  # test_attention's and test_attention_split_kv_rows' stores
+    fmt = KV_FORMATS["q8_0"]
+    kvb = n_ctx * row_bytes(fmt, hkv * d)
+    rng = np.random.default_rng(2)
+    ins = {"k": rng.standard_normal(t * hkv * d).astype(np.float32),
+           "v": rng.standard_normal(t * hkv * d).astype(np.float32),
+           "positions": np.arange(t, dtype=np.int32), "starts": np.zeros(t, np.int32)}
+    caches = {}
+    for split in (False, True):
+        store = recipe("attention").lower(g.nodes, recipe_context(g, kv="q8_0", n_ctx=n_ctx, split_kv=split))[0]
+        caches[split] = run_launches(rt, [store], ins, {"T": t}, {"kv.0.k": ((kvb,), "u8"), "kv.0.v": ((kvb,), "u8")})
+    layout = split_rows(fmt, d)
+    for name in ("kv.0.k", "kv.0.v"):
+        np.testing.assert_array_equal(caches[True][name], repack(caches[False][name], fmt, layout))
 
 
 def test_attention_tiles_or_rows_by_the_step(rt):

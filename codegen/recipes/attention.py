@@ -38,14 +38,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from polystrata.codegen.dequant import Decoder, chunk_len
+from polystrata.codegen.dequant import Decoder, chunk_len, word_codes
 from polystrata.codegen.format_analysis import block_stride, finest_group, widen
+from polystrata.codegen.policy import Policy
 from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register
 from polystrata.codegen.recipes._matvec import QB, round_half_away
 from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE, default_tiles, prefill_attention_kernel
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
 from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
-from polystrata.ir.expr import Const, Expr, FieldLoad, Var
+from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
@@ -68,6 +69,7 @@ from polystrata.ir.kernel import (
     Store,
     stable_digest,
 )
+from polystrata.ir.layout import code_field
 
 # Split-K in one-token steps on GPUs (flash-decoding): runs enough that none holds more than DECODE_RUN_KEYS keys
 # at a full context (llama3-8b at depth 8192: 129 runs of each of its 8 KV heads, 1032 groups), and never fewer
@@ -103,14 +105,22 @@ def key_span(n_ctx: int) -> int:
     return -(-n_ctx // SPAN_GRANULE) * SPAN_GRANULE
 
 
+def kv_layouts(fmt: QuantFormat, d: int, dv: int, policy: Policy) -> tuple[QuantFormat, QuantFormat]:
+    """How the target keeps the K and V cache rows (heads of `d` and `dv` values) of KV type `fmt`: its own
+    blocks, or split into codes and scales (`Policy.kv_layout`). The store and every reader take these."""
+    return policy.kv_layout(fmt, d), policy.kv_layout(fmt, dv)
+
+
 def _kv_fmt(fmt: QuantFormat, d: int) -> QuantFormat:
+    """The blocks the readers walk a head row of layout `fmt` in: one-element formats (f16) seen as blocks."""
     return widen(fmt, math.gcd(d, 32)) if fmt.block_size == 1 else fmt
 
 
-def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str) -> list:
-    """Statements encoding one block of KV format `fmt` (values `value(e)`, e an Expr, 0 <= e < block size) at byte
-    `dst` of the cache buffer `cache`: one-element formats (f16) store converted bits; symmetric formats whose code is
-    a bare signed-byte field and whose step an f16 field (q8_0, q8_g64) store d = max|x| / |anchor| as f16 and
+def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str, group: Expr | None = None) -> list:
+    """Statements encoding one group of KV format `fmt` (values `value(e)`, e an Expr, 0 <= e < the scheme's
+    group), the `group`-th (None: the only one) of the block at byte `dst` of the cache buffer `cache`: one-element
+    formats (f16) store converted bits; symmetric formats whose code is a byte an element and whose step an f16
+    field element a group (q8_0, q8_g64, and their `split_rows` layouts) store d = max|x| / |anchor| as f16 and
     codes round(x / d) clipped to the anchor."""
     if fmt.block_size == 1:
         (f,) = fmt.fields
@@ -118,47 +128,54 @@ def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str) -> list:
             raise NotImplementedError(f"KV cache of {fmt.name}")
         return [Let("enc_h", Call("f32_to_f16_bits", value(Const(0)))),
                 Store(cache, dst, Var("enc_h") & 255), Store(cache, dst + 1, (Var("enc_h") >> 8) & 255)]
-    s = fmt.scheme
-    code = fmt.let(s.code).expr
-    ok = (s is not None and s.min is None and s.step.code is None and isinstance(code, FieldLoad)
-          and fmt.field(code.field).dtype == "i8" and s.table is None and s.group == fmt.block_size)
+    s, qf = fmt.scheme, code_field(fmt)
+    ok = (s is not None and qf is not None and qf.dtype == "i8" and s.min is None and s.step.code is None
+          and s.table is None and fmt.field(s.step.field).count * s.group == fmt.block_size)
     if not ok:
         raise NotImplementedError(f"in-kernel encoding of {fmt.name}")
-    df, qf = fmt.field(s.step.field), fmt.field(code.field)
+    df = fmt.field(s.step.field)
     a = float(abs(s.anchor))
     e = Var("enc_e")
+    step = dst + df.offset if group is None else dst + df.offset + group * (df.nbytes // df.count)
+    codes = dst + qf.offset if group is None else dst + qf.offset + group * s.group
     return [
         Decl("enc_amax", "f32", Const(0.0)),
-        For("enc_e", Const(0), Const(fmt.block_size), (
+        For("enc_e", Const(0), Const(s.group), (
             Assign("enc_amax", Call("max", Var("enc_amax"), Call("abs", value(e)))),)),
         Let("enc_h", Call("f32_to_f16_bits", Var("enc_amax") / a)),
         Let("enc_dd", Call("f16_bits_to_f32", Var("enc_h"))),
         Let("enc_inv", Select(Var("enc_dd") > 0.0, Const(1.0) / Var("enc_dd"), Const(0.0))),
-        Store(cache, dst + df.offset, Var("enc_h") & 255),
-        Store(cache, dst + df.offset + 1, (Var("enc_h") >> 8) & 255),
-        For("enc_e", Const(0), Const(fmt.block_size), (
+        Store(cache, step, Var("enc_h") & 255),
+        Store(cache, step + 1, (Var("enc_h") >> 8) & 255),
+        For("enc_e", Const(0), Const(s.group), (
             Let("enc_v", value(e) * Var("enc_inv")),
             Let("enc_q", Call("max", Const(-int(a)), Call("min", Const(int(a)), round_half_away(Var("enc_v"))))),
-            Store(cache, dst + qf.offset + e, (Var("enc_q") + 256) & 255),
+            Store(cache, codes + e, (Var("enc_q") + 256) & 255),
         )),
     ]
 
 
-def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, lanes: int,
+def kv_store_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: int, d: int, dv: int, lanes: int,
                     rope: dict | None = None, qk_norm_eps: float | None = None) -> Kernel:
-    """This step's K and V rows into the caches at row `starts[t] + positions[t]` (`starts`: where the token's
-    sequence begins in the cache, 0 but in batched decoding), one group per (token, head); grid (T, 2 * hkv),
-    K heads first. With `rope` (the rope op's attributes) the group also ropes its K head on the way in, and hq more
-    groups first rope the q heads into `qo` (the launches of both rope ops, fused). With `qk_norm_eps` each q and
-    K head is RMS-normed (weights `qn`, `kn`) before its rope, as qwen3 and gemma3 do."""
+    """This step's K and V rows into the caches (layouts `kf`, `vf`: `kv_layouts`) at row `starts[t] +
+    positions[t]` (`starts`: where the token's sequence begins in the cache, 0 but in batched decoding), one group
+    per (token, head), a lane per scale group; grid (T, 2 * hkv), K heads first. With `rope` (the rope op's
+    attributes) the group also ropes its K head on the way in, and hq more groups first rope the q heads into `qo`
+    (the launches of both rope ops, fused). With `qk_norm_eps` each q and K head is RMS-normed (weights `qn`,
+    `kn`) before its rope, as qwen3 and gemma3 do."""
     t, hd = Var("g0"), Var("g1")
     b = Var("b")
-    bs = fmt.block_size
 
-    def store(cache: str, width: int, head: Expr, value) -> tuple:
+    def store(cache: str, fmt: QuantFormat, width: int, head: Expr, value) -> tuple:
+        """Head `head`'s values (`value(j0, e)`: its element j0 + e) encoded a scale group a lane (f16: a value)."""
+        bs = fmt.block_size
+        gs = fmt.scheme.group if fmt.scheme else 1
+        per = bs // gs  # groups a block
         rb = hkv * width // bs * fmt.block_bytes
-        dst = (Load("starts", t) + Load("positions", t)) * rb + (head * (width // bs) + b) * fmt.block_bytes
-        return (LaneFor("b", Const(width // bs), tuple(kv_encode(fmt, value, dst, cache))),)
+        block = head * (width // bs) + (b // per if per > 1 else b)
+        dst = (Load("starts", t) + Load("positions", t)) * rb + block * fmt.block_bytes
+        enc = kv_encode(fmt, lambda e: value(b * gs, e), dst, cache, b % per if per > 1 else None)
+        return (LaneFor("b", Const(width // gs), tuple(enc)),)
 
     def head(src: str, rows: int, h: Expr, wname: str) -> tuple[tuple, object]:
         """(statements, element j of head h of src as the rope takes it: RMS-normed with `qk_norm_eps`)."""
@@ -177,10 +194,10 @@ def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: 
     k_head, v_head = hd - nq, hd - nq - hkv
     if rope:
         kpre, kval = head("k", hkv, k_head, "kn")
-        k_store = (*kpre, *store("kc", d, k_head, lambda e: roped(kval, b * bs + e)))
+        k_store = (*kpre, *store("kc", kf, d, k_head, lambda j0, e: roped(kval, j0 + e)))
     else:
-        k_store = store("kc", d, k_head, lambda e: Load("k", (t * hkv + k_head) * d + b * bs + e))
-    v_store = store("vc", dv, v_head, lambda e: Load("v", (t * hkv + v_head) * dv + b * bs + e))
+        k_store = store("kc", kf, d, k_head, lambda j0, e: Load("k", (t * hkv + k_head) * d + j0 + e))
+    v_store = store("vc", vf, dv, v_head, lambda j0, e: Load("v", (t * hkv + v_head) * dv + j0 + e))
     # One flat If per kind of head (PoCL mishandles the barriers of reductions inside a nested else-if).
     body = [If((hd >= nq) & (hd < nq + hkv), k_store), If(hd >= nq + hkv, v_store)]
     params = [Buf("k", "f32"), Buf("v", "f32"), Buf("positions", "i32"), Buf("starts", "i32")]
@@ -214,11 +231,13 @@ def _runs(pos: Expr, window: int, splits: int, min_run: int) -> tuple[Let, ...]:
             Let("runs", (Var("nall") + Var("per") - 1) // Var("per")))
 
 
-def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int, scale: float,
-                     window: int, softcap: float, lanes: int, splits: int = 1, min_run: int = 1,
+def attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int,
+                     scale: float, window: int, softcap: float, lanes: int, splits: int = 1, min_run: int = 1,
                      heads: int = 1, active: Expr | None = None) -> Kernel:
     """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq / heads). The keys
-    of a token at position p are those of positions up to p in its sequence's cache rows, from `starts[t]` on.
+    of a token at position p are those of positions up to p in its sequence's cache rows, from `starts[t]` on;
+    `kf`, `vf`: the layouts of the K and V cache rows (`kv_layouts`). Where their codes are aligned words
+    (`dequant.word_codes`: split rows) K and V are read a word of 4 codes a load, and the scales as words.
 
     `heads` (dividing hq / hkv): a group takes that many query heads of one KV head, reading each K and V value
     once for all of them (with GQA, groups of one head each read the KV head's cache again).
@@ -232,7 +251,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     `active` (uniform, of scalars): the steps the kernel works for; in others it sees no keys and stores nothing
     (zero-trip loops rather than a branch around the body: PoCL mishandles barriers inside one).
     """
-    kf, vf = _kv_fmt(fmt, d), _kv_fmt(fmt, dv)
+    kf, vf = _kv_fmt(kf, d), _kv_fmt(vf, dv)
     g = hq // hkv
     if g % heads:
         raise ValueError(f"{heads} query heads a group do not divide the {g} of a KV head")
@@ -262,7 +281,9 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         kparts *= 2
     tile = max(1, lanes // kparts)
 
-    kdec = Decoder(kf, "kc", Var("kj") * krb + (kvh * (d // kf.block_size) + Var("kb")) * block_stride(kf), "k_")
+    kwords = word_codes(kf)  # split rows: K codes a word (4 keys' values) a load, scales a word
+    kdec = Decoder(kf, "kc", Var("kj") * krb + (kvh * (d // kf.block_size) + Var("kb")) * block_stride(kf), "k_",
+                   word_loads=kwords)
 
     def key_dot(split) -> list:
         """Statements leaving in `sc<hh>` the (partial, with `split`: `Decoder.walk`'s) dot of head hh's q row with
@@ -272,9 +293,19 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
             return [Let(f"kv{c}", kdec.value(lw)),
                     *(Assign(f"sc{hh}", Var(f"sc{hh}") + Var(f"kv{c}") * Load("q", qrow(hh) * d + e)) for hh in hs)]
 
+        def word_chunk(c, L, i0, env, lw) -> list:  # i0 counts words of the chunk
+            first = Const(c) + Var(i0) * 4 if c else Var(i0) * 4
+            load, values = kdec.code_words(first, [env], f"kw{c}")
+            e = Var("kb") * kf.block_size + first
+            return [*load, *(st for k, v in enumerate(values) for st in (
+                Let(f"kv{c}_{k}", v),
+                *(Assign(f"sc{hh}", Var(f"sc{hh}") + Var(f"kv{c}_{k}") * Load("q", qrow(hh) * d + e + k))
+                  for hh in hs)))]
+
+        walk = (kdec.walk(lambda s0, sz, env, inner: inner, word_chunk, wide=4, split=split) if kwords else
+                kdec.walk(lambda s0, sz, env, inner: inner, chunk, split=split))
         return [*(Decl(f"sc{hh}", "f32", Const(0.0)) for hh in hs),
-                For("kb", Const(0), Const(d // kf.block_size),
-                    tuple(kdec.walk(lambda s0, sz, env, inner: inner, chunk, split=split)))]
+                For("kb", Const(0), Const(d // kf.block_size), tuple(walk))]
 
     def scaled(x: Expr) -> Expr:
         return scaled_score(x, scale, softcap)
@@ -324,7 +355,42 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         return guarded(Store("out", qrow(hh) * dv + e, val / Var(f"z{hh}")))
 
     keys = (Let("vj", Var("lo") + Var("jj")), *(Let(f"p{hh}", Load("s", sidx(hh, Var("jj")))) for hh in hs))
-    if 1 < parts == chunk:
+    o_floats = heads * dv  # the local output row's ("o"; 0: the sums stay in registers)
+    if word_codes(vf):
+        # Codes in aligned words (split rows): a lane a word of the V row (4 values, one load; the scales as
+        # words, its group's picked at run time). Where the row has fewer words than the group lanes, `phases`
+        # lanes share a word, each taking every phases-th key, their sums added through local memory.
+        nw = dv // 4
+        phases = max(1, min(4, lanes // nw))
+        first = Var("vw") * 4 % vdec_bs if nvb > 1 else Var("vw") * 4
+        block = kvh * nvb + Var("vw") * 4 // vdec_bs if nvb > 1 else kvh
+        wdec = Decoder(vf, "vc", Var("vj") * vrb + block * block_stride(vf), "v_", word_loads=True)
+        lets, envs = wdec.group_lets()
+        load, values = wdec.code_words(first, envs, "vwd")
+        step = (*keys, *lets, *load, *(st for k, v in enumerate(values) for st in (
+            Let(f"vv{k}", v), *(Assign(f"va{k}_{hh}", Var(f"va{k}_{hh}") + Var(f"p{hh}") * Var(f"vv{k}"))
+                                for hh in hs))))
+        at = [Var("vw") * 4 + k if k else Var("vw") * 4 for k in range(4)]
+        if phases == 1:
+            loop = For("jj", Const(0), n, step, unroll=UNROLL)
+            ends = tuple(out_store(hh, at[k], Var(f"va{k}_{hh}")) for k in range(4) for hh in hs)
+            o_floats = 0
+        else:
+            loop = For("jm", Const(0), (n - Var("vph") + (phases - 1)) // phases,
+                       (Let("jj", Var("vph") + Var("jm") * phases), *step), unroll=UNROLL)
+            ends = tuple(Store("o", (Var("vph") * heads + hh) * dv + at[k], Var(f"va{k}_{hh}"))
+                         for k in range(4) for hh in hs)
+            o_floats = phases * heads * dv
+        e = Var("e")
+        v_pass = [LaneFor("vu", Const(nw * phases), (
+            *((Let("vw", Var("vu")),) if phases == 1 else (Let("vw", Var("vu") % nw), Let("vph", Var("vu") // nw))),
+            *(Decl(f"va{k}_{hh}", "f32", Const(0.0)) for k in range(4) for hh in hs), loop, *ends))]
+        if phases > 1:
+            v_pass.append(LaneFor("e", Const(dv), tuple(out_store(hh, e, sum(
+                (Load("o", e + (ph * heads + hh) * dv) for ph in range(1, phases)), Load("o", e + hh * dv)))
+                for hh in hs)))
+    elif 1 < parts == chunk:
+        o_floats = 0
         # One element of each chunk per lane: its sum over the keys stays in a register (no local-memory
         # read-modify-write per key), stored once, divided by the softmax denominator.
         starts = range(0, vdec_bs, chunk)
@@ -383,8 +449,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         outs = (Buf("out", "f32", out=True),)
     params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), Buf("starts", "i32"), *outs,
               Scalar("T"))
-    local = (LocalArray("s", "f32", heads * run),) + (() if 1 < parts == chunk else
-                                                      (LocalArray("o", "f32", heads * dv),))
+    local = (LocalArray("s", "f32", heads * run),) + ((LocalArray("o", "f32", o_floats),) if o_floats else ())
     if kparts > 1:
         local += (LocalArray("sp", "f32", heads * tile * kparts),)
     grid = (Var("T"), Const(hq // heads)) + ((Const(splits),) if splits > 1 else ())
@@ -449,20 +514,21 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     hkv, dv = int(k.type.shape[1]), int(v.type.shape[2])
     hq, d = int(hq), int(d)
     fmt = ctx.kv_format
+    kf, vf = kv_layouts(fmt, d, dv, ctx.target())
     layer = a["layer"]
     kn, vn = f"kv.{layer}.k", f"kv.{layer}.v"
     p = ctx.buf(pos)
-    heads = f"{fmt.name.lower()}_{hq}_{hkv}_{d}_{dv}"
+    heads = f"{fmt.name.lower()}{'_split' if kf is not fmt else ''}_{hq}_{hkv}_{d}_{dv}"
     kv_io = (("k", ctx.buf(k)), ("v", ctx.buf(v)), ("positions", p), ("starts", "starts"), ("kc", kn), ("vc", vn))
     if rope:
         eps = float(qk_norm[0].attrs["eps"]) if qk_norm else None
         rtag = f"_{rope['dims']}_{rope['mode']}_{stable_digest((rope['base'], rope['freq_scale'], eps), 8)}"
-        ks = kv_store_kernel(f"rope{'_norm' if qk_norm else ''}_kv_store_{heads}{rtag}", fmt, hq, hkv, d, dv,
+        ks = kv_store_kernel(f"rope{'_norm' if qk_norm else ''}_kv_store_{heads}{rtag}", kf, vf, hq, hkv, d, dv,
                              ctx.lanes, rope, eps)
         norms = (("qn", ctx.buf(qk_norm[0].inputs[1])), ("kn", ctx.buf(qk_norm[1].inputs[1]))) if qk_norm else ()
         store = Launch(ks, (("q", ctx.buf(qv)), ("qo", q), *kv_io, *norms), (("T", "T"),))
     else:
-        store = Launch(kv_store_kernel(f"kv_store_{heads}", fmt, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
+        store = Launch(kv_store_kernel(f"kv_store_{heads}", kf, vf, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
     tag = f"{heads}_{a['window']}_{stable_digest((a['scale'], a['softcap']), 8)}"
     window, softcap = int(a["window"]), float(a["softcap"] or 0.0)
     io = (("q", q), ("kc", kn), ("vc", vn), ("positions", p), ("starts", "starts"))
@@ -476,26 +542,26 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
         tiles = int(split_keys and ctx.t_max > 1 and chosen["splits"] == "auto")
     above = TILES_ABOVE if chosen["tiles_above"] == "auto" else int(chosen["tiles_above"])
     if not int(tiles) or ctx.t_max <= above:
-        return [store, *_row_launches(ctx, node, fmt, tag, io, chosen, split_keys, window, softcap, provide=True)]
+        return [store, *_row_launches(ctx, node, (kf, vf), tag, io, chosen, split_keys, window, softcap, provide=True)]
     qt, kt = default_tiles(d, dv, ctx.target().local_bytes)
     qt, kt = (dflt if chosen[name] == "auto" else int(chosen[name]) for name, dflt in (("q_tile", qt), ("k_tile", kt)))
     # With `above` > 0, steps of at most `above` rows (short prompts, batched decoding) keep the row kernels: a
     # group a row, and a row's result independent of which rows share its step. The row count picks at run time.
     sel = (Var("T") > above, f"_gt{above}") if above else (None, "")
-    tk = prefill_attention_kernel(f"attn_tiles_{tag}_{qt}x{kt}{sel[1]}", _kv_fmt(fmt, d), _kv_fmt(fmt, dv), hq, hkv,
+    tk = prefill_attention_kernel(f"attn_tiles_{tag}_{qt}x{kt}{sel[1]}", _kv_fmt(kf, d), _kv_fmt(vf, dv), hq, hkv,
                                   d, dv, lambda x: scaled_score(x, float(a["scale"]), softcap), window, ctx.lanes,
                                   qt, kt, active=sel[0])
-    rows = _row_launches(ctx, node, fmt, tag, io, chosen, split_keys, window, softcap, provide=False,
+    rows = _row_launches(ctx, node, (kf, vf), tag, io, chosen, split_keys, window, softcap, provide=False,
                          active=(Var("T") <= above, f"le{above}")) if above else []
     return [store, Launch(tk, (*io, ("out", out)), (("T", "T"),)), *rows]
 
 
-def _row_launches(ctx: RecipeContext, node: Node, fmt: QuantFormat, tag: str, io: tuple, chosen: dict,
-                  split_keys: bool, window: int, softcap: float, provide: bool,
+def _row_launches(ctx: RecipeContext, node: Node, layouts: tuple[QuantFormat, QuantFormat], tag: str, io: tuple,
+                  chosen: dict, split_keys: bool, window: int, softcap: float, provide: bool,
                   active: tuple[Expr, str] | None = None) -> list[Launch]:
-    """The one-row attention kernel (`attention_kernel`) and, with split-K, the combine, which writes the output
-    projection's int8 activations too where `provide` and the target's matmuls take them. `chosen`: the knobs;
-    `active`: (the steps they work for, a name suffix saying which)."""
+    """The one-row attention kernel (`attention_kernel`, over the K and V row `layouts`) and, with split-K, the
+    combine, which writes the output projection's int8 activations too where `provide` and the target's matmuls
+    take them. `chosen`: the knobs; `active`: (the steps they work for, a name suffix saying which)."""
     cond, suffix = active if active else (None, "")
     qv, k, v, _ = node.inputs
     hq, d = (int(x) for x in qv.type.shape[1:])
@@ -520,8 +586,8 @@ def _row_launches(ctx: RecipeContext, node: Node, fmt: QuantFormat, tag: str, io
             heads = max(h for h in range(1, hq // hkv + 1) if (hq // hkv) % h == 0 and h * run <= GROUP_SCORES)
     heads = int(heads)
     at = attention_kernel(f"attn_{tag}_{splits}" + (f"_r{min_run}" if splits > 1 else "") +
-                          (f"_h{heads}" if heads > 1 else "") + (f"_{suffix}" if suffix else ""), fmt, hq, hkv, d,
-                          dv, span, float(a["scale"]), window, softcap, ctx.lanes, splits, min_run, heads, cond)
+                          (f"_h{heads}" if heads > 1 else "") + (f"_{suffix}" if suffix else ""), *layouts, hq, hkv,
+                          d, dv, span, float(a["scale"]), window, softcap, ctx.lanes, splits, min_run, heads, cond)
     out = ctx.buf(node.output)
     if splits == 1:
         return [Launch(at, (*io, ("out", out)), (("T", "T"),))]
