@@ -143,6 +143,29 @@ def test_attention_split_kv_rows(rt, kv, d, gqa, window, softcap, lanes, knobs):
     assert all("_split_" in la.kernel.name for la in launches[:2])
 
 
+def test_wide_load_targets_split_q8_kv_rows_of_whole_words():
+    """The layout is the policy's: a wide-load target (cuda) keeps q8_0 and q8_g64 head rows split where their
+    bytes are whole words (heads of 64 in q8_g64, 66 bytes, stay in blocks), others and f16 as they are (a row's
+    bytes are the same either way); the store and attention kernels follow the policy."""
+    from polystrata.codegen.policy import HOST_POLICY, device_policy
+    from polystrata.runtimes.cuda import CUDARuntime
+
+    wide = device_policy(128, 32, wide_loads=True)
+    assert CUDARuntime.policy.split_kv_formats == wide.split_kv_formats == ("Q8_0", "q8_g64")
+    q8, g64, f16 = (KV_FORMATS[n] for n in ("q8_0", "q8_g64", "f16"))
+    assert wide.kv_layout(q8, 64) == split_rows(q8, 64) and wide.kv_layout(g64, 128) == split_rows(g64, 128)
+    assert wide.kv_layout(g64, 64) is g64 and wide.kv_layout(f16, 128) is f16
+    for other in (HOST_POLICY, device_policy(64, 64, int8_dot=True)):
+        assert other.kv_layout(q8, 64) is q8
+    assert split_rows(g64, 128).block_bytes == row_bytes(g64, 128)
+    g = _attention_graph(8, 2, 128)
+    for policy, kernels in ((wide, ["kv_store_q8_g64_split", "attn_q8_g64_split"]),
+                            (HOST_POLICY, ["kv_store_q8_g64_8", "attn_q8_g64_8"])):
+        ctx = recipe_context(g, kv="q8_g64", lanes=policy.lanes)
+        ctx.policy = policy
+        assert [la.kernel.name[:len(k)] for la, k in zip(recipe("attention").lower(g.nodes, ctx), kernels)] == kernels
+
+
 def test_split_kv_store_writes_the_gguf_blocks_repacked(rt):
     """The K/V store into split rows writes exactly the bytes of its GGUF-layout store, repacked (`repack`)."""
     if rt.lanes == 1:
