@@ -1,7 +1,11 @@
 """`attention`: write this step's K and V into the layer's KV cache, then causal (windowed, GQA) attention.
 
+The cache rows are kept as the target's policy says (`kv_layouts`): in the KV format's own blocks, or on
+wide-load targets q8_0 and q8_g64 head rows split into codes and scales (`ir.layout.split_rows`), whose codes the
+kernels read a word of 4 a load (`dequant.word_codes`). Same bytes a row either way.
+
 Launch 1 (`kv_store_kernel`): grid (T, 2 * n_head_kv), a group per K or V head, its lanes encoding the head's
-blocks of the KV format from its description (`kv_encode`): one-element formats (f16) store converted bits;
+scale groups of the KV format from its description (`kv_encode`): one-element formats (f16) store converted bits;
 symmetric formats whose code is a bare signed-byte field and whose step is an f16 field (q8_0, q8_g64) store
 d = max|x| / |anchor| as f16 and codes round(x / d) clipped to the anchor. Recipes `rope_attention` and
 `norm_rope_attention` fuse the ropes of q and k (and qwen3's per-head q/k RMS norms before them) into this
@@ -11,7 +15,8 @@ Launch 2 (`attn`): grid (T, n_head / heads); two-pass softmax with the scores of
 (room for a run's: the key span / splits): scores (K decoded block by block; with lanes, keys in tiles, `kparts`
 lanes per key adding their shares of the dot product through a local array), Reduce max, LaneFor exp, Reduce
 sum, then a LaneFor over (V block, part) accumulates p_j * v_j, `parts` lanes sharing a block (`Decoder.walk`'s
-split; with one element a lane, in registers, else into a local output row). Knob `heads` (GQA): a group takes
+split; with one element a lane, in registers, else into a local output row; split rows: a word of the V row a
+lane, in registers, lanes sharing a word by phases of the keys). Knob `heads` (GQA): a group takes
 that many query heads of one KV head, each K and V value decoded once for all of them ("auto": all of them in
 one-token GPU plans of contexts longer than LONG_CONTEXT, where their scores fit GROUP_SCORES).
 
