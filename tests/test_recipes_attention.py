@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from recipe_cases import gpu_shaped, plan_scratch, recipe, recipe_context, run_launches, target_runtimes
+from recipe_cases import gpu_shaped, plan_scratch, q8_rounded, recipe, recipe_context, run_launches, target_runtimes
 
 from polystrata.ir.encode import quantize
 from polystrata.ir.evaluate import dequantize
@@ -27,11 +27,13 @@ def _attention_graph(hq: int, hkv: int, d: int, window: int = 0, softcap: float 
 
 
 def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: int, n_ctx: int, knobs: dict,
-                     steps: tuple[int, ...], seed: int, d: int = 64, split_kv: bool = False) -> list:
+                     steps: tuple[int, ...], seed: int, d: int = 64, split_kv: bool = False,
+                     int8_q: bool = False) -> list:
     """The attention recipe's launches (lanes, knobs; heads of `d`) against the reference over `steps` (token
     counts, the largest first: `keep` holds buffers sized by it), the cache carried between them; returns the
     launches. `split_kv`: the KV rows split (`split_rows`), the reference then fed the very values the cache holds
-    (its rows decoded from that layout), so that only the order of float sums may differ."""
+    (its rows decoded from that layout), so that only the order of float sums may differ; `int8_q`: the scores
+    take q as int8 (knob int8), the reference then q rounded so too (`q8_rounded`)."""
     hkv = 2
     hq = hkv * gqa
     g = _attention_graph(hq, hkv, d, window, softcap)
@@ -61,7 +63,8 @@ def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: 
             np.testing.assert_allclose(rows[0], kq, atol=0.03)  # what the store wrote, K/V rounded through the format
             np.testing.assert_allclose(rows[1], vq, atol=0.03)
             kq, vq = rows
-        ref = R._IMPLS["attention"](ex, g.nodes[0], [qv, kq, vq, pv])
+        qr = q8_rounded(qv.reshape(t, -1)).astype(np.float32).reshape(qv.shape) if int8_q else qv
+        ref = R._IMPLS["attention"](ex, g.nodes[0], [qr, kq, vq, pv])
         # Our encoder may pick the neighbouring f16 scale (round-to-nearest vs. rounding up): a q8 step of a value.
         np.testing.assert_allclose(out, ref, atol=1e-4 if kv == "f16" or split_kv else 0.03, rtol=1e-3)
         n_past += t
@@ -129,18 +132,23 @@ SPLIT_ON_HOST = "split KV rows: not a host layout"
     ("q8_0", 64, 3, 0, 30.0, 1, {"splits": 1}),
     ("q8_g64", 128, 4, 10, 0.0, 128, {"splits": 5, "min_run": 4, "heads": 2}),
     ("q8_g64", 128, 3, 10, 20.0, 128, {"tiles": 1, "tiles_above": 0, "q_tile": 8, "k_tile": 16}),
-], ids=["lanes1", "lanes128-split5-heads2", "tiles"])
+    ("q8_0", 64, 2, 0, 0.0, 128, {"splits": 1, "heads": 2, "int8": 1}),
+    ("q8_g64", 128, 2, 10, 30.0, 1, {"splits": 1, "int8": 1}),
+], ids=["lanes1", "lanes128-split5-heads2", "tiles", "lanes128-int8", "lanes1-int8"])
 def test_attention_split_kv_rows(rt, kv, d, gqa, window, softcap, lanes, knobs):
     """KV cache rows split into codes and scales (`ir.layout.split_rows`), as a wide-load target's policy keeps
     q8_0 and q8_g64 (forced here): the store writes them; the row kernels read K a word of 4 codes a load (a lane a
     key, or lanes sharing a key's dot product) and V a word a lane (lanes sharing a word over phases of the keys
-    where the row has fewer words than the group lanes), and the tiles decode words, each against the reference.
-    Not on the host (`SPLIT_ON_HOST`)."""
+    where the row has fewer words than the group lanes), and the tiles decode words, each against the reference;
+    with knob int8 the scores take q as int8, a K word against a q word in one dot4_i8. Not on the host
+    (`SPLIT_ON_HOST`)."""
     if rt.lanes == 1:
         pytest.skip(SPLIT_ON_HOST)
     steps = (16, 1, 1, 4, 1, 13, 1) if "splits" in knobs else (21, 1, 1, 6, 13)
-    launches = _check_attention(rt, kv, gqa, window, softcap, lanes, 64, knobs, steps, 19, d=d, split_kv=True)
+    launches = _check_attention(rt, kv, gqa, window, softcap, lanes, 64, knobs, steps, 19, d=d, split_kv=True,
+                                int8_q="int8" in knobs)
     assert all("_split_" in la.kernel.name for la in launches[:2])
+    assert dict(launches[1].kernel.knobs).get("int8", 0) == knobs.get("int8", 0)
 
 
 def test_wide_load_targets_split_q8_kv_rows_of_whole_words():

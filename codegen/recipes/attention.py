@@ -16,7 +16,9 @@ Launch 2 (`attn`): grid (T, n_head / heads); two-pass softmax with the scores of
 lanes per key adding their shares of the dot product through a local array), Reduce max, LaneFor exp, Reduce
 sum, then a LaneFor over (V block, part) accumulates p_j * v_j, `parts` lanes sharing a block (`Decoder.walk`'s
 split; with one element a lane, in registers, else into a local output row; split rows: a word of the V row a
-lane, in registers, lanes sharing a word by phases of the keys). Knob `heads` (GQA): a group takes
+lane, in registers, lanes sharing a word by phases of the keys; and where the target has an int8 dot product,
+knob `int8`, the scores take q quantized to int8 per 32 values, a K word against a q word in one `dot4_i8`).
+Knob `heads` (GQA): a group takes
 that many query heads of one KV head, each K and V value decoded once for all of them ("auto": all of them in
 one-token GPU plans of contexts longer than LONG_CONTEXT, where their scores fit GROUP_SCORES).
 
@@ -44,14 +46,14 @@ import math
 from collections.abc import Sequence
 
 from polystrata.codegen.dequant import Decoder, chunk_len, word_codes
-from polystrata.codegen.format_analysis import block_stride, finest_group, widen
+from polystrata.codegen.format_analysis import affine, block_stride, finest_group, inline_elem_lets, widen
 from polystrata.codegen.policy import Policy
 from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register
-from polystrata.codegen.recipes._matvec import QB, round_half_away
+from polystrata.codegen.recipes._matvec import QB, code_word, round_half_away
 from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE, default_tiles, prefill_attention_kernel
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
 from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
-from polystrata.ir.expr import Const, Expr, Var
+from polystrata.ir.expr import Const, Expr, FieldLoad, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
@@ -114,6 +116,15 @@ def kv_layouts(fmt: QuantFormat, d: int, dv: int, policy: Policy) -> tuple[Quant
     """How the target keeps the K and V cache rows (heads of `d` and `dv` values) of KV type `fmt`: its own
     blocks, or split into codes and scales (`Policy.kv_layout`). The store and every reader take these."""
     return policy.kv_layout(fmt, d), policy.kv_layout(fmt, dv)
+
+
+def int8_scores(kf: QuantFormat, d: int) -> bool:
+    """Whether scores over K rows of layout `kf` (heads of `d`) can take q as int8 (`attention_kernel`'s
+    `int8_q`): codes a byte an element in aligned words (`word_codes`), each value a group scale times its code."""
+    a = affine(kf) if word_codes(kf) else None
+    qf = code_field(kf)
+    return (a is not None and a.offset is None and d % QB == 0 and qf.dtype == "i8"
+            and inline_elem_lets(kf, a.level) == FieldLoad(qf.name, Var("i")))
 
 
 def _kv_fmt(fmt: QuantFormat, d: int) -> QuantFormat:
@@ -238,11 +249,15 @@ def _runs(pos: Expr, window: int, splits: int, min_run: int) -> tuple[Let, ...]:
 
 def attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int,
                      scale: float, window: int, softcap: float, lanes: int, splits: int = 1, min_run: int = 1,
-                     heads: int = 1, active: Expr | None = None) -> Kernel:
+                     heads: int = 1, active: Expr | None = None, int8_q: bool = False) -> Kernel:
     """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq / heads). The keys
     of a token at position p are those of positions up to p in its sequence's cache rows, from `starts[t]` on;
     `kf`, `vf`: the layouts of the K and V cache rows (`kv_layouts`). Where their codes are aligned words
     (`dequant.word_codes`: split rows) K and V are read a word of 4 codes a load, and the scales as words.
+
+    `int8_q` (K rows whose codes are words and whose values are a scale times the code: `int8_scores`): the
+    group's q rows are quantized to int8 per 32 values into local memory first (as the matmuls' activations are),
+    and each K word meets its q word in one `dot4_i8`, scaled by the K group's and the q block's scales.
 
     `heads` (dividing hq / hkv): a group takes that many query heads of one KV head, reading each K and V value
     once for all of them (with GQA, groups of one head each read the KV head's cache again).
@@ -287,6 +302,23 @@ def attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: 
     tile = max(1, lanes // kparts)
 
     kwords = word_codes(kf)  # split rows: K codes a word (4 keys' values) a load, scales a word
+    if int8_q and not int8_scores(kf, d):
+        raise ValueError(f"{kf.name}: keys whose scores cannot take int8 q")
+    # int8 q: the group's q rows quantized per QB values into local memory (codes `qwd` a word of 4, scales `qsc`),
+    # a lane a word (each finding its block's largest |q| itself: no barrier between).
+    nqb = heads * d // QB
+    qu, qb, qo = Var("qu"), Var("qb"), Var("qo")
+    quantize_q = LaneFor("qu", Const(nqb * QB // 4), (
+        Let("qb", qu // (QB // 4)),
+        Let("qo", (t * hq + h0 + qb // (d // QB)) * d + qb % (d // QB) * QB),
+        Decl("qamax", "f32", Const(0.0)),
+        For("qe", Const(0), Const(QB), (
+            Assign("qamax", Call("max", Var("qamax"), Call("abs", Load("q", qo + Var("qe"))))),)),
+        Let("qinv", Select(Var("qamax") > 0.0, Const(127.0) / Var("qamax"), Const(0.0))),
+        If((qu % (QB // 4)).eq(0), (Store("qsc", qb, Var("qamax") / 127.0),)),
+        *code_word(lambda e: Load("q", qo + qu % (QB // 4) * 4 + e), Var("qinv"), "qcw"),
+        Store("qwd", qu, Var("qcw")),
+    ))
     kdec = Decoder(kf, "kc", Var("kj") * krb + (kvh * (d // kf.block_size) + Var("kb")) * block_stride(kf), "k_",
                    word_loads=kwords)
 
@@ -307,8 +339,18 @@ def attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: 
                 *(Assign(f"sc{hh}", Var(f"sc{hh}") + Var(f"kv{c}_{k}") * Load("q", qrow(hh) * d + e + k))
                   for hh in hs)))]
 
-        walk = (kdec.walk(lambda s0, sz, env, inner: inner, word_chunk, wide=4, split=split) if kwords else
-                kdec.walk(lambda s0, sz, env, inner: inner, chunk, split=split))
+        def int8_chunk(c, L, i0, env, lw) -> list:  # i0 counts words of the chunk: 4 codes against 4 of q
+            first = Const(c) + Var(i0) * 4 if c else Var(i0) * 4
+            load, _ = kdec.code_words(first, [env], f"kw{c}")
+            e = Var("kb") * kf.block_size + first
+            ks = lw.expr(affine(kf).scale)
+            return [load[-1], *(Assign(f"sc{hh}", Var(f"sc{hh}") + ks * (
+                Load("qsc", e // QB + hh * (d // QB) if hh else e // QB)
+                * Cast("f32", Call("dot4_i8", Var(f"kw{c}"), Load("qwd", e // 4 + hh * (d // 4) if hh else e // 4),
+                                   Const(0))))) for hh in hs)]
+
+        walk = kdec.walk(lambda s0, sz, env, inner: inner, int8_chunk if int8_q else word_chunk if kwords else chunk,
+                         wide=4 if kwords else 1, split=split)
         return [*(Decl(f"sc{hh}", "f32", Const(0.0)) for hh in hs),
                 For("kb", Const(0), Const(d // kf.block_size), tuple(walk))]
 
@@ -440,6 +482,7 @@ def attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: 
     body = (
         Let("pos", Load("positions", t)),
         *span,
+        *((quantize_q,) if int8_q else ()),
         *scores,
         Reduce("m0", "max", "jj", n, (), Load("s", jj), tuple((f"m{hh}", Load("s", sidx(hh, jj))) for hh in hs[1:])),
         LaneFor("jj", n, tuple(Store("s", sidx(hh, jj), Call("exp", Load("s", sidx(hh, jj)) - Var(f"m{hh}")))
@@ -455,11 +498,13 @@ def attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: 
     params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), Buf("starts", "i32"), *outs,
               Scalar("T"))
     local = (LocalArray("s", "f32", heads * run),) + ((LocalArray("o", "f32", o_floats),) if o_floats else ())
+    if int8_q:
+        local += (LocalArray("qwd", "u32", nqb * QB // 4), LocalArray("qsc", "f32", nqb))
     if kparts > 1:
         local += (LocalArray("sp", "f32", heads * tile * kparts),)
     grid = (Var("T"), Const(hq // heads)) + ((Const(splits),) if splits > 1 else ())
     knobs = (("two_pass", 1), ("splits", splits)) + ((("min_run", min_run),) if splits > 1 else ()) + (
-        (("heads", heads),) if heads > 1 else ())
+        (("heads", heads),) if heads > 1 else ()) + ((("int8", 1),) if int8_q else ())
     return Kernel(name, params, grid, body, lanes=lanes, local=local, knobs=knobs)
 
 
@@ -590,9 +635,14 @@ def _row_launches(ctx: RecipeContext, node: Node, layouts: tuple[QuantFormat, Qu
         if split_keys and ctx.t_max == 1 and span > LONG_CONTEXT:
             heads = max(h for h in range(1, hq // hkv + 1) if (hq // hkv) % h == 0 and h * run <= GROUP_SCORES)
     heads = int(heads)
+    int8_q = chosen["int8"]
+    if int8_q == "auto":  # where the target has an int8 dot product and the K rows' codes are words
+        int8_q = ctx.target().int8_dot
+    int8_q = bool(int(int8_q)) and int8_scores(_kv_fmt(layouts[0], d), d)
     at = attention_kernel(f"attn_{tag}_{splits}" + (f"_r{min_run}" if splits > 1 else "") +
-                          (f"_h{heads}" if heads > 1 else "") + (f"_{suffix}" if suffix else ""), *layouts, hq, hkv,
-                          d, dv, span, float(a["scale"]), window, softcap, ctx.lanes, splits, min_run, heads, cond)
+                          (f"_h{heads}" if heads > 1 else "") + ("_q8" if int8_q else "") +
+                          (f"_{suffix}" if suffix else ""), *layouts, hq, hkv, d, dv, span, float(a["scale"]), window,
+                          softcap, ctx.lanes, splits, min_run, heads, cond, int8_q)
     out = ctx.buf(node.output)
     if splits == 1:
         return [Launch(at, (*io, ("out", out)), (("T", "T"),))]
@@ -635,10 +685,13 @@ def _match_norm_rope_attention(nodes: Sequence[Node]) -> bool:
             and nq.attrs == nk.attrs and all(n.inputs[1].type.shape == (d,) for n in (nq, nk)))
 
 
-# Knob heads: query heads of a KV head together (must divide hq / hkv: the recipe rejects others). Knobs tiles,
-# tiles_above, q_tile, k_tile: prefill attention in tiles (`attention_tiles.py`).
+# Knob heads: query heads of a KV head together (must divide hq / hkv: the recipe rejects others). Knob int8: the
+# one-row kernels' scores take q as int8 against K codes in words ("auto": where the policy has int8_dot; only K
+# rows split into codes and scales take it). Knobs tiles, tiles_above, q_tile, k_tile: prefill attention in tiles
+# (`attention_tiles.py`).
 ATTENTION_SPACE = KnobSpace("attention", (Knob("splits", "auto", (1, 2, 4, 8, 16, 32)),
                                           Knob("min_run", "auto", (1, 4, 16, 64)), Knob("heads", "auto", (1, 2, 4)),
+                                          Knob("int8", "auto", (0, 1)),
                                           Knob("tiles", "auto", (0, 1)), Knob("tiles_above", "auto", (0, 16, 256)),
                                           Knob("q_tile", "auto", (4, 8, 16)), Knob("k_tile", "auto", (8, 16, 32))),
                             constraint=lambda kn: (kn["min_run"] == "auto" or kn["splits"] not in ("auto", 1))
