@@ -22,11 +22,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from polystrata.codegen.format_analysis import block_stride, finest_group, groups, index_only_lets, weight_dtype
+from polystrata.codegen.format_analysis import (
+    block_stride,
+    finest_group,
+    groups,
+    index_only_lets,
+    inline_elem_lets,
+    weight_dtype,
+)
 from polystrata.ir.expr import PY_OPS, Bin, Const, Expr, FieldLoad, Table, ToF32, Var
 from polystrata.ir.formats import Field, QuantFormat
-from polystrata.ir.kernel import Call, Cast, Decl, For, Let, Load, Select, substitute
-from polystrata.ir.layout import place_slices
+from polystrata.ir.kernel import Call, Cast, Decl, For, Let, Load, Select, expr_nodes, rewrite, substitute
+from polystrata.ir.layout import code_field, place_slices
 
 _SIZES = {"u8": 1, "i8": 1, "u16": 2, "bf16": 2, "f16": 2, "u32": 4, "i32": 4, "f32": 4}
 
@@ -406,3 +413,49 @@ class Decoder:
     def value(self, lw: _Lowerer) -> Expr:
         """The element value (f32) inside a chunk."""
         return lw.expr(self.fmt.value)
+
+    def group_lets(self) -> tuple[list, list[dict[str, Expr]]]:
+        """The `Let`s of every group above single elements, hoisted as `walk` hoists them, and for each of the
+        finest groups the env its elements' values see (for `code_words` picking a group at run time)."""
+        gs = groups(self.fmt)
+        env: dict[str, Expr] = {}
+        out, envs = [], []
+        for s in range(0, self.fmt.block_size, finest_group(self.fmt)):
+            for g in gs[:-1]:
+                if s % g == 0:
+                    out += self.lets_for(g, s, env)
+            envs.append(dict(env))
+        return out, envs
+
+    def code_words(self, first: Expr, envs: list[dict[str, Expr]], word: str) -> tuple[list, list[Expr]]:
+        """For a format whose codes are a byte an element in aligned words (`word_codes`): statements leaving in
+        u32 `word` the codes of elements `first` .. `first` + 3 (`first` a multiple of 4), one 4-byte load, and
+        those elements' values (f32): the format's value with each code's byte taken out of the word. `envs`: the
+        group lets' env of one group holding the elements, or of every finest group (`group_lets`), the elements'
+        group's then picked at run time (into lets named after `word`)."""
+        env, out = envs[0], []
+        if len(envs) > 1:
+            g, env = first // finest_group(self.fmt), dict(envs[-1])
+            for name in [n for n in env if any(e[n] != env[n] for e in envs)]:
+                pick = env[name]
+                for k in range(len(envs) - 2, -1, -1):
+                    pick = Select(g.eq(k), envs[k][name], pick)
+                out.append(Let(f"{word}_{name}", pick))
+                env[name] = Var(f"{word}_{name}")
+        qf = code_field(self.fmt)
+        lw = _Lowerer(self.fmt, self.buf, self.base, env, first, 1, "_unused", self.f16_arith)
+        value = lw.expr(inline_elem_lets(self.fmt, self.fmt.value))  # the code a byte load at base + first
+        if sum(1 for n in expr_nodes(value) if isinstance(n, Load) and n.buf == self.buf) != 1:
+            raise ValueError(f"{self.fmt.name}: values read more than their code byte")
+        at = self.base + (first + qf.offset if qf.offset else first)
+        out.append(Let(word, Call("load_u32", Var(self.buf), at, Const(4))))
+        # Each byte as a signed int, as a byte load is (the format's arithmetic on it may go negative).
+        return out, [rewrite(value, lambda e, k=k: Cast("i32", (Var(word) >> 8 * k) & 255) if isinstance(e, Load)
+                              and e.buf == self.buf else e) for k in range(4)]
+
+
+def word_codes(fmt: QuantFormat) -> bool:
+    """Whether `fmt`'s codes are a byte an element (`ir.layout.code_field`) in whole aligned 4-byte words of its
+    blocks (`ir.layout.split_rows` keeps q8_0's and q8_g64's so), which `Decoder.code_words` reads."""
+    qf = code_field(fmt)
+    return qf is not None and qf.offset % 4 == 0 and block_stride(fmt) % 4 == 0

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from polystrata.codegen.lanes import MatrixInstr, MatrixUnit
+from polystrata.ir.formats import QuantFormat
+from polystrata.ir.layout import split_rows
 
 # Formats whose blocks a target with wide loads reads padded to 16 bytes (`ir.layout.padded`): Q6_K's 210-byte
 # blocks are only 2-byte aligned, so each of their loads was a 2-byte one. Costs 14 bytes a block (6.7 %).
@@ -24,6 +26,11 @@ PADDED_ON_WIDE_LOADS = ("Q6_K",)
 # 2 lines of 256 bytes. Same bytes, moved at upload (docs/benchmarks.md, H200, seventh and eighth sessions).
 # Q6_K's matvec reads interleaved words, whose slices' addresses would be computed at run time; not tried.
 SLICED_ON_WIDE_LOADS = ("Q4_K", "Q5_K")
+# KV cache types whose cache rows a target with wide loads keeps split, a head's codes before its scales
+# (`ir.layout.split_rows`): in the GGUF layout q8_0's 34- and q8_g64's 66-byte blocks hold their codes 2-byte
+# aligned behind each scale, read a byte a lane, and each f16 scale took two byte loads (docs/benchmarks.md,
+# "Decode at depth"). Split, the codes are aligned words and the scales one word load. Same bytes a row.
+SPLIT_KV_ON_WIDE_LOADS = ("Q8_0", "q8_g64")
 
 # The schedules picked by hand for the host CPU (one lane: a lane takes whole rows, per-element partial sums
 # that vectorize, activations quantized inside the kernel if at all, multiply-adds fused in the dot products,
@@ -63,6 +70,7 @@ class Policy:
     host_arith: bool = False
     padded_formats: tuple[str, ...] = ()  # weight formats kept with blocks padded to 16 bytes (`ir.layout.padded`)
     sliced_formats: tuple[str, ...] = ()  # weight formats kept in sliced rows (`ir.layout.sliced`)
+    split_kv_formats: tuple[str, ...] = ()  # KV cache types kept in split rows (`kv_layout`)
     knobs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # knob space -> knob -> default
     # The tuning database's choices for this device (`polystrata.tuning.apply_tuning`): kernel instance signature
     # (`KnobSpace.signature`) -> knob overrides.
@@ -75,6 +83,15 @@ class Policy:
         except KeyError:
             raise KeyError(f"the target policy has no default for knob {space}.{knob}") from None
 
+    def kv_layout(self, fmt: QuantFormat, width: int) -> QuantFormat:
+        """How this target keeps a KV cache head row of `width` values of type `fmt`: split into codes and scales
+        (`ir.layout.split_rows`) where the policy says so and the row's bytes are whole 4-byte words (so that
+        every row's codes start on a word), else in `fmt`'s own blocks."""
+        if fmt.name in self.split_kv_formats and width % fmt.block_size == 0 \
+                and width // fmt.block_size * fmt.block_bytes % 4 == 0:
+            return split_rows(fmt, width)
+        return fmt
+
     def with_shape(self, lanes: int, subgroup: int) -> Policy:
         """This policy for a device whose lane counts are known only once it is opened (OpenCL, HIP)."""
         return replace(self, lanes=lanes, subgroup=subgroup)
@@ -84,10 +101,12 @@ HOST_POLICY = Policy(host_arith=True, knobs=HOST_KNOBS)
 
 
 def device_policy(lanes: int, subgroup: int, wide_loads: bool = False, int8_dot: bool = False) -> Policy:
-    """A GPU's policy with the GPU schedules (a wide-load target also keeps the padded and sliced layouts)."""
-    layouts = (PADDED_ON_WIDE_LOADS, SLICED_ON_WIDE_LOADS) if wide_loads else ((), ())
+    """A GPU's policy with the GPU schedules (a wide-load target also keeps the padded, sliced and split
+    layouts)."""
+    layouts = (PADDED_ON_WIDE_LOADS, SLICED_ON_WIDE_LOADS, SPLIT_KV_ON_WIDE_LOADS) if wide_loads else ((), (), ())
     return Policy(lanes=lanes, subgroup=subgroup, wide_loads=wide_loads, int8_dot=int8_dot,
-                  padded_formats=layouts[0], sliced_formats=layouts[1], knobs=DEVICE_KNOBS)
+                  padded_formats=layouts[0], sliced_formats=layouts[1], split_kv_formats=layouts[2],
+                  knobs=DEVICE_KNOBS)
 
 
 def shape_policy(lanes: int, subgroup: int, wide_loads: bool = False) -> Policy:

@@ -1,7 +1,9 @@
-"""Device storage layouts of the formats: blocks padded to an alignment, rows cut into slices.
+"""Device storage layouts of the formats: blocks padded to an alignment, rows cut into slices, rows split into
+codes and scales.
 
-A layout is a `QuantFormat` derived from a GGUF one (`padded`, `sliced`) that decodes the same; `repack` lays a
-file's bytes out in it at upload, and `place_slices` moves a decoder's loads to where a sliced layout keeps them.
+A layout is a `QuantFormat` derived from a GGUF one (`padded`, `sliced`, `split_rows`) that decodes the same;
+`repack` lays a file's bytes out in it at upload, and `place_slices` moves a decoder's loads to where a sliced
+layout keeps them.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ import dataclasses
 
 import numpy as np
 
-from polystrata.ir.expr import Bin, Const, Expr, Var
-from polystrata.ir.formats import SLICE, Field, QuantFormat
+from polystrata.ir.expr import Bin, Const, Expr, FieldLoad, Var, i
+from polystrata.ir.formats import SLICE, Field, GroupLet, QuantFormat
 from polystrata.ir.kernel import Call, Load, rewrite
 
 
@@ -39,6 +41,54 @@ def sliced(fmt: QuantFormat, cols: int) -> QuantFormat:
     return dataclasses.replace(fmt, name=f"{fmt.name}_S{nb}", ggml_type=None, row_blocks=nb)
 
 
+def code_field(fmt: QuantFormat) -> Field | None:
+    """The field holding `fmt`'s codes a byte an element where its scheme's code is that field at the element's
+    index (q8_0, q8_g64), else None."""
+    s = fmt.scheme
+    code = fmt.let(s.code).expr if s is not None else None
+    if not (isinstance(code, FieldLoad) and code.index == i):
+        return None
+    f = fmt.field(code.field)
+    return f if f.dtype in ("i8", "u8") and f.count == fmt.block_size else None
+
+
+def split_rows(fmt: QuantFormat, width: int) -> QuantFormat:
+    """`fmt` in rows of `width` elements, each row one block: first the codes of all its blocks, then the other
+    fields of its blocks (q8_0's and q8_g64's f16 scales), field by field. A device storage layout of the KV
+    cache: in the GGUF layout the codes of 34- and 66-byte blocks sit behind each block's scale, 2-byte aligned,
+    so kernels read them a byte at a time; here a row whose bytes are whole words keeps them in aligned words and
+    its scales side by side. Same bytes a row, same values; `repack` lays GGUF blocks out in it. For formats whose
+    codes are a byte an element (`code_field`)."""
+    qf = code_field(fmt)
+    if qf is None or fmt.row_blocks or width % fmt.block_size:
+        raise ValueError(f"{fmt.name} rows of {width} cannot be split into codes and scales")
+    bs, nb = fmt.block_size, width // fmt.block_size
+    fields, off = [Field(qf.name, 0, qf.dtype, width)], width
+    for f in fmt.fields:
+        if f is not qf:
+            fields.append(Field(f.name, off, f.dtype, f.count * nb))
+            off += f.nbytes * nb
+
+    def moved(e: Expr) -> Expr:  # a block's field element, as the row's: block i // bs, its element at i % bs
+        if not isinstance(e, FieldLoad) or e.field == qf.name:
+            return e
+        at = rewrite(e.index, lambda x: x % bs if x == i else x)
+        count = fmt.field(e.field).count
+        first = i // bs * count if count > 1 else i // bs
+        return FieldLoad(e.field, first if at == Const(0) else first + at)
+
+    return dataclasses.replace(
+        fmt, name=f"{fmt.name}_R{width}", ggml_type=None, block_size=width, block_bytes=off, fields=tuple(fields),
+        lets=tuple(GroupLet(lt.name, rewrite(lt.expr, moved), lt.group) for lt in fmt.lets),
+        value=rewrite(fmt.value, moved))
+
+
+def _split_of(dst: QuantFormat, src: QuantFormat) -> bool:
+    """Whether `dst` is `split_rows` of `src`."""
+    return (dst.block_size % src.block_size == 0 and code_field(src) is not None
+            and dst == split_rows(src, dst.block_size))
+
+
 def _unsliced(fmt: QuantFormat) -> QuantFormat:
     """The layout a `sliced` format slices (itself when not sliced)."""
     if not fmt.row_blocks:
@@ -56,12 +106,17 @@ def slice_rows(raw: np.ndarray, fmt: QuantFormat, inverse: bool = False) -> np.n
 
 
 def repack(raw: np.ndarray, src: QuantFormat, dst: QuantFormat) -> np.ndarray:
-    """The blocks of `src` data (its raw bytes) laid out as `dst`, a `padded` and/or `sliced` form of `src`: each
-    block's bytes, then zeros; then, where sliced, each row's slices transposed."""
+    """The blocks of `src` data (its raw bytes) laid out as `dst`, a `padded` and/or `sliced` form of `src` (each
+    block's bytes, then zeros; then, where sliced, each row's slices transposed) or its `split_rows`."""
     if dst.row_blocks:
         return slice_rows(repack(raw, src, _unsliced(dst)), dst)
     if dst.name == src.name:
         return raw
+    if _split_of(dst, src):  # each row's blocks field by field, in the layout's order
+        blocks = np.asarray(raw).reshape(-1).view(np.uint8).reshape(-1, dst.block_size // src.block_size,
+                                                                    src.block_bytes)
+        parts = [blocks[:, :, f.offset:f.offset + f.nbytes] for f in (src.field(g.name) for g in dst.fields)]
+        return np.concatenate([p.reshape(p.shape[0], -1) for p in parts], axis=1).reshape(-1)
     if dst.fields[: len(src.fields)] != src.fields or dst.block_size != src.block_size:
         raise ValueError(f"{dst.name} is not a padded layout of {src.name}")
     blocks = np.asarray(raw).reshape(-1).view(np.uint8).reshape(-1, src.block_bytes)

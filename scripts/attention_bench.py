@@ -4,7 +4,8 @@ Builds `--layers` attention ops (llama3-8b's heads by default: 32 query heads, 8
 holding `--depth` tokens of random keys and values in a KV type, checks the output of each against numpy on the
 dequantized cache, then times the step's attention launches (K/V store, attention, split-K combine) replayed from
 a captured graph where the target captures them. Several layers' caches (each its own buffer) keep the L2 cache
-from holding the keys between launches. `--knob attention.splits=N` etc. compare schedules.
+from holding the keys between launches. `--knob attention.splits=N` etc. compare schedules; `--gguf-kv` keeps
+the cache rows in the KV type's own blocks where the target's policy would split them (`Policy.kv_layout`).
 
     python scripts/attention_bench.py --target cuda --depth 8192 --kv-type q8_g64 [--knob attention.splits=130]
 """
@@ -12,6 +13,7 @@ from holding the keys between launches. `--knob attention.splits=N` etc. compare
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import numpy as np
 
@@ -21,6 +23,7 @@ from polystrata.ir.encode import quantize
 from polystrata.ir.evaluate import dequantize
 from polystrata.ir.formats import FORMATS, KV_FORMATS
 from polystrata.ir.graph import Graph
+from polystrata.ir.layout import repack
 from polystrata.runtimes.base import eval_int
 from polystrata.targets import make_runtime
 
@@ -45,10 +48,13 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=100)
     ap.add_argument("--bandwidth", type=float, default=4.29e12, help="bytes/s to compare with (H200 measured read)")
     ap.add_argument("--knob", action="append", default=[], metavar="RECIPE.NAME=VALUE")
+    ap.add_argument("--gguf-kv", action="store_true", help="KV rows in the type's own blocks, not split")
     a = ap.parse_args()
     hq, hkv, d = (int(x) for x in a.heads.split(","))
     kvf = KV_FORMATS[a.kv_type]
     rt = make_runtime(a.target)
+    if a.gguf_kv:
+        rt.policy = dataclasses.replace(rt.policy, split_kv_formats=())
     n_ctx = a.depth + 64
     g = Graph(arch="bench")
     tok = g.input("tokens", "i32", ("T",))
@@ -79,6 +85,7 @@ def main() -> None:
             deq = dequantize(kvf, raw, rows.shape)
             deq[a.depth] = dequantize(kvf, quantize(kvf, new[None]), (1, hkv * d))[0]  # the step's own row
             spec = plan.buffers[f"kv.{il}.{n}"]
+            raw = repack(raw, kvf, rt.policy.kv_layout(kvf, d))  # the rows as the target keeps them
             bufs[spec.name] = rt.upload(np.frombuffer(raw.tobytes(), np.uint8)[:spec.count].copy())
             caches.append(deq[: a.depth + 1].reshape(-1, hkv, d))
         kc, vc = caches
@@ -115,7 +122,8 @@ def main() -> None:
     names = " + ".join(dict.fromkeys(k.name for k, _ in step if not k.name.startswith("embed")))
     print(f"attention d{a.depth} {a.kv_type} on {rt.device}: {per_layer * 1e6:.1f} us/layer, "
           f"{kv_bytes / per_layer / 1e9:.0f} GB/s ({100 * kv_bytes / per_layer / a.bandwidth:.0f}%), "
-          f"max abs err {err:.1e}{' (graph)' if graphed else ''} {' '.join(a.knob)}  [{names}]", flush=True)
+          f"max abs err {err:.1e}{' (graph)' if graphed else ''} {' '.join(a.knob)}{' gguf-kv' if a.gguf_kv else ''}"
+          f"  [{names}]", flush=True)
 
 
 if __name__ == "__main__":

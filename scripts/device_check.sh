@@ -92,6 +92,12 @@ if [[ " $STAGES " == *" parity "* ]]; then
             timeout 600 python3 -m polystrata parity "$name" --fixtures "tests/data/fixtures/reference/${entry##*:}" \
                 --target "$t" 2>&1 | tee -a "$LOG" | tail -3
         done
+        # Quantized KV on cuda against its own f16 KV (split rows and int8 q in the scores where they apply;
+        # docs/benchmarks.md has the cpu target's figures beside).
+        for kv in q8_0 q8_g64; do
+            timeout 600 python3 -m polystrata parity "$name" --fixtures "tests/data/fixtures/reference/${entry##*:}" \
+                --target cuda --kv-type "$kv" --against-kv f16 2>&1 | tee -a "$LOG" | tail -3
+        done
     done
     grep -E "^parity" "$LOG" | while read -r line; do row "${line%%:*}" "${line#*:}"; done
 fi
@@ -174,9 +180,10 @@ EOF2
 fi
 
 if [[ " $STAGES " == *" depth "* ]]; then
-    # Decode after DEPTH tokens of context (llama-bench -d) on the llama3-8b preset, each KV cache type. Issue 17's
-    # goal: q8_g64 at least as fast as f16 at 8192, >= 1.2x f16 at 32768. bench fills the depth from one
-    # prefilled chunk (bench._fill_depth); DEPTHS / KV_TYPES / DEPTH_N / DEPTH_R narrow the stage.
+    # Decode after DEPTH tokens of context (llama-bench -d) on the llama3-8b preset, each KV cache type (f16, q8_0,
+    # q8_g64 at 8192 and 32768; cuda keeps the q8 cache rows split into codes and scales). Issue 17's goal: q8_g64
+    # at least as fast as f16 at 8192, >= 1.2x f16 at 32768. bench fills the depth from one prefilled chunk
+    # (bench._fill_depth); DEPTHS / KV_TYPES / DEPTH_N / DEPTH_R narrow the stage.
     preset_model llama3-8b-q4km
     for dp in ${DEPTHS:-8192 32768}; do
         for kv in ${KV_TYPES:-f16 q8_0 q8_g64}; do
@@ -206,13 +213,21 @@ fi
 
 if [[ " $STAGES " == *" attention "* ]]; then
     # One-token attention alone at depth (scripts/attention_bench.py): microseconds a layer and KV bandwidth, each KV
-    # type; ATTN_KNOBS adds variants (e.g. "attention.splits=130 attention.heads=1").
+    # type; ATTN_KNOBS adds variants (e.g. "attention.splits=130 attention.heads=1"). The q8 types run three times:
+    # cache rows split into codes and scales with int8 q in the scores (cuda's defaults), split with f32 q
+    # (attention.int8=0), and in their GGUF blocks (--gguf-kv), so each step's effect reads off one run.
     for dp in ${DEPTHS:-8192 32768}; do
         for kv in ${KV_TYPES:-f16 q8_0 q8_g64}; do
             for kn in "" ${ATTN_KNOBS:-}; do
                 timeout 180 python3 scripts/attention_bench.py --target cuda --depth "$dp" --kv-type "$kv" \
                     --iters 50 ${kn:+--knob "$kn"} 2>> "$LOG" | tail -1 | cut -c1-150 | tee -a "$SUMMARY"
             done
+            if [[ "$kv" != f16 ]]; then
+                for variant in "--knob attention.int8=0" --gguf-kv; do
+                    timeout 180 python3 scripts/attention_bench.py --target cuda --depth "$dp" --kv-type "$kv" \
+                        --iters 50 $variant 2>> "$LOG" | tail -1 | cut -c1-150 | tee -a "$SUMMARY"
+                done
+            fi
         done
     done
 fi

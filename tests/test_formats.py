@@ -32,7 +32,7 @@ from polystrata.ir.formats import (
     row_bytes,
     tensor_bytes,
 )
-from polystrata.ir.layout import padded, repack, sliced
+from polystrata.ir.layout import padded, repack, sliced, split_rows
 
 DECODABLE = [f for f in FORMATS.values() if f.value is not None]
 ALL = [*FORMATS.values(), Q8_G64]
@@ -278,3 +278,25 @@ def test_sliced_layout_moves_slices_and_decodes_like_the_gguf_one():
     for fmt, n in ((q6, 512), (FORMATS["Q8_0"], 64), (q4, 1000), (s4, 1024)):
         with pytest.raises(ValueError, match="cannot be sliced"):
             sliced(fmt, n)
+
+
+@pytest.mark.parametrize("name,width", [("Q8_0", 128), ("q8_g64", 128), ("q8_g64", 64)])
+def test_split_rows_layout_keeps_codes_then_scales(name, width):
+    """A KV head row split into codes and scales (a device layout): the row's codes first, in order, then its
+    blocks' f16 scales side by side; same bytes a row, and the bytes decode to the same values. Formats whose codes
+    are not a byte an element are refused."""
+    fmt = by_name(name)
+    sr = split_rows(fmt, width)
+    nb = width // fmt.block_size
+    assert (sr.block_size, sr.block_bytes, sr.ggml_type) == (width, nb * fmt.block_bytes, None)
+    rows = 3
+    raw = quantize(fmt, _test_data(rows=rows, cols=2 * width))
+    packed = repack(raw, fmt, sr).reshape(2 * rows, -1)
+    blocks = np.asarray(raw).reshape(2 * rows, nb, fmt.block_bytes)
+    np.testing.assert_array_equal(packed[:, :width], blocks[:, :, 2:].reshape(2 * rows, width))
+    np.testing.assert_array_equal(packed[:, width:], blocks[:, :, :2].reshape(2 * rows, 2 * nb))
+    np.testing.assert_array_equal(_bits(dequantize(sr, packed, (rows, 2 * width))),
+                                  _bits(dequantize(fmt, raw, (rows, 2 * width))))
+    for bad, n in ((FORMATS["Q4_0"], 64), (FORMATS["Q4_K"], 256), (fmt, width + 16)):
+        with pytest.raises(ValueError, match="cannot be split"):
+            split_rows(bad, n)

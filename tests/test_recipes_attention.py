@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from recipe_cases import gpu_shaped, plan_scratch, recipe, recipe_context, run_launches, target_runtimes
+from recipe_cases import gpu_shaped, plan_scratch, q8_rounded, recipe, recipe_context, run_launches, target_runtimes
 
 from polystrata.ir.encode import quantize
 from polystrata.ir.evaluate import dequantize
 from polystrata.ir.formats import KV_FORMATS, row_bytes
 from polystrata.ir.graph import Graph
+from polystrata.ir.layout import repack, split_rows
 from polystrata.runtimes import reference as R
 
 rt = target_runtimes()
@@ -26,13 +27,17 @@ def _attention_graph(hq: int, hkv: int, d: int, window: int = 0, softcap: float 
 
 
 def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: int, n_ctx: int, knobs: dict,
-                     steps: tuple[int, ...], seed: int) -> list:
-    """The attention recipe's launches (lanes, knobs) against the reference over `steps` (token counts, the
-    largest first: `keep` holds buffers sized by it), the cache carried between them; returns the launches."""
-    hkv, d = 2, 64
+                     steps: tuple[int, ...], seed: int, d: int = 64, split_kv: bool = False,
+                     int8_q: bool = False) -> list:
+    """The attention recipe's launches (lanes, knobs; heads of `d`) against the reference over `steps` (token
+    counts, the largest first: `keep` holds buffers sized by it), the cache carried between them; returns the
+    launches. `split_kv`: the KV rows split (`split_rows`), the reference then fed the very values the cache holds
+    (its rows decoded from that layout), so that only the order of float sums may differ; `int8_q`: the scores
+    take q as int8 (knob int8), the reference then q rounded so too (`q8_rounded`)."""
+    hkv = 2
     hq = hkv * gqa
     g = _attention_graph(hq, hkv, d, window, softcap)
-    ctx = recipe_context(g, kv=kv, n_ctx=n_ctx, lanes=lanes)
+    ctx = recipe_context(g, kv=kv, n_ctx=n_ctx, lanes=lanes, split_kv=split_kv)
     ctx.knobs = {"attention": knobs}
     launches = recipe("attention").lower(g.nodes, ctx)
     fmt = KV_FORMATS[kv]
@@ -47,14 +52,21 @@ def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: 
         # The reference sees what the cache holds: K/V rounded through the KV format.
         kq = dequantize(fmt, quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
         vq = dequantize(fmt, quantize(fmt, vv.reshape(t, -1)), (t, hkv * d)).reshape(vv.shape)
-        ref = R._IMPLS["attention"](ex, g.nodes[0], [qv, kq, vq, pv])
         sb, so = plan_scratch(ctx)  # split-K partials, poisoned: a run the combine should not read spoils the output
         out = run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
                                            "positions": pv, "starts": np.zeros(t, np.int32), **sb}, {"T": t},
                             {"o": ((t, hq, d), "f32"), **so},
                             keep)["o"]
+        if split_kv:
+            rows = [dequantize(split_rows(fmt, d), rt.download(keep[f"kv.0.{n}"], (kvb,), "u8"), (n_ctx, hkv, d))
+                    [n_past:n_past + t] for n in "kv"]
+            np.testing.assert_allclose(rows[0], kq, atol=0.03)  # what the store wrote, K/V rounded through the format
+            np.testing.assert_allclose(rows[1], vq, atol=0.03)
+            kq, vq = rows
+        qr = q8_rounded(qv.reshape(t, -1)).astype(np.float32).reshape(qv.shape) if int8_q else qv
+        ref = R._IMPLS["attention"](ex, g.nodes[0], [qr, kq, vq, pv])
         # Our encoder may pick the neighbouring f16 scale (round-to-nearest vs. rounding up): a q8 step of a value.
-        np.testing.assert_allclose(out, ref, atol=1e-4 if kv == "f16" else 0.03, rtol=1e-3)
+        np.testing.assert_allclose(out, ref, atol=1e-4 if kv == "f16" or split_kv else 0.03, rtol=1e-3)
         n_past += t
     return launches
 
@@ -109,6 +121,78 @@ def test_attention_tiles(rt, kv, gqa, window, softcap, q_tile, k_tile):
     launches = _check_attention(rt, kv, gqa, window, softcap, 128, 64, knobs, (21, 1, 1, 6, 13), 13)
     tiles = launches[1].kernel
     assert len(launches) == 2 and dict(tiles.knobs) == {"tiles": 1, "q_tile": q_tile, "k_tile": k_tile}
+
+
+# The host's policy never splits KV rows, and its Numba compile of the split rows' kernels costs ~20 s: the split
+# layout's tests run on the targets with lanes (their one-lane case too).
+SPLIT_ON_HOST = "split KV rows: not a host layout"
+
+
+@pytest.mark.parametrize("kv,d,gqa,window,softcap,lanes,knobs", [
+    ("q8_0", 64, 3, 0, 30.0, 1, {"splits": 1}),
+    ("q8_g64", 128, 4, 10, 0.0, 128, {"splits": 5, "min_run": 4, "heads": 2}),
+    ("q8_g64", 128, 3, 10, 20.0, 128, {"tiles": 1, "tiles_above": 0, "q_tile": 8, "k_tile": 16}),
+    ("q8_0", 64, 2, 0, 0.0, 128, {"splits": 1, "heads": 2, "int8": 1}),
+    ("q8_g64", 128, 2, 10, 30.0, 1, {"splits": 1, "int8": 1}),
+], ids=["lanes1", "lanes128-split5-heads2", "tiles", "lanes128-int8", "lanes1-int8"])
+def test_attention_split_kv_rows(rt, kv, d, gqa, window, softcap, lanes, knobs):
+    """KV cache rows split into codes and scales (`ir.layout.split_rows`), as a wide-load target's policy keeps
+    q8_0 and q8_g64 (forced here): the store writes them; the row kernels read K a word of 4 codes a load (a lane a
+    key, or lanes sharing a key's dot product) and V a word a lane (lanes sharing a word over phases of the keys
+    where the row has fewer words than the group lanes), and the tiles decode words, each against the reference;
+    with knob int8 the scores take q as int8, a K word against a q word in one dot4_i8. Not on the host
+    (`SPLIT_ON_HOST`)."""
+    if rt.lanes == 1:
+        pytest.skip(SPLIT_ON_HOST)
+    steps = (16, 1, 1, 4, 1, 13, 1) if "splits" in knobs else (21, 1, 1, 6, 13)
+    launches = _check_attention(rt, kv, gqa, window, softcap, lanes, 64, knobs, steps, 19, d=d, split_kv=True,
+                                int8_q="int8" in knobs)
+    assert all("_split_" in la.kernel.name for la in launches[:2])
+    assert dict(launches[1].kernel.knobs).get("int8", 0) == knobs.get("int8", 0)
+
+
+def test_wide_load_targets_split_q8_kv_rows_of_whole_words():
+    """The layout is the policy's: a wide-load target (cuda) keeps q8_0 and q8_g64 head rows split where their
+    bytes are whole words (heads of 64 in q8_g64, 66 bytes, stay in blocks), others and f16 as they are (a row's
+    bytes are the same either way); the store and attention kernels follow the policy."""
+    from polystrata.codegen.policy import HOST_POLICY, device_policy
+    from polystrata.runtimes.cuda import CUDARuntime
+
+    wide = device_policy(128, 32, wide_loads=True)
+    assert CUDARuntime.policy.split_kv_formats == wide.split_kv_formats == ("Q8_0", "q8_g64")
+    q8, g64, f16 = (KV_FORMATS[n] for n in ("q8_0", "q8_g64", "f16"))
+    assert wide.kv_layout(q8, 64) == split_rows(q8, 64) and wide.kv_layout(g64, 128) == split_rows(g64, 128)
+    assert wide.kv_layout(g64, 64) is g64 and wide.kv_layout(f16, 128) is f16
+    for other in (HOST_POLICY, device_policy(64, 64, int8_dot=True)):
+        assert other.kv_layout(q8, 64) is q8
+    assert split_rows(g64, 128).block_bytes == row_bytes(g64, 128)
+    g = _attention_graph(8, 2, 128)
+    for policy, kernels in ((wide, ["kv_store_q8_g64_split", "attn_q8_g64_split"]),
+                            (HOST_POLICY, ["kv_store_q8_g64_8", "attn_q8_g64_8"])):
+        ctx = recipe_context(g, kv="q8_g64", lanes=policy.lanes)
+        ctx.policy = policy
+        assert [la.kernel.name[:len(k)] for la, k in zip(recipe("attention").lower(g.nodes, ctx), kernels)] == kernels
+
+
+def test_split_kv_store_writes_the_gguf_blocks_repacked(rt):
+    """The K/V store into split rows writes exactly the bytes of its GGUF-layout store, repacked (`repack`)."""
+    if rt.lanes == 1:
+        pytest.skip(SPLIT_ON_HOST)
+    hkv, d, t, n_ctx = 2, 64, 5, 8
+    g = _attention_graph(3 * hkv, hkv, d)  # test_attention's and test_attention_split_kv_rows' stores
+    fmt = KV_FORMATS["q8_0"]
+    kvb = n_ctx * row_bytes(fmt, hkv * d)
+    rng = np.random.default_rng(2)
+    ins = {"k": rng.standard_normal(t * hkv * d).astype(np.float32),
+           "v": rng.standard_normal(t * hkv * d).astype(np.float32),
+           "positions": np.arange(t, dtype=np.int32), "starts": np.zeros(t, np.int32)}
+    caches = {}
+    for split in (False, True):
+        store = recipe("attention").lower(g.nodes, recipe_context(g, kv="q8_0", n_ctx=n_ctx, split_kv=split))[0]
+        caches[split] = run_launches(rt, [store], ins, {"T": t}, {"kv.0.k": ((kvb,), "u8"), "kv.0.v": ((kvb,), "u8")})
+    layout = split_rows(fmt, d)
+    for name in ("kv.0.k", "kv.0.v"):
+        np.testing.assert_array_equal(caches[True][name], repack(caches[False][name], fmt, layout))
 
 
 def test_attention_tiles_or_rows_by_the_step(rt):

@@ -1,7 +1,11 @@
 """`attention`: write this step's K and V into the layer's KV cache, then causal (windowed, GQA) attention.
 
+The cache rows are kept as the target's policy says (`kv_layouts`): in the KV format's own blocks, or on
+wide-load targets q8_0 and q8_g64 head rows split into codes and scales (`ir.layout.split_rows`), whose codes the
+kernels read a word of 4 a load (`dequant.word_codes`). Same bytes a row either way.
+
 Launch 1 (`kv_store_kernel`): grid (T, 2 * n_head_kv), a group per K or V head, its lanes encoding the head's
-blocks of the KV format from its description (`kv_encode`): one-element formats (f16) store converted bits;
+scale groups of the KV format from its description (`kv_encode`): one-element formats (f16) store converted bits;
 symmetric formats whose code is a bare signed-byte field and whose step is an f16 field (q8_0, q8_g64) store
 d = max|x| / |anchor| as f16 and codes round(x / d) clipped to the anchor. Recipes `rope_attention` and
 `norm_rope_attention` fuse the ropes of q and k (and qwen3's per-head q/k RMS norms before them) into this
@@ -11,7 +15,10 @@ Launch 2 (`attn`): grid (T, n_head / heads); two-pass softmax with the scores of
 (room for a run's: the key span / splits): scores (K decoded block by block; with lanes, keys in tiles, `kparts`
 lanes per key adding their shares of the dot product through a local array), Reduce max, LaneFor exp, Reduce
 sum, then a LaneFor over (V block, part) accumulates p_j * v_j, `parts` lanes sharing a block (`Decoder.walk`'s
-split; with one element a lane, in registers, else into a local output row). Knob `heads` (GQA): a group takes
+split; with one element a lane, in registers, else into a local output row; split rows: a word of the V row a
+lane, in registers, lanes sharing a word by phases of the keys; and where the target has an int8 dot product,
+knob `int8`, the scores take q quantized to int8 per 32 values, a K word against a q word in one `dot4_i8`).
+Knob `heads` (GQA): a group takes
 that many query heads of one KV head, each K and V value decoded once for all of them ("auto": all of them in
 one-token GPU plans of contexts longer than LONG_CONTEXT, where their scores fit GROUP_SCORES).
 
@@ -38,10 +45,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from polystrata.codegen.dequant import Decoder, chunk_len
-from polystrata.codegen.format_analysis import block_stride, finest_group, widen
+from polystrata.codegen.dequant import Decoder, chunk_len, word_codes
+from polystrata.codegen.format_analysis import affine, block_stride, finest_group, inline_elem_lets, widen
+from polystrata.codegen.policy import Policy
 from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register
-from polystrata.codegen.recipes._matvec import QB, round_half_away
+from polystrata.codegen.recipes._matvec import QB, code_word, round_half_away
 from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE, default_tiles, prefill_attention_kernel
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
 from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
@@ -68,6 +76,7 @@ from polystrata.ir.kernel import (
     Store,
     stable_digest,
 )
+from polystrata.ir.layout import code_field
 
 # Split-K in one-token steps on GPUs (flash-decoding): runs enough that none holds more than DECODE_RUN_KEYS keys
 # at a full context (llama3-8b at depth 8192: 129 runs of each of its 8 KV heads, 1032 groups), and never fewer
@@ -103,14 +112,31 @@ def key_span(n_ctx: int) -> int:
     return -(-n_ctx // SPAN_GRANULE) * SPAN_GRANULE
 
 
+def kv_layouts(fmt: QuantFormat, d: int, dv: int, policy: Policy) -> tuple[QuantFormat, QuantFormat]:
+    """How the target keeps the K and V cache rows (heads of `d` and `dv` values) of KV type `fmt`: its own
+    blocks, or split into codes and scales (`Policy.kv_layout`). The store and every reader take these."""
+    return policy.kv_layout(fmt, d), policy.kv_layout(fmt, dv)
+
+
+def int8_scores(kf: QuantFormat, d: int) -> bool:
+    """Whether scores over K rows of layout `kf` (heads of `d`) can take q as int8 (`attention_kernel`'s
+    `int8_q`): codes a byte an element in aligned words (`word_codes`), each value a group scale times its code."""
+    a = affine(kf) if word_codes(kf) else None
+    qf = code_field(kf)
+    return (a is not None and a.offset is None and d % QB == 0 and qf.dtype == "i8"
+            and inline_elem_lets(kf, a.level) == FieldLoad(qf.name, Var("i")))
+
+
 def _kv_fmt(fmt: QuantFormat, d: int) -> QuantFormat:
+    """The blocks the readers walk a head row of layout `fmt` in: one-element formats (f16) seen as blocks."""
     return widen(fmt, math.gcd(d, 32)) if fmt.block_size == 1 else fmt
 
 
-def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str) -> list:
-    """Statements encoding one block of KV format `fmt` (values `value(e)`, e an Expr, 0 <= e < block size) at byte
-    `dst` of the cache buffer `cache`: one-element formats (f16) store converted bits; symmetric formats whose code is
-    a bare signed-byte field and whose step an f16 field (q8_0, q8_g64) store d = max|x| / |anchor| as f16 and
+def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str, group: Expr | None = None) -> list:
+    """Statements encoding one group of KV format `fmt` (values `value(e)`, e an Expr, 0 <= e < the scheme's
+    group), the `group`-th (None: the only one) of the block at byte `dst` of the cache buffer `cache`: one-element
+    formats (f16) store converted bits; symmetric formats whose code is a byte an element and whose step an f16
+    field element a group (q8_0, q8_g64, and their `split_rows` layouts) store d = max|x| / |anchor| as f16 and
     codes round(x / d) clipped to the anchor."""
     if fmt.block_size == 1:
         (f,) = fmt.fields
@@ -118,47 +144,54 @@ def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str) -> list:
             raise NotImplementedError(f"KV cache of {fmt.name}")
         return [Let("enc_h", Call("f32_to_f16_bits", value(Const(0)))),
                 Store(cache, dst, Var("enc_h") & 255), Store(cache, dst + 1, (Var("enc_h") >> 8) & 255)]
-    s = fmt.scheme
-    code = fmt.let(s.code).expr
-    ok = (s is not None and s.min is None and s.step.code is None and isinstance(code, FieldLoad)
-          and fmt.field(code.field).dtype == "i8" and s.table is None and s.group == fmt.block_size)
+    s, qf = fmt.scheme, code_field(fmt)
+    ok = (s is not None and qf is not None and qf.dtype == "i8" and s.min is None and s.step.code is None
+          and s.table is None and fmt.field(s.step.field).count * s.group == fmt.block_size)
     if not ok:
         raise NotImplementedError(f"in-kernel encoding of {fmt.name}")
-    df, qf = fmt.field(s.step.field), fmt.field(code.field)
+    df = fmt.field(s.step.field)
     a = float(abs(s.anchor))
     e = Var("enc_e")
+    step = dst + df.offset if group is None else dst + df.offset + group * (df.nbytes // df.count)
+    codes = dst + qf.offset if group is None else dst + qf.offset + group * s.group
     return [
         Decl("enc_amax", "f32", Const(0.0)),
-        For("enc_e", Const(0), Const(fmt.block_size), (
+        For("enc_e", Const(0), Const(s.group), (
             Assign("enc_amax", Call("max", Var("enc_amax"), Call("abs", value(e)))),)),
         Let("enc_h", Call("f32_to_f16_bits", Var("enc_amax") / a)),
         Let("enc_dd", Call("f16_bits_to_f32", Var("enc_h"))),
         Let("enc_inv", Select(Var("enc_dd") > 0.0, Const(1.0) / Var("enc_dd"), Const(0.0))),
-        Store(cache, dst + df.offset, Var("enc_h") & 255),
-        Store(cache, dst + df.offset + 1, (Var("enc_h") >> 8) & 255),
-        For("enc_e", Const(0), Const(fmt.block_size), (
+        Store(cache, step, Var("enc_h") & 255),
+        Store(cache, step + 1, (Var("enc_h") >> 8) & 255),
+        For("enc_e", Const(0), Const(s.group), (
             Let("enc_v", value(e) * Var("enc_inv")),
             Let("enc_q", Call("max", Const(-int(a)), Call("min", Const(int(a)), round_half_away(Var("enc_v"))))),
-            Store(cache, dst + qf.offset + e, (Var("enc_q") + 256) & 255),
+            Store(cache, codes + e, (Var("enc_q") + 256) & 255),
         )),
     ]
 
 
-def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, lanes: int,
+def kv_store_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: int, d: int, dv: int, lanes: int,
                     rope: dict | None = None, qk_norm_eps: float | None = None) -> Kernel:
-    """This step's K and V rows into the caches at row `starts[t] + positions[t]` (`starts`: where the token's
-    sequence begins in the cache, 0 but in batched decoding), one group per (token, head); grid (T, 2 * hkv),
-    K heads first. With `rope` (the rope op's attributes) the group also ropes its K head on the way in, and hq more
-    groups first rope the q heads into `qo` (the launches of both rope ops, fused). With `qk_norm_eps` each q and
-    K head is RMS-normed (weights `qn`, `kn`) before its rope, as qwen3 and gemma3 do."""
+    """This step's K and V rows into the caches (layouts `kf`, `vf`: `kv_layouts`) at row `starts[t] +
+    positions[t]` (`starts`: where the token's sequence begins in the cache, 0 but in batched decoding), one group
+    per (token, head), a lane per scale group; grid (T, 2 * hkv), K heads first. With `rope` (the rope op's
+    attributes) the group also ropes its K head on the way in, and hq more groups first rope the q heads into `qo`
+    (the launches of both rope ops, fused). With `qk_norm_eps` each q and K head is RMS-normed (weights `qn`,
+    `kn`) before its rope, as qwen3 and gemma3 do."""
     t, hd = Var("g0"), Var("g1")
     b = Var("b")
-    bs = fmt.block_size
 
-    def store(cache: str, width: int, head: Expr, value) -> tuple:
+    def store(cache: str, fmt: QuantFormat, width: int, head: Expr, value) -> tuple:
+        """Head `head`'s values (`value(j0, e)`: its element j0 + e) encoded a scale group a lane (f16: a value)."""
+        bs = fmt.block_size
+        gs = fmt.scheme.group if fmt.scheme else 1
+        per = bs // gs  # groups a block
         rb = hkv * width // bs * fmt.block_bytes
-        dst = (Load("starts", t) + Load("positions", t)) * rb + (head * (width // bs) + b) * fmt.block_bytes
-        return (LaneFor("b", Const(width // bs), tuple(kv_encode(fmt, value, dst, cache))),)
+        block = head * (width // bs) + (b // per if per > 1 else b)
+        dst = (Load("starts", t) + Load("positions", t)) * rb + block * fmt.block_bytes
+        enc = kv_encode(fmt, lambda e: value(b * gs, e), dst, cache, b % per if per > 1 else None)
+        return (LaneFor("b", Const(width // gs), tuple(enc)),)
 
     def head(src: str, rows: int, h: Expr, wname: str) -> tuple[tuple, object]:
         """(statements, element j of head h of src as the rope takes it: RMS-normed with `qk_norm_eps`)."""
@@ -177,10 +210,10 @@ def kv_store_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: 
     k_head, v_head = hd - nq, hd - nq - hkv
     if rope:
         kpre, kval = head("k", hkv, k_head, "kn")
-        k_store = (*kpre, *store("kc", d, k_head, lambda e: roped(kval, b * bs + e)))
+        k_store = (*kpre, *store("kc", kf, d, k_head, lambda j0, e: roped(kval, j0 + e)))
     else:
-        k_store = store("kc", d, k_head, lambda e: Load("k", (t * hkv + k_head) * d + b * bs + e))
-    v_store = store("vc", dv, v_head, lambda e: Load("v", (t * hkv + v_head) * dv + b * bs + e))
+        k_store = store("kc", kf, d, k_head, lambda j0, e: Load("k", (t * hkv + k_head) * d + j0 + e))
+    v_store = store("vc", vf, dv, v_head, lambda j0, e: Load("v", (t * hkv + v_head) * dv + j0 + e))
     # One flat If per kind of head (PoCL mishandles the barriers of reductions inside a nested else-if).
     body = [If((hd >= nq) & (hd < nq + hkv), k_store), If(hd >= nq + hkv, v_store)]
     params = [Buf("k", "f32"), Buf("v", "f32"), Buf("positions", "i32"), Buf("starts", "i32")]
@@ -214,11 +247,17 @@ def _runs(pos: Expr, window: int, splits: int, min_run: int) -> tuple[Let, ...]:
             Let("runs", (Var("nall") + Var("per") - 1) // Var("per")))
 
 
-def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int, scale: float,
-                     window: int, softcap: float, lanes: int, splits: int = 1, min_run: int = 1,
-                     heads: int = 1, active: Expr | None = None) -> Kernel:
+def attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int,
+                     scale: float, window: int, softcap: float, lanes: int, splits: int = 1, min_run: int = 1,
+                     heads: int = 1, active: Expr | None = None, int8_q: bool = False) -> Kernel:
     """out[t, h] = softmax over visible keys of (q . k) * scale (softcapped) times v; grid (T, hq / heads). The keys
-    of a token at position p are those of positions up to p in its sequence's cache rows, from `starts[t]` on.
+    of a token at position p are those of positions up to p in its sequence's cache rows, from `starts[t]` on;
+    `kf`, `vf`: the layouts of the K and V cache rows (`kv_layouts`). Where their codes are aligned words
+    (`dequant.word_codes`: split rows) K and V are read a word of 4 codes a load, and the scales as words.
+
+    `int8_q` (K rows whose codes are words and whose values are a scale times the code: `int8_scores`): the
+    group's q rows are quantized to int8 per 32 values into local memory first (as the matmuls' activations are),
+    and each K word meets its q word in one `dot4_i8`, scaled by the K group's and the q block's scales.
 
     `heads` (dividing hq / hkv): a group takes that many query heads of one KV head, reading each K and V value
     once for all of them (with GQA, groups of one head each read the KV head's cache again).
@@ -232,7 +271,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     `active` (uniform, of scalars): the steps the kernel works for; in others it sees no keys and stores nothing
     (zero-trip loops rather than a branch around the body: PoCL mishandles barriers inside one).
     """
-    kf, vf = _kv_fmt(fmt, d), _kv_fmt(fmt, dv)
+    kf, vf = _kv_fmt(kf, d), _kv_fmt(vf, dv)
     g = hq // hkv
     if g % heads:
         raise ValueError(f"{heads} query heads a group do not divide the {g} of a KV head")
@@ -262,7 +301,26 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         kparts *= 2
     tile = max(1, lanes // kparts)
 
-    kdec = Decoder(kf, "kc", Var("kj") * krb + (kvh * (d // kf.block_size) + Var("kb")) * block_stride(kf), "k_")
+    kwords = word_codes(kf)  # split rows: K codes a word (4 keys' values) a load, scales a word
+    if int8_q and not int8_scores(kf, d):
+        raise ValueError(f"{kf.name}: keys whose scores cannot take int8 q")
+    # int8 q: the group's q rows quantized per QB values into local memory (codes `qwd` a word of 4, scales `qsc`),
+    # a lane a word (each finding its block's largest |q| itself: no barrier between).
+    nqb = heads * d // QB
+    qu, qb, qo = Var("qu"), Var("qb"), Var("qo")
+    quantize_q = LaneFor("qu", Const(nqb * QB // 4), (
+        Let("qb", qu // (QB // 4)),
+        Let("qo", (t * hq + h0 + qb // (d // QB)) * d + qb % (d // QB) * QB),
+        Decl("qamax", "f32", Const(0.0)),
+        For("qe", Const(0), Const(QB), (
+            Assign("qamax", Call("max", Var("qamax"), Call("abs", Load("q", qo + Var("qe"))))),)),
+        Let("qinv", Select(Var("qamax") > 0.0, Const(127.0) / Var("qamax"), Const(0.0))),
+        If((qu % (QB // 4)).eq(0), (Store("qsc", qb, Var("qamax") / 127.0),)),
+        *code_word(lambda e: Load("q", qo + qu % (QB // 4) * 4 + e), Var("qinv"), "qcw"),
+        Store("qwd", qu, Var("qcw")),
+    ))
+    kdec = Decoder(kf, "kc", Var("kj") * krb + (kvh * (d // kf.block_size) + Var("kb")) * block_stride(kf), "k_",
+                   word_loads=kwords)
 
     def key_dot(split) -> list:
         """Statements leaving in `sc<hh>` the (partial, with `split`: `Decoder.walk`'s) dot of head hh's q row with
@@ -272,9 +330,29 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
             return [Let(f"kv{c}", kdec.value(lw)),
                     *(Assign(f"sc{hh}", Var(f"sc{hh}") + Var(f"kv{c}") * Load("q", qrow(hh) * d + e)) for hh in hs)]
 
+        def word_chunk(c, L, i0, env, lw) -> list:  # i0 counts words of the chunk
+            first = Const(c) + Var(i0) * 4 if c else Var(i0) * 4
+            load, values = kdec.code_words(first, [env], f"kw{c}")
+            e = Var("kb") * kf.block_size + first
+            return [*load, *(st for k, v in enumerate(values) for st in (
+                Let(f"kv{c}_{k}", v),
+                *(Assign(f"sc{hh}", Var(f"sc{hh}") + Var(f"kv{c}_{k}") * Load("q", qrow(hh) * d + e + k))
+                  for hh in hs)))]
+
+        def int8_chunk(c, L, i0, env, lw) -> list:  # i0 counts words of the chunk: 4 codes against 4 of q
+            first = Const(c) + Var(i0) * 4 if c else Var(i0) * 4
+            load, _ = kdec.code_words(first, [env], f"kw{c}")
+            e = Var("kb") * kf.block_size + first
+            ks = lw.expr(affine(kf).scale)
+            return [load[-1], *(Assign(f"sc{hh}", Var(f"sc{hh}") + ks * (
+                Load("qsc", e // QB + hh * (d // QB) if hh else e // QB)
+                * Cast("f32", Call("dot4_i8", Var(f"kw{c}"), Load("qwd", e // 4 + hh * (d // 4) if hh else e // 4),
+                                   Const(0))))) for hh in hs)]
+
+        walk = kdec.walk(lambda s0, sz, env, inner: inner, int8_chunk if int8_q else word_chunk if kwords else chunk,
+                         wide=4 if kwords else 1, split=split)
         return [*(Decl(f"sc{hh}", "f32", Const(0.0)) for hh in hs),
-                For("kb", Const(0), Const(d // kf.block_size),
-                    tuple(kdec.walk(lambda s0, sz, env, inner: inner, chunk, split=split)))]
+                For("kb", Const(0), Const(d // kf.block_size), tuple(walk))]
 
     def scaled(x: Expr) -> Expr:
         return scaled_score(x, scale, softcap)
@@ -324,7 +402,42 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         return guarded(Store("out", qrow(hh) * dv + e, val / Var(f"z{hh}")))
 
     keys = (Let("vj", Var("lo") + Var("jj")), *(Let(f"p{hh}", Load("s", sidx(hh, Var("jj")))) for hh in hs))
-    if 1 < parts == chunk:
+    o_floats = heads * dv  # the local output row's ("o"; 0: the sums stay in registers)
+    if word_codes(vf):
+        # Codes in aligned words (split rows): a lane a word of the V row (4 values, one load; the scales as
+        # words, its group's picked at run time). Where the row has fewer words than the group lanes, `phases`
+        # lanes share a word, each taking every phases-th key, their sums added through local memory.
+        nw = dv // 4
+        phases = max(1, min(4, lanes // nw))
+        first = Var("vw") * 4 % vdec_bs if nvb > 1 else Var("vw") * 4
+        block = kvh * nvb + Var("vw") * 4 // vdec_bs if nvb > 1 else kvh
+        wdec = Decoder(vf, "vc", Var("vj") * vrb + block * block_stride(vf), "v_", word_loads=True)
+        lets, envs = wdec.group_lets()
+        load, values = wdec.code_words(first, envs, "vwd")
+        step = (*keys, *lets, *load, *(st for k, v in enumerate(values) for st in (
+            Let(f"vv{k}", v), *(Assign(f"va{k}_{hh}", Var(f"va{k}_{hh}") + Var(f"p{hh}") * Var(f"vv{k}"))
+                                for hh in hs))))
+        at = [Var("vw") * 4 + k if k else Var("vw") * 4 for k in range(4)]
+        if phases == 1:
+            loop = For("jj", Const(0), n, step, unroll=UNROLL)
+            ends = tuple(out_store(hh, at[k], Var(f"va{k}_{hh}")) for k in range(4) for hh in hs)
+            o_floats = 0
+        else:
+            loop = For("jm", Const(0), (n - Var("vph") + (phases - 1)) // phases,
+                       (Let("jj", Var("vph") + Var("jm") * phases), *step), unroll=UNROLL)
+            ends = tuple(Store("o", (Var("vph") * heads + hh) * dv + at[k], Var(f"va{k}_{hh}"))
+                         for k in range(4) for hh in hs)
+            o_floats = phases * heads * dv
+        e = Var("e")
+        v_pass = [LaneFor("vu", Const(nw * phases), (
+            *((Let("vw", Var("vu")),) if phases == 1 else (Let("vw", Var("vu") % nw), Let("vph", Var("vu") // nw))),
+            *(Decl(f"va{k}_{hh}", "f32", Const(0.0)) for k in range(4) for hh in hs), loop, *ends))]
+        if phases > 1:
+            v_pass.append(LaneFor("e", Const(dv), tuple(out_store(hh, e, sum(
+                (Load("o", e + (ph * heads + hh) * dv) for ph in range(1, phases)), Load("o", e + hh * dv)))
+                for hh in hs)))
+    elif 1 < parts == chunk:
+        o_floats = 0
         # One element of each chunk per lane: its sum over the keys stays in a register (no local-memory
         # read-modify-write per key), stored once, divided by the softmax denominator.
         starts = range(0, vdec_bs, chunk)
@@ -369,6 +482,7 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
     body = (
         Let("pos", Load("positions", t)),
         *span,
+        *((quantize_q,) if int8_q else ()),
         *scores,
         Reduce("m0", "max", "jj", n, (), Load("s", jj), tuple((f"m{hh}", Load("s", sidx(hh, jj))) for hh in hs[1:])),
         LaneFor("jj", n, tuple(Store("s", sidx(hh, jj), Call("exp", Load("s", sidx(hh, jj)) - Var(f"m{hh}")))
@@ -383,13 +497,14 @@ def attention_kernel(name: str, fmt: QuantFormat, hq: int, hkv: int, d: int, dv:
         outs = (Buf("out", "f32", out=True),)
     params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), Buf("starts", "i32"), *outs,
               Scalar("T"))
-    local = (LocalArray("s", "f32", heads * run),) + (() if 1 < parts == chunk else
-                                                      (LocalArray("o", "f32", heads * dv),))
+    local = (LocalArray("s", "f32", heads * run),) + ((LocalArray("o", "f32", o_floats),) if o_floats else ())
+    if int8_q:
+        local += (LocalArray("qwd", "u32", nqb * QB // 4), LocalArray("qsc", "f32", nqb))
     if kparts > 1:
         local += (LocalArray("sp", "f32", heads * tile * kparts),)
     grid = (Var("T"), Const(hq // heads)) + ((Const(splits),) if splits > 1 else ())
     knobs = (("two_pass", 1), ("splits", splits)) + ((("min_run", min_run),) if splits > 1 else ()) + (
-        (("heads", heads),) if heads > 1 else ())
+        (("heads", heads),) if heads > 1 else ()) + ((("int8", 1),) if int8_q else ())
     return Kernel(name, params, grid, body, lanes=lanes, local=local, knobs=knobs)
 
 
@@ -449,20 +564,21 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     hkv, dv = int(k.type.shape[1]), int(v.type.shape[2])
     hq, d = int(hq), int(d)
     fmt = ctx.kv_format
+    kf, vf = kv_layouts(fmt, d, dv, ctx.target())
     layer = a["layer"]
     kn, vn = f"kv.{layer}.k", f"kv.{layer}.v"
     p = ctx.buf(pos)
-    heads = f"{fmt.name.lower()}_{hq}_{hkv}_{d}_{dv}"
+    heads = f"{fmt.name.lower()}{'_split' if kf is not fmt else ''}_{hq}_{hkv}_{d}_{dv}"
     kv_io = (("k", ctx.buf(k)), ("v", ctx.buf(v)), ("positions", p), ("starts", "starts"), ("kc", kn), ("vc", vn))
     if rope:
         eps = float(qk_norm[0].attrs["eps"]) if qk_norm else None
         rtag = f"_{rope['dims']}_{rope['mode']}_{stable_digest((rope['base'], rope['freq_scale'], eps), 8)}"
-        ks = kv_store_kernel(f"rope{'_norm' if qk_norm else ''}_kv_store_{heads}{rtag}", fmt, hq, hkv, d, dv,
+        ks = kv_store_kernel(f"rope{'_norm' if qk_norm else ''}_kv_store_{heads}{rtag}", kf, vf, hq, hkv, d, dv,
                              ctx.lanes, rope, eps)
         norms = (("qn", ctx.buf(qk_norm[0].inputs[1])), ("kn", ctx.buf(qk_norm[1].inputs[1]))) if qk_norm else ()
         store = Launch(ks, (("q", ctx.buf(qv)), ("qo", q), *kv_io, *norms), (("T", "T"),))
     else:
-        store = Launch(kv_store_kernel(f"kv_store_{heads}", fmt, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
+        store = Launch(kv_store_kernel(f"kv_store_{heads}", kf, vf, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
     tag = f"{heads}_{a['window']}_{stable_digest((a['scale'], a['softcap']), 8)}"
     window, softcap = int(a["window"]), float(a["softcap"] or 0.0)
     io = (("q", q), ("kc", kn), ("vc", vn), ("positions", p), ("starts", "starts"))
@@ -476,26 +592,26 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
         tiles = int(split_keys and ctx.t_max > 1 and chosen["splits"] == "auto")
     above = TILES_ABOVE if chosen["tiles_above"] == "auto" else int(chosen["tiles_above"])
     if not int(tiles) or ctx.t_max <= above:
-        return [store, *_row_launches(ctx, node, fmt, tag, io, chosen, split_keys, window, softcap, provide=True)]
+        return [store, *_row_launches(ctx, node, (kf, vf), tag, io, chosen, split_keys, window, softcap, provide=True)]
     qt, kt = default_tiles(d, dv, ctx.target().local_bytes)
     qt, kt = (dflt if chosen[name] == "auto" else int(chosen[name]) for name, dflt in (("q_tile", qt), ("k_tile", kt)))
     # With `above` > 0, steps of at most `above` rows (short prompts, batched decoding) keep the row kernels: a
     # group a row, and a row's result independent of which rows share its step. The row count picks at run time.
     sel = (Var("T") > above, f"_gt{above}") if above else (None, "")
-    tk = prefill_attention_kernel(f"attn_tiles_{tag}_{qt}x{kt}{sel[1]}", _kv_fmt(fmt, d), _kv_fmt(fmt, dv), hq, hkv,
+    tk = prefill_attention_kernel(f"attn_tiles_{tag}_{qt}x{kt}{sel[1]}", _kv_fmt(kf, d), _kv_fmt(vf, dv), hq, hkv,
                                   d, dv, lambda x: scaled_score(x, float(a["scale"]), softcap), window, ctx.lanes,
                                   qt, kt, active=sel[0])
-    rows = _row_launches(ctx, node, fmt, tag, io, chosen, split_keys, window, softcap, provide=False,
+    rows = _row_launches(ctx, node, (kf, vf), tag, io, chosen, split_keys, window, softcap, provide=False,
                          active=(Var("T") <= above, f"le{above}")) if above else []
     return [store, Launch(tk, (*io, ("out", out)), (("T", "T"),)), *rows]
 
 
-def _row_launches(ctx: RecipeContext, node: Node, fmt: QuantFormat, tag: str, io: tuple, chosen: dict,
-                  split_keys: bool, window: int, softcap: float, provide: bool,
+def _row_launches(ctx: RecipeContext, node: Node, layouts: tuple[QuantFormat, QuantFormat], tag: str, io: tuple,
+                  chosen: dict, split_keys: bool, window: int, softcap: float, provide: bool,
                   active: tuple[Expr, str] | None = None) -> list[Launch]:
-    """The one-row attention kernel (`attention_kernel`) and, with split-K, the combine, which writes the output
-    projection's int8 activations too where `provide` and the target's matmuls take them. `chosen`: the knobs;
-    `active`: (the steps they work for, a name suffix saying which)."""
+    """The one-row attention kernel (`attention_kernel`, over the K and V row `layouts`) and, with split-K, the
+    combine, which writes the output projection's int8 activations too where `provide` and the target's matmuls
+    take them. `chosen`: the knobs; `active`: (the steps they work for, a name suffix saying which)."""
     cond, suffix = active if active else (None, "")
     qv, k, v, _ = node.inputs
     hq, d = (int(x) for x in qv.type.shape[1:])
@@ -519,9 +635,14 @@ def _row_launches(ctx: RecipeContext, node: Node, fmt: QuantFormat, tag: str, io
         if split_keys and ctx.t_max == 1 and span > LONG_CONTEXT:
             heads = max(h for h in range(1, hq // hkv + 1) if (hq // hkv) % h == 0 and h * run <= GROUP_SCORES)
     heads = int(heads)
+    int8_q = chosen["int8"]
+    if int8_q == "auto":  # where the target has an int8 dot product and the K rows' codes are words
+        int8_q = ctx.target().int8_dot
+    int8_q = bool(int(int8_q)) and int8_scores(_kv_fmt(layouts[0], d), d)
     at = attention_kernel(f"attn_{tag}_{splits}" + (f"_r{min_run}" if splits > 1 else "") +
-                          (f"_h{heads}" if heads > 1 else "") + (f"_{suffix}" if suffix else ""), fmt, hq, hkv, d,
-                          dv, span, float(a["scale"]), window, softcap, ctx.lanes, splits, min_run, heads, cond)
+                          (f"_h{heads}" if heads > 1 else "") + ("_q8" if int8_q else "") +
+                          (f"_{suffix}" if suffix else ""), *layouts, hq, hkv, d, dv, span, float(a["scale"]), window,
+                          softcap, ctx.lanes, splits, min_run, heads, cond, int8_q)
     out = ctx.buf(node.output)
     if splits == 1:
         return [Launch(at, (*io, ("out", out)), (("T", "T"),))]
@@ -564,10 +685,13 @@ def _match_norm_rope_attention(nodes: Sequence[Node]) -> bool:
             and nq.attrs == nk.attrs and all(n.inputs[1].type.shape == (d,) for n in (nq, nk)))
 
 
-# Knob heads: query heads of a KV head together (must divide hq / hkv: the recipe rejects others). Knobs tiles,
-# tiles_above, q_tile, k_tile: prefill attention in tiles (`attention_tiles.py`).
+# Knob heads: query heads of a KV head together (must divide hq / hkv: the recipe rejects others). Knob int8: the
+# one-row kernels' scores take q as int8 against K codes in words ("auto": where the policy has int8_dot; only K
+# rows split into codes and scales take it). Knobs tiles, tiles_above, q_tile, k_tile: prefill attention in tiles
+# (`attention_tiles.py`).
 ATTENTION_SPACE = KnobSpace("attention", (Knob("splits", "auto", (1, 2, 4, 8, 16, 32)),
                                           Knob("min_run", "auto", (1, 4, 16, 64)), Knob("heads", "auto", (1, 2, 4)),
+                                          Knob("int8", "auto", (0, 1)),
                                           Knob("tiles", "auto", (0, 1)), Knob("tiles_above", "auto", (0, 16, 256)),
                                           Knob("q_tile", "auto", (4, 8, 16)), Knob("k_tile", "auto", (8, 16, 32))),
                             constraint=lambda kn: (kn["min_run"] == "auto" or kn["splits"] not in ("auto", 1))

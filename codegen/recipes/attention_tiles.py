@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from polystrata.codegen.dequant import Decoder
+from polystrata.codegen.dequant import Decoder, word_codes
 from polystrata.codegen.format_analysis import block_stride
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
@@ -91,6 +91,8 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
     def stage(buf: str, fmt: QuantFormat, width: int, stride: int, rb: int, dst: str, prefix: str) -> LaneFor:
         """Decode the tile's key rows of cache `buf` (blocks of `fmt`, `width` values a head) into local `dst`
         (rows `stride` apart); rows past the last key hold 0."""
+        if word_codes(fmt):
+            return stage_words(buf, fmt, width, stride, rb, dst, prefix)
         nb = width // fmt.block_size
         dec = Decoder(fmt, buf, Var(f"{prefix}row") * rb + (kvh * nb + Var(f"{prefix}b")) * block_stride(fmt), prefix)
 
@@ -105,6 +107,24 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
             Let(f"{prefix}j", Var(f"{prefix}u") // nb), Let(f"{prefix}b", Var(f"{prefix}u") % nb),
             Let(f"{prefix}row", Var("kb0") + Var(f"{prefix}j")),
             If(Var(f"{prefix}row") <= Var("kmax"), tuple(dec.walk(lambda s0, sz, env, inner: inner, chunk)), (zero,)),
+        ))
+
+    def stage_words(buf: str, fmt: QuantFormat, width: int, stride: int, rb: int, dst: str, prefix: str) -> LaneFor:
+        """`stage` for codes in aligned words (`dequant.word_codes`: split rows): a lane a word of a key row, 4
+        values from one load, the scales as words (the word's group's picked at run time)."""
+        nw, nb = width // 4, width // fmt.block_size
+        w, row = Var(f"{prefix}w"), Var(f"{prefix}row")
+        block = kvh * nb + w * 4 // fmt.block_size if nb > 1 else kvh
+        dec = Decoder(fmt, buf, row * rb + block * block_stride(fmt), prefix, word_loads=True)
+        lets, envs = dec.group_lets()
+        load, values = dec.code_words(w * 4 % fmt.block_size if nb > 1 else w * 4, envs, f"{prefix}wd")
+        at = Var(f"{prefix}j") * stride + w * 4  # the word's first value in dst
+        return LaneFor(f"{prefix}u", Const(bk * nw), (
+            Let(f"{prefix}j", Var(f"{prefix}u") // nw), Let(w.name, Var(f"{prefix}u") % nw),
+            Let(row.name, Var("kb0") + Var(f"{prefix}j")),
+            # Past the last key nothing is read (those cache rows may lie beyond the buffer): the values are 0.
+            If(row <= Var("kmax"), (*lets, *load, *(Store(dst, at + k if k else at, v) for k, v in enumerate(values))),
+               tuple(Store(dst, at + k if k else at, Const(0.0)) for k in range(4))),
         ))
 
     # Per pass: which rows take part (all in one pass where the rows share a start, else row `ps`), their key
