@@ -26,9 +26,10 @@ def _attention_graph(hq: int, hkv: int, d: int, window: int = 0, softcap: float 
 
 
 def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: int, n_ctx: int, knobs: dict,
-                     steps: tuple[int, ...], seed: int) -> list:
+                     steps: tuple[int, ...], seed: int, atol: float | None = None) -> list:
     """The attention recipe's launches (lanes, knobs) against the reference over `steps` (token counts, the
-    largest first: `keep` holds buffers sized by it), the cache carried between them; returns the launches."""
+    largest first: `keep` holds buffers sized by it), the cache carried between them, within `atol` (default: the
+    f32 kernels'); returns the launches."""
     hkv, d = 2, 64
     hq = hkv * gqa
     g = _attention_graph(hq, hkv, d, window, softcap)
@@ -54,7 +55,8 @@ def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: 
                             {"o": ((t, hq, d), "f32"), **so},
                             keep)["o"]
         # Our encoder may pick the neighbouring f16 scale (round-to-nearest vs. rounding up): a q8 step of a value.
-        np.testing.assert_allclose(out, ref, atol=1e-4 if kv == "f16" else 0.03, rtol=1e-3)
+        np.testing.assert_allclose(out, ref, atol=atol or (1e-4 if kv == "f16" else 0.03), rtol=1e-3,
+                                   err_msg=f"T={t}")
         n_past += t
     return launches
 
@@ -109,6 +111,36 @@ def test_attention_tiles(rt, kv, gqa, window, softcap, q_tile, k_tile):
     launches = _check_attention(rt, kv, gqa, window, softcap, 128, 64, knobs, (21, 1, 1, 6, 13), 13)
     tiles = launches[1].kernel
     assert len(launches) == 2 and dict(tiles.knobs) == {"tiles": 1, "q_tile": q_tile, "k_tile": k_tile}
+
+
+@pytest.mark.parametrize("kv,gqa,window,softcap", [("f16", 2, 0, 0.0), ("q8_0", 3, 10, 30.0)])
+def test_attention_tile_products(rt, kv, gqa, window, softcap):
+    """Prefill attention's products as the kernel IR's tile products (knob mma; the portable rendering here,
+    test_target_cuda emulates the matrix units' layouts): a 512-row prompt (32 row tiles, 16 key tiles), then 33,
+    7 and 1 rows (partial tiles of rows and keys), GQA, a window, a softcap. q, K and the probabilities are rounded
+    to f16: f16 K/V within 2e-3 (6e-4 seen at 512 rows; the loops' f32 products 1e-6); q8_0 as the loops."""
+    gpu_shaped(rt, 128, sampled=False)
+    knobs = {"tiles": 1, "tiles_above": 0, "mma": 1, "q_tile": 16, "k_tile": 32}
+    launches = _check_attention(rt, kv, gqa, window, softcap, 128, 560, knobs, (512, 33, 7, 1), 3,
+                                atol=2e-3 if kv == "f16" else None)
+    kern = launches[1].kernel
+    assert dict(kern.knobs)["mma"] == 1 and len(kern.fragments) == 3  # scores and two 32-column output fragments
+
+
+def test_attention_tile_products_by_default_on_matrix_units():
+    """Knob mma "auto": the tile products where the target's policy has matrix units, in the largest tiles whose
+    local arrays fit (fragments in registers there); the loops elsewhere, and where no tile-product tiles fit."""
+    def tiles(matrix_units: bool, d: int, mma="auto") -> dict:
+        g = _attention_graph(8, 2, d)
+        ctx = recipe_context(g, n_ctx=4096, lanes=128, matrix_units=matrix_units)
+        ctx.t_max, ctx.knobs = 512, {"attention": {"mma": mma}}
+        return dict(recipe("attention").lower(g.nodes, ctx)[1].kernel.knobs)
+
+    assert tiles(True, 128) == {"tiles": 1, "q_tile": 16, "k_tile": 32, "mma": 1}
+    assert tiles(True, 256) == {"tiles": 1, "q_tile": 16, "k_tile": 16, "mma": 1}  # gemma3's heads
+    assert tiles(True, 128, 0) == {"tiles": 1, "q_tile": 16, "k_tile": 32}
+    assert tiles(False, 128) == {"tiles": 1, "q_tile": 16, "k_tile": 32}
+    assert tiles(False, 256, 1) == {"tiles": 1, "q_tile": 8, "k_tile": 16}  # portable fragments: nothing fits
 
 
 def test_attention_tiles_or_rows_by_the_step(rt):
