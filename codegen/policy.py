@@ -62,7 +62,7 @@ class Policy:
     sliced_formats: tuple[str, ...] = ()  # weight formats kept in sliced rows (`ir.layout.sliced`)
     knobs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # knob space -> knob -> default
     # The tuning database's choices for this device (`polystrata.tuning.apply_tuning`): kernel instance signature
-    # (`KnobSpace.signature`) -> knob overrides.
+    # (`KnobSpace.signature`) -> knob overrides; and by knob space name, overrides for all its kernels (`bench --knob`).
     tuned: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def default(self, space: str, knob: str) -> Any:
