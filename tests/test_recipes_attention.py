@@ -128,17 +128,22 @@ def test_attention_tile_products(rt):
 def test_attention_tile_products_by_default_on_matrix_units():
     """Knob mma "auto": the tile products where the target's policy has matrix units, in the largest tiles whose
     local arrays fit (fragments in registers there); the loops elsewhere, and where no tile-product tiles fit."""
-    def tiles(matrix_units: bool, d: int, mma="auto") -> dict:
+    from polystrata.codegen.cuda import MMA_SYNC
+
+    def tiles(matrix_units: bool, d: int, mma="auto") -> tuple[dict, int]:
         g = _attention_graph(8, 2, d)
         ctx = recipe_context(g, n_ctx=4096, lanes=128, matrix_units=matrix_units)
         ctx.t_max, ctx.knobs = 512, {"attention": {"mma": mma}}
-        return dict(recipe("attention").lower(g.nodes, ctx)[1].kernel.knobs)
+        kern = recipe("attention").lower(g.nodes, ctx)[1].kernel
+        assert MMA_SYNC.takes(kern) == (dict(kern.knobs).get("mma") == 1)  # cuda's unit: native, not local memory
+        return dict(kern.knobs), kern.lanes
 
-    assert tiles(True, 128) == {"tiles": 1, "q_tile": 16, "k_tile": 32, "mma": 1}
-    assert tiles(True, 256) == {"tiles": 1, "q_tile": 16, "k_tile": 16, "mma": 1}  # gemma3's heads
-    assert tiles(True, 128, 0) == {"tiles": 1, "q_tile": 16, "k_tile": 32}
-    assert tiles(False, 128) == {"tiles": 1, "q_tile": 16, "k_tile": 32}
-    assert tiles(False, 256, 1) == {"tiles": 1, "q_tile": 8, "k_tile": 16}  # portable fragments: nothing fits
+    # With tile products, a warp per 16 x 16 tile of a fragment at most (whole hardware tiles for every unit).
+    assert tiles(True, 128) == ({"tiles": 1, "q_tile": 16, "k_tile": 32, "mma": 1}, 64)
+    assert tiles(True, 256) == ({"tiles": 1, "q_tile": 16, "k_tile": 16, "mma": 1}, 32)  # gemma3's heads
+    assert tiles(True, 128, 0) == ({"tiles": 1, "q_tile": 16, "k_tile": 32}, 128)
+    assert tiles(False, 128) == ({"tiles": 1, "q_tile": 16, "k_tile": 32}, 128)
+    assert tiles(False, 256, 1) == ({"tiles": 1, "q_tile": 8, "k_tile": 16}, 128)  # portable fragments: none fit
 
 
 def test_attention_tiles_or_rows_by_the_step(rt):

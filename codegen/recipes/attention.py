@@ -486,12 +486,17 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     qt, kt = tiles_mma or default_tiles(d, dv, policy.local_bytes)
     qt, kt = (dflt if chosen[name] == "auto" else int(chosen[name]) for name, dflt in (("q_tile", qt), ("k_tile", kt)))
     mma = mma and mma_fits(d, dv, kt) and (tiles_mma is not None or "auto" not in (chosen["q_tile"], chosen["k_tile"]))
+    lanes = ctx.lanes
+    if mma and qt % 16 == 0 and kt % 16 == 0:
+        # A subgroup per 16 x 16 tile of a fragment at most: every matrix unit then deals whole hardware tiles to
+        # the subgroups (else the fragments fall back to local memory, which the tiles above were not sized for).
+        lanes = min(lanes, ctx.subgroup * (qt // 16) * (kt // 16))
     # With `above` > 0, steps of at most `above` rows (short prompts, batched decoding) keep the row kernels: a
     # group a row, and a row's result independent of which rows share its step. The row count picks at run time.
     sel = (Var("T") > above, f"_gt{above}") if above else (None, "")
     tk = prefill_attention_kernel(f"attn_tiles_{tag}_{qt}x{kt}{'_mma' if mma else ''}{sel[1]}", _kv_fmt(fmt, d),
                                   _kv_fmt(fmt, dv), hq, hkv, d, dv,
-                                  lambda x: scaled_score(x, float(a["scale"]), softcap), window, ctx.lanes, qt, kt,
+                                  lambda x: scaled_score(x, float(a["scale"]), softcap), window, lanes, qt, kt,
                                   active=sel[0], mma=mma)
     rows = _row_launches(ctx, node, fmt, tag, io, chosen, split_keys, window, softcap, provide=False,
                          active=(Var("T") <= above, f"le{above}")) if above else []
