@@ -180,6 +180,18 @@ def test_moe_group_lists(rt):
             np.testing.assert_array_equal(lst[a + 1: a + 1 + len(active)], active)
 
 
+def _hand_routes(rng, t: int, e: int, k: int, skew: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Routes of t tokens to k of e experts, unnormalised weights: (ids, weights, the route buffer); `skew`: expert
+    3 in every token's first slot."""
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+    if skew:
+        ids[:, 0] = 3
+        ids[:, 1] = np.where(ids[:, 1] == 3, 5, ids[:, 1])
+    w = rng.uniform(0.05, 1.0, (t, k)).astype(np.float32)
+    q30 = np.round(w.astype(np.float64) * 2.0**30).astype(np.int32)
+    return ids, w, np.concatenate([ids.reshape(-1), q30.reshape(-1)])
+
+
 @pytest.mark.parametrize("fmt_name,spread", [("Q4_K", "auto"), ("Q8_0", "auto"), ("Q4_K", 3)])
 def test_moe_ffn_random_routes(rt, fmt_name, spread):
     """moe_ffn alone on hand-made routes: skewed (one expert takes every token), unnormalised weights, T = 1 and 9;
@@ -199,13 +211,7 @@ def test_moe_ffn_random_routes(rt, fmt_name, spread):
         keep: dict = {}
         for t, skew in ((9, False), (1, False), (9, True)):
             xv = rng.standard_normal((t, dm)).astype(np.float32)
-            ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
-            if skew:
-                ids[:, 0] = 3
-                ids[:, 1] = np.where(ids[:, 1] == 3, 5, ids[:, 1])
-            w = rng.uniform(0.05, 1.0, (t, k)).astype(np.float32)
-            q30 = np.round(w.astype(np.float64) * 2.0**30).astype(np.int32)
-            route = np.concatenate([ids.reshape(-1), q30.reshape(-1)])
+            ids, w, route = _hand_routes(rng, t, e, k, skew)
             sb, so = plan_scratch(ctx)
             out = run_launches(rt, ml, {"x": xv.reshape(-1), "route": route, **weights, **sb}, {"T": t},
                                 {"o": ((t, dm), "f32"), **so}, keep)["o"]
@@ -256,12 +262,7 @@ def test_moe_ffn_tile_products(rt):
     keep: dict = {}
     for t, skew in ((33, True), (7, False), (1, False)):
         xv = rng.standard_normal((t, dm)).astype(np.float32)
-        ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
-        if skew:
-            ids[:, 0] = 3
-            ids[:, 1] = np.where(ids[:, 1] == 3, 5, ids[:, 1])
-        w = rng.uniform(0.05, 1.0, (t, k)).astype(np.float32)
-        route = np.concatenate([ids.reshape(-1), np.round(w.astype(np.float64) * 2.0**30).astype(np.int32).reshape(-1)])
+        ids, w, route = _hand_routes(rng, t, e, k, skew)
         sb, so = plan_scratch(ctx)
         out = run_launches(rt, ml, {"x": xv.reshape(-1), "route": route, **weights, **sb}, {"T": t},
                            {"o": ((t, dm), "f32"), **so}, keep)["o"]
