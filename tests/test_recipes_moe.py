@@ -245,17 +245,18 @@ def test_moe_one_token_plan_router_writes_lists(rt, fmt_name):
             np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4 * np.abs(ref).max())
 
 
-def test_moe_ffn_tile_products(rt):
+@pytest.mark.parametrize("fmt_name", ["Q8_0", "F16"])
+def test_moe_ffn_tile_products(rt, fmt_name):
     """Prompt chunks on matrix units: each listed expert's tokens through the prefill matmul's tile products
-    (`tile_mma`, portable rendering here), gate/up with the GLU as epilogue, then down, on int8 activations (Q8_0:
-    a cheap compile; the formats' decoding is test_recipes_tile_mma's, F16 experts' f16 path the same gather).
+    (`tile_mma`, portable rendering here), gate/up with the GLU as epilogue, then down; Q8_0 on int8 activations,
+    F16 weights on f16 ones (the formats' decoding is test_recipes_tile_mma's: each path here in a cheap format).
     T = 33 with one expert taking every token (two token tiles, the second partial), 7 and 1; experts without
     tokens store nothing (outputs poisoned)."""
     if rt.lanes == 1:
         pytest.skip("GPU-shaped, never planned on one lane")
     e, dm, k = 8, 256, 2
     knobs = {"mma_min": 32, "mma_rows": 32, "mma_tokens": 16, "mma_lanes": 64}
-    g, ctx, _, ml, weights, deq = _moe_case(rt, "Q8_0", 128, t_max=40, knobs=knobs, matrix_units=True)
+    g, ctx, _, ml, weights, deq = _moe_case(rt, fmt_name, 128, t_max=40, knobs=knobs, matrix_units=True)
     assert [la.kernel.name.endswith("_mma") for la in ml if la.kernel.name.startswith("moe_")] == [
         False, True, True, False]  # group, gate/up, down, combine
     rng = np.random.default_rng(17)
@@ -266,5 +267,9 @@ def test_moe_ffn_tile_products(rt):
         sb, so = plan_scratch(ctx)
         out = run_launches(rt, ml, {"x": xv.reshape(-1), "route": route, **weights, **sb}, {"T": t},
                            {"o": ((t, dm), "f32"), **so}, keep)["o"]
-        ref = _moe_ref(xv, ids, w, deq, True)
-        np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4 * np.abs(ref).max(), err_msg=f"T={t}")
+        if fmt_name == "F16":  # x and h rounded to f16 (2e-3: h's rounding, which the reference leaves out)
+            ref = _moe_ref(xv.astype(np.float16).astype(np.float32), ids, w, deq, False)
+            np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max(), err_msg=f"T={t}")
+        else:
+            ref = _moe_ref(xv, ids, w, deq, True)
+            np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4 * np.abs(ref).max(), err_msg=f"T={t}")
