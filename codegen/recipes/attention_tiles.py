@@ -148,10 +148,11 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
         Store("rlo", r, Select(Var("row_on"), lo, Const(1 << 30))),
         Store("rhi", r, Select(Var("row_on"), Load("starts", tr) + Load("positions", tr), Const(-1))),
     ))
-    # The online softmax of a key tile, a row a lane: the tile's max, the row's new running max, then each score's
-    # probability handed to `keep(j, p)` (statements keeping it for the product with V; returns them and the value
-    # to add to the denominator), the correction of the old state into c.
-    def softmax(keep: Callable[[Expr, Expr], tuple[list, Expr]], step: int) -> LaneFor:
+
+    def softmax(keep: Callable[[Expr, list[Expr]], tuple[list, Expr]], step: int) -> LaneFor:
+        """The online softmax of a key tile, a row a lane: the tile's max, the row's new running max, the
+        probabilities of keys j .. j + step - 1 handed to `keep(j, ps)` (which returns the statements keeping them
+        for the product with V and what they add to the denominator), the old state's correction into c."""
         ps = [Var(f"pv{x}") for x in range(step)]
         probs = []
         for x in range(step):
