@@ -57,7 +57,8 @@ def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=Non
     uw = g.weight("u", fmt_name, (e, ff, dm))
     dw = g.weight("d", fmt_name, (e, dm, ff))
     g.op("moe_ffn", x, route, gw, uw, dw, name="o")
-    ctx = recipe_context(g, formats={n: FORMATS[fmt_name] for n in "gud"}, lanes=lanes, matrix_units=matrix_units)
+    ctx = recipe_context(g, formats={n: FORMATS[fmt_name] for n in "gud"}, lanes=lanes if matrix_units else 1,
+                         matrix_units=matrix_units)
     ctx.lanes, ctx.t_max = lanes, t_max
     ctx.knobs = {"moe_ffn": knobs or {}}
     rl = recipe("router").lower(g.nodes[:1], ctx)
