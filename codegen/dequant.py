@@ -443,7 +443,7 @@ class Decoder:
                 out.append(Let(f"{word}_{name}", pick))
                 env[name] = Var(f"{word}_{name}")
         qf = code_field(self.fmt)
-        lw = _Lowerer(self.fmt, self.buf, self.base, env, first, 1, "_unused", self.f16_arith)
+        lw = _Lowerer(self.fmt, self.buf, self.base, env, first, 1, "_unused")
         value = lw.expr(inline_elem_lets(self.fmt, self.fmt.value))  # the code a byte load at base + first
         if sum(1 for n in expr_nodes(value) if isinstance(n, Load) and n.buf == self.buf) != 1:
             raise ValueError(f"{self.fmt.name}: values read more than their code byte")

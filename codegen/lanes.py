@@ -32,7 +32,7 @@ Tile products (`Fragment`, `TileMMA`, `TileEach`) come first:
   `TileEach` is unrolled over a lane's registers (the element's (i, j) from the unit's accumulator layout),
   `TileMMA` becomes per hardware tile a `For` over K steps of `MatrixOp`s whose operand words are loaded from the
   local arrays where the unit's operand layout says; a `Barrier` precedes the next write into local arrays a
-  `TileMMA` or `TileEach` read.
+  `TileMMA` or `TileEach` read, and follows a `TileEach` that writes local arrays.
 """
 
 from __future__ import annotations
@@ -315,8 +315,13 @@ class _Lowering:
                 out += self.store(s)
                 continue
             if isinstance(s, TileEach | TileMMA):
+                # A TileEach storing into local arrays (each element its own place) publishes them to what follows.
+                local = isinstance(s, TileEach) and any(isinstance(st, Store) and st.buf in self.local
+                                                        for st in walk(s.body))
+                out += self.pre_barrier(s) if local else []
                 out += self.tile_each(s) if isinstance(s, TileEach) else self.tile_mma(s)
                 self.last_barrier = False
+                out += self.barrier() if local else []
                 continue
             self.last_barrier = False
             if isinstance(s, For):

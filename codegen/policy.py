@@ -73,7 +73,7 @@ class Policy:
     split_kv_formats: tuple[str, ...] = ()  # KV cache types kept in split rows (`kv_layout`)
     knobs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # knob space -> knob -> default
     # The tuning database's choices for this device (`polystrata.tuning.apply_tuning`): kernel instance signature
-    # (`KnobSpace.signature`) -> knob overrides.
+    # (`KnobSpace.signature`) -> knob overrides; and by knob space name, overrides for all its kernels (`bench --knob`).
     tuned: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def default(self, space: str, knob: str) -> Any:

@@ -22,7 +22,8 @@ Execution model (what a recipe writer may assume, and what every target must hon
   matrix units renders them (`codegen/lanes.py`: the fragment becomes a local array, each element owned by one
   lane). A target with matrix units keeps each fragment in the registers of its subgroups, in the layout its
   instruction wants, so `TileEach` must not assume which lane holds which element or in which order they come:
-  its iterations are independent, and it reads local arrays and buffers, writes fragments and buffers.
+  its iterations are independent, and it reads local arrays and buffers, writes fragments, buffers and local
+  arrays (each element its own places; what a `TileEach` stores into local arrays is visible after it).
   Like `LaneFor`, both appear only at group level; a target makes the local arrays a `TileMMA` or `TileEach`
   reads safe to overwrite afterwards (a barrier before the next write).
 

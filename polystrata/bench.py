@@ -252,11 +252,13 @@ def run_bench(
     n_ctx: int | None = None,
     memory: dict | None = None,
     tuning: bool = True,
+    knobs: dict | None = None,
 ) -> dict:
     """Benchmark `model` on `target` with a KV cache of `kv_type` holding `n_ctx` tokens (default: just what the
     tests need, depth + max(p, n)); returns the `--json` object (see the module docstring for its meaning).
     `memory`: the Engine's memory options (gpu_mem, expert_slots, expert_policy). `tuning`: the tuning
-    database's knobs (`polystrata.tuning`), recorded in the result with how many kernel instances they set."""
+    database's knobs (`polystrata.tuning`), recorded in the result with how many kernel instances they set.
+    `knobs`: knob space -> knob -> value for every kernel of the space (`parse_knobs`; the Engine's)."""
     from polystrata import zoo
     from polystrata.engine import Engine
 
@@ -275,7 +277,8 @@ def run_bench(
 
     path = zoo.resolve_model(model)
     # Every test starts after `depth` tokens, so the cache only needs to hold that and the longest test.
-    engine = Engine(path, target=target, n_ctx=n_ctx or need, kv_type=kv_type, tuning=tuning, **(memory or {}))
+    engine = Engine(path, target=target, n_ctx=n_ctx or need, kv_type=kv_type, tuning=tuning, knobs=knobs,
+                    **(memory or {}))
     target = getattr(engine, "target", target)  # `auto` resolved to what actually runs
     threads = engine_threads(engine)
     device = describe_device(engine, target)
@@ -297,6 +300,7 @@ def run_bench(
         "depth": depth,
         "n_ctx": engine.n_ctx,
         "tuning": tuning,
+        "knobs": knobs or {},
         "tuned_kernels": tuned_instances(engine),
         "pp": None,
         "tg": None,
@@ -447,8 +451,29 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tuning", choices=("on", "off", "both"), default="on",
                    help="the tuning database's knobs (polystrata tune): on, off (= --no-tuning), or both: the model "
                         "benched without them, then with them, and the ratios")
+    p.add_argument("--knob", action="append", default=[], metavar="SPACE.NAME=VALUE",
+                   help="a schedule knob for every kernel of a knob space, e.g. attention.mma=0 (repeatable; the "
+                        "tuning database's choices for single kernels still apply: --no-tuning for none)")
     memory_args(p)
     return p
+
+
+def parse_knobs(items: list[str]) -> dict:
+    """SPACE.NAME=VALUE strings -> {space: {name: value}} (integers where they parse), each knob one that a
+    recipe's knob space declares."""
+    from polystrata.codegen.recipes import RECIPES, load_all
+
+    load_all()
+    spaces = {r.knobs.name: r.knobs for r in RECIPES if r.knobs is not None}
+    knobs: dict = {}
+    for item in items:
+        key, eq, val = item.partition("=")
+        space, _, name = key.partition(".")
+        if not eq or space not in spaces or name not in spaces[space].defaults():
+            known = ", ".join(sorted(spaces))
+            raise UsageError(f"--knob {item!r}: expected SPACE.NAME=VALUE with a knob of one of the spaces {known}")
+        knobs.setdefault(space, {})[name] = int(val) if val.lstrip("-").isdigit() else val
+    return knobs
 
 
 def tuning_ratios(untuned: dict, tuned: dict) -> dict:
@@ -465,6 +490,7 @@ def cmd_bench(a) -> int:
     if mode == "both" and a.output_format == "csv":
         raise UsageError("--tuning both prints md or json, not csv")
     progress = None if a.output_format != "md" else (lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True))
+    knobs = parse_knobs(a.knob)
     runs = {}
     for tuning in {"on": (True,), "off": (False,), "both": (False, True)}[mode]:
         runs[tuning] = run_bench(
@@ -480,6 +506,7 @@ def cmd_bench(a) -> int:
             n_ctx=a.ctx,
             memory=memory_kwargs(a),
             tuning=tuning,
+            knobs=knobs,
         )
     if mode != "both":
         (r,) = runs.values()

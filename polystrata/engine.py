@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -94,7 +94,7 @@ class Engine:
         self, model_path: str | Path, target: str = "auto", n_ctx: int | None = None, kv_type: str = "f16",
         gpu_mem: str | None = None, expert_policy: str | None = None, expert_slots: int | None = None,
         n_gpu_layers: int | None = None, verbose: bool = False, kernel_store: Path | None = None,
-        tuning: bool = True,
+        tuning: bool = True, knobs: dict | None = None,
     ):
         """`n_ctx` None: the model's trained context, reduced to what the device-memory budget holds (see
         `runtimes.memory.fit_plans`; the reference target: min(trained, `DEFAULT_CTX`)). `gpu_mem`: the budget
@@ -104,7 +104,8 @@ class Engine:
         VRAM guard's actions on stderr. `n_gpu_layers`: llama.cpp's -ngl (see `gpu_layers_target`).
         `kernel_store`: an artifact's compiled kernels, used where the kernel cache lacks them
         (`polystrata.artifact.kernel_store`). `tuning`: take the tuning database's knobs for this device
-        (`polystrata.tuning`; `--no-tuning` turns it off)."""
+        (`polystrata.tuning`; `--no-tuning` turns it off). `knobs`: knob space -> knob -> value, for every kernel of
+        the space (`bench --knob`), under the tuning database's choices for single kernels."""
         if n_ctx is not None and n_ctx < 1:
             raise PolystrataError(f"the context length must be at least 1, not {n_ctx}")
         from polystrata.runtimes.memory import check_reference_flags, policy_class
@@ -137,6 +138,8 @@ class Engine:
             from polystrata.tuning import apply_tuning
 
             apply_tuning(self.runtime)
+        if self.runtime is not None and knobs:
+            self.runtime.policy = replace(self.runtime.policy, tuned={**self.runtime.policy.tuned, **knobs})
         if self.runtime is not None and kernel_store is not None:
             self.runtime.kernel_stores.append(kernel_store)
         self.device = self.runtime.device if self.runtime else "host CPU (numpy float32)"

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from polystrata.bench import time_steps
+from polystrata.bench import parse_knobs, time_steps
 from polystrata.compiler import build_plan
 from polystrata.ir.encode import quantize
 from polystrata.ir.evaluate import dequantize
@@ -26,16 +26,6 @@ from polystrata.ir.graph import Graph
 from polystrata.ir.layout import repack
 from polystrata.runtimes.base import eval_int
 from polystrata.targets import make_runtime
-
-
-def parse_knobs(items: list[str]) -> dict:
-    """RECIPE.NAME=VALUE strings -> {recipe: {name: value}} (integers where they parse)."""
-    knobs: dict = {}
-    for kv in items:
-        key, val = kv.split("=", 1)
-        recipe, name = key.split(".", 1)
-        knobs.setdefault(recipe, {})[name] = int(val) if val.lstrip("-").isdigit() else val
-    return knobs
 
 
 def main() -> None:

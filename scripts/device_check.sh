@@ -45,6 +45,11 @@ preset_model() {
     esac 2>> "$LOG"
 }
 row() { printf '%-34s %s\n' "$1" "$2" | tee -a "$SUMMARY"; }
+# A summary row of a `bench --json` file's prefill test: pp_row FILE LABEL.
+pp_row() {
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['pp']; print(f\"{sys.argv[2]:34s} {r['tok_s_mean']:.0f}±{r['tok_s_sd']:.0f} tok/s\")" \
+        "$1" "$2" | tee -a "$SUMMARY"
+}
 
 # Model parts (scripts/device_models.sh) are kept outside the checkout: a later call's carry replaces .models/.
 PARTS=/tmp/model_parts
@@ -235,7 +240,9 @@ fi
 if [[ " $STAGES " == *" prefill "* ]]; then
     # Issue 21 (not among the default stages): prefill on matrix units. The main prefill matmuls alone (llama3-8b's
     # ffn_up / ffn_down shapes, 512 tokens: TFLOP/s of the tile-product kernel), then pp512 / pp4096 against
-    # llama.cpp's on both presets, same files. PREFILL_LENGTHS, BENCH_MODELS narrow it.
+    # llama.cpp's on both presets, same files; each also without the tile products of attention (attention.mma=0:
+    # its loops) and, on the MoE preset, of the experts (moe_ffn.mma_min past every matrix: the int8 matvecs).
+    # PREFILL_LENGTHS, BENCH_MODELS narrow it; PREFILL_VARIANTS=0 skips the variants.
     for shape in "14336 4096" "4096 14336"; do
         set -- $shape
         timeout 300 python3 scripts/matvec_bench.py --target cuda --rows "$1" --cols "$2" --tokens 512 --iters 20 \
@@ -247,8 +254,16 @@ if [[ " $STAGES " == *" prefill "* ]]; then
         for p in ${PREFILL_LENGTHS:-512 4096}; do
             timeout 600 python3 -m polystrata bench "$M/$m.gguf" --target cuda -p "$p" -n 0 -r 3 --json \
                 > "$OUT/prefill_${m}_$p.json" 2>> "$LOG" || { row "$m pp$p" "failed (see the log)"; continue; }
-            python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['pp']; print(f\"{sys.argv[2] + ' pp' + str(r['n']):34s} {r['tok_s_mean']:.0f}±{r['tok_s_sd']:.0f} tok/s\")" \
-                "$OUT/prefill_${m}_$p.json" "$m" | tee -a "$SUMMARY"
+            pp_row "$OUT/prefill_${m}_$p.json" "$m pp$p"
+            variants="attention.mma=0"
+            [[ "$m" == qwen3moe* ]] && variants+=" moe_ffn.mma_min=1048576"
+            [ "${PREFILL_VARIANTS:-1}" = 0 ] && variants=""
+            for kn in $variants; do
+                f="$OUT/prefill_${m}_${p}_${kn//[.=]/_}.json"
+                timeout 600 python3 -m polystrata bench "$M/$m.gguf" --target cuda -p "$p" -n 0 -r 3 --knob "$kn" \
+                    --json > "$f" 2>> "$LOG" || { row "$m pp$p $kn" "failed (see the log)"; continue; }
+                pp_row "$f" "$m pp$p $kn"
+            done
             [ -n "$lcpp" ] || continue
             timeout 300 /tmp/llamacpp-build/bin/llama-bench -m "$M/$m.gguf" -p "$p" -n 0 -r 3 -fa 1 -ngl 99 -o json \
                 > "$OUT/lcpp_prefill_${m}_$p.json" 2>> "$LOG" || { row "llama.cpp $m pp$p" "failed"; continue; }

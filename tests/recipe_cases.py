@@ -18,6 +18,7 @@ from polystrata.ir.evaluate import dequantize
 from polystrata.ir.formats import FORMATS, KV_FORMATS, QuantFormat
 from polystrata.ir.graph import Graph
 from polystrata.ir.layout import padded, repack, sliced
+from polystrata.runtimes import reference as R
 from polystrata.runtimes.base import eval_int
 from polystrata.targets import make_runtime
 
@@ -152,3 +153,21 @@ def plan_scratch(ctx):
         else:
             bufs[name] = np.full(count, 0x3C3C3C3C, np.int32)
     return bufs, outs
+
+
+def attention_prefill_case(kv: str, hq: int, hkv: int, d: int, t: int, window: int, softcap: float,
+                           seed: int = 0) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """A prefill of t rows (positions 0..t-1, scale 1/8) for `attention_tiles.prefill_attention_kernel` run alone:
+    its inputs (q, the K/V cache rows encoded in KV format `kv`, positions, starts) and the reference output
+    (t, hq, d), which sees K and V as the cache holds them."""
+    fmt = KV_FORMATS[kv]
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
+    kc, vc = (quantize(fmt, x.reshape(t, -1)) for x in (k, v))
+    kq, vq = (dequantize(fmt, c, (t, hkv * d)).reshape(t, hkv, d) for c in (kc, vc))
+    pos = np.arange(t, dtype=np.int32)
+    ref = R._attend({"scale": 0.125, "softcap": softcap, "window": window}, q, kq, vq, pos, np.zeros_like(kq),
+                    np.zeros_like(vq))
+    inputs = {"q": q.reshape(-1), "kc": kc.reshape(-1), "vc": vc.reshape(-1), "positions": pos,
+              "starts": np.zeros(t, np.int32)}
+    return inputs, ref

@@ -10,7 +10,7 @@ import pytest
 from polystrata import bench
 from polystrata.bench import add_bench_parser, cmd_bench
 from polystrata.engine import tensor_table
-from polystrata.errors import PolystrataError
+from polystrata.errors import PolystrataError, UsageError
 from polystrata.gguf import GGUFFile
 from polystrata.models import build_graph
 from polystrata.synth import synth_model
@@ -211,6 +211,30 @@ def test_kv_type_and_ctx_reach_the_plans(tiny_model, capsys, monkeypatch):
     with pytest.raises(Planned):
         _run(capsys, str(tiny_model), "--target", "cpu", "-d", "20", "-p", "8", "-n", "4")
     assert seen == {"n_ctx": 28, "kv_type": "f16"}
+
+
+def test_knobs_reach_the_plans(tiny_model, capsys, monkeypatch):
+    """--knob SPACE.NAME=VALUE: overrides for every kernel of the space in the policy the plans are made with;
+    anything but a declared knob of a declared space is a usage error."""
+    import polystrata.compiler
+
+    seen = {}
+
+    class Planned(Exception):
+        pass
+
+    def spy(file, graphs, runtime, *args, **kw):
+        seen.update(runtime.policy.tuned)
+        raise Planned
+
+    monkeypatch.setattr(polystrata.compiler, "compile_plans", spy)
+    with pytest.raises(Planned):
+        _run(capsys, str(tiny_model), "--target", "cpu", "--no-tuning", "-p", "8", "-n", "0", "--knob",
+             "attention.mma=0", "--knob", "moe_ffn.mma_min=4096", "--knob", "matmul.split=rows")
+    assert seen == {"attention": {"mma": 0}, "moe_ffn": {"mma_min": 4096}, "matmul": {"split": "rows"}}
+    for bad in ("attention.nope=1", "nospace.mma=1", "attention.mma"):
+        with pytest.raises(UsageError, match="expected SPACE.NAME=VALUE"):
+            _run(capsys, str(tiny_model), "--target", "cpu", "--knob", bad)
 
 
 @pytest.mark.parametrize("argv, message", [(["-d", "-1"], "-d must be"), (["-c", "10", "-d", "8", "-n", "4"],

@@ -66,7 +66,8 @@ def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: 
         qr = q8_rounded(qv.reshape(t, -1)).astype(np.float32).reshape(qv.shape) if int8_q else qv
         ref = R._IMPLS["attention"](ex, g.nodes[0], [qr, kq, vq, pv])
         # Our encoder may pick the neighbouring f16 scale (round-to-nearest vs. rounding up): a q8 step of a value.
-        np.testing.assert_allclose(out, ref, atol=1e-4 if kv == "f16" or split_kv else 0.03, rtol=1e-3)
+        np.testing.assert_allclose(out, ref, atol=1e-4 if kv == "f16" or split_kv else 0.03, rtol=1e-3,
+                                   err_msg=f"T={t}")
         n_past += t
     return launches
 
@@ -193,6 +194,41 @@ def test_split_kv_store_writes_the_gguf_blocks_repacked(rt):
     layout = split_rows(fmt, d)
     for name in ("kv.0.k", "kv.0.v"):
         np.testing.assert_array_equal(caches[True][name], repack(caches[False][name], fmt, layout))
+
+
+def test_attention_tile_products(rt):
+    """Prefill attention's products as the kernel IR's tile products (knob mma; the portable rendering here,
+    test_target_cuda emulates the matrix units' layouts with f16 K/V): a 512-row prompt (32 row tiles, 16 key
+    tiles), then 33, 7 and 1 rows (partial tiles of rows and keys), GQA, a window, a softcap, q8_0 K/V decoded to
+    f16 (within the loops' tolerance; q, K and the probabilities rounded to f16 cost f16 K/V 6e-4 at 512 rows, where
+    the loops' f32 products are within 1e-6). One case: each is a PoCL compile of seconds; its heads are
+    test_attention_tiles' (their K/V store kernel compiles once)."""
+    gpu_shaped(rt, 128, sampled=False)
+    knobs = {"tiles": 1, "tiles_above": 0, "mma": 1, "q_tile": 16, "k_tile": 32}
+    launches = _check_attention(rt, "q8_0", 3, 10, 30.0, 128, 560, knobs, (512, 33, 7, 1), 3)
+    kern = launches[1].kernel
+    assert dict(kern.knobs)["mma"] == 1 and len(kern.fragments) == 3  # scores and two 32-column output fragments
+
+
+def test_attention_tile_products_by_default_on_matrix_units():
+    """Knob mma "auto": the tile products where the target's policy has matrix units, in the largest tiles whose
+    local arrays fit (fragments in registers there); the loops elsewhere, and where no tile-product tiles fit."""
+    from polystrata.codegen.cuda import MMA_SYNC
+
+    def tiles(matrix_units: bool, d: int, mma="auto") -> tuple[dict, int]:
+        g = _attention_graph(8, 2, d)
+        ctx = recipe_context(g, n_ctx=4096, lanes=128, matrix_units=matrix_units)
+        ctx.t_max, ctx.knobs = 512, {"attention": {"mma": mma}}
+        kern = recipe("attention").lower(g.nodes, ctx)[1].kernel
+        assert MMA_SYNC.takes(kern) == (dict(kern.knobs).get("mma") == 1)  # cuda's unit: native, not local memory
+        return dict(kern.knobs), kern.lanes
+
+    # With tile products, a warp per 16 x 16 tile of a fragment at most (whole hardware tiles for every unit).
+    assert tiles(True, 128) == ({"tiles": 1, "q_tile": 16, "k_tile": 32, "mma": 1}, 64)
+    assert tiles(True, 256) == ({"tiles": 1, "q_tile": 16, "k_tile": 16, "mma": 1}, 32)  # gemma3's heads
+    assert tiles(True, 128, 0) == ({"tiles": 1, "q_tile": 16, "k_tile": 32}, 128)
+    assert tiles(False, 128) == ({"tiles": 1, "q_tile": 16, "k_tile": 32}, 128)
+    assert tiles(False, 256, 1) == ({"tiles": 1, "q_tile": 8, "k_tile": 16}, 128)  # portable fragments: none fit
 
 
 def test_attention_tiles_or_rows_by_the_step(rt):

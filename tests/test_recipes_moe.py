@@ -46,9 +46,9 @@ def test_router(rt, norm, lanes):
     np.testing.assert_allclose(out[t * 3:].reshape(t, 3) / 2.0**30, w, atol=1e-6)
 
 
-def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=None):
-    """A router + moe_ffn graph lowered on a context of `lanes` lanes (and moe_ffn `knobs`); returns what a test
-    needs to run it."""
+def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=None, matrix_units=False):
+    """A router + moe_ffn graph lowered on a context of `lanes` lanes (and moe_ffn `knobs`; `matrix_units`: a
+    target whose policy has them); returns what a test needs to run it."""
     g = Graph("t")
     x = g.input("x", "f32", ("T", dm))
     logits = g.input("logits", "f32", ("T", e))
@@ -57,7 +57,8 @@ def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=Non
     uw = g.weight("u", fmt_name, (e, ff, dm))
     dw = g.weight("d", fmt_name, (e, dm, ff))
     g.op("moe_ffn", x, route, gw, uw, dw, name="o")
-    ctx = recipe_context(g, formats={n: FORMATS[fmt_name] for n in "gud"})
+    ctx = recipe_context(g, formats={n: FORMATS[fmt_name] for n in "gud"}, lanes=lanes if matrix_units else 1,
+                         matrix_units=matrix_units)
     ctx.lanes, ctx.t_max = lanes, t_max
     ctx.knobs = {"moe_ffn": knobs or {}}
     rl = recipe("router").lower(g.nodes[:1], ctx)
@@ -180,6 +181,18 @@ def test_moe_group_lists(rt):
             np.testing.assert_array_equal(lst[a + 1: a + 1 + len(active)], active)
 
 
+def _hand_routes(rng, t: int, e: int, k: int, skew: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Routes of t tokens to k of e experts, unnormalised weights: (ids, weights, the route buffer); `skew`: expert
+    3 in every token's first slot."""
+    ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
+    if skew:
+        ids[:, 0] = 3
+        ids[:, 1] = np.where(ids[:, 1] == 3, 5, ids[:, 1])
+    w = rng.uniform(0.05, 1.0, (t, k)).astype(np.float32)
+    q30 = np.round(w.astype(np.float64) * 2.0**30).astype(np.int32)
+    return ids, w, np.concatenate([ids.reshape(-1), q30.reshape(-1)])
+
+
 @pytest.mark.parametrize("fmt_name,spread", [("Q4_K", "auto"), ("Q8_0", "auto"), ("Q4_K", 3)])
 def test_moe_ffn_random_routes(rt, fmt_name, spread):
     """moe_ffn alone on hand-made routes: skewed (one expert takes every token), unnormalised weights, T = 1 and 9;
@@ -199,13 +212,7 @@ def test_moe_ffn_random_routes(rt, fmt_name, spread):
         keep: dict = {}
         for t, skew in ((9, False), (1, False), (9, True)):
             xv = rng.standard_normal((t, dm)).astype(np.float32)
-            ids = np.stack([rng.permutation(e)[:k] for _ in range(t)]).astype(np.int32)
-            if skew:
-                ids[:, 0] = 3
-                ids[:, 1] = np.where(ids[:, 1] == 3, 5, ids[:, 1])
-            w = rng.uniform(0.05, 1.0, (t, k)).astype(np.float32)
-            q30 = np.round(w.astype(np.float64) * 2.0**30).astype(np.int32)
-            route = np.concatenate([ids.reshape(-1), q30.reshape(-1)])
+            ids, w, route = _hand_routes(rng, t, e, k, skew)
             sb, so = plan_scratch(ctx)
             out = run_launches(rt, ml, {"x": xv.reshape(-1), "route": route, **weights, **sb}, {"T": t},
                                 {"o": ((t, dm), "f32"), **so}, keep)["o"]
@@ -237,3 +244,33 @@ def test_moe_one_token_plan_router_writes_lists(rt, fmt_name):
             int8 = any(n.startswith("quantize_x") for n in names)
             ref = _moe_ref(xv, ids, w, deq, int8)
             np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("fmt_name", ["Q8_0", "F16"])
+def test_moe_ffn_tile_products(rt, fmt_name):
+    """Prompt chunks on matrix units: each listed expert's tokens through the prefill matmul's tile products
+    (`tile_mma`, portable rendering here), gate/up with the GLU as epilogue, then down; Q8_0 on int8 activations,
+    F16 weights on f16 ones (the formats' decoding is test_recipes_tile_mma's: each path here in a cheap format).
+    T = 33 with one expert taking every token (two token tiles, the second partial), 7 and 1; experts without
+    tokens store nothing (outputs poisoned)."""
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped, never planned on one lane")
+    e, dm, k = 8, 256, 2
+    knobs = {"mma_min": 32, "mma_rows": 32, "mma_tokens": 16, "mma_lanes": 64}
+    g, ctx, _, ml, weights, deq = _moe_case(rt, fmt_name, 128, t_max=40, knobs=knobs, matrix_units=True)
+    assert [la.kernel.name.endswith("_mma") for la in ml if la.kernel.name.startswith("moe_")] == [
+        False, True, True, False]  # group, gate/up, down, combine
+    rng = np.random.default_rng(17)
+    keep: dict = {}
+    for t, skew in ((33, True), (7, False), (1, False)):
+        xv = rng.standard_normal((t, dm)).astype(np.float32)
+        ids, w, route = _hand_routes(rng, t, e, k, skew)
+        sb, so = plan_scratch(ctx)
+        out = run_launches(rt, ml, {"x": xv.reshape(-1), "route": route, **weights, **sb}, {"T": t},
+                           {"o": ((t, dm), "f32"), **so}, keep)["o"]
+        if fmt_name == "F16":  # x and h rounded to f16 (2e-3: h's rounding, which the reference leaves out)
+            ref = _moe_ref(xv.astype(np.float16).astype(np.float32), ids, w, deq, False)
+            np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max(), err_msg=f"T={t}")
+        else:
+            ref = _moe_ref(xv, ids, w, deq, True)
+            np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4 * np.abs(ref).max(), err_msg=f"T={t}")

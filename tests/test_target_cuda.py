@@ -83,12 +83,14 @@ def test_case_matches_numpy_and_cpu(rt, cpu, case):
 
 @inner
 @pytest.mark.parametrize("unit,kind", [("mma_sync", "i8"), ("mma_sync", "f16"), ("mma_sync", "recipe"), ("mfma", "i8"),
-                                       ("mfma", "f16"), ("wmma", "f16"), ("wmma", "recipe")])
+                                       ("mfma", "f16"), ("wmma", "f16"), ("wmma", "recipe"),
+                                       ("mma_sync", "attention"), ("mfma", "attention"), ("wmma", "attention")])
 def test_native_tile_lowering_emulated(unit, kind, tmp_path):
     """The native lowering of tile products for cuda's MMA_SYNC unit and hip's gfx90a MFMA and gfx11 WMMA units
     (operand loads, accumulator layout, tiles dealt to subgroups), rendered by this printer with the instructions
     emulated from the vendors' fragment layouts (`matrix_emulation`), against numpy: the conformance cases and the
-    prefill matmul recipe's kernel (int8 m16n8k32 on MMA_SYNC)."""
+    prefill matmul recipe's kernel (int8 m16n8k32 on MMA_SYNC), and prefill attention's (f16 products of scores and
+    of probabilities with V, a window and a softcap, GQA, q8_0 K/V; 7 rows: a partial tile of rows and of keys)."""
     import importlib
 
     from ir_constructs import tile_case
@@ -125,6 +127,19 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
                   "xd": (np.abs(x).reshape(7, 8, 32).max(-1) / 127).astype(np.float32).reshape(-1)}
         outputs, scalars, grid = {"y": (7 * 30, "f32")}, {"T": 7}, (1, 1)
         want = {"y": (q8_rounded(x) @ wd.T).reshape(-1)}
+    elif kind == "attention":
+        from recipe_cases import attention_prefill_case
+
+        from polystrata.codegen.format_analysis import widen
+        from polystrata.codegen.recipes.attention import scaled_score
+        from polystrata.codegen.recipes.attention_tiles import prefill_attention_kernel
+        from polystrata.ir.formats import KV_FORMATS
+
+        fmt = widen(KV_FORMATS["f16"], 32)  # f16 K/V in blocks of 32, as the recipe decodes them
+        kernel = prefill_attention_kernel("attn_emu", fmt, fmt, 2, 1, 32, 32, lambda x: scaled_score(x, 0.125, 30.0),
+                                          5, 64, 16, 32, mma=True)
+        inputs, ref = attention_prefill_case("f16", 2, 1, 32, 7, 5, 30.0, seed=2)
+        outputs, scalars, grid, want = {"out": (ref.size, "f32")}, {"T": 7}, (1, 2), {"out": ref.reshape(-1)}
     else:
         label, kernel, inputs, outputs, scalars, grid, want = tile_case(kind, 20 if kind == "f16" else 50, 10)
     src = Emulated(kernel).render()
@@ -140,7 +155,10 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
         arrays[name] = np.full(size, np.nan, np.float32) if dt == "f32" else np.full(size, -1, np.int32)
     args = [arrays[p.name] if hasattr(p, "out") else scalars[p.name] for p in kernel.params]
     getattr(mod, kernel.name)[grid, kernel.lanes](*args)
-    check_case({name: arrays[name] for name in outputs}, want, outputs, f"{unit} {kind}", tol=1e-4)
+    if kind == "attention":  # q, K and the probabilities rounded to f16: absolute error (test_recipes_attention's)
+        np.testing.assert_allclose(arrays["out"], want["out"], atol=2e-3, rtol=1e-3, err_msg=unit)
+    else:
+        check_case({name: arrays[name] for name in outputs}, want, outputs, f"{unit} {kind}", tol=1e-4)
 
 
 @inner

@@ -426,12 +426,14 @@ def _mfma_in(code: bytes, arch: str) -> set[str]:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tile_products_on_mfma_or_dot4(runtimes, arch):
-    """gfx90a: the tile products (conformance kernels and the prefill matmul recipe's, int8 and f16) compile to MFMA
-    instructions; gfx1030 (no MFMA): to the portable loops, int8 through sdot4 (v_dot4)."""
+    """gfx90a: the tile products (conformance kernels, the prefill matmul recipe's, int8 and f16, and prefill
+    attention's, f16) compile to MFMA instructions; gfx1030 (no MFMA): to the portable loops, int8 through sdot4
+    (v_dot4)."""
     from ir_constructs import tile_kernel
 
+    from polystrata.codegen.recipes.attention_tiles import prefill_attention_kernel
     from polystrata.codegen.recipes.tile_mma import tile_mma_kernel
-    from polystrata.ir.formats import FORMATS
+    from polystrata.ir.formats import FORMATS, KV_FORMATS
 
     rt = runtimes(arch)
     if arch != "gfx90a":
@@ -439,11 +441,14 @@ def test_tile_products_on_mfma_or_dot4(runtimes, arch):
         assert not rt.matrix_units and not _mfma_in(ck.handle.code, arch) and "__builtin_amdgcn_sdot4" in ck.source
         return
     recipe = tile_mma_kernel("t_mma_hip", [FORMATS["Q4_K"]], 64, 256, rows=32, tokens=32, chunk=64, lanes=64)
+    q8 = KV_FORMATS["q8_0"]
+    attention = prefill_attention_kernel("attn_mma_hip", q8, q8, 8, 2, 128, 128, lambda x: x * 0.125, 0, 64, 16, 32,
+                                         mma=True)
     found = {name: _mfma_in(rt.compile(k).handle.code, arch) for name, k in
-             (("i8", tile_kernel("i8")), ("f16", tile_kernel("f16")), ("recipe", recipe))}
+             (("i8", tile_kernel("i8")), ("f16", tile_kernel("f16")), ("recipe", recipe), ("attention", attention))}
     assert rt.matrix_units
     assert found == {"i8": {"v_mfma_i32_16x16x16i8"}, "f16": {"v_mfma_f32_16x16x16f16"},
-                     "recipe": {"v_mfma_i32_16x16x16i8"}}, found
+                     "recipe": {"v_mfma_i32_16x16x16i8"}, "attention": {"v_mfma_f32_16x16x16f16"}}, found
     # gfx942's int8 MFMA takes 8 bytes a lane (ROCm 5.2 cannot compile for it: the source only).
     src = render(tile_mma_kernel("t_mma_942", [FORMATS["Q8_0"]], 64, 256, rows=32, tokens=32, chunk=64, lanes=64),
                  "gfx942")

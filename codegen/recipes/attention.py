@@ -28,7 +28,8 @@ DECODE_RUN_KEYS keys in one-token plans, longer beyond MAX_DECODE_RUNS runs; at 
 
 Steps of more than `tiles_above` tokens (knob, "auto": TILES_ABOVE) on GPUs (knob `tiles`, "auto": there, unless
 `splits` is set) take launch 2 from `attention_tiles.prefill_attention_kernel` instead: a group per tile of query
-rows and head, keys in tiles decoded once for all the rows, the online softmax (knobs `q_tile`, `k_tile`). Plans
+rows and head, keys in tiles decoded once for all the rows, the online softmax (knobs `q_tile`, `k_tile`; knob
+`mma`, "auto": on targets with matrix units, its products as the kernel IR's tile products). Plans
 that serve both kinds of step hold both kernels, each run only for its kind (the row count picks at run time).
 
 Split-K (knob `splits`, "auto": 1 with one lane, else up to 8 by the span, and at least span / PREFILL_RUN_KEYS, in
@@ -50,7 +51,7 @@ from polystrata.codegen.format_analysis import affine, block_stride, finest_grou
 from polystrata.codegen.policy import Policy
 from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register
 from polystrata.codegen.recipes._matvec import QB, code_word, round_half_away
-from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE, default_tiles, prefill_attention_kernel
+from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE, default_tiles, mma_fits, prefill_attention_kernel
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
 from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
 from polystrata.ir.expr import Const, Expr, FieldLoad, Var
@@ -593,14 +594,26 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     above = TILES_ABOVE if chosen["tiles_above"] == "auto" else int(chosen["tiles_above"])
     if not int(tiles) or ctx.t_max <= above:
         return [store, *_row_launches(ctx, node, (kf, vf), tag, io, chosen, split_keys, window, softcap, provide=True)]
-    qt, kt = default_tiles(d, dv, ctx.target().local_bytes)
+    # Knob mma ("auto": where the target has matrix units): the tile products (`attention_tiles`), in tiles of
+    # MMA_TILE_CHOICES that fit; else (or where none does) the loops.
+    policy = ctx.target()
+    mma = bool(int(policy.matrix_units if chosen["mma"] == "auto" else chosen["mma"]))
+    tiles_mma = default_tiles(d, dv, policy.local_bytes, True, policy.matrix_units) if mma else None
+    qt, kt = tiles_mma or default_tiles(d, dv, policy.local_bytes)
     qt, kt = (dflt if chosen[name] == "auto" else int(chosen[name]) for name, dflt in (("q_tile", qt), ("k_tile", kt)))
+    mma = mma and mma_fits(d, dv, kt) and (tiles_mma is not None or "auto" not in (chosen["q_tile"], chosen["k_tile"]))
+    lanes = ctx.lanes
+    if mma and qt % 16 == 0 and kt % 16 == 0:
+        # A subgroup per 16 x 16 tile of a fragment at most: every matrix unit then deals whole hardware tiles to
+        # the subgroups (else the fragments fall back to local memory, which the tiles above were not sized for).
+        lanes = min(lanes, ctx.subgroup * (qt // 16) * (kt // 16))
     # With `above` > 0, steps of at most `above` rows (short prompts, batched decoding) keep the row kernels: a
     # group a row, and a row's result independent of which rows share its step. The row count picks at run time.
     sel = (Var("T") > above, f"_gt{above}") if above else (None, "")
-    tk = prefill_attention_kernel(f"attn_tiles_{tag}_{qt}x{kt}{sel[1]}", _kv_fmt(kf, d), _kv_fmt(vf, dv), hq, hkv,
-                                  d, dv, lambda x: scaled_score(x, float(a["scale"]), softcap), window, ctx.lanes,
-                                  qt, kt, active=sel[0])
+    tk = prefill_attention_kernel(f"attn_tiles_{tag}_{qt}x{kt}{'_mma' if mma else ''}{sel[1]}", _kv_fmt(kf, d),
+                                  _kv_fmt(vf, dv), hq, hkv, d, dv,
+                                  lambda x: scaled_score(x, float(a["scale"]), softcap), window, lanes, qt, kt,
+                                  active=sel[0], mma=mma)
     rows = _row_launches(ctx, node, (kf, vf), tag, io, chosen, split_keys, window, softcap, provide=False,
                          active=(Var("T") <= above, f"le{above}")) if above else []
     return [store, Launch(tk, (*io, ("out", out)), (("T", "T"),)), *rows]
@@ -687,15 +700,17 @@ def _match_norm_rope_attention(nodes: Sequence[Node]) -> bool:
 
 # Knob heads: query heads of a KV head together (must divide hq / hkv: the recipe rejects others). Knob int8: the
 # one-row kernels' scores take q as int8 against K codes in words ("auto": where the policy has int8_dot; only K
-# rows split into codes and scales take it). Knobs tiles, tiles_above, q_tile, k_tile: prefill attention in tiles
-# (`attention_tiles.py`).
+# rows split into codes and scales take it). Knobs tiles, tiles_above, q_tile, k_tile, mma: prefill attention in
+# tiles (`attention_tiles.py`), mma its tile products.
 ATTENTION_SPACE = KnobSpace("attention", (Knob("splits", "auto", (1, 2, 4, 8, 16, 32)),
                                           Knob("min_run", "auto", (1, 4, 16, 64)), Knob("heads", "auto", (1, 2, 4)),
                                           Knob("int8", "auto", (0, 1)),
                                           Knob("tiles", "auto", (0, 1)), Knob("tiles_above", "auto", (0, 16, 256)),
-                                          Knob("q_tile", "auto", (4, 8, 16)), Knob("k_tile", "auto", (8, 16, 32))),
+                                          Knob("q_tile", "auto", (4, 8, 16)), Knob("k_tile", "auto", (8, 16, 32)),
+                                          Knob("mma", "auto", (0, 1))),
                             constraint=lambda kn: (kn["min_run"] == "auto" or kn["splits"] not in ("auto", 1))
-                            and (kn["tiles"] != 0 or all(kn[t] == "auto" for t in ("tiles_above", "q_tile", "k_tile"))))
+                            and (kn["tiles"] != 0 or all(kn[t] == "auto" for t in ("tiles_above", "q_tile", "k_tile",
+                                                                                   "mma"))))
 register(Recipe("attention", ("attention",), _lower_attention, None, ATTENTION_SPACE))
 register(Recipe("rope_attention", ("rope", "rope", "attention"), _lower_rope_attention, _match_rope_attention,
                 ATTENTION_SPACE))

@@ -29,7 +29,11 @@ lanes (GPUs) and int8-path formats (knob xq), x and then h are quantized to int8
 two more launches) and each group sweeps one expert row with `_matvec.split_row_dot` (knobs sub: lanes per
 block, runs: consecutive words per lane, see `_matvec.use_runs`; spread: rows a group whose lanes spread over
 them, "auto" `_matvec.spread_rows`: 16 Q4_K rows of 768 columns); other formats take a Reduce over each row's
-blocks on f32 activations. Knobs: rows, split, xq, sub, runs, spread. In a plan of one-token steps (decode)
+blocks on f32 activations. Knobs: rows, split, xq, sub, runs, spread. Prompt chunks on matrix units (the
+policy's `matrix_units`, plans of several tokens, matrices of at least mma_min) take `tile_mma.tile_mma_kernel`
+for gate/up and down instead, its tokens gathered through the lists (`expert_gather`, a grid dimension over the
+experts with entries), after the same quantize launches (F16 weights: on the f32 activations); knobs mma_rows,
+mma_tokens, mma_chunk, mma_lanes, mma_min as `linear`'s. In a plan of one-token steps (decode)
 the router writes the lists itself (recipe `router_moe`) and the `group` launch goes. Where the residual add and
 an RMS norm follow (every layer but the last), the norm's kernel sums the experts' outputs (`combine_addend`)
 and the `combine` launch goes.
@@ -62,6 +66,7 @@ from polystrata.codegen.recipes._matvec import (
 )
 from polystrata.codegen.recipes.elementwise import Addend, match_add_rms, norm_launch
 from polystrata.codegen.recipes.linear import quantize_x_kernel, silu
+from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, Gather, f16_path, tile_mma_fits, tile_mma_kernel
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
@@ -135,7 +140,7 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int, lists: int 
 MOE_SPACE = KnobSpace("moe_ffn", (
     Knob("rows", 4, (1, 2, 8)), Knob("split", "auto", ("rows", "blocks")), Knob("xq", "auto", ("inline", "kernel")),
     Knob("sub", "auto", (1, 2, 4, 8)), Knob("runs", "auto", (0, 1)), Knob("spread", "auto", (0, 1)),
-    Knob("contract", "auto", (0, 1))),
+    Knob("contract", "auto", (0, 1)), *TILE_MMA_KNOBS),
     constraint=lambda kn: not (kn["xq"] == "inline" and any(kn[k] != "auto" for k in ("sub", "runs", "spread"))))
 
 
@@ -187,6 +192,24 @@ def _active_expert(n_exp: int, cap: int, inner: list, slots: bool = False) -> li
     a = n_exp * (1 + cap)
     lets = [Let("ex", Load("lst", Const(a + 1) + Var("g0")))] + ([Let("xw", Load("slot", Var("ex")))] if slots else [])
     return [If(Var("g0") < Load("lst", Const(a)), (*lets, *inner))]
+
+
+def expert_gather(n_exp: int, n: int, k: int, cap: int, per_token: bool, slots: bool) -> Gather:
+    """The tokens of `tile_mma.tile_mma_kernel` in MoE prefill: those listed for the g2-th expert with entries
+    (`group_kernel`'s lists; none past their number), activation row entry // k (`per_token`) or the entry, output
+    row the entry, weights those of the expert (`weight_index`) in matrices of n rows."""
+    a = n_exp * (1 + cap)
+    on = Var("g2") < Load("lst", Const(a))
+    lets = (Let("ex", Select(on, Load("lst", Const(a + 1) + Var("g2")), Const(0))),
+            *((Let("xw", Load("slot", Var("ex"))),) if slots else ()),
+            Let("cnt", Select(on, Load("lst", Var("ex")), Const(0))))
+
+    def entry(j: Expr) -> Expr:
+        return Load("lst", Const(n_exp) + Var("ex") * cap + j)
+
+    return Gather(lets, Var("cnt"), (lambda j: entry(j) // k) if per_token else entry, entry,
+                  weight_index(slots) * n, (Buf("lst", "i32"), *_slot_params(slots)),
+                  _active_grid(n_exp, k, Const(1))[0])
 
 
 def _slot_params(slots: bool) -> tuple:
@@ -444,6 +467,38 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     combine = Launch(kc, (("route", ctx.buf(route)), ("d", db), ("y", ctx.buf(node.output))), (("T", tb),))
     gateup = lambda v: silu(v[0]) * v[1]  # noqa: E731
     xq = policy.default("moe_ffn", "xq") if kn["xq"] == "auto" else kn["xq"]
+
+    def tiles(fmts: list[QuantFormat], kd: int) -> bool:
+        """Whether the expert matmuls over `fmts` (K = kd) take tile products: as `linear` decides for its matmuls
+        (matrix units, steps of several tokens, matrices of at least mma_min, formats `tile_mma_fits` takes; the
+        int8 ones with activations quantized by a kernel)."""
+        return (policy.matrix_units and t_max > 1 and min(ff, dm) >= int(kn["mma_min"])
+                and tile_mma_fits(fmts, kd, int(kn["mma_chunk"])) and (f16_path(fmts) or xq == "kernel"))
+
+    if tiles([fg, fu], dm) and tiles([fd], ff):
+        # Prompt chunks on matrix units: each listed expert's tokens through the prefill matmul's tile products.
+        def tile_launch(name: str, fmts: list[QuantFormat], n: int, kd: int, per_token: bool, act: str,
+                        quant: tuple, ws: tuple, out: str, epilogue=None) -> list[Launch]:
+            kern = tile_mma_kernel(name, fmts, n, kd, rows=int(kn["mma_rows"]), tokens=int(kn["mma_tokens"]),
+                                   chunk=int(kn["mma_chunk"]), lanes=int(kn["mma_lanes"]), epilogue=epilogue,
+                                   gather=expert_gather(n_exp, n, k, cap, per_token, stream))
+            wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
+            if f16_path(fmts):
+                return [Launch(kern, (("x", act), ("lst", lst), *slot, *wbind, ("y", out)), (("T", tb),))]
+            ql = Launch(quantize_x_kernel(f"quantize_x_{kd}" + (f"_{k}" if not per_token else ""), kd,
+                                          rows_per_t=1 if per_token else k), (("x", act), *quant), (("T", tb),))
+            return [ql, Launch(kern, (*quant, ("lst", lst), *slot, *wbind, ("y", out)), (("T", tb),))]
+
+        qx = (("xq", ctx.scratch("xq", "u32", t_max * dm // 4)), ("xd", ctx.scratch("xd", "f32", t_max * dm // QB)))
+        qh = (("xq", ctx.scratch("xq_h" if stream else "xq", "u32", cap * ff // 4)),
+              ("xd", ctx.scratch("xd_h" if stream else "xd", "f32", cap * ff // QB)))
+        return [
+            *group,
+            *tile_launch(f"moe_gateup_{fg.name}_{fu.name}_{tag}_mma".lower(), [fg, fu], ff, dm, True, ctx.buf(x), qx,
+                         (ctx.buf(g), ctx.buf(u)), hb, gateup),
+            *tile_launch(f"moe_down_{fd.name}_{tag}_mma".lower(), [fd], dm, ff, False, hb, qh, (ctx.buf(d),), db),
+            combine,
+        ]
     if (xq == "kernel" and ctx.lanes > 1 and all(use_int8(f, True) for f in (fg, fu, fd))
             and dm % QB == 0 and ff % QB == 0):
         # GPU path: x and then h quantized to int8 once (as `linear` does), each expert row swept by all lanes.

@@ -19,11 +19,16 @@ The activation codes are those of the GPU matvec path, so prefill and decode see
 mma_min (the smallest matrix taken).
 Targets without a matrix unit render the same kernel as loops (`codegen/lanes.py`); `linear._launches` takes it
 only where the target's policy says it has them (`Policy.matrix_units`) and the plan serves steps of several tokens.
+
+With a `Gather`, the tile's tokens are those a list names (MoE prefill, `moe.py`: the entries routed to one expert,
+whose matrix is one of a 3-D weight tensor's): the same kernel, its activation rows, output rows and first weight
+row read through the list.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from polystrata.codegen.dequant import Decoder
 from polystrata.codegen.format_analysis import affine, block_stride, elements_per_row_bytes, weight_dtype
@@ -61,6 +66,22 @@ TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk"
 PAD = 4  # words of padding after each operand row (see the module docstring)
 
 
+@dataclass(frozen=True)
+class Gather:
+    """The tokens of a tile kernel taken from a list (MoE prefill: the entries routed to one expert, grid dimension
+    g2): `lets` (uniform statements heading the body), `count` (how many tokens the list holds), `row(j)` the
+    activation row of listed token j < count, `out(j)` its output row, `first` the first weight row (an expert's
+    matrix in a 3-D tensor), `params` the buffers these read, `groups` the size of grid dimension g2."""
+
+    lets: tuple
+    count: Expr
+    row: Callable[[Expr], Expr]
+    out: Callable[[Expr], Expr]
+    first: Expr
+    params: tuple
+    groups: Expr
+
+
 def f16_path(fmts: Sequence[QuantFormat]) -> bool:
     """Whether weights of `fmts` take the f16 tile products (F16 weights: exact in f16) rather than int8 ones."""
     return all(f.name == "F16" for f in fmts)
@@ -84,10 +105,13 @@ def tile_mma_fits(fmts: Sequence[QuantFormat], k: int, chunk: int) -> bool:
 
 
 def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, chunk: int,
-                    lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+                    lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
+                    gather: Gather | None = None) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of `fmts` (`tile_mma_fits`), from
     int8 activations `xq` / `xd` (`linear.quantize_x_kernel`'s), or for F16 weights (`f16_path`) from the f32
-    activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens))."""
+    activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens)). With `gather`: for each token j the
+    list holds, y[out(j), r] from x[row(j)] and weight rows first + r; grid (.., .., gather.groups), a list of at
+    most T tokens."""
     half = f16_path(fmts)
     pack_n = 2 if half else 4  # elements a word
     wfs = [fmt_for(f) for f in fmts]
@@ -98,6 +122,12 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     offsets = any(a is not None and a.offset is not None for a in afs)
     row0, t0, u = Var("g0") * rows, Var("g1") * tokens, Var("u")
     kb, T = Var("kb"), Var("T")
+    count = gather.count if gather else T  # the tile's tokens are t0 .. count - 1 of those listed
+
+    def source(j: Expr) -> Expr:
+        """The activation row of the tile's token j (past the list: its last token's, whose results are not
+        stored)."""
+        return gather.row(Call("min", j, count - 1)) if gather else j
 
     def decode(j: int, s: int) -> list:
         """Weight j's levels (f16: values) and group scales of sub-chunk s of K step kb into its local arrays."""
@@ -126,6 +156,8 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
             return [Store(f"wl{j}", r * chunk + at + c + Var(i0), dec.value(lw) if a is None else lw.expr(a.level))]
 
         row = Call("min", row0 + r, Const(n - 1))  # rows past n decode row n - 1: their results are not stored
+        if gather:
+            row = gather.first + row
         return [LaneFor(u.name, Const(rows * per), (
             Let(f"w{j}_wb", row * rb + block * block_stride(wf)),
             *dec.walk(group, element, lo, hi),
@@ -153,20 +185,21 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         e0 = kb * big + s * chunk  # first element of the chunk
         per_row = chunk // pack_n
         tk, w = u // per_row, u % per_row
-        live = t0 + tk < T
+        live = t0 + tk < count
         if half:
-            at = (t0 + tk) * k + e0 + w * 2
+            at = source(t0 + tk) * k + e0 + w * 2
             word = bits(Load("x", at)) | (bits(Load("x", at + 1)) << 16)
         else:
-            word = Load("xq", (t0 + tk) * (k // 4) + e0 // 4 + w)
+            word = Load("xq", source(t0 + tk) * (k // 4) + e0 // 4 + w)
         word = Select(live, word, Cast("u32", 0))
         words = LaneFor(u.name, Const(tokens * per_row), (Store("xb", tk * st + w, word),))
         if half:
             return [words]
         ng = chunk // gx
         tg, g = u // ng, u % ng
-        live = t0 + tg < T
-        body = [Store("xds", u, Select(live, Load("xd", (t0 + tg) * (k // QB) + (e0 + g * gx) // QB), Const(0.0)))]
+        live = t0 + tg < count
+        body = [Store("xds", u, Select(live, Load("xd", source(t0 + tg) * (k // QB) + (e0 + g * gx) // QB),
+                                       Const(0.0)))]
         if offsets:
             total = Const(0)
             for x in range(gx // 4):
@@ -207,10 +240,15 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     out = epilogue(vals) if epilogue else vals[0]
     row, t = row0 + Var("i"), t0 + Var("jj")
     clear = tuple(FragSet(f"f{j}", Const(0.0)) for j in range(len(fmts)))
+    steps = Const(k // big)
+    if gather:  # a tile past the list's tokens takes no step (its group still runs: the grid covers T tokens)
+        steps = Select(t0 < count, steps, Const(0))
     body = (
+        *(gather.lets if gather else ()),
         TileEach("i", "jj", clear if half else (FragSet("iacc", Const(0)), *clear)),
-        For(kb.name, Const(0), Const(k // big), tuple(step)),
-        TileEach("i", "jj", (If((row < n) & (t < T), (Store("y", t * n + row, out),)),)),
+        For(kb.name, Const(0), steps, tuple(step)),
+        TileEach("i", "jj", (If((row < n) & (t < count), (Store("y", (gather.out(t) if gather else t) * n + row,
+                                                                   out),)),)),
     )
     local = [LocalArray("xb", "u32", tokens * st)]
     if not half:
@@ -227,9 +265,9 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     if not half:
         frags = (Fragment("iacc", "i32", rows, tokens), *frags)
     acts = (Buf("x", "f32"),) if half else (Buf("xq", "u32"), Buf("xd", "f32"))
-    params = (*acts, *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)), Buf("y", "f32", out=True),
-              Scalar("T"))
-    grid = (Const(-(-n // rows)), (T + (tokens - 1)) // tokens)
+    params = (*acts, *(gather.params if gather else ()), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
+              Buf("y", "f32", out=True), Scalar("T"))
+    grid = (Const(-(-n // rows)), (T + (tokens - 1)) // tokens, *((gather.groups,) if gather else ()))
     knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes))
     return Kernel(name, params, grid, body, lanes=lanes, local=tuple(local), knobs=knobs, fragments=frags,
                   doc=f"tile matmul {'f16' if half else 'int8'} {'+'.join(f.name for f in fmts)} [{n}x{k}]")
