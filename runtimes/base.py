@@ -432,7 +432,10 @@ class Runtime(ABC):
             module = importlib.util.module_from_spec(spec)
             sys.modules[name] = module
             spec.loader.exec_module(module)
-            return self._entry_points(module, kernel, signature)
+            fn = getattr(module, kernel.name)
+            if signature is not None:
+                fn.compile(signature)
+            return fn
 
         def build(path: Path) -> Any:
             atomic_write(path, source)
@@ -443,14 +446,6 @@ class Runtime(ABC):
                                       f"{log_head(str(e))}") from None
 
         return self._compile_cached(kernel, source, key, f"k_{key}.py", load, build)
-
-    def _entry_points(self, module: Any, kernel: Kernel, signature: tuple | None) -> Any:
-        """The handle of a Numba target's kernel module (`_compile_python`): its function `kernel.name`, compiled
-        for `signature` (None: at the first launch)."""
-        fn = getattr(module, kernel.name)
-        if signature is not None:
-            fn.compile(signature)
-        return fn
 
     def _copy_from_stores(self, entry: CacheEntry) -> bool | None:
         """Fill a missing cache entry from the first kernel store that holds it verified (`entry.verify()` of the

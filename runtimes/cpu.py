@@ -7,10 +7,9 @@ a second `compile` of the same model finds both (checked against their recorded 
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numba
 import numpy as np
@@ -20,13 +19,6 @@ from polystrata.codegen.cpu import NUMPY_DTYPES, render
 from polystrata.codegen.policy import HOST_POLICY
 from polystrata.ir.kernel import Kernel
 from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key, cpu_name, host_memory, numba_signature
-
-
-class HostKernel(NamedTuple):
-    """A cpu kernel's two entry points (`codegen/cpu.py`): its groups on Numba's threads, or in a plain loop."""
-
-    parallel: Any
-    serial: Any
 
 
 class CPURuntime(Runtime):
@@ -49,7 +41,7 @@ class CPURuntime(Runtime):
 
     def __init__(self) -> None:
         super().__init__()
-        self._threads = threads.configure()  # before Numba's pool starts: the CLI's -t, else the default
+        threads.configure()  # before Numba's pool starts: the CLI's -t, else the default (polystrata.threads)
         self.device = f"{cpu_name()} ({os.cpu_count()} threads, numba {numba.__version__})"
         self.compiler = f"numba {numba.__version__}"
 
@@ -60,11 +52,6 @@ class CPURuntime(Runtime):
         source = render(kernel)
         key = cache_key(source, self.name, self.device, self.compiler)
         return self._compile_python(kernel, source, key, numba_signature(kernel, grid_sizes=True))
-
-    def _entry_points(self, module: Any, kernel: Kernel, signature: tuple | None) -> HostKernel:
-        serial = getattr(module, f"{kernel.name}_serial")
-        serial.compile(signature)
-        return HostKernel(super()._entry_points(module, kernel, signature), serial)
 
     def alloc(self, shape: Sequence[int], dtype: str) -> np.ndarray:
         return np.zeros(tuple(shape), dtype=NUMPY_DTYPES[dtype]).reshape(-1)
@@ -81,12 +68,7 @@ class CPURuntime(Runtime):
     def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
         if min(grid) <= 0:
             return
-        # Waking the thread pool costs a few microseconds (tens on a busy machine) a launch: a decode step's
-        # hundreds of launches of one group (norms, embeddings) skip it, and with one thread every launch does.
-        if self._threads == 1 or math.prod(grid) == 1:
-            ck.handle.serial(*args, *grid)
-        else:
-            ck.handle.parallel(*args, *grid)
+        ck.handle(*args, *grid)
 
     def memory_info(self) -> tuple[int, int] | None:
         return host_memory()

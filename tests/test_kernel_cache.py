@@ -96,11 +96,11 @@ CPU_DAMAGE = {
     "edited py": EDITED_PY,
     "truncated py": rewrite("k_*.py", lambda b: b[: len(b) // 2]),
     "emptied py": rewrite("k_*.py", lambda b: b""),
-    "garbled nbc": rewrite("__pycache__/k_*._group_*.nbc", garble),
-    "truncated nbi": rewrite("__pycache__/k_*._group_*.nbi", lambda b: b[: len(b) // 2]),
+    "garbled nbc": rewrite("__pycache__/k_*.nbc", garble),
+    "truncated nbi": rewrite("__pycache__/k_*.nbi", lambda b: b[: len(b) // 2]),
     "record of another key": rewrite("k_*.sha256.json", lambda b: b.replace(b'"key": "', b'"key": "0')),
     "garbled record": rewrite("k_*.sha256.json", garble),
-    "nbi the loader rejects": reseal_after(rewrite("__pycache__/k_*.affine-*.nbi", lambda b: b[: len(b) // 2])),
+    "nbi the loader rejects": reseal_after(rewrite("__pycache__/k_*.nbi", lambda b: b[: len(b) // 2])),
 }
 
 
