@@ -30,7 +30,8 @@ class CPUPrinter(PyPrinter):
         k = self.k
         names = [p.name for p in k.params]
         dims = [f"_G{i}" for i in range(len(k.grid))]
-        self.emit(0, "@njit(parallel=True, cache=True" + (", fastmath={'contract'})" if k.contract else ")"))
+        fast = [flag for flag, given in (("contract", k.contract), ("reassoc", k.reassociate)) if given]
+        self.emit(0, "@njit(parallel=True, cache=True" + (f", fastmath={set(fast)})" if fast else ")"))
         self.emit(0, f"def {k.name}({', '.join(names + dims)}):")
         self.emit(1, f"for _g in prange({' * '.join(dims)}):")
         rest = "_g"

@@ -328,6 +328,9 @@ class Kernel:
     # dot-product kernels, whose outputs are compared within a tolerance (never to dequantization, which must be
     # bit-exact). The CPU, where those kernels are bound by arithmetic, uses it.
     contract: bool = False
+    # Sums accumulated in a loop may be reordered (so a compiler may vectorize a reduction): the same kind of
+    # permission, for kernels whose long dot products are loops (attention's q.k over a head on the CPU).
+    reassociate: bool = False
 
     def __post_init__(self):
         verify(self)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from numba import njit
 
@@ -39,12 +41,14 @@ def test_f16_conversions_are_exact_for_every_pattern():
     np.testing.assert_array_equal(out_bits, want_bits)
 
 
-def test_contract_renders_as_fastmath_contract_only():
+def test_permissions_render_as_their_fastmath_flags_only():
     """A kernel with `contract` (the cpu policy's matmuls) is rendered with Numba's fastmath 'contract' flag (FMA
-    only, no reassociation); a kernel without the permission is rendered without any fastmath flag."""
+    only, no reassociation), one with `reassociate` with 'reassoc'; a kernel without them with no fastmath flag."""
     fmt = FORMATS["Q4_1"]
     fused = matmul_kernel("m", [fmt], 64, 64, rows=4, tokens=8, int8=False, split="rows", lanes=1, contract=1)
     plain = matmul_kernel("m", [fmt], 64, 64, rows=4, tokens=8, int8=False, split="rows", lanes=1)
     assert fused.contract and ("contract", 1) in fused.knobs
     assert "fastmath={'contract'}" in render(fused)
     assert "fastmath" not in render(plain)
+    summed = replace(plain, reassociate=True)  # attention's q.k loops: reordered sums vectorize
+    assert "fastmath={'reassoc'}" in render(summed)
