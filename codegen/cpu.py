@@ -31,7 +31,8 @@ class CPUPrinter(PyPrinter):
         names = [p.name for p in k.params]
         dims = [f"_G{i}" for i in range(len(k.grid))]
         fast = [flag for flag, given in (("contract", k.contract), ("reassoc", k.reassociate)) if given]
-        self.emit(0, "@njit(parallel=True, cache=True" + (f", fastmath={set(fast)})" if fast else ")"))
+        flags = ", ".join(repr(flag) for flag in fast)  # in a fixed order: the source is the cache key
+        self.emit(0, "@njit(parallel=True, cache=True" + (f", fastmath={{{flags}}})" if fast else ")"))
         self.emit(0, f"def {k.name}({', '.join(names + dims)}):")
         self.emit(1, f"for _g in prange({' * '.join(dims)}):")
         rest = "_g"

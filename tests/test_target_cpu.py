@@ -52,3 +52,5 @@ def test_permissions_render_as_their_fastmath_flags_only():
     assert "fastmath" not in render(plain)
     summed = replace(plain, reassociate=True)  # attention's q.k loops: reordered sums vectorize
     assert "fastmath={'reassoc'}" in render(summed)
+    # Both, in a fixed order whatever the hash seed: the rendered source is the kernel cache's key.
+    assert "fastmath={'contract', 'reassoc'}" in render(replace(fused, reassociate=True))
