@@ -119,3 +119,21 @@ def test_base_moves_bytes_and_reinterprets_them(runtime):
         rt.write_region(buf, 12, np.zeros(2, np.float32))
     with pytest.raises(PolystrataError, match="download of 20 bytes"):
         rt.download(buf, (5,), "f32")
+
+
+def test_every_package_is_installed_by_a_plain_pip_install():
+    """`pip install .` (not editable) installs only the packages pyproject.toml lists: each directory of the
+    source tree with an `__init__.py` must be there under its installed name (polystrata.tuning once was not, and
+    every command failed to import on a machine that installed a wheel)."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    setup = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    dirs = {d: name for name, d in setup["package-dir"].items()}
+    found = set()
+    for top, name in dirs.items():
+        for init in (root / top).rglob("__init__.py"):
+            rel = init.parent.relative_to(root / top).parts
+            found.add(".".join((name, *rel)))
+    assert found <= set(setup["packages"]), sorted(found - set(setup["packages"]))
