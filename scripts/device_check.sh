@@ -241,7 +241,8 @@ if [[ " $STAGES " == *" prefill "* ]]; then
     # Issue 21 (not among the default stages): prefill on matrix units. The main prefill matmuls alone (llama3-8b's
     # ffn_up / ffn_down shapes, 512 tokens: TFLOP/s of the tile-product kernel), then pp512 / pp4096 against
     # llama.cpp's on both presets, same files; each also without the tile products of attention (attention.mma=0:
-    # its loops) and, on the MoE preset, of the experts (moe_ffn.mma_min past every matrix: the int8 matvecs).
+    # its loops), and with the matmuls' and, on the MoE preset, the experts' tile products on (mma_min 512: they are
+    # off by default, slower than the int8 matvecs at the first measurement).
     # PREFILL_LENGTHS, BENCH_MODELS narrow it; PREFILL_VARIANTS=0 skips the variants.
     for shape in "14336 4096" "4096 14336"; do
         set -- $shape
@@ -255,8 +256,8 @@ if [[ " $STAGES " == *" prefill "* ]]; then
             timeout 600 python3 -m polystrata bench "$M/$m.gguf" --target cuda -p "$p" -n 0 -r 3 --json \
                 > "$OUT/prefill_${m}_$p.json" 2>> "$LOG" || { row "$m pp$p" "failed (see the log)"; continue; }
             pp_row "$OUT/prefill_${m}_$p.json" "$m pp$p"
-            variants="attention.mma=0"
-            [[ "$m" == qwen3moe* ]] && variants+=" moe_ffn.mma_min=1048576"
+            variants="attention.mma=0 matmul.mma_min=512"
+            [[ "$m" == qwen3moe* ]] && variants+=" moe_ffn.mma_min=512"
             [ "${PREFILL_VARIANTS:-1}" = 0 ] && variants=""
             for kn in $variants; do
                 f="$OUT/prefill_${m}_${p}_${kn//[.=]/_}.json"

@@ -16,7 +16,7 @@ A group computes a tile of `rows` weight rows x `tokens` tokens, walking K in ch
 
 The activation codes are those of the GPU matvec path, so prefill and decode see the same rounding. Knobs (recipe
 "matmul", read by `linear._launches`): mma_rows, mma_tokens (the tile), mma_chunk (K per staging round), mma_lanes,
-mma_min (the smallest matrix taken).
+mma_min (the smallest matrix taken; by default none: see `TILE_MMA_KNOBS`).
 Targets without a matrix unit render the same kernel as loops (`codegen/lanes.py`); `linear._launches` takes it
 only where the target's policy says it has them (`Policy.matrix_units`) and the plan serves steps of several tokens.
 
@@ -58,11 +58,13 @@ from polystrata.ir.kernel import (
     ToF32,
 )
 
+MMA_OFF = 1 << 20  # mma_min past every matrix: the tile path unused
 TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", 64), Knob("mma_lanes", 128),
-                  Knob("mma_min", 512))
-# Knob mma_min: the tile path takes matrices of at least this many rows and columns only. Smaller ones cost little
-# in a prompt chunk anyway, and each tile kernel is a long compile (docs/benchmarks.md, "Prefill on matrix units"):
-# the test models' 128-wide matrices keep the matvec path.
+                  Knob("mma_min", MMA_OFF, (512, 2048)))
+# Knob mma_min: the tile path takes matrices of at least this many rows and columns only. Off by default, as the
+# first H200 measurement found the tile products slower than the int8 matvecs (docs/benchmarks.md, "Prefill on
+# matrix units: first measurement"); `tune` tries 512 and 2048, `--knob matmul.mma_min=512` turns them on. Smaller
+# matrices cost little in a prompt chunk anyway, and each tile kernel is a long compile.
 PAD = 4  # words of padding after each operand row (see the module docstring)
 
 
