@@ -63,8 +63,8 @@ TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk"
                   Knob("mma_min", MMA_OFF, (512, 2048)))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only. Off by default, as the
 # first H200 measurement found the tile products slower than the int8 matvecs (docs/benchmarks.md, "Prefill on
-# matrix units: first measurement"); `tune` tries 512 and 2048, `--knob matmul.mma_min=512` turns them on. Smaller
-# matrices cost little in a prompt chunk anyway, and each tile kernel is a long compile.
+# matrix units: first measurement"); `tune` tries 512 and 2048, and `bench --knob matmul.mma_min=512` turns them
+# on. Smaller matrices cost little in a prompt chunk anyway, and each tile kernel is a long compile.
 PAD = 4  # words of padding after each operand row (see the module docstring)
 
 
