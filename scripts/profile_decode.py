@@ -1,10 +1,11 @@
-"""Per-kernel GPU time of one decode step: which kernels a token's time goes to.
+"""Per-kernel GPU time of one decode step (or one prompt step): which kernels a step's time goes to.
 
 Loads a model on a target, runs a prompt, then times every launch of the one-token plan on its own (`--reps`
 launches between synchronizations; the KV row they write is the same each time) and prints the kernels grouped by
 name with their time per token, launch count and share, largest first, then the sum.
 
     python scripts/profile_decode.py MODEL.gguf --target cuda [--prompt 64] [--reps 20] [--top 15] [--trace]
+    python scripts/profile_decode.py MODEL.gguf --target cuda --tokens 512   # a 512-token prompt step instead
 
 `--trace` (CUDA, needs PyTorch for its CUPTI profiler) instead records the kernels' own device times while whole
 decode steps replay from the CUDA graph, as `run` and `bench` execute them: no launch gaps, caches as they are.
@@ -29,13 +30,22 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--trace", action="store_true", help="device times of graph-replayed steps (CUPTI via torch)")
+    ap.add_argument("--tokens", type=int, default=1, help="profile a prompt step of this many tokens (the plan "
+                    "that prefill runs, after --prompt tokens) instead of a decode step")
     a = ap.parse_args()
-    eng = Engine(a.model, target=a.target, n_ctx=max(512, a.prompt + 8))
-    ids = np.random.default_rng(0).integers(0, eng.hparams.n_vocab, a.prompt + 1)
-    eng.forward(ids[:-1])
+    if a.trace and a.tokens > 1:
+        ap.error("--trace profiles decode steps only")
+    eng = Engine(a.model, target=a.target, n_ctx=max(512, a.prompt + a.tokens + 8))
+    ids = np.random.default_rng(0).integers(0, eng.hparams.n_vocab, a.prompt + a.tokens)
+    eng.forward(ids[:a.prompt])
     ex, rt = eng.executor, eng.runtime
-    pid = id(eng.graph_step)
-    step = {"T": 1, "n_past": ex.n_past, "n_kv": ex.n_past + 1}
+    if a.tokens > 1:  # compile and bind the prompt plan on a step of that size, then time its launches again
+        eng.forward(ids[a.prompt:])
+        ex.n_past = a.prompt
+    # Each launch of the profiled plan runs with the plan's own step sizes (a launch of another plan, given
+    # these, would read and write past its buffers).
+    pid = id(eng.graph_step if a.tokens == 1 else eng.graph_last)
+    step = {"T": a.tokens, "n_past": ex.n_past, "n_kv": ex.n_past + a.tokens}
     if a.trace:
         trace(eng, ids[-1], a.reps, a.top)
         return
@@ -49,7 +59,8 @@ def main() -> None:
         rt.sync()
         per_kernel[b.ck.kernel.name].append((time.perf_counter() - t0) / a.reps)
     total = sum(sum(v) for v in per_kernel.values())
-    print(f"decode step on {rt.device}: {len(ex.bound[pid])} launches, {total * 1e3:.3f} ms summed "
+    kind = "decode step" if a.tokens == 1 else f"{a.tokens}-token prompt step"
+    print(f"{kind} on {rt.device}: {len(ex.bound[pid])} launches, {total * 1e3:.3f} ms summed "
           f"(each launch timed alone, so launch gaps are included)")
     rows = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))
     for name, ts in rows[:a.top]:
