@@ -154,10 +154,6 @@ class RecipeContext:
         self.scratch_buffers[name] = (dtype, max(count, old[1] if old else 0))
         return name
 
-    def knob(self, recipe: str, name: str, default: Any) -> Any:
-        """A schedule knob read by space name alone: its override, else `default`."""
-        return self.knobs.get(recipe, {}).get(name, default)
-
     def knobs_for(self, space: KnobSpace, instance: str | None) -> dict[str, Any]:
         """The knobs of `space` for one kernel instance (`instance`: its shapes and formats, see
         `KnobSpace.signature`): the instance's override (the tuner's), else the space's, else the space's
@@ -181,10 +177,6 @@ class Recipe:
     lower: Callable[[Sequence[Node], RecipeContext], list[Launch]]
     match: Callable[[Sequence[Node]], bool] | None = None
     knobs: KnobSpace | None = None  # the knobs this recipe exposes (for the tuner)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.knobs, tuple):  # (name, default) pairs: a space of knobs without candidates
-            object.__setattr__(self, "knobs", KnobSpace(self.name, tuple(Knob(n, d) for n, d in self.knobs)))
 
 
 RECIPES: list[Recipe] = []

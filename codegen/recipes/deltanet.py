@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from polystrata.codegen.recipes import Recipe, RecipeContext, register, token_binding
+from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes.elementwise import rms_scale
 from polystrata.ir.graph import Node, Value
 from polystrata.ir.kernel import (  # the expression nodes Const, Expr, Var too, which ir.kernel builds on
@@ -48,6 +48,11 @@ from polystrata.ir.kernel import (  # the expression nodes Const, Expr, Var too,
 CHUNK = 64
 # Tokens of keys the chunked form's state update stages in local memory at a time.
 KEY_TILE = 16
+# Knob chunk: channels a group of the short convolution takes. Knob chunked_above: steps of more tokens than this
+# run the delta rule's chunked form, shorter ones (decode) the recurrent form ("auto": the target's policy, GPUs
+# 16, the host never).
+CONV_SPACE = KnobSpace("ssm_conv", (Knob("chunk", CHUNK),))
+DELTA_SPACE = KnobSpace("delta_rule", (Knob("chunked_above", "auto"),))
 
 
 def state_buffer(node: Node) -> tuple[str, int]:
@@ -144,7 +149,7 @@ def _lower_ssm_conv(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     x, w = node.inputs
     c, k = (int(d) for d in w.type.shape)
-    chunk = max(1, min(ctx.knob("ssm_conv", "chunk", CHUNK), c))
+    chunk = max(1, min(int(ctx.knobs_for(CONV_SPACE, f"ssm_conv_{c}x{k}")["chunk"]), c))
     ch, t, j, i = Var("ch"), Var("t"), Var("j"), Var("i")
     # Row i of (state ++ x): the state's rows first, then this step's.
     row_term = (Let("i", t + j),
@@ -344,10 +349,8 @@ def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]
     two as well (the step's length chooses at run time which do the work)."""
     (node,) = nodes
     q, k, v, gates = node.inputs
-    _, dk, hv, dv, _, _ = _delta_heads(node)
-    # Steps of more tokens than `chunked_above` run the chunked form, shorter ones (decode) the recurrent form;
-    # "auto": the target's policy (GPUs 16, the host never).
-    above = ctx.knob("delta_rule", "chunked_above", "auto")
+    _, dk, hv, dv, _, tag = _delta_heads(node)
+    above = ctx.knobs_for(DELTA_SPACE, f"delta_rule_{tag}")["chunked_above"]
     above = int(ctx.target().default("delta_rule", "chunked_above") if above == "auto" else above)
     tb = token_binding(v)
     t_max = tb if isinstance(tb, int) else ctx.t_max
@@ -374,5 +377,5 @@ register(Recipe("slice", ("slice",), _lower_slice))
 register(Recipe("l2_norm", ("l2_norm",), _lower_l2_norm))
 register(Recipe("rms_norm_gated", ("rms_norm_gated",), _lower_rms_norm_gated))
 register(Recipe("gdn_gates", ("gdn_gates",), _lower_gdn_gates))
-register(Recipe("ssm_conv", ("ssm_conv",), _lower_ssm_conv, None, (("chunk", CHUNK),)))
-register(Recipe("delta_rule", ("delta_rule",), _lower_delta_rule, None, (("chunked_above", "auto"),)))
+register(Recipe("ssm_conv", ("ssm_conv",), _lower_ssm_conv, None, CONV_SPACE))
+register(Recipe("delta_rule", ("delta_rule",), _lower_delta_rule, None, DELTA_SPACE))
