@@ -23,7 +23,7 @@ Prompt chunks on matrix units (the policy's `matrix_units`, plans of more than o
 products instead, for int8-path formats after the same quantize launch, for F16 weights on the f32 activations
 (knobs mma_rows, mma_tokens, mma_chunk, mma_lanes, mma_min); matmuls of one input then launch one by one.
 
-Knobs (`MATMUL_SPACE`; "auto" of split, rows, xq, int8 and vert is what the target's policy says,
+Knobs (`MATMUL_SPACE`; "auto" of split, rows, xq, int8, vert and contract is what the target's policy says,
 `codegen/policy.py`): rows (rows per group; the policy's: 4 on the CPU, 1 on GPUs; `q8_rows` for the int8
 matvecs), tokens (token tile), int8 (int8-activation path where the format allows it; off on the CPU, where the
 f32 path below vectorizes better), split ("rows": lanes take rows, each a whole dot product -- the CPU's;
@@ -245,8 +245,8 @@ def _only(loops: list, j: int, b: Expr) -> list:
 
 def _knobs(ctx: RecipeContext, space: KnobSpace, instance: str | None) -> dict:
     """The matmul knobs of kernel instance `instance` (None: of the space, recording nothing), "auto" resolved
-    where the target's policy decides (split, rows, xq, int8, vert: `codegen/policy.py`; on GPUs a group per row,
-    as small f32 matmuls such as MoE routers need every SM busy)."""
+    where the target's policy decides (split, rows, xq, int8, vert, contract: `codegen/policy.py`; on GPUs a group
+    per row, as small f32 matmuls such as MoE routers need every SM busy)."""
     kn = ctx.knobs_for(space, instance)
     kn["q8_rows"] = kn["rows"]  # "auto": see `q8_rows`
     policy = ctx.target()

@@ -2,8 +2,8 @@
 once for a whole tile of tokens.
 
 `linear.matmul_kernel` computes each token's dot products block by block, decoding every weight block again for
-each token of its tile; on the CPU decoding is most of a matmul's time (the f16 scales' arithmetic conversion
-above all), so a step of T tokens cost about T one-token steps and a batched decode step (several sequences'
+each token of its tile; on the CPU decoding is much of a matmul's time, so a step of T tokens cost about T
+one-token steps and a batched decode step (several sequences'
 tokens, polystrata/batch.py) gained nothing. Here a group walks each block of its row once: the block's lets
 (scales, minima) once, then for each token of the tile one loop over the block's elements adding the products to
 per-(token, element) partial sums (the f32 path's `vert` sums: elementwise, so the loop vectorizes without
