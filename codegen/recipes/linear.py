@@ -61,7 +61,7 @@ from polystrata.codegen.recipes._matvec import (
     use_runs,
 )
 from polystrata.codegen.recipes.tile_matmul import tile_matmul_kernel
-from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, f16_path, tile_mma_fits, tile_mma_kernel
+from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, f16_path, tile_mma_kernel, tile_products_apply
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
@@ -268,8 +268,7 @@ def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n:
     """Whether matmuls over `fmts` take `tile_mma_kernel`: plans of steps of several tokens on a target with matrix
     units, formats and K it takes (`tile_mma_fits`): F16 weights, or the GPU path's int8 activations
     (`_int8_kernels`)."""
-    if not (ctx.target().matrix_units and ctx.t_max > 1 and min(n, k) >= int(kn["mma_min"])
-            and tile_mma_fits(fmts, k, kn["mma_chunk"])):
+    if not tile_products_apply(ctx.target().matrix_units, ctx.t_max, kn, fmts, n, k):
         return False
     return f16_path(fmts) or _int8_kernels(ctx, kn, fmts, k)
 

@@ -66,7 +66,7 @@ from polystrata.codegen.recipes._matvec import (
 )
 from polystrata.codegen.recipes.elementwise import Addend, match_add_rms, norm_launch
 from polystrata.codegen.recipes.linear import quantize_x_kernel, silu
-from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, Gather, f16_path, tile_mma_fits, tile_mma_kernel
+from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, Gather, f16_path, tile_mma_kernel, tile_products_apply
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
@@ -468,14 +468,13 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     gateup = lambda v: silu(v[0]) * v[1]  # noqa: E731
     xq = policy.default("moe_ffn", "xq") if kn["xq"] == "auto" else kn["xq"]
 
-    def tiles(fmts: list[QuantFormat], kd: int) -> bool:
-        """Whether the expert matmuls over `fmts` (K = kd) take tile products: as `linear` decides for its matmuls
-        (matrix units, steps of several tokens, matrices of at least mma_min, formats `tile_mma_fits` takes; the
-        int8 ones with activations quantized by a kernel)."""
-        return (policy.matrix_units and t_max > 1 and min(ff, dm) >= int(kn["mma_min"])
-                and tile_mma_fits(fmts, kd, int(kn["mma_chunk"])) and (f16_path(fmts) or xq == "kernel"))
+    def tiles(fmts: list[QuantFormat], n: int, kd: int) -> bool:
+        """Whether the expert matmuls over `fmts` (n x kd) take tile products: as `linear` decides for its matmuls,
+        the int8 ones with activations quantized by a kernel."""
+        return (tile_products_apply(policy.matrix_units, t_max, kn, fmts, n, kd)
+                and (f16_path(fmts) or xq == "kernel"))
 
-    if tiles([fg, fu], dm) and tiles([fd], ff):
+    if tiles([fg, fu], ff, dm) and tiles([fd], dm, ff):
         # Prompt chunks on matrix units: each listed expert's tokens through the prefill matmul's tile products.
         def tile_launch(name: str, fmts: list[QuantFormat], n: int, kd: int, per_token: bool, act: str,
                         quant: tuple, ws: tuple, out: str, epilogue=None) -> list[Launch]:

@@ -89,6 +89,16 @@ def f16_path(fmts: Sequence[QuantFormat]) -> bool:
     return all(f.name == "F16" for f in fmts)
 
 
+def tile_products_apply(matrix_units: bool, t_max: int, kn: dict, fmts: Sequence[QuantFormat], n: int,
+                        k: int) -> bool:
+    """The part of the choice of tile products that `linear` and `moe` share: a target with matrix units
+    (`Policy.matrix_units`), a plan of steps of several tokens, a matrix of at least knob mma_min rows and columns,
+    formats and K that `tile_mma_fits` takes (with knob mma_chunk). Each caller adds where its int8 activations
+    come from."""
+    return (matrix_units and t_max > 1 and min(n, k) >= int(kn["mma_min"])
+            and tile_mma_fits(fmts, k, int(kn["mma_chunk"])))
+
+
 def tile_mma_fits(fmts: Sequence[QuantFormat], k: int, chunk: int) -> bool:
     """Whether `tile_mma_kernel` takes weights of `fmts` with rows of k: F16 weights (`f16_path`) or int8-path
     formats, and a K chunk that is a multiple of the activation block and of each weight group, and divides or is
