@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 from suite_plugin import targets_under_test
 
-from polystrata.codegen.policy import SPLIT_KV_ON_WIDE_LOADS, shape_policy
+from polystrata.codegen.policy import SLICED_ON_WIDE_LOADS, SPLIT_KV_ON_WIDE_LOADS, shape_policy
 from polystrata.codegen.recipes import RECIPES, Recipe, RecipeContext, load_all
-from polystrata.compiler.passes import SLICED_ON_WIDE_LOADS
 from polystrata.ir.encode import quantize
 from polystrata.ir.evaluate import dequantize
 from polystrata.ir.formats import FORMATS, KV_FORMATS, QuantFormat

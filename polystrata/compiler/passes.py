@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from polystrata.codegen.policy import PADDED_ON_WIDE_LOADS, SLICED_ON_WIDE_LOADS, Policy, device_policy, shape_policy
+from polystrata.codegen.policy import Policy, device_policy, shape_policy
 from polystrata.codegen.recipes import RECIPES, Recipe, RecipeContext, Site, load_all
 from polystrata.codegen.recipes.deltanet import state_buffer
 from polystrata.compiler.plan import BufferSpec, Plan
@@ -25,9 +25,6 @@ from polystrata.ir.formats import QuantFormat, row_bytes
 from polystrata.ir.graph import RECURRENT_OPS, Graph, Node, Value
 from polystrata.ir.kernel import Buf, Launch, buffers_read
 from polystrata.ir.layout import padded, sliced
-
-__all__ = ["PADDED_ON_WIDE_LOADS", "SLICED_ON_WIDE_LOADS", "build_plan", "drop_repeated_launches", "kept_launches",
-           "launch_effects", "storage_format"]
 
 # The layouts of a wide-load target (`storage_format`'s default).
 WIDE_LOADS = device_policy(128, 32, wide_loads=True)
