@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from polystrata.codegen.policy import HOST_POLICY
-from polystrata.codegen.recipes.linear import MATMUL_SPACE, matmul_kernel, matmul_kernel_knobs
+from polystrata.codegen.recipes.linear import MATMUL_SPACE, matmul_kernel, matmul_kernel_knobs, with_policy_defaults
 from polystrata.ir.encode import quantize
 from polystrata.ir.evaluate import dequantize
 from polystrata.ir.formats import FORMATS
@@ -56,11 +56,7 @@ def main() -> None:
         ref = x @ wd.T
         runs = {}
         for v in variants:
-            kn = MATMUL_SPACE.defaults()
-            kn.update(_parse_knobs(v))
-            for name in ("split", "rows", "int8", "vert", "contract"):  # "auto": what the cpu target's policy says
-                if kn[name] == "auto":
-                    kn[name] = HOST_POLICY.default("matmul", name)
+            kn = with_policy_defaults({**MATMUL_SPACE.defaults(), **_parse_knobs(v)}, HOST_POLICY)
             kern = matmul_kernel(f"bench_{fmt_name.lower()}_{n}x{k}", [fmt], n, k, lanes=1, **matmul_kernel_knobs(kn))
             dev = {"x": rt.upload(x.reshape(-1)), "w0": rt.upload(wb), "y": rt.alloc((a.T, n), "f32")}
             scal = {"T": a.T}

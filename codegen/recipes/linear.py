@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import Decoder
 from polystrata.codegen.format_analysis import block_stride, elements_per_row_bytes, weight_dtype, widen
+from polystrata.codegen.policy import Policy
 from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,
@@ -249,12 +250,19 @@ def _knobs(ctx: RecipeContext, space: KnobSpace, instance: str | None) -> dict:
     per row, as small f32 matmuls such as MoE routers need every SM busy)."""
     kn = ctx.knobs_for(space, instance)
     kn["q8_rows"] = kn["rows"]  # "auto": see `q8_rows`
-    policy = ctx.target()
-    for name in ("split", "rows", "xq", "int8", "vert", "contract"):
-        if kn[name] == "auto":
-            kn[name] = policy.default("matmul", name)
+    kn = with_policy_defaults(kn, ctx.target())
     kn["runs"] = runs_for_target(kn["runs"], ctx.wide_loads)
     return kn
+
+
+# The matmul knobs whose "auto" is the target policy's value.
+POLICY_KNOBS = ("split", "rows", "xq", "int8", "vert", "contract")
+
+
+def with_policy_defaults(kn: dict, policy: Policy) -> dict:
+    """Matmul knobs `kn` with "auto" of the `POLICY_KNOBS` replaced by the target policy's values."""
+    return {name: policy.default("matmul", name) if v == "auto" and name in POLICY_KNOBS else v
+            for name, v in kn.items()}
 
 
 def _int8_kernels(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], k: int) -> bool:
