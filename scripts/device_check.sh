@@ -203,8 +203,9 @@ print(f"{'llama3-8b tg' + str(tg['n']) + ' @ d' + str(r['depth']) + ' ' + r['kv_
       f"{tg['tok_s_mean']:.1f}±{tg['tok_s_sd']:.1f} tok/s  (n_ctx {r['n_ctx']}, host {r.get('host_ms_per_token')} ms/token)")
 EOF
         done
-        # The anchor in the same call: llama.cpp's decode at the same depth, flash attention, f16 and q8_0 KV.
-        if bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1 && bash scripts/device_llamacpp.sh wait 540 >> "$LOG"; then
+        # The anchor in the same call: llama.cpp's decode at the same depth, flash attention, f16 and q8_0 KV
+        # (LCPP_KV_TYPES=none: PolyStrata alone, e.g. while llama.cpp still builds).
+        if [ "${LCPP_KV_TYPES:-}" != none ] && bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1 && bash scripts/device_llamacpp.sh wait 540 >> "$LOG"; then
             for kv in ${LCPP_KV_TYPES:-f16 q8_0}; do
                 timeout 300 /tmp/llamacpp-build/bin/llama-bench -m "$M/llama3-8b-q4km.gguf" -p 0 -n "${DEPTH_N:-64}" \
                     -r "${DEPTH_R:-2}" -d "$dp" -fa 1 -ctk "$kv" -ctv "$kv" -o json > "$OUT/lcpp_depth_${dp}_$kv.json" \

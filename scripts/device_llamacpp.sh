@@ -20,6 +20,9 @@ launchers() {  # llama-bench and llama-server as the unified binary's subcommand
 case "${1:-start}" in
 start)
     [ -x "$BUILD/bin/llama-bench" ] && { echo "llama.cpp already built"; exit 0; }
+    [ -x "$BUILD/bin/llama" ] && { launchers; echo "llama.cpp already built"; exit 0; }
+    # A build an earlier call (or stage) started is still running: a second start must not unpack over it.
+    [ -f "$LOG" ] && ! grep -q "build-rc=" "$LOG" && { echo "llama.cpp build in progress (log $LOG)"; exit 0; }
     mkdir -p "$BUILD/bin"
     if [ -f .lcpp/llama.xz ]; then
         xz -dc .lcpp/llama.xz > "$BUILD/bin/llama" && chmod +x "$BUILD/bin/llama" && launchers
