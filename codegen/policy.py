@@ -36,7 +36,7 @@ SPLIT_KV_ON_WIDE_LOADS = ("Q8_0", "q8_g64")
 # that vectorize, activations quantized inside the kernel if at all, multiply-adds fused in the dot products,
 # which are bound by arithmetic there; no split-K attention) ...
 HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
-    "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1, "contract": 1},
+    "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1, "contract": 1, "reuse": 0},
     "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1},
     "attention": {"split_keys": 0},
     # Steps of more tokens than this take the delta rule's chunked form: never on the host, where its lanes are
@@ -46,7 +46,7 @@ HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
 # ... and for GPUs (a group per row, its lanes sharing the row's blocks; activations quantized to int8 once per
 # matmul by their own kernel; attention keys split over groups, flash-decoding).
 DEVICE_KNOBS: Mapping[str, Mapping[str, Any]] = {
-    "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0},
+    "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0, "reuse": 1},
     "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0},
     "attention": {"split_keys": 1},
     "delta_rule": {"chunked_above": 16},

@@ -119,6 +119,33 @@ def test_matvec_q8_formats(rt, fmt_name):
                                                       float(np.max(np.abs(y - ref) - bound)))
 
 
+@pytest.mark.parametrize("fmt_name,rows", [("Q4_K", 2), ("Q6_K", 1), ("Q8_0", 3)])
+def test_matvec_token_tile_swept_once(rt, fmt_name, rows):
+    """Knob reuse: the token tile's weights swept once for all its tokens (unrolled, partial tiles clamped and
+    guarded) gives exactly what sweeping them again for each token gives, for T below, at and past the tile, odd
+    row counts, two weights (a GLU's epilogue). Not on one-lane targets: the unrolled tile is minutes of Numba
+    compile there, and their plans take `tile_matmul_kernel` instead."""
+    gpu_shaped(rt, 32, sampled=False)
+    n, k, tokens = 13, 512, 4
+    fmt, bg, dg = weight(fmt_name, n, k, 1)
+    _, bu, du = weight(fmt_name, n, k, 2)
+    qk = Launch(quantize_x_kernel(f"t_q8x_{k}", k), (("x", "x"), ("xq", "xq"), ("xd", "xd")), (("T", "T"),))
+    kernels = [matvec_q8_kernel(f"t_mv8_tile_{fmt_name.lower()}_{rows}_{int(reuse)}", [fmt, fmt], n, k, tokens=tokens,
+                                lanes=32, rows=rows, reuse=reuse, epilogue=lambda v: v[0] * v[1])
+               for reuse in (False, True)]
+    assert [dict(mk.knobs)["reuse"] for mk in kernels] == [0, 1]
+    for t in (1, 3, 4, 9):
+        x = np.random.default_rng(t).standard_normal((t, k)).astype(np.float32)
+        ys = [run_launches(rt, [qk, Launch(mk, (("xq", "xq"), ("xd", "xd"), ("w0", "wg"), ("w1", "wu"), ("y", "y")),
+                                           (("T", "T"),))],
+                           {"x": x.reshape(-1), "wg": bg, "wu": bu, "xq": np.zeros(t * k // 4, np.uint32)}, {"T": t},
+                           {"y": ((t, n), "f32"), "xd": ((t * k // 32,), "f32")})["y"] for mk in kernels]
+        np.testing.assert_array_equal(ys[1], ys[0], err_msg=f"{fmt_name} rows {rows} T {t}")
+        xq = q8_rounded(x)
+        ref = (xq @ dg.T.astype(np.float64)) * (xq @ du.T.astype(np.float64))
+        np.testing.assert_allclose(ys[1], ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
 def test_matvec_rows_share_activation_loads(rt):
     """Gate and up (same format) over two rows a group: one Reduce serves all four dot products, and the fused
     product matches the reference."""

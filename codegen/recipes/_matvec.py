@@ -254,7 +254,9 @@ def split_row_dot(name: str, fmt: QuantFormat, wbuf: str, row_base: Expr, act: A
 
 def split_dots(parts, act: Act, t: Expr, runs: bool | int | str = False, spread: int = 1) -> list[Reduce]:
     """`split_row_dot` for several weight rows dotted with the same activation row: `parts` are (result name,
-    format, weight buffer, row base, prefix, sub). Rows walked alike (same block size, lanes per block and runs)
+    format, weight buffer, row base, prefix, sub), optionally with a seventh item, the part's own activation row
+    (instead of `t`: one weight row dotted with several tokens' activations, whose weight loads and decoding are
+    the same expressions, which compilers compute once). Rows walked alike (same block size, lanes per block and runs)
     share one Reduce, whose body loads each activation word once for all of them (the same addresses: compilers
     merge the loads); others get a Reduce each.
 
@@ -274,10 +276,10 @@ def split_dots(parts, act: Act, t: Expr, runs: bool | int | str = False, spread:
         uu = Var(f"{ps[0][4]}uu") if spread > 1 else u
         body = [Let(SLOT, u // units), Let(uu.name, u % units)] if spread > 1 else []
         results = []
-        for name, fmt, wbuf, row_base, prefix, _ in ps:
+        for name, fmt, wbuf, row_base, prefix, _, *own_t in ps:
             acc = f"{prefix}acc"
             body += [Decl(acc, "f32", Const(0.0)),
-                     *block_dot(fmt, wbuf, row_base, uu // sub, act, t, acc, prefix,
+                     *block_dot(fmt, wbuf, row_base, uu // sub, act, own_t[0] if own_t else t, acc, prefix,
                                 split=(uu % sub, sub, use_runs(fmt, runs)), word_loads=True)]
             if spread > 1:
                 results += [(f"{name}_{r}", Select(Var(SLOT).eq(r), Var(acc), Const(0.0))) for r in range(spread)]

@@ -89,7 +89,7 @@ MATMUL_KNOBS = (Knob("rows", "auto", (1, 2, 4, 8)), Knob("tokens", 8, (1, 2, 4, 
                 Knob("xq", "auto", ("inline", "kernel")), Knob("sub", "auto", (1, 2, 4, 8)),
                 Knob("runs", "auto", (0, 1)), Knob("lanes", "auto", (32, 64, 128, 256)),
                 Knob("spread", "auto", (0, 1)), Knob("tile", "auto", (0, 8, 16, 32)), Knob("contract", "auto", (0, 1)),
-                *TILE_MMA_KNOBS)
+                Knob("reuse", "auto", (0, 1)), *TILE_MMA_KNOBS)
 
 
 def _matmul_constraint(kn: dict) -> bool:
@@ -107,7 +107,7 @@ GLU_SPACE = KnobSpace("matmul_glu", MATMUL_KNOBS, constraint=_matmul_constraint)
 # (docs/benchmarks.md, "Serving").
 TILE_TOKENS = 16
 # Knobs of the two-launch GPU path only (`_launches`); the rest are `matmul_kernel`'s.
-GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread", *(knob.name for knob in TILE_MMA_KNOBS))
+GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread", "reuse", *(knob.name for knob in TILE_MMA_KNOBS))
 
 
 def matmul_kernel_knobs(kn: dict) -> dict:
@@ -256,7 +256,7 @@ def _knobs(ctx: RecipeContext, space: KnobSpace, instance: str | None) -> dict:
 
 
 # The matmul knobs whose "auto" is the target policy's value.
-POLICY_KNOBS = ("split", "rows", "xq", "int8", "vert", "contract")
+POLICY_KNOBS = ("split", "rows", "xq", "int8", "vert", "contract", "reuse")
 
 
 def with_policy_defaults(kn: dict, policy: Policy) -> dict:
@@ -321,6 +321,12 @@ def q8_rows(kn: dict, ctx: RecipeContext, fmts: Sequence[QuantFormat], n: int, k
     return (2 if n >= 4096 and k >= 4096 else 1), False
 
 
+def _reuse(ctx: RecipeContext, kn: dict) -> bool:
+    """Whether the int8 matvecs sweep a token tile's weights once for all its tokens (knob reuse): only in plans
+    of steps of several tokens (a one-token plan's tile is one token)."""
+    return ctx.t_max > 1 and bool(int(kn["reuse"]))
+
+
 def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: RecipeContext, kn: dict, x: str,
               ws: Sequence[str], y: str, t_bind, epilogue=None) -> list[Launch]:
     """The matmul launches: on the GPU path (`_int8_kernels`) a quantize kernel writing x as int8 codes + scales
@@ -338,7 +344,8 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)
         rows, spread = q8_rows(kn, ctx, fmts, n, k)
         mk = matvec_q8_kernel(name + "_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"], runs=kn["runs"],
-                              rows=rows, spread=spread, epilogue=epilogue, lanes=_gpu_lanes(kn, ctx, fmts, k))
+                              rows=rows, spread=spread, reuse=_reuse(ctx, kn), epilogue=epilogue,
+                              lanes=_gpu_lanes(kn, ctx, fmts, k))
         return [ql, Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
     tile = TILE_TOKENS if kn["tile"] == "auto" else int(kn["tile"])
     if tile and ctx.lanes == 1 and ctx.t_max > 1 and kn["int8"] in ("auto", False, 0) and kn["split"] == "rows" \
@@ -415,11 +422,13 @@ def quantize_staged(local: str, n: int, xq_word: Expr, xd_index: Expr) -> list:
 
 
 def _row_sweeps(fmts: Sequence[QuantFormat], wnames: Sequence[str], first: Expr, rows: int, n: int, k: int,
-                subs: Sequence[int], runs, spread: bool, prefix: str = "") -> tuple[list, list]:
+                subs: Sequence[int], runs, spread: bool, prefix: str = "",
+                ts: Sequence[Expr] | None = None) -> tuple[list, list]:
     """(statements leaving the dot products `{prefix}s{j}_{r}` = dot(w_j[first + r], x[t]) for the group's `rows`
     rows from the packed int8 activations, the store guards of `_matvec.group_rows`). Weights and rows walked alike
     share one Reduce and its activation loads (`_matvec.split_dots`); with `spread` the lanes spread over the
-    rows (`split_dots`' spread) rather than each lane sweeping all of them."""
+    rows (`split_dots`' spread) rather than each lane sweeping all of them. `ts` (not with `spread`): the
+    activation rows of a token tile, all dotted in the same sweep, `{prefix}s{j}_{r}_{i}` that of token i."""
     act = Act("xq", k, "xq", "xd", packed=True)
     rws, guards = group_rows(first, rows, n)
     t = Var("t0") + Var("t")
@@ -432,6 +441,9 @@ def _row_sweeps(fmts: Sequence[QuantFormat], wnames: Sequence[str], first: Expr,
     lets = [Let(f"{prefix}row{r}", row) for r, row in enumerate(rws)]
     parts = [(f"{prefix}s{j}_{r}", f, w, Var(f"{prefix}row{r}") * elements_per_row_bytes(f, k), f"{prefix}w{j}r{r}_",
               subs[j]) for j, (w, f) in enumerate(zip(wnames, fmts)) for r in range(rows)]
+    if ts is not None:
+        parts = [(f"{name}_{i}", f, w, base, f"{pre}t{i}_", sub, ti)
+                 for name, f, w, base, pre, sub in parts for i, ti in enumerate(ts)]
     return [*lets, *split_dots(parts, act, t, runs)], guards
 
 
@@ -439,70 +451,105 @@ def _token_tile(tokens: int) -> tuple:
     return Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - Var("t0")))
 
 
-def _q8_knobs(fmts: Sequence[QuantFormat], tokens: int, subs: Sequence[int], runs, rows: int, spread: bool) -> tuple:
+def _swept_tokens(tokens: int) -> tuple[list, list[Expr], list]:
+    """For a token tile swept together (knob reuse): (the lets of its activation rows, clamped to the last token so
+    that a partial tile's loads stay in bounds; those rows; each token's store guard)."""
+    lets = [Let(f"tk{i}", Call("min", Var("t0") + i, Var("T") - 1)) for i in range(tokens)]
+    return lets, [Var(f"tk{i}") for i in range(tokens)], [None] + [Var("nt") > i for i in range(1, tokens)]
+
+
+def _both(a, b):
+    """The conjunction of two store guards, either of which may be None (always)."""
+    return b if a is None else a if b is None else a & b
+
+
+def _q8_knobs(fmts: Sequence[QuantFormat], tokens: int, subs: Sequence[int], runs, rows: int, spread: bool,
+              reuse: bool) -> tuple:
     return (("tokens", tokens), ("int8", 1), ("xq", "kernel"), ("sub", ",".join(map(str, subs))),
             ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)), ("rows", rows),
-            ("spread", int(spread and rows > 1)))
+            ("spread", int(spread and rows > 1)), ("reuse", int(reuse)))
 
 
 def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, tokens: int, lanes: int,
                      sub: int | str = "auto", runs: bool | int | str = "auto", rows: int = 1, spread: bool = False,
-                     epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+                     reuse: bool = False, epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t])) from pre-quantized activations (`quantize_x_kernel`).
 
     Grid (ceil(n / rows), ceil(T / tokens)): `rows` weight rows per group, their dot products swept together by
     all its lanes (`_matvec.split_dots`: `sub` lanes per block, each taking interleaved words or with `runs` a run
     of consecutive words of each chunk; each activation word loaded once for all the rows and weights), or with
     `spread` the lanes spread over the rows (short rows). For each token of the tile the rows are swept again
-    (from cache).
+    (from cache), or with `reuse` (not with `spread`) once for the whole tile: each weight word is loaded and
+    decoded once and dotted with every token's activations (arithmetic bound steps of many tokens: each token's
+    sweep decoded the weights again).
     """
     subs = [sub_lanes(f, sub, runs) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
     params = (Buf("xq", "u32"), Buf("xd", "f32"),
               *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("y", "f32", out=True), Scalar("T"))
-    t = Var("t0") + Var("t")
+    reuse = reuse and not (spread and rows > 1)
     first = Var("g0") * rows if rows > 1 else Var("g0")
-    sweeps, guards = _row_sweeps(fmts, wnames, first, rows, n, k, subs, runs, spread)
-    stores = []
-    for r in range(rows):
-        vals = [Var(f"s{j}_{r}") for j in range(len(fmts))]
-        y = epilogue(vals) if epilogue else vals[0]
-        stores.append(guarded(guards[r], Store("y", t * n + first + r if r else t * n + first, y)))
-    body = (*_token_tile(tokens), For("t", Const(0), Var("nt"), (*sweeps, *stores)))
+
+    def stores(suffix: str, t: Expr, tguard) -> list:
+        out = []
+        for r in range(rows):
+            vals = [Var(f"s{j}_{r}{suffix}") for j in range(len(fmts))]
+            y = epilogue(vals) if epilogue else vals[0]
+            out.append(guarded(_both(guards[r], tguard), Store("y", t * n + first + r if r else t * n + first, y)))
+        return out
+
+    if reuse:
+        lets, ts, tguards = _swept_tokens(tokens)
+        sweeps, guards = _row_sweeps(fmts, wnames, first, rows, n, k, subs, runs, spread, ts=ts)
+        tile = [*lets, *sweeps, *(st for i in range(tokens) for st in stores(f"_{i}", Var("t0") + i, tguards[i]))]
+    else:
+        sweeps, guards = _row_sweeps(fmts, wnames, first, rows, n, k, subs, runs, spread)
+        tile = [For("t", Const(0), Var("nt"), (*sweeps, *stores("", Var("t0") + Var("t"), None)))]
+    body = (*_token_tile(tokens), *tile)
     grid = (Const(-(-n // rows)), (Var("T") + (tokens - 1)) // tokens)
-    return Kernel(name, params, grid, body, lanes=lanes, knobs=_q8_knobs(fmts, tokens, subs, runs, rows, spread),
+    return Kernel(name, params, grid, body, lanes=lanes,
+                  knobs=_q8_knobs(fmts, tokens, subs, runs, rows, spread, reuse),
                   doc=f"matvec int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
 
 
 def stacked_matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], ns: Sequence[int], k: int, *, tokens: int,
                              lanes: int, sub: int | str = "auto", runs: bool | int | str = "auto",
-                             rows: int = 1, spread: bool = False) -> Kernel:
+                             rows: int = 1, spread: bool = False, reuse: bool = False) -> Kernel:
     """y_j[t, r] = dot(w_j[r], x[t]) for several weights (rows `ns[j]`) reading the same activations, as if stacked
     into one weight: grid (sum(ceil(ns / rows)), ceil(T / tokens)), the first groups on w0, the next on w1, ...
     (a group-uniform branch), `rows` rows a group (`spread`: see `matvec_q8_kernel`). One launch where there were
-    several, and small matvecs (attention k and v: 1024 rows) fill the device together."""
+    several, and small matvecs (attention k and v: 1024 rows) fill the device together. `reuse`: see
+    `matvec_q8_kernel`."""
     subs = [sub_lanes(f, sub, runs) for f in fmts]
     m = len(fmts)
     params = (Buf("xq", "u32"), Buf("xd", "f32"), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
               *(Buf(f"y{j}", "f32", out=True) for j in range(m)), Scalar("T"))
-    t, g0 = Var("t0") + Var("t"), Var("g0")
+    g0 = Var("g0")
     groups = [-(-n // rows) for n in ns]
     starts = [sum(groups[:j]) for j in range(m)]
+    reuse = reuse and not (spread and rows > 1)
+    lets, ts, tguards = _swept_tokens(tokens) if reuse else ([], None, [None])
 
     def part(j: int) -> tuple:
         g = g0 - starts[j] if starts[j] else g0
         first = g * rows if rows > 1 else g
-        sweeps, guards = _row_sweeps([fmts[j]], [f"w{j}"], first, rows, ns[j], k, [subs[j]], runs, spread, f"p{j}")
-        stores = [guarded(guards[r], Store(f"y{j}", t * ns[j] + first + r if r else t * ns[j] + first,
-                                            Var(f"p{j}s0_{r}"))) for r in range(rows)]
-        return (For("t", Const(0), Var("nt"), (*sweeps, *stores)),)
+        sweeps, guards = _row_sweeps([fmts[j]], [f"w{j}"], first, rows, ns[j], k, [subs[j]], runs, spread, f"p{j}",
+                                     ts=ts)
+
+        def stores(suffix: str, t: Expr, tguard) -> list:
+            return [guarded(_both(guards[r], tguard), Store(f"y{j}", t * ns[j] + first + r if r else t * ns[j] + first,
+                                                            Var(f"p{j}s0_{r}{suffix}"))) for r in range(rows)]
+
+        if reuse:
+            return (*sweeps, *(st for i in range(tokens) for st in stores(f"_{i}", Var("t0") + i, tguards[i])))
+        return (For("t", Const(0), Var("nt"), (*sweeps, *stores("", Var("t0") + Var("t"), None))),)
 
     # Flat Ifs, one a weight (PoCL mishandles the barriers of reductions inside a nested else-if).
     branches = [If((g0 >= starts[j]) & (g0 < starts[j] + groups[j]) if j else g0 < groups[0], part(j))
                 for j in range(m)]
     grid = (Const(sum(groups)), (Var("T") + (tokens - 1)) // tokens)
-    return Kernel(name, params, grid, (*_token_tile(tokens), *branches), lanes=lanes,
-                  knobs=_q8_knobs(fmts, tokens, subs, runs, rows, spread),
+    return Kernel(name, params, grid, (*_token_tile(tokens), *lets, *branches), lanes=lanes,
+                  knobs=_q8_knobs(fmts, tokens, subs, runs, rows, spread, reuse),
                   doc=f"stacked matvecs int8 {'+'.join(f.name for f in fmts)} [{'+'.join(map(str, ns))}x{k}]")
 
 
@@ -554,7 +601,8 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
     ql, qb, db = quantize_launch(ctx, ctx.buf(x), k, token_binding(x))
     rows, spread = q8_rows(kn, ctx, fmts, sum(ns), k)
     mk = stacked_matvec_q8_kernel(f"matmul_stack_{tag}x{k}_q8", fmts, ns, k, tokens=kn["tokens"], sub=kn["sub"],
-                                  runs=kn["runs"], rows=rows, spread=spread, lanes=_gpu_lanes(kn, ctx, fmts, k))
+                                  runs=kn["runs"], rows=rows, spread=spread, reuse=_reuse(ctx, kn),
+                                  lanes=_gpu_lanes(kn, ctx, fmts, k))
     outs = tuple((f"y{j}", ctx.buf(n.output)) for j, n in enumerate(nodes))
     return [ql, Launch(mk, (("xq", qb), ("xd", db), *((f"w{j}", ctx.buf(w)) for j, w in enumerate(ws)), *outs),
                        (("T", token_binding(x)),))]
