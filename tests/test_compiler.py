@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from polystrata.codegen.policy import device_policy
+from polystrata.codegen.recipes.tile_mma import MMA_OFF
 from polystrata.compiler.passes import build_plan, drop_repeated_launches
 from polystrata.engine import tensor_table
 from polystrata.gguf import GGUFFile
@@ -127,3 +131,22 @@ def test_kernel_names_from_extreme_values_are_identifiers(tmp_path, monkeypatch)
     monkeypatch.setenv("POLYSTRATA_HOME", str(tmp_path))
     k = rms_norm_kernel(f"rms_norm_8_{name_tag(1e38)}", 8, 1e38, False, 1)
     CPURuntime().compile(k)  # renders and imports: the name is a valid identifier
+
+
+def test_matmul_knob_space_reaches_every_matmul_of_a_prompt_plan(tmp_path):
+    """`bench --knob matmul.mma_min=N` (a space-wide knob) sets the path of every matmul of a prompt plan: q/k/v, o,
+    gate+up and down alike. The GLU once read a space of its own, so that knob left it on the tile products while
+    every other matmul ran the int8 matvecs: the H200's "matvec" prefill measured 0.6x what it was. (On tile
+    products q, k and v launch one by one, not stacked.)"""
+    _, graph, formats = _tiny_llama(tmp_path)
+    cuda = replace(device_policy(lanes=128, subgroup=32, wide_loads=True, int8_dot=True), matrix_units=True)
+
+    def matmuls(knobs: dict | None) -> list[str]:
+        plan = build_plan(graph, formats, KV_FORMATS["f16"], 64, 16, knobs=knobs, policy=cuda)
+        return [la.kernel.name for la in plan.launches if la.kernel.name.startswith(("matmul", "glu_"))]
+
+    on, off = matmuls({"matmul": {"mma_min": 32}}), matmuls({"matmul": {"mma_min": MMA_OFF}})
+    assert any(n.startswith("glu_") for n in on) and any(n.startswith("glu_") for n in off), (on, off)
+    assert all(n.endswith("_mma") for n in on), on
+    assert not any(n.endswith("_mma") for n in off), off
+    assert matmuls(None) == off  # tile products are off by default

@@ -106,7 +106,7 @@ def test_fused_glu_launches_match_the_reference(rt):
     b = g.op("matmul", x, g.weight("wu", "Q4_0", (N, K)), name="b")
     g.op("swiglu", a, b, name="o")
     ctx = recipe_context(g, formats={"wg": FORMATS["Q8_0"], "wu": FORMATS["Q4_0"]}, lanes=128, matrix_units=True)
-    ctx.t_max, ctx.knobs = 70, {"matmul_glu": {"mma_min": 32}}
+    ctx.t_max, ctx.knobs = 70, {"matmul": {"mma_min": 32}}
     launches = recipe("matmul_swiglu").lower(g.nodes, ctx)
     sb, so = plan_scratch(ctx)
     assert launches[1].kernel.name.endswith("_mma")

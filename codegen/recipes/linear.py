@@ -100,8 +100,11 @@ def _matmul_constraint(kn: dict) -> bool:
     return not (kn["xq"] == "inline" and any(kn[k] != "auto" for k in ("sub", "runs", "lanes", "spread")))
 
 
+# One space for every matmul recipe (plain, stacked, GLU): a space-wide knob (`bench --knob matmul.mma_min=512`)
+# reaches all of a model's matmuls. The GLU had a space of its own once, and that knob then left the gate+up
+# matmuls, half of a llama's weights, on the other path (docs/benchmarks.md, "the prefill regression").
+# Instances stay apart: their names (and so their tuning rows) differ.
 MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, constraint=_matmul_constraint)
-GLU_SPACE = KnobSpace("matmul_glu", MATMUL_KNOBS, constraint=_matmul_constraint)
 # Knob tile ("auto": TILE_TOKENS; 0: off): tokens a tile of `tile_matmul_kernel`, which one-lane plans of more than
 # one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
 # (docs/benchmarks.md, "Serving").
@@ -577,7 +580,7 @@ def _lower_glu(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     fn = ACTIVATIONS[act.op]
     fg, fu = _fmt(ctx, wg), _fmt(ctx, wu)
     name = f"glu_{act.op}_{fg.name.lower()}_{fu.name.lower()}_{n}x{k}"
-    kn = _knobs(ctx, GLU_SPACE, name)
+    kn = _knobs(ctx, MATMUL_SPACE, name)
     return _launches(name, [fg, fu], n, k, ctx, kn,
                      ctx.buf(x), [ctx.buf(wg), ctx.buf(wu)], ctx.buf(act.output), token_binding(x),
                      epilogue=lambda v: fn(v[0]) * v[1])
@@ -660,8 +663,8 @@ def _lower_embed(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
 
 
 EMBED_SPACE = KnobSpace("embed", (Knob("chunk", 8, (1, 4, 16, 64)),))
-register(Recipe("matmul_swiglu", ("matmul", "matmul", "swiglu"), _lower_glu, _match_glu, GLU_SPACE))
-register(Recipe("matmul_geglu", ("matmul", "matmul", "geglu"), _lower_glu, _match_glu, GLU_SPACE))
+register(Recipe("matmul_swiglu", ("matmul", "matmul", "swiglu"), _lower_glu, _match_glu, MATMUL_SPACE))
+register(Recipe("matmul_geglu", ("matmul", "matmul", "geglu"), _lower_glu, _match_glu, MATMUL_SPACE))
 register(Recipe("matmul", ("matmul",), _lower_matmul, _match_matmul, MATMUL_SPACE))
 # Three matmuls sharing their input (q, k, v): the "matmul" knobs apply.
 register(Recipe("matmul_stack3", ("matmul",) * 3, _lower_matmul_stack, _match_matmul_stack, MATMUL_SPACE))
