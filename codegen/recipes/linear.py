@@ -313,14 +313,17 @@ def q8_rows(kn: dict, ctx: RecipeContext, fmts: Sequence[QuantFormat], n: int, k
     """(rows a group of the int8 matvec, whether its lanes spread over them) (knobs rows and spread, "auto": rows
     with fewer units than a subgroup has lanes are spread, `_matvec.spread_rows` of them a group -- two Q4_K rows
     of qwen3-30b-a3b's 2048 columns, each 16 units; else two rows for matrices of at least 4096 rows of at least
-    4096 columns, each lane sweeping both, sharing its activation loads, else one; docs/benchmarks.md, "Matvec
-    schedule knobs", has the H200 figures)."""
+    4096 columns, each lane sweeping both, sharing its activation loads, else one -- one also where a token tile
+    is swept once (`_reuse`), whose tokens share the weight loads instead: rows x tokens dot products a lane are
+    its registers; docs/benchmarks.md, "Matvec schedule knobs", has the H200 figures)."""
     spread_n = spread_rows(fmts, k, ctx.subgroup, kn["sub"], kn["runs"])
     spread = spread_n > 1 if kn["spread"] == "auto" else bool(int(kn["spread"]))
     if kn["q8_rows"] != "auto":
         return int(kn["q8_rows"]), spread
     if spread:
         return max(2, spread_n), True
+    if _reuse(ctx, kn):
+        return 1, False
     return (2 if n >= 4096 and k >= 4096 else 1), False
 
 
