@@ -265,6 +265,26 @@ class DeviceBuffer:
             self.free(self.ptr)
 
 
+class _Probed(Exception):
+    """`Runtime._built`'s answer, raised from inside `compile` before anything is loaded or built."""
+
+    def __init__(self, built: bool):
+        super().__init__(built)
+        self.built = built
+
+
+def compile_in_worker(target: str, kernels: list[Kernel]) -> int:
+    """A worker process's job: compile `kernels` for `target` into the kernel cache, from which the parent then
+    loads them (`Runtime.compile_all`, the tuner's candidates); returns how many."""
+    from polystrata.targets import make_runtime
+
+    os.environ["POLYSTRATA_COMPILE_JOBS"] = "1"  # a worker does not start workers of its own
+    rt = make_runtime(target)
+    for k in kernels:
+        rt.compile(k)
+    return len(kernels)
+
+
 class CompiledKernel:
     """A kernel ready to launch on one runtime; `cached`: it came from the kernel cache (for `compile`'s report)."""
 
@@ -349,18 +369,63 @@ class Runtime(ABC):
         # Directories of compiled kernels laid out as the cache is (an artifact's `kernels/`), copied into the
         # cache when it lacks an entry: a run from an artifact compiles nothing the artifact holds.
         self.kernel_stores: list[Path] = []
+        self._probing = False  # see `_built`
 
     def compile_all(self, kernels: Iterable[Kernel]) -> dict[str, CompiledKernel]:
         """Compile each distinct kernel once (`compile`), showing "compiling kernels k/N (h from the cache)";
-        returns them by fingerprint."""
+        returns them by fingerprint. Kernels the cache lacks are compiled first in `compile_workers` processes
+        where that is more than one (into the cache, which this process then loads from)."""
         todo = {k.fingerprint(): k for k in kernels}
         out: dict[str, CompiledKernel] = {}
         hits = self.cache_hits
-        with Progress("compiling kernels", len(todo)) as bar:
-            for fp, kernel in todo.items():
-                out[fp] = self.compile(kernel)
-                bar.update(note=f"{self.cache_hits - hits} from the cache")
+        workers = self.compile_workers()
+        missing = [fp for fp, k in todo.items() if not self._built(k)] if workers > 1 and len(todo) > 1 else []
+        with contextlib.ExitStack() as stack:
+            futures = {}
+            if len(missing) > 1:
+                import multiprocessing
+                from concurrent.futures import ProcessPoolExecutor
+
+                # Spawned, not forked: this process may hold a driver's context and Numba's threads.
+                pool = stack.enter_context(ProcessPoolExecutor(min(workers, len(missing)),
+                                                               mp_context=multiprocessing.get_context("spawn")))
+                stack.callback(pool.shutdown, cancel_futures=True)
+                futures = {fp: pool.submit(compile_in_worker, self.name, [todo[fp]]) for fp in missing}
+            with Progress("compiling kernels", len(todo)) as bar:
+                for fp, kernel in todo.items():
+                    if fp in futures:
+                        futures[fp].result()
+                    out[fp] = self.compile(kernel)
+                    bar.update(note=f"{self.cache_hits - hits} from the cache")
         return out
+
+    def compile_workers(self) -> int:
+        """Processes `compile_all` compiles in: `POLYSTRATA_COMPILE_JOBS`, else half the usable CPUs, at most 8
+        (1: in this process). 1 also for a runtime that takes an architecture: one made by `make_runtime(name)` in
+        another process would compile for the device's, not necessarily this one's."""
+        from polystrata.threads import usable_cpus
+
+        if self.takes_arch:
+            return 1
+        env = os.environ.get("POLYSTRATA_COMPILE_JOBS")
+        if env is not None:
+            try:
+                return max(1, int(env))
+            except ValueError:
+                raise PolystrataError(f"POLYSTRATA_COMPILE_JOBS must be a whole number, not {env!r}") from None
+        return max(1, min(8, usable_cpus() // 2))
+
+    def _built(self, kernel: Kernel) -> bool:
+        """Whether `compile(kernel)` would find it compiled (in this process, the kernel cache or a kernel store),
+        found without loading or building it."""
+        self._probing = True
+        try:
+            self.compile(kernel)
+        except _Probed as probed:
+            return probed.built
+        finally:
+            self._probing = False
+        return True
 
     def _compile_cached(self, kernel: Kernel, source: str, key: str, filename: str,
                         load: Callable[[Path], Any], build: Callable[[Path], Any]) -> CompiledKernel:
@@ -371,6 +436,8 @@ class Runtime(ABC):
         if key in self._compiled:
             return self._compiled[key]
         entry = CacheEntry(cache_dir(self.name) / filename, key)
+        if self._probing:  # `_built`: answer before loading or building anything
+            raise _Probed(entry.verify() is True or bool(self._copy_from_stores(entry)))
         with file_lock(entry.lock):
             handle, cached = self._load_or_build(entry, load, build)
         if cached:

@@ -121,6 +121,9 @@ class CUDARuntime(Runtime):
 
     # --- compilation ----------------------------------------------------------------------------------
 
+    def compile_workers(self) -> int:
+        return 1 if self.simulator else super().compile_workers()  # the simulator compiles nothing
+
     def render(self, kernel: Kernel, shuffles: bool | None = None) -> str:
         return render(kernel, self.shuffles if shuffles is None else shuffles, native=not self.simulator,
                       mma=self.matrix_units)

@@ -50,6 +50,7 @@ from polystrata.compiler.plan import BufferSpec, Plan
 from polystrata.errors import PolystrataError, UsageError
 from polystrata.ir.kernel import DTYPE_BYTES, Kernel, Launch
 from polystrata.progress import Progress
+from polystrata.runtimes.base import compile_in_worker
 from polystrata.tuning import machine_key
 from polystrata.tuning.db import TuningDB, today
 
@@ -134,17 +135,6 @@ def compare(default: dict[str, np.ndarray], candidate: dict[str, np.ndarray], to
         elif not np.array_equal(got, want):
             return f"{name} differs"
     return None
-
-
-def _compile_in_worker(target: str, kernels: list[Kernel]) -> int:
-    """A worker process's job: compile `kernels` for `target` into the kernel cache (the parent then loads them
-    from there)."""
-    from polystrata.targets import make_runtime
-
-    rt = make_runtime(target)
-    for k in kernels:
-        rt.compile(k)
-    return len(kernels)
 
 
 class Tuner:
@@ -376,7 +366,7 @@ class Tuner:
         futures: list[Future | None] = [None] * len(lowered)
         if self.pool is not None:
             for i, (_, launches, _) in enumerate(lowered):
-                futures[i] = self.pool.submit(_compile_in_worker, rt.name, [la.kernel for la in launches])
+                futures[i] = self.pool.submit(compile_in_worker, rt.name, [la.kernel for la in launches])
 
         best: tuple[dict, list[BoundLaunch], Timing] | None = None
         for i, (knobs, launches, specs) in enumerate(lowered):
