@@ -272,8 +272,13 @@ class _Lowering:
         """(first row, first column) of the p-th hardware tile this lane's subgroup holds."""
         u, f = self.unit, next(iter(self.frags.values()))
         groups = self.lanes // u.width
-        t = LaneId() // u.width + p * groups if groups > 1 else Const(p)
         across = f.cols // u.n
+        if groups > 1 and groups % across == 0:
+            # Each subgroup's tiles in one column of tiles: its column is one expression for every p, so compilers
+            # share the loads of what depends on it alone (B operand words, per-column scales) between the tiles.
+            sg = LaneId() // u.width
+            return (sg // across + p * (groups // across)) * u.m, (sg % across) * u.n
+        t = LaneId() // u.width + p * groups if groups > 1 else Const(p)
         return (t // across) * u.m, (t % across) * u.n
 
     def tile_each(self, s: TileEach) -> list:
