@@ -26,7 +26,7 @@ from recipe_cases import (
 )
 
 from polystrata.codegen.recipes.linear import quantize_x_kernel
-from polystrata.codegen.recipes.tile_mma import tile_mma_fits, tile_mma_kernel
+from polystrata.codegen.recipes.tile_mma import tile_mma_fits, tile_mma_kernel, tile_products_apply
 from polystrata.ir.formats import FORMATS
 from polystrata.ir.graph import Graph
 
@@ -73,6 +73,27 @@ def test_tile_mma_f16_weights(rt):
         y = run(rt, kern, {"x": x.reshape(-1), "w0": wb}, {"T": t}, {"y": ((t, N), "f32")})["y"]
         ref = x.astype(np.float16).astype(np.float64) @ wd.T.astype(np.float64)
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(), err_msg=f"F16 T={t}")
+
+
+def test_tile_products_apply_within_local_memory():
+    """A tile and chunk whose local arrays pass the policy's local memory keep the int8 matvecs; words staging needs
+    no byte array, so a chunk that does not fit by bytes may fit by words."""
+    from dataclasses import replace
+
+    from polystrata.codegen.policy import device_policy
+    from polystrata.codegen.recipes.linear import MATMUL_SPACE
+
+    policy = replace(device_policy(128, 32, wide_loads=True), matrix_units=True)
+    q4k = [FORMATS["Q4_K"]]
+    kn = {**MATMUL_SPACE.defaults(), "mma_min": 512, "mma_chunk": 256}
+    assert tile_products_apply(policy, 512, kn, q4k, 4096, 4096)  # 31.5 KiB
+    assert not tile_products_apply(policy, 512, {**kn, "mma_rows": 128}, q4k, 4096, 4096)  # 52.5 KiB
+    assert not tile_products_apply(policy, 512, kn, q4k * 2, 4096, 4096)  # the GLU's two weights: 52.5 KiB
+    assert tile_products_apply(policy, 512, {**kn, "mma_chunk": 128}, q4k * 2, 4096, 4096)
+    tight = replace(policy, local_bytes=20 * 1024)  # chunk 128: 16.5 KiB by words, 24.5 by bytes
+    assert tile_products_apply(tight, 512, {**kn, "mma_chunk": 128}, q4k, 4096, 4096)
+    assert not tile_products_apply(tight, 512, {**kn, "mma_chunk": 128, "mma_words": 0}, q4k, 4096, 4096)
+    assert not tile_products_apply(policy, 1, kn, q4k, 4096, 4096)  # decode
 
 
 def test_tile_mma_fits():

@@ -276,7 +276,7 @@ def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n:
     """Whether matmuls over `fmts` take `tile_mma_kernel`: plans of steps of several tokens on a target with matrix
     units, formats and K it takes (`tile_mma_fits`): F16 weights, or the GPU path's int8 activations
     (`_int8_kernels`)."""
-    if not tile_products_apply(ctx.target().matrix_units, ctx.t_max, kn, fmts, n, k):
+    if not tile_products_apply(ctx.target(), ctx.t_max, kn, fmts, n, k):
         return False
     return f16_path(fmts) or _int8_kernels(ctx, kn, fmts, k)
 

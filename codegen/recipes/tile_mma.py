@@ -40,12 +40,14 @@ from dataclasses import dataclass
 
 from polystrata.codegen.dequant import Decoder, chunk_len
 from polystrata.codegen.format_analysis import affine, block_stride, elements_per_row_bytes, finest_group, weight_dtype
+from polystrata.codegen.policy import Policy
 from polystrata.codegen.recipes import Knob
 from polystrata.codegen.recipes._alignment import ALIGN_MAX, realign
 from polystrata.codegen.recipes._matvec import QB, _vec_level, _wide_levels, fmt_for, use_int8
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.kernel import (
+    DTYPE_BYTES,
     Buf,
     Call,
     Cast,
@@ -69,11 +71,13 @@ from polystrata.ir.kernel import (
 
 MMA_OFF = 1 << 20  # mma_min past every matrix: the tile path unused
 TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", 64), Knob("mma_lanes", 128),
-                  Knob("mma_min", MMA_OFF, (512, 2048)), Knob("mma_words", 1, (0, 1)))
+                  Knob("mma_min", MMA_OFF, (512, 2048)), Knob("mma_words", 1))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only. Off by default, as the
 # first H200 measurement found the tile products slower than the int8 matvecs (docs/benchmarks.md, "Prefill on
 # matrix units: first measurement"); `tune` tries 512 and 2048, and `bench --knob matmul.mma_min=512` turns them
 # on. Smaller matrices cost little in a prompt chunk anyway, and each tile kernel is a long compile.
+# Knob mma_words: 1 stages int8 operands a word at a time (module docstring); 0, the byte-at-a-time staging of the
+# first measurement, is kept for comparison (`--knob matmul.mma_words=0`), not searched by `tune`.
 PAD = 4  # words of padding after each operand row (see the module docstring)
 
 
@@ -98,14 +102,17 @@ def f16_path(fmts: Sequence[QuantFormat]) -> bool:
     return all(f.name == "F16" for f in fmts)
 
 
-def tile_products_apply(matrix_units: bool, t_max: int, kn: dict, fmts: Sequence[QuantFormat], n: int,
-                        k: int) -> bool:
+def tile_products_apply(policy: Policy, t_max: int, kn: dict, fmts: Sequence[QuantFormat], n: int, k: int) -> bool:
     """The part of the choice of tile products that `linear` and `moe` share: a target with matrix units
     (`Policy.matrix_units`), a plan of steps of several tokens, a matrix of at least knob mma_min rows and columns,
-    formats and K that `tile_mma_fits` takes (with knob mma_chunk). Each caller adds where its int8 activations
-    come from."""
-    return (matrix_units and t_max > 1 and min(n, k) >= int(kn["mma_min"])
-            and tile_mma_fits(fmts, k, int(kn["mma_chunk"])))
+    formats and K that `tile_mma_fits` takes (with knob mma_chunk), local arrays within the policy's `local_bytes`
+    (a large tile and chunk may not fit). Each caller adds where its int8 activations come from."""
+    chunk = int(kn["mma_chunk"])
+    if not (policy.matrix_units and t_max > 1 and min(n, k) >= int(kn["mma_min"]) and tile_mma_fits(fmts, k, chunk)):
+        return False
+    words = bool(int(kn["mma_words"])) and word_staging(fmts)
+    arrays = operand_arrays(fmts, int(kn["mma_rows"]), int(kn["mma_tokens"]), chunk, words)
+    return sum(a.size * DTYPE_BYTES[a.dtype] for a in arrays) <= policy.local_bytes
 
 
 def tile_mma_fits(fmts: Sequence[QuantFormat], k: int, chunk: int) -> bool:
@@ -140,6 +147,30 @@ def signed_bytes(word: Expr, bias: int) -> Expr:
     top = Cast("u32", Const(0x80808080))
     x = (word | top) - Cast("u32", Const(bias * 0x01010101))
     return (x & Cast("u32", Const(0x7F7F7F7F))) | (top - (x & top))
+
+
+def operand_arrays(fmts: Sequence[QuantFormat], rows: int, tokens: int, chunk: int, words: bool) -> list[LocalArray]:
+    """The local arrays of `tile_mma_kernel` over `fmts` with this tile and chunk (`words`: staged a word at a time,
+    as `word_staging` allows): the operand tiles, the weights' group scales and offsets, the activations' scales and
+    code sums (and staged a byte at a time, the weights' levels before packing)."""
+    half = f16_path(fmts)
+    afs = [None if half else affine(fmt_for(f)) for f in fmts]
+    st = chunk // (2 if half else 4) + PAD
+    gx = min(a.group for a in afs) if not half else chunk
+    local = [LocalArray("xb", "u32", tokens * st)]
+    if not half:
+        local.append(LocalArray("xds", "f32", tokens * (chunk // gx)))
+    if any(a is not None and a.offset is not None for a in afs):
+        local.append(LocalArray("xss", "i32", tokens * (chunk // gx)))
+    for j, a in enumerate(afs):
+        if not words:
+            local.append(LocalArray(f"wl{j}", "f16" if half else "i8", rows * chunk))
+        local.append(LocalArray(f"wa{j}", "u32", rows * st))
+        if a is not None:
+            local.append(LocalArray(f"ws{j}", "f32", rows * (chunk // a.group)))
+        if a is not None and a.offset is not None:
+            local.append(LocalArray(f"wm{j}", "f32", rows * (chunk // a.group)))
+    return local
 
 
 def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, chunk: int,
@@ -381,19 +412,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         TileEach("i", "jj", (If((row < n) & (t < count), (Store("y", (gather.out(t) if gather else t) * n + row,
                                                                    out),)),)),
     )
-    local = [LocalArray("xb", "u32", tokens * st)]
-    if not half:
-        local.append(LocalArray("xds", "f32", tokens * (chunk // gx)))
-    if offsets:
-        local.append(LocalArray("xss", "i32", tokens * (chunk // gx)))
-    for j, a in enumerate(afs):
-        if not words:
-            local.append(LocalArray(f"wl{j}", "f16" if half else "i8", rows * chunk))
-        local.append(LocalArray(f"wa{j}", "u32", rows * st))
-        if a is not None:
-            local.append(LocalArray(f"ws{j}", "f32", rows * (chunk // a.group)))
-        if a is not None and a.offset is not None:
-            local.append(LocalArray(f"wm{j}", "f32", rows * (chunk // a.group)))
+    local = operand_arrays(fmts, rows, tokens, chunk, words)
     frags = tuple(Fragment(f"f{j}", "f32", rows, tokens) for j in range(len(fmts)))
     if not half:
         frags = (Fragment("iacc", "i32", rows, tokens), *frags)
