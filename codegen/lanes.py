@@ -272,8 +272,17 @@ class _Lowering:
         """(first row, first column) of the p-th hardware tile this lane's subgroup holds."""
         u, f = self.unit, next(iter(self.frags.values()))
         groups = self.lanes // u.width
-        t = LaneId() // u.width + p * groups if groups > 1 else Const(p)
         across = f.cols // u.n
+        # Tile t = subgroup + p * groups, at row t // across, column t % across, written so that tiles of one row or
+        # column of tiles get one expression for it: compilers then share the loads that depend on it alone (operand
+        # words, per-row or per-column scales) between the tiles.
+        sg = LaneId() // u.width
+        if groups > 1 and groups % across == 0:  # each subgroup's tiles in one column of tiles
+            return (sg // across + p * (groups // across)) * u.m, (sg % across) * u.n
+        if groups > 1 and across % groups == 0:  # each subgroup's tiles in across / groups columns, rows in turn
+            per_row = across // groups
+            return Const(p // per_row * u.m), (sg + p % per_row * groups) * u.n
+        t = sg + p * groups if groups > 1 else Const(p)
         return (t // across) * u.m, (t % across) * u.n
 
     def tile_each(self, s: TileEach) -> list:

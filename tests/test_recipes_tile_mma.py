@@ -2,10 +2,12 @@
 (the portable rendering of the tile products; matrix units only on GPUs), against the numpy reference on the GPU
 path's int8 activations (`q8_rounded`): float rounding is all that may differ.
 
-Formats are sampled: Q4_K (blocks of 256 with offsets, a K chunk a quarter of a block) and Q6_K (groups of 16, a
-chunk a whole block), one kernel each for T in {1, 7, 33, 512}, and in the fused GLU Q8_0 and Q4_0 (blocks of 32,
-two a chunk). Every other int8-path format goes through the same decoder walk (a format is data); all 13 matched
-the reference on PoCL when this recipe was written, but each costs seconds of PoCL compile, so CI samples.
+Formats are sampled: Q4_K (blocks of 256 with offsets, a K chunk a quarter of a block; operands staged by words
+from sliced rows and by bytes), Q6_K (groups of 16, a chunk a whole block, blocks padded), Q3_K (half a block) and
+Q5_0 (by bytes: its levels do not pack into words), one kernel each for T in {1, 7, 33, 512}, and in the fused GLU
+Q8_0 and Q4_0 (blocks of 32, two a chunk). Every other int8-path format goes through the same decoder walk (a
+format is data); all 13 matched the reference on PoCL when this recipe was written, but each costs seconds of PoCL
+compile, so CI samples.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from recipe_cases import (
 )
 
 from polystrata.codegen.recipes.linear import quantize_x_kernel
-from polystrata.codegen.recipes.tile_mma import tile_mma_fits, tile_mma_kernel
+from polystrata.codegen.recipes.tile_mma import tile_mma_fits, tile_mma_kernel, tile_products_apply
 from polystrata.ir.formats import FORMATS
 from polystrata.ir.graph import Graph
 
@@ -38,14 +40,19 @@ def _quantized(rt, x: np.ndarray) -> dict:
     return run(rt, qk, {"x": x.reshape(-1)}, {"T": t}, {"xq": ((t * K // 4,), "u32"), "xd": ((t * K // 32,), "f32")})
 
 
-@pytest.mark.parametrize("fmt_name,chunk", [("Q4_K", 64), ("Q6_K", 256)])
-def test_tile_mma_formats(rt, fmt_name, chunk):
+@pytest.mark.parametrize("fmt_name,chunk,words", [("Q4_K_S", 64, True), ("Q6_K_A16", 256, True),
+                                                   ("Q3_K", 128, True), ("Q4_K", 64, False), ("Q5_0", 64, True)])
+def test_tile_mma_formats(rt, fmt_name, chunk, words):
+    """Operands staged a word at a time (knob mma_words; Q4_K sliced and Q6_K padded as the cuda target keeps them,
+    Q6_K's and Q3_K's levels biased, the bytes made signed in the word) and a byte at a time (the knob off, and
+    Q5_0, whose levels do not pack into words)."""
     if rt.lanes == 1:
         pytest.skip("GPU-shaped, never planned on one lane: a Numba compile of 12 s (the tile constructs themselves "
                     "run there in ir_constructs' cases)")
     fmt, wb, wd = weight(fmt_name, N, K)
-    kern = tile_mma_kernel(f"t_mma_{fmt_name.lower()}", [fmt], N, K, rows=32, tokens=16, chunk=chunk,
-                           lanes=64)
+    kern = tile_mma_kernel(f"t_mma_{fmt_name.lower()}_{int(words)}", [fmt], N, K, rows=32, tokens=16, chunk=chunk,
+                           lanes=64, words=words)
+    assert kern.knob_dict["mma_words"] == (words and fmt_name != "Q5_0")
     rng = np.random.default_rng(1)
     for t in (1, 7, 33, 512):
         x = rng.standard_normal((t, K)).astype(np.float32)
@@ -66,6 +73,27 @@ def test_tile_mma_f16_weights(rt):
         y = run(rt, kern, {"x": x.reshape(-1), "w0": wb}, {"T": t}, {"y": ((t, N), "f32")})["y"]
         ref = x.astype(np.float16).astype(np.float64) @ wd.T.astype(np.float64)
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(), err_msg=f"F16 T={t}")
+
+
+def test_tile_products_apply_within_local_memory():
+    """A tile and chunk whose local arrays pass the policy's local memory keep the int8 matvecs; words staging needs
+    no byte array, so a chunk that does not fit by bytes may fit by words."""
+    from dataclasses import replace
+
+    from polystrata.codegen.policy import device_policy
+    from polystrata.codegen.recipes.linear import MATMUL_SPACE
+
+    policy = replace(device_policy(128, 32, wide_loads=True), matrix_units=True)
+    q4k = [FORMATS["Q4_K"]]
+    kn = {**MATMUL_SPACE.defaults(), "mma_min": 512, "mma_chunk": 256}
+    assert tile_products_apply(policy, 512, kn, q4k, 4096, 4096)  # 31.5 KiB
+    assert not tile_products_apply(policy, 512, {**kn, "mma_rows": 128}, q4k, 4096, 4096)  # 52.5 KiB
+    assert not tile_products_apply(policy, 512, kn, q4k * 2, 4096, 4096)  # the GLU's two weights: 52.5 KiB
+    assert tile_products_apply(policy, 512, {**kn, "mma_chunk": 128}, q4k * 2, 4096, 4096)
+    tight = replace(policy, local_bytes=20 * 1024)  # chunk 128: 16.5 KiB by words, 24.5 by bytes
+    assert tile_products_apply(tight, 512, {**kn, "mma_chunk": 128}, q4k, 4096, 4096)
+    assert not tile_products_apply(tight, 512, {**kn, "mma_chunk": 128, "mma_words": 0}, q4k, 4096, 4096)
+    assert not tile_products_apply(policy, 1, kn, q4k, 4096, 4096)  # decode
 
 
 def test_tile_mma_fits():

@@ -21,7 +21,7 @@ keeps the one-kernel schedule below (the CPU's, and what `matmul_kernel` builds)
 
 Prompt chunks on matrix units (the policy's `matrix_units`, plans of more than one token): `tile_mma.py`'s tile
 products instead, for int8-path formats after the same quantize launch, for F16 weights on the f32 activations
-(knobs mma_rows, mma_tokens, mma_chunk, mma_lanes, mma_min); matmuls of one input then launch one by one.
+(knobs mma_rows, mma_tokens, mma_chunk, mma_lanes, mma_min, mma_words); matmuls of one input then launch one by one.
 
 Knobs (`MATMUL_SPACE`; "auto" of split, rows, xq, int8, vert and contract is what the target's policy says,
 `codegen/policy.py`): rows (rows per group; the policy's: 4 on the CPU, 1 on GPUs; `q8_rows` for the int8
@@ -279,7 +279,7 @@ def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n:
     """Whether matmuls over `fmts` take `tile_mma_kernel`: plans of steps of several tokens on a target with matrix
     units, formats and K it takes (`tile_mma_fits`): F16 weights, or the GPU path's int8 activations
     (`_int8_kernels`)."""
-    if not tile_products_apply(ctx.target().matrix_units, ctx.t_max, kn, fmts, n, k):
+    if not tile_products_apply(ctx.target(), ctx.t_max, kn, fmts, n, k):
         return False
     return f16_path(fmts) or _int8_kernels(ctx, kn, fmts, k)
 
@@ -341,7 +341,8 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     if _tile_products(ctx, kn, fmts, n, k):
         # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
         mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"], tokens=kn["mma_tokens"],
-                             chunk=kn["mma_chunk"], lanes=kn["mma_lanes"], epilogue=epilogue)
+                             chunk=kn["mma_chunk"], lanes=kn["mma_lanes"], epilogue=epilogue,
+                             words=bool(int(kn["mma_words"])))
         if f16_path(fmts):
             return [Launch(mk, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)

@@ -33,7 +33,7 @@ blocks on f32 activations. Knobs: rows, split, xq, sub, runs, spread. Prompt chu
 policy's `matrix_units`, plans of several tokens, matrices of at least mma_min) take `tile_mma.tile_mma_kernel`
 for gate/up and down instead, its tokens gathered through the lists (`expert_gather`, a grid dimension over the
 experts with entries), after the same quantize launches (F16 weights: on the f32 activations); knobs mma_rows,
-mma_tokens, mma_chunk, mma_lanes, mma_min as `linear`'s. In a plan of one-token steps (decode)
+mma_tokens, mma_chunk, mma_lanes, mma_min, mma_words as `linear`'s. In a plan of one-token steps (decode)
 the router writes the lists itself (recipe `router_moe`) and the `group` launch goes. Where the residual add and
 an RMS norm follow (every layer but the last), the norm's kernel sums the experts' outputs (`combine_addend`)
 and the `combine` launch goes.
@@ -471,7 +471,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     def tiles(fmts: list[QuantFormat], n: int, kd: int) -> bool:
         """Whether the expert matmuls over `fmts` (n x kd) take tile products: as `linear` decides for its matmuls,
         the int8 ones with activations quantized by a kernel."""
-        return (tile_products_apply(policy.matrix_units, t_max, kn, fmts, n, kd)
+        return (tile_products_apply(policy, t_max, kn, fmts, n, kd)
                 and (f16_path(fmts) or xq == "kernel"))
 
     if tiles([fg, fu], ff, dm) and tiles([fd], dm, ff):
@@ -480,7 +480,8 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
                         quant: tuple, ws: tuple, out: str, epilogue=None) -> list[Launch]:
             kern = tile_mma_kernel(name, fmts, n, kd, rows=int(kn["mma_rows"]), tokens=int(kn["mma_tokens"]),
                                    chunk=int(kn["mma_chunk"]), lanes=int(kn["mma_lanes"]), epilogue=epilogue,
-                                   gather=expert_gather(n_exp, n, k, cap, per_token, stream))
+                                   gather=expert_gather(n_exp, n, k, cap, per_token, stream),
+                                   words=bool(int(kn["mma_words"])))
             wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
             if f16_path(fmts):
                 return [Launch(kern, (("x", act), ("lst", lst), *slot, *wbind, ("y", out)), (("T", tb),))]

@@ -4,19 +4,27 @@ with matrix units (tensor cores, MFMA); llama.cpp's MMQ scheme, generated from t
 A group computes a tile of `rows` weight rows x `tokens` tokens, walking K in chunks of `chunk` elements:
 
 1. each weight row's elements of the chunk are decoded (`codegen.dequant.Decoder`, the int8 path's factoring
-   `value = S_g * level + M_g` of `format_analysis.affine`) to int8 levels in local memory, with each group's scale
-   S_g and offset M_g, then packed four to a word (the tile operand layout: K-contiguous words, rows padded by 4
-   words so that a warp's operand loads fall in distinct banks);
+   `value = S_g * level + M_g` of `format_analysis.affine`) to int8 levels packed four to a word in the tile
+   operand layout (K-contiguous words, rows padded by 4 words so that a warp's operand loads fall in distinct
+   banks), with each group's scale S_g and offset M_g;
 2. the tokens' int8 activation codes (written once per matmul by `linear.quantize_x_kernel`: codes packed in
    words, a scale per 32) are copied into the other operand tile, with their scales and, for formats with an
    offset, each group's code sum (zero for tokens past T: partial tiles);
 3. per weight group g: `TileMMA` of the group's words into an i32 fragment, then a `TileEach` adding
-   `S_g * xd * isum (+ M_g * xd * xsum)` into the weight's f32 fragment and clearing the i32 one;
+   `xd * (S_g * isum (+ M_g * xsum))` into the weight's f32 fragment and clearing the i32 one;
 4. a last `TileEach` stores the rows and tokens inside the matrix (through the epilogue: the GLU's activation).
+
+Staging (1 and 2) a word at a time (knob mma_words, the default, for formats whose levels pack into words as the
+int8 matvec's do, `word_staging`): one lane loop over every lane does both, each weight unit a run of words of
+a row's block from 4-byte loads (Q4_K: two 16-byte loads give a lane 8 operand words), each activation unit a
+group's codes (16-byte loads) and their sum, then one barrier. A byte at a time (mma_words=0, and formats whose
+levels do not pack, Q5_0, IQ4_NL): a lane a row stores each level as a byte, a second lane loop packs them, a
+third and fourth stage the activations, each followed by a barrier (the first H200 measurement's kernel;
+docs/benchmarks.md, "Prefill on matrix units", has the analysis).
 
 The activation codes are those of the GPU matvec path, so prefill and decode see the same rounding. Knobs (recipe
 "matmul", read by `linear._launches`): mma_rows, mma_tokens (the tile), mma_chunk (K per staging round), mma_lanes,
-mma_min (the smallest matrix taken; by default none: see `TILE_MMA_KNOBS`).
+mma_min (the smallest matrix taken; by default none: see `TILE_MMA_KNOBS`), mma_words (above).
 Targets without a matrix unit render the same kernel as loops (`codegen/lanes.py`); `linear._launches` takes it
 only where the target's policy says it has them (`Policy.matrix_units`) and the plan serves steps of several tokens.
 
@@ -30,13 +38,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from polystrata.codegen.dequant import Decoder
-from polystrata.codegen.format_analysis import affine, block_stride, elements_per_row_bytes, weight_dtype
+from polystrata.codegen.dequant import Decoder, chunk_len
+from polystrata.codegen.format_analysis import affine, block_stride, elements_per_row_bytes, finest_group, weight_dtype
+from polystrata.codegen.policy import Policy
 from polystrata.codegen.recipes import Knob
-from polystrata.codegen.recipes._matvec import QB, fmt_for, use_int8
+from polystrata.codegen.recipes._alignment import ALIGN_MAX, realign
+from polystrata.codegen.recipes._matvec import QB, _vec_level, _wide_levels, fmt_for, use_int8
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.kernel import (
+    DTYPE_BYTES,
     Buf,
     Call,
     Cast,
@@ -60,11 +71,13 @@ from polystrata.ir.kernel import (
 
 MMA_OFF = 1 << 20  # mma_min past every matrix: the tile path unused
 TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", 64), Knob("mma_lanes", 128),
-                  Knob("mma_min", MMA_OFF, (512, 2048)))
+                  Knob("mma_min", MMA_OFF, (512, 2048)), Knob("mma_words", 1))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only. Off by default, as the
 # first H200 measurement found the tile products slower than the int8 matvecs (docs/benchmarks.md, "Prefill on
 # matrix units: first measurement"); `tune` tries 512 and 2048, and `bench --knob matmul.mma_min=512` turns them
 # on. Smaller matrices cost little in a prompt chunk anyway, and each tile kernel is a long compile.
+# Knob mma_words: 1 stages int8 operands a word at a time (module docstring); 0, the byte-at-a-time staging of the
+# first measurement, is kept for comparison (`--knob matmul.mma_words=0`), not searched by `tune`.
 PAD = 4  # words of padding after each operand row (see the module docstring)
 
 
@@ -89,14 +102,17 @@ def f16_path(fmts: Sequence[QuantFormat]) -> bool:
     return all(f.name == "F16" for f in fmts)
 
 
-def tile_products_apply(matrix_units: bool, t_max: int, kn: dict, fmts: Sequence[QuantFormat], n: int,
-                        k: int) -> bool:
+def tile_products_apply(policy: Policy, t_max: int, kn: dict, fmts: Sequence[QuantFormat], n: int, k: int) -> bool:
     """The part of the choice of tile products that `linear` and `moe` share: a target with matrix units
     (`Policy.matrix_units`), a plan of steps of several tokens, a matrix of at least knob mma_min rows and columns,
-    formats and K that `tile_mma_fits` takes (with knob mma_chunk). Each caller adds where its int8 activations
-    come from."""
-    return (matrix_units and t_max > 1 and min(n, k) >= int(kn["mma_min"])
-            and tile_mma_fits(fmts, k, int(kn["mma_chunk"])))
+    formats and K that `tile_mma_fits` takes (with knob mma_chunk), local arrays within the policy's `local_bytes`
+    (a large tile and chunk may not fit). Each caller adds where its int8 activations come from."""
+    chunk = int(kn["mma_chunk"])
+    if not (policy.matrix_units and t_max > 1 and min(n, k) >= int(kn["mma_min"]) and tile_mma_fits(fmts, k, chunk)):
+        return False
+    words = bool(int(kn["mma_words"])) and word_staging(fmts)
+    arrays = operand_arrays(fmts, int(kn["mma_rows"]), int(kn["mma_tokens"]), chunk, words)
+    return sum(a.size * DTYPE_BYTES[a.dtype] for a in arrays) <= policy.local_bytes
 
 
 def tile_mma_fits(fmts: Sequence[QuantFormat], k: int, chunk: int) -> bool:
@@ -116,14 +132,56 @@ def tile_mma_fits(fmts: Sequence[QuantFormat], k: int, chunk: int) -> bool:
     return True
 
 
+def word_staging(fmts: Sequence[QuantFormat]) -> bool:
+    """Whether `tile_mma_kernel` can stage weights of `fmts` a word at a time (knob mma_words): int8-path formats
+    whose every element chunk's levels pack four to a word from one 4-byte load (`_matvec._wide_levels`, the int8
+    matvec's test), as Q4_0, Q4_K, Q5_K, Q8_0 do."""
+    return not f16_path(fmts) and all(use_int8(f, True) and _wide_levels(fmt_for(f), affine(fmt_for(f)), "") is not None
+                                      for f in fmts)
+
+
+def signed_bytes(word: Expr, bias: int) -> Expr:
+    """The four bytes b of u32 `word` (each below 128) as the signed bytes b - bias (bias <= 128), without carries
+    between bytes: b + 128 - bias in each byte, then its top bit flipped (no xor in the IR: kept bits or'd with
+    0x80 minus the top bit)."""
+    top = Cast("u32", Const(0x80808080))
+    x = (word | top) - Cast("u32", Const(bias * 0x01010101))
+    return (x & Cast("u32", Const(0x7F7F7F7F))) | (top - (x & top))
+
+
+def operand_arrays(fmts: Sequence[QuantFormat], rows: int, tokens: int, chunk: int, words: bool) -> list[LocalArray]:
+    """The local arrays of `tile_mma_kernel` over `fmts` with this tile and chunk (`words`: staged a word at a time,
+    as `word_staging` allows): the operand tiles, the weights' group scales and offsets, the activations' scales and
+    code sums (and staged a byte at a time, the weights' levels before packing)."""
+    half = f16_path(fmts)
+    afs = [None if half else affine(fmt_for(f)) for f in fmts]
+    st = chunk // (2 if half else 4) + PAD
+    gx = min(a.group for a in afs) if not half else chunk
+    local = [LocalArray("xb", "u32", tokens * st)]
+    if not half:
+        local.append(LocalArray("xds", "f32", tokens * (chunk // gx)))
+    if any(a is not None and a.offset is not None for a in afs):
+        local.append(LocalArray("xss", "i32", tokens * (chunk // gx)))
+    for j, a in enumerate(afs):
+        if not words:
+            local.append(LocalArray(f"wl{j}", "f16" if half else "i8", rows * chunk))
+        local.append(LocalArray(f"wa{j}", "u32", rows * st))
+        if a is not None:
+            local.append(LocalArray(f"ws{j}", "f32", rows * (chunk // a.group)))
+        if a is not None and a.offset is not None:
+            local.append(LocalArray(f"wm{j}", "f32", rows * (chunk // a.group)))
+    return local
+
+
 def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, chunk: int,
                     lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
-                    gather: Gather | None = None) -> Kernel:
+                    gather: Gather | None = None, words: bool = True) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of `fmts` (`tile_mma_fits`), from
     int8 activations `xq` / `xd` (`linear.quantize_x_kernel`'s), or for F16 weights (`f16_path`) from the f32
     activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens)). With `gather`: for each token j the
     list holds, y[out(j), r] from x[row(j)] and weight rows first + r; grid (.., .., gather.groups), a list of at
-    most T tokens."""
+    most T tokens. `words` (knob mma_words): int8 operands staged a word at a time where every format's levels pack
+    into words (`word_staging`), else a byte at a time."""
     half = f16_path(fmts)
     pack_n = 2 if half else 4  # elements a word
     wfs = [fmt_for(f) for f in fmts]
@@ -132,6 +190,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     st = chunk // pack_n + PAD  # operand row stride in words
     gx = min(a.group for a in afs) if not half else chunk  # activation sums are kept per gx elements
     offsets = any(a is not None and a.offset is not None for a in afs)
+    words = words and word_staging(fmts)
     row0, t0, u = Var("g0") * rows, Var("g1") * tokens, Var("u")
     kb, T = Var("kb"), Var("T")
     count = gather.count if gather else T  # the tile's tokens are t0 .. count - 1 of those listed
@@ -174,6 +233,92 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
             Let(f"w{j}_wb", row * rb + block * block_stride(wf)),
             *dec.walk(group, element, lo, hi),
         ))]
+
+    def decode_words(j: int, s: int, v: Expr) -> list:
+        """Unit v of weight j's staging of sub-chunk s (words mode): `share` units a row's block, each a run of
+        its words, each word four levels straight from one 4-byte load (`_matvec._vec_level`, the int8 matvec's
+        packing) into the operand tile; the units with sub 0 store the groups' scales and offsets."""
+        wf, a, w = wfs[j], afs[j], f"w{j}"
+        bs, rb = wf.block_size, elements_per_row_bytes(fmts[j], k)
+        per, share = max(1, chunk // bs), word_share(j)
+        r, q = v // (per * share), (v // share) % per if per > 1 else Const(0)
+        sub = v % share if share > 1 else Const(0)
+        if bs <= chunk:
+            block, lo, hi = (kb * big + s * chunk) // bs + q, 0, bs
+            at, at_w = q * bs, q * (bs // 4)  # where the block starts in the chunk: elements, words
+        else:
+            block, lo, hi = kb, s * chunk, s * chunk + chunk
+            at, at_w = Const(-lo), Const(-lo // 4)
+        base = Var(f"{w}_wb")
+        dec = Decoder(wf, w, base, f"{w}_", word_loads=True)
+
+        def group(start, size, env, inner):
+            ng, gi = chunk // a.group, (at + start) // a.group
+            out = [Store(f"ws{j}", r * ng + gi, dec.group_expr(a.scale, start, env))]
+            if a.offset is not None:
+                out.append(Store(f"wm{j}", r * ng + gi, dec.group_expr(a.offset, start, env)))
+            return [*inner, If(sub.eq(0), tuple(out))] if share > 1 else [*inner, *out]
+
+        def element(c, L, i0, env, lw):
+            word, bias = _vec_level(wf, w, lw, a.level, i0, base)
+            return [Store(f"wa{j}", r * st + at_w + c // 4 + Var(i0), signed_bytes(word, bias) if bias else word)]
+
+        row = Call("min", row0 + r, Const(n - 1))  # rows past n decode row n - 1: their results are not stored
+        if gather:
+            row = gather.first + row
+        body = [Let(base.name, row * rb + block * block_stride(wf)),
+                *dec.walk(group, element, lo, hi, wide=4, split=(sub, share, True))]
+        return realign(body, w, {base: min(ALIGN_MAX, block_stride(wf) & -block_stride(wf))}, None, {})
+
+    def word_share(j: int) -> int:
+        """Units a row's block in words mode: a power of two dividing the words of the decoder's element chunks,
+        as many as keep the units of weight j within the group's lanes."""
+        wf = wfs[j]
+        words_c, units = chunk_len(wf, finest_group(wf)) // 4, rows * max(1, chunk // wf.block_size)
+        share = 1
+        while words_c % (share * 2) == 0 and units * share * 2 <= lanes:
+            share *= 2
+        return share
+
+    def activation_words(s: int, v: Expr) -> list:
+        """Unit v of the activations' staging of sub-chunk s (words mode): one token's group of gx codes, its
+        words copied into the operand tile, its scale, and (with offsets) its code sum taken from the words in
+        registers; zero past the tile's tokens."""
+        e0 = kb * big + s * chunk
+        ng, gw = chunk // gx, gx // 4
+        tg, g = v // ng, v % ng
+        live = t0 + tg < count
+        # Past the tokens the loads read the last one's codes (unconditional loads: merged into vector loads).
+        src = source(t0 + tg) if gather else Call("min", t0 + tg, count - 1)
+        at = src * (k // 4) + e0 // 4 + g * gw  # a multiple of gw words: k, chunk multiples of 32
+        wide = min(4, gw & -gw)  # the first word of each 16 bytes promised 16-byte aligned: one vector load
+        out, total = [], Const(0)
+        for x in range(gw):
+            word = Var(f"xw{x}")
+            out += [Let(f"xr{x}", Load("xq", at + x, wide if x % wide == 0 else 1)),
+                    Let(word.name, Select(live, Var(f"xr{x}"), Cast("u32", 0))),
+                    Store("xb", tg * st + g * gw + x, word)]
+            total = Call("dot4_i8", Cast("u32", Const(0x01010101)), word, total)
+        out.append(Store("xds", v, Select(live, Load("xd", source(t0 + tg) * (k // QB) + (e0 + g * gx) // QB),
+                                          Const(0.0))))
+        if offsets:
+            out.append(Store("xss", v, total))
+        return out
+
+    def staged(s: int) -> LaneFor:
+        """Words mode: one lane loop stages every operand of sub-chunk s (one barrier after it), the weights'
+        units first, then the activations'."""
+        parts = [(rows * max(1, chunk // wfs[j].block_size) * word_share(j), lambda v, j=j: decode_words(j, s, v))
+                 for j in range(len(fmts))]
+        parts.append((tokens * (chunk // gx), lambda v: activation_words(s, v)))
+        ends = [sum(n for n, _ in parts[:p + 1]) for p in range(len(parts))]
+        starts = [0, *ends[:-1]]
+        body: tuple = ()
+        for p in range(len(parts) - 1, -1, -1):
+            v = Var(f"v{p}")
+            part = (Let(v.name, u - starts[p]) if starts[p] else Let(v.name, u), *parts[p][1](v))
+            body = (If(u < ends[p], part, body),) if body else part
+        return LaneFor(u.name, Const(ends[-1]), body)
 
     def bits(v: Expr) -> Expr:
         return Call("f32_to_f16_bits", v)
@@ -228,24 +373,29 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         i, jj, gi = Var("i"), Var("jj"), Var("gi")
         first = gi * (a.group // gx)  # the group's first activation sum / scale
         dx = Load("xds", jj * (chunk // gx) + first)
-        term = Load(f"ws{j}", i * ng + gi) * dx * ToF32(FragElem("iacc"))
+        term = Load(f"ws{j}", i * ng + gi) * ToF32(FragElem("iacc"))
         if a.offset is not None:
             xsum = Load("xss", jj * (chunk // gx) + first)
             for x in range(1, a.group // gx):
                 xsum = xsum + Load("xss", jj * (chunk // gx) + first + x)
-            term = term + Load(f"wm{j}", i * ng + gi) * dx * ToF32(xsum)
+            term = term + Load(f"wm{j}", i * ng + gi) * ToF32(xsum)
+        # dx * (S * isum + M * xsum): the activation scale applied once (a multiply and two multiply-adds an
+        # element with offsets, where dx in each product took two more multiplies).
         # A loop over the groups, not unrolled: each TileEach is unrolled over a lane's accumulators already.
         return [For(gi.name, Const(0), Const(ng), (
             TileMMA("iacc", "i8", f"wa{j}", gi * gw, st, "xb", gi * gw, st, gw),
-            TileEach("i", "jj", (FragSet(f"f{j}", FragElem(f"f{j}") + term), FragSet("iacc", Const(0)))),
+            TileEach("i", "jj", (FragSet(f"f{j}", FragElem(f"f{j}") + dx * term), FragSet("iacc", Const(0)))),
         ))]
 
     step: list = []
     for s in range(big // chunk):
-        for j in range(len(fmts)):
-            step += decode(j, s)
-            step.append(pack(f"wl{j}", f"wa{j}"))
-        step += activations(s)
+        if words:
+            step.append(staged(s))
+        else:
+            for j in range(len(fmts)):
+                step += decode(j, s)
+                step.append(pack(f"wl{j}", f"wa{j}"))
+            step += activations(s)
         for j in range(len(fmts)):
             step += products(j)
     vals = [FragElem(f"f{j}") for j in range(len(fmts))]
@@ -262,17 +412,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         TileEach("i", "jj", (If((row < n) & (t < count), (Store("y", (gather.out(t) if gather else t) * n + row,
                                                                    out),)),)),
     )
-    local = [LocalArray("xb", "u32", tokens * st)]
-    if not half:
-        local.append(LocalArray("xds", "f32", tokens * (chunk // gx)))
-    if offsets:
-        local.append(LocalArray("xss", "i32", tokens * (chunk // gx)))
-    for j, a in enumerate(afs):
-        local += [LocalArray(f"wl{j}", "f16" if half else "i8", rows * chunk), LocalArray(f"wa{j}", "u32", rows * st)]
-        if a is not None:
-            local.append(LocalArray(f"ws{j}", "f32", rows * (chunk // a.group)))
-        if a is not None and a.offset is not None:
-            local.append(LocalArray(f"wm{j}", "f32", rows * (chunk // a.group)))
+    local = operand_arrays(fmts, rows, tokens, chunk, words)
     frags = tuple(Fragment(f"f{j}", "f32", rows, tokens) for j in range(len(fmts)))
     if not half:
         frags = (Fragment("iacc", "i32", rows, tokens), *frags)
@@ -280,6 +420,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     params = (*acts, *(gather.params if gather else ()), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
               Buf("y", "f32", out=True), Scalar("T"))
     grid = (Const(-(-n // rows)), (T + (tokens - 1)) // tokens, *((gather.groups,) if gather else ()))
-    knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes))
+    knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes),
+             ("mma_words", int(words)))
     return Kernel(name, params, grid, body, lanes=lanes, local=tuple(local), knobs=knobs, fragments=frags,
                   doc=f"tile matmul {'f16' if half else 'int8'} {'+'.join(f.name for f in fmts)} [{n}x{k}]")
