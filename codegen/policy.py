@@ -46,6 +46,8 @@ HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
 # ... and for GPUs (a group per row, its lanes sharing the row's blocks; activations quantized to int8 once per
 # matmul by their own kernel; attention keys split over groups, flash-decoding).
 DEVICE_KNOBS: Mapping[str, Mapping[str, Any]] = {
+    # reuse (a token tile's weights decoded once for all its tokens) stays off until measured on a GPU
+    # (docs/benchmarks.md, "H200, 2026-12-05, second session"): `bench`/`serve --knob matmul.reuse=1`.
     "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0, "reuse": 0},
     "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0},
     "attention": {"split_keys": 1},
@@ -104,14 +106,9 @@ def device_policy(lanes: int, subgroup: int, wide_loads: bool = False, int8_dot:
     """A GPU's policy with the GPU schedules (a wide-load target also keeps the padded, sliced and split
     layouts)."""
     layouts = (PADDED_ON_WIDE_LOADS, SLICED_ON_WIDE_LOADS, SPLIT_KV_ON_WIDE_LOADS) if wide_loads else ((), (), ())
-    knobs = DEVICE_KNOBS
-    if int8_dot:
-        # A native int8 dot product leaves decoding the weights the larger cost of a token's dot products: steps of
-        # several tokens decode each weight word once for the whole token tile (matmul knob reuse).
-        knobs = {**DEVICE_KNOBS, "matmul": {**DEVICE_KNOBS["matmul"], "reuse": 1}}
     return Policy(lanes=lanes, subgroup=subgroup, wide_loads=wide_loads, int8_dot=int8_dot,
                   padded_formats=layouts[0], sliced_formats=layouts[1], split_kv_formats=layouts[2],
-                  knobs=knobs)
+                  knobs=DEVICE_KNOBS)
 
 
 def shape_policy(lanes: int, subgroup: int, wide_loads: bool = False) -> Policy:

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from polystrata.cli import ctx_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg, threads_arg
+from polystrata.cli import ctx_arg, knob_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg, threads_arg
 from polystrata.errors import PolystrataError, UsageError
 from polystrata.runtimes.base import cpu_name
 from polystrata.runtimes.memory import fmt_bytes
@@ -451,9 +451,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tuning", choices=("on", "off", "both"), default="on",
                    help="the tuning database's knobs (polystrata tune): on, off (= --no-tuning), or both: the model "
                         "benched without them, then with them, and the ratios")
-    p.add_argument("--knob", action="append", default=[], metavar="SPACE.NAME=VALUE",
-                   help="a schedule knob for every kernel of a knob space, e.g. attention.mma=0 (repeatable; the "
-                        "tuning database's choices for single kernels still apply: --no-tuning for none)")
+    knob_arg(p)
     memory_args(p)
     return p
 

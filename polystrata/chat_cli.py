@@ -58,6 +58,7 @@ def open_engine(a) -> Engine:
     """The engine `run`/`chat` ask for: a model (path or zoo name) or an artifact, with the target, KV type,
     context and memory options."""
     from polystrata.artifact import is_artifact, kernel_store, load_artifact
+    from polystrata.bench import parse_knobs
     from polystrata.cli import _resolve, memory_kwargs
 
     target, kv_type, n_ctx, store = a.target, a.kv_type, a.ctx, None
@@ -74,8 +75,9 @@ def open_engine(a) -> Engine:
             a.expert_slots = slots  # the compiled plan's expert cache, unless --expert-slots says otherwise
     else:
         path = _resolve(a.model)
+    knobs = parse_knobs(a.knob) if getattr(a, "knob", None) else None
     return Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, kernel_store=store,
-                  tuning=not a.no_tuning, **memory_kwargs(a))
+                  tuning=not a.no_tuning, knobs=knobs, **memory_kwargs(a))
 
 
 def make_sampler(a) -> Sampler:

@@ -104,6 +104,13 @@ def target_arg(p: argparse.ArgumentParser, tuning: bool = True) -> None:
                        help="ignore the tuning database (`polystrata tune`): every kernel with its default knobs")
 
 
+def knob_arg(p: argparse.ArgumentParser) -> None:
+    """--knob SPACE.NAME=VALUE (repeatable): a schedule knob for every kernel of a knob space (`parse_knobs`)."""
+    p.add_argument("--knob", action="append", default=[], metavar="SPACE.NAME=VALUE",
+                   help="a schedule knob for every kernel of a knob space, e.g. attention.mma=0 (repeatable; the "
+                        "tuning database's choices for single kernels still apply: --no-tuning for none)")
+
+
 def _int_in(text: str, low: int, high: int, what: str) -> int:
     try:
         value = int(text)
@@ -275,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     ctx_arg(p, "the model's, reduced to what the memory budget holds, or the artifact's; shared by the --parallel "
                "sequences")
     target_arg(p)
+    knob_arg(p)
     threads_arg(p)
     memory_args(p)
     p.add_argument("--verbose", action="store_true", help="print the memory plan and the VRAM guard's actions")

@@ -235,6 +235,12 @@ def test_knobs_reach_the_plans(tiny_model, capsys, monkeypatch):
     for bad in ("attention.nope=1", "nospace.mma=1", "attention.mma"):
         with pytest.raises(UsageError, match="expected SPACE.NAME=VALUE"):
             _run(capsys, str(tiny_model), "--target", "cpu", "--knob", bad)
+    seen.clear()  # serve takes them the same way (the batched decode steps' schedules)
+    from polystrata.cli import main
+
+    with pytest.raises(Planned):
+        main(["serve", str(tiny_model), "--target", "cpu", "--no-tuning", "--knob", "matmul.reuse=1"])
+    assert seen == {"matmul": {"reuse": 1}}
 
 
 @pytest.mark.parametrize("argv, message", [(["-d", "-1"], "-d must be"), (["-c", "10", "-d", "8", "-n", "4"],
