@@ -29,8 +29,9 @@ matvecs), tokens (token tile), int8 (int8-activation path where the format allow
 f32 path below vectorizes better), split ("rows": lanes take rows, each a whole dot product -- the CPU's;
 "blocks": for each row a Reduce over the row's blocks spread over the lanes -- the GPUs'), vert (split "rows", f32
 path: per-element partial sums in a local array, see `_matvec`; on for the CPU), contract (multiply-adds of the
-f32 path's kernels fused, `Kernel.contract`; on for the CPU, where they are bound by arithmetic). With one lane the
-kernels also mask block base addresses non-negative (see `_matvec.NONNEG`).
+f32 path's kernels fused, `Kernel.contract`; on for the CPU, where they are bound by arithmetic), reuse (the int8
+matvecs of plans of several tokens sweep a token tile's weights once for all its tokens, `matvec_q8_kernel`). With
+one lane the kernels also mask block base addresses non-negative (see `_matvec.NONNEG`).
 """
 
 from __future__ import annotations
