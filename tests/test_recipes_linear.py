@@ -180,12 +180,13 @@ def test_stacked_matvecs(rt):
     shapes = {"wq": ("Q4_K", 19), "wk": ("Q6_K", 7), "wv": ("Q8_0", 5)}
     for name, (fmt_name, n) in shapes.items():
         g.op("matmul", x, g.weight(name, fmt_name, (n, k)), name=f"y{name}")
-    ctx = recipe_context(g, formats={nm: FORMATS[f] for nm, (f, _) in shapes.items()}, lanes=32)
-    ctx.knobs = {"matmul": {"rows": 2}}  # 19, 7 and 5 rows: each weight's last group has one
-    launches = recipe("matmul_stack3").lower(g.nodes, ctx)
-    assert [la.kernel.name.startswith("matmul_stack") for la in launches] == [False, True]
     weights = {nm: weight(f, n, k, seed) for seed, (nm, (f, n)) in enumerate(shapes.items())}
-    for t in (1, 5):
+    for reuse, t in ((0, 1), (0, 5), (1, 5), (1, 9)):  # reuse: the token tile (8) swept once, partial tiles
+        ctx = recipe_context(g, formats={nm: FORMATS[f] for nm, (f, _) in shapes.items()}, lanes=32)
+        ctx.knobs = {"matmul": {"rows": 2, "reuse": reuse}}  # 19, 7 and 5 rows: each weight's last group has one
+        launches = recipe("matmul_stack3").lower(g.nodes, ctx)
+        assert [la.kernel.name.startswith("matmul_stack") for la in launches] == [False, True]
+        assert dict(launches[1].kernel.knobs)["reuse"] == reuse
         xv = np.random.default_rng(t).standard_normal((t, k)).astype(np.float32)
         outs = {f"y{nm}": ((t, n), "f32") for nm, (_, n) in shapes.items()}
         outs |= {"scratch.xq": ((16 * k // 4,), "u32"), "scratch.xd": ((16 * k // 32,), "f32")}
