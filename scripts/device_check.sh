@@ -257,12 +257,15 @@ if [[ " $STAGES " == *" prefill "* ]]; then
             timeout 600 python3 -m polystrata bench "$M/$m.gguf" --target cuda -p "$p" -n 0 -r 3 --json \
                 > "$OUT/prefill_${m}_$p.json" 2>> "$LOG" || { row "$m pp$p" "failed (see the log)"; continue; }
             pp_row "$OUT/prefill_${m}_$p.json" "$m pp$p"
-            variants="attention.mma=0 matmul.mma_min=512"
+            # A variant's knobs joined by commas: the int8 matvecs with each token tile's weights decoded once
+            # (matmul.reuse=1), the tile products on (their default K staging, then 128 a round).
+            variants="attention.mma=0 matmul.reuse=1 matmul.mma_min=512 matmul.mma_min=512,matmul.mma_chunk=128"
             [[ "$m" == qwen3moe* ]] && variants+=" moe_ffn.mma_min=512"
             [ "${PREFILL_VARIANTS:-1}" = 0 ] && variants=""
             for kn in $variants; do
-                f="$OUT/prefill_${m}_${p}_${kn//[.=]/_}.json"
-                timeout 600 python3 -m polystrata bench "$M/$m.gguf" --target cuda -p "$p" -n 0 -r 3 --knob "$kn" \
+                f="$OUT/prefill_${m}_${p}_${kn//[.=,]/_}.json"
+                args=(); IFS=, read -ra ks <<< "$kn"; for k in "${ks[@]}"; do args+=(--knob "$k"); done
+                timeout 600 python3 -m polystrata bench "$M/$m.gguf" --target cuda -p "$p" -n 0 -r 3 "${args[@]}" \
                     --json > "$f" 2>> "$LOG" || { row "$m pp$p $kn" "failed (see the log)"; continue; }
                 pp_row "$f" "$m pp$p $kn"
             done
@@ -304,12 +307,13 @@ fi
 if [[ " $STAGES " == *" serve "* ]]; then
     # Serving throughput (issue 22): `polystrata serve` against llama-server on the llama3-8b preset, 1/4/16
     # concurrent streams (scripts/serve_bench.py; aiohttp's wheels travel in .whl; llama-server from the unified
-    # binary of device_llamacpp.sh). SERVE_ARGS passes options on (e.g. "--streams 1,16 --tokens 64").
+    # binary of device_llamacpp.sh). SERVE_ARGS passes options on (e.g. "--streams 1,16 --tokens 64"), SERVE_KNOBS
+    # PolyStrata's (e.g. "--knob matmul.reuse=1").
     preset_model llama3-8b-q4km
-    lcpp=()
+    lcpp=(); [ -n "${SERVE_KNOBS:-}" ] && lcpp=(--polystrata-args "$SERVE_KNOBS")
     if bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1 && bash scripts/device_llamacpp.sh wait 540 >> "$LOG" \
         && [ -x /tmp/llamacpp-build/bin/llama-server ]; then
-        lcpp=(--llama-server /tmp/llamacpp-build/bin/llama-server --llama-args "-ngl 99 -fa on")
+        lcpp+=(--llama-server /tmp/llamacpp-build/bin/llama-server --llama-args "-ngl 99 -fa on")
     else
         row "llama-server" "not available (see the log): polystrata alone"
     fi
