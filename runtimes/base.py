@@ -394,7 +394,10 @@ class Runtime(ABC):
             with Progress("compiling kernels", len(todo)) as bar:
                 for fp, kernel in todo.items():
                     if fp in futures:
-                        futures[fp].result()
+                        # A worker that failed (the kernel's own error, a broken pool) leaves the kernel to this
+                        # process, which compiles it (and reports its error) as it would without workers.
+                        with contextlib.suppress(Exception):
+                            futures[fp].result()
                     out[fp] = self.compile(kernel)
                     bar.update(note=f"{self.cache_hits - hits} from the cache")
         return out

@@ -254,6 +254,11 @@ def test_compile_all_compiles_what_the_cache_lacks_in_worker_processes(home, mon
     fresh = CPURuntime()
     fresh.compile_all([AFFINE, scaled])
     assert (fresh.cache_hits, fresh.cache_misses) == (2, 0)
+    # A kernel its worker fails on is compiled here, which reports the build error as a serial compile does.
+    broken = Kernel("broken", AFFINE.params, AFFINE.grid, (Store("y", g0, Var("undefined")),))
+    halved = Kernel("halved", AFFINE.params, AFFINE.grid, (Store("y", g0, Load("x", g0) * 0.5),))
+    with pytest.raises(PolystrataError, match="build of kernel broken failed"):
+        fresh.compile_all([halved, broken])
     monkeypatch.setenv("POLYSTRATA_COMPILE_JOBS", "many")
     with pytest.raises(PolystrataError, match="POLYSTRATA_COMPILE_JOBS must be a whole number"):
         CPURuntime().compile_workers()
