@@ -459,16 +459,26 @@ def _token_tile(tokens: int) -> tuple:
     return Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - Var("t0")))
 
 
-def _swept_tokens(tokens: int) -> tuple[list, list[Expr], list]:
-    """For a token tile swept together (knob reuse): (the lets of its activation rows, clamped to the last token so
-    that a partial tile's loads stay in bounds; those rows; each token's store guard)."""
-    lets = [Let(f"tk{i}", Call("min", Var("t0") + i, Var("T") - 1)) for i in range(tokens)]
-    return lets, [Var(f"tk{i}") for i in range(tokens)], [None] + [Var("nt") > i for i in range(1, tokens)]
-
-
-def _both(a, b):
-    """The conjunction of two store guards, either of which may be None (always)."""
-    return b if a is None else a if b is None else a & b
+def _tile_statements(fmts: Sequence[QuantFormat], wnames: Sequence[str], first: Expr, rows: int, n: int, k: int,
+                     subs: Sequence[int], runs, spread: bool, tokens: int, reuse: bool,
+                     store: Callable[[int, str, Expr], Store], prefix: str = "") -> list:
+    """A group's statements for its token tile (`_row_sweeps` of its rows, then the stores): a loop over the tile's
+    tokens, each sweeping the rows again, or with `reuse` one sweep for all of them, each token's activation row
+    clamped to the last token (a partial tile's loads stay in bounds) and its stores guarded. `store(r, suffix, t)`:
+    the store of row r's result for token row t, its dot products named `{prefix}s{j}_{r}{suffix}`."""
+    if reuse:
+        lets = [Let(f"tk{i}", Call("min", Var("t0") + i, Var("T") - 1)) for i in range(tokens)]
+        sweeps, guards = _row_sweeps(fmts, wnames, first, rows, n, k, subs, runs, spread, prefix,
+                                     ts=[Var(f"tk{i}") for i in range(tokens)])
+        stores = []
+        for i in range(tokens):
+            for r in range(rows):
+                cond = guards[r] if not i else Var("nt") > i if guards[r] is None else guards[r] & (Var("nt") > i)
+                stores.append(guarded(cond, store(r, f"_{i}", Var("t0") + i)))
+        return [*lets, *sweeps, *stores]
+    sweeps, guards = _row_sweeps(fmts, wnames, first, rows, n, k, subs, runs, spread, prefix)
+    t = Var("t0") + Var("t")
+    return [For("t", Const(0), Var("nt"), (*sweeps, *(guarded(guards[r], store(r, "", t)) for r in range(rows))))]
 
 
 def _q8_knobs(fmts: Sequence[QuantFormat], tokens: int, subs: Sequence[int], runs, rows: int, spread: bool,
@@ -498,22 +508,12 @@ def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, 
     reuse = reuse and not (spread and rows > 1)
     first = Var("g0") * rows if rows > 1 else Var("g0")
 
-    def stores(suffix: str, t: Expr, tguard) -> list:
-        out = []
-        for r in range(rows):
-            vals = [Var(f"s{j}_{r}{suffix}") for j in range(len(fmts))]
-            y = epilogue(vals) if epilogue else vals[0]
-            out.append(guarded(_both(guards[r], tguard), Store("y", t * n + first + r if r else t * n + first, y)))
-        return out
+    def store(r: int, suffix: str, t: Expr) -> Store:
+        vals = [Var(f"s{j}_{r}{suffix}") for j in range(len(fmts))]
+        return Store("y", t * n + first + r if r else t * n + first, epilogue(vals) if epilogue else vals[0])
 
-    if reuse:
-        lets, ts, tguards = _swept_tokens(tokens)
-        sweeps, guards = _row_sweeps(fmts, wnames, first, rows, n, k, subs, runs, spread, ts=ts)
-        tile = [*lets, *sweeps, *(st for i in range(tokens) for st in stores(f"_{i}", Var("t0") + i, tguards[i]))]
-    else:
-        sweeps, guards = _row_sweeps(fmts, wnames, first, rows, n, k, subs, runs, spread)
-        tile = [For("t", Const(0), Var("nt"), (*sweeps, *stores("", Var("t0") + Var("t"), None)))]
-    body = (*_token_tile(tokens), *tile)
+    body = (*_token_tile(tokens),
+            *_tile_statements(fmts, wnames, first, rows, n, k, subs, runs, spread, tokens, reuse, store))
     grid = (Const(-(-n // rows)), (Var("T") + (tokens - 1)) // tokens)
     return Kernel(name, params, grid, body, lanes=lanes,
                   knobs=_q8_knobs(fmts, tokens, subs, runs, rows, spread, reuse),
@@ -536,27 +536,22 @@ def stacked_matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], ns: Sequenc
     groups = [-(-n // rows) for n in ns]
     starts = [sum(groups[:j]) for j in range(m)]
     reuse = reuse and not (spread and rows > 1)
-    lets, ts, tguards = _swept_tokens(tokens) if reuse else ([], None, [None])
 
     def part(j: int) -> tuple:
         g = g0 - starts[j] if starts[j] else g0
         first = g * rows if rows > 1 else g
-        sweeps, guards = _row_sweeps([fmts[j]], [f"w{j}"], first, rows, ns[j], k, [subs[j]], runs, spread, f"p{j}",
-                                     ts=ts)
 
-        def stores(suffix: str, t: Expr, tguard) -> list:
-            return [guarded(_both(guards[r], tguard), Store(f"y{j}", t * ns[j] + first + r if r else t * ns[j] + first,
-                                                            Var(f"p{j}s0_{r}{suffix}"))) for r in range(rows)]
+        def store(r: int, suffix: str, t: Expr) -> Store:
+            return Store(f"y{j}", t * ns[j] + first + r if r else t * ns[j] + first, Var(f"p{j}s0_{r}{suffix}"))
 
-        if reuse:
-            return (*sweeps, *(st for i in range(tokens) for st in stores(f"_{i}", Var("t0") + i, tguards[i])))
-        return (For("t", Const(0), Var("nt"), (*sweeps, *stores("", Var("t0") + Var("t"), None))),)
+        return tuple(_tile_statements([fmts[j]], [f"w{j}"], first, rows, ns[j], k, [subs[j]], runs, spread, tokens,
+                                      reuse, store, f"p{j}"))
 
     # Flat Ifs, one a weight (PoCL mishandles the barriers of reductions inside a nested else-if).
     branches = [If((g0 >= starts[j]) & (g0 < starts[j] + groups[j]) if j else g0 < groups[0], part(j))
                 for j in range(m)]
     grid = (Const(sum(groups)), (Var("T") + (tokens - 1)) // tokens)
-    return Kernel(name, params, grid, (*_token_tile(tokens), *lets, *branches), lanes=lanes,
+    return Kernel(name, params, grid, (*_token_tile(tokens), *branches), lanes=lanes,
                   knobs=_q8_knobs(fmts, tokens, subs, runs, rows, spread, reuse),
                   doc=f"stacked matvecs int8 {'+'.join(f.name for f in fmts)} [{'+'.join(map(str, ns))}x{k}]")
 
