@@ -380,17 +380,15 @@ class Runtime(ABC):
         hits = self.cache_hits
         workers = self.compile_workers()
         missing = [fp for fp, k in todo.items() if not self._built(k)] if workers > 1 and len(todo) > 1 else []
-        with contextlib.ExitStack() as stack:
-            futures = {}
-            if len(missing) > 1:
-                import multiprocessing
-                from concurrent.futures import ProcessPoolExecutor
+        pool, futures = None, {}
+        if len(missing) > 1:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
 
-                # Spawned, not forked: this process may hold a driver's context and Numba's threads.
-                pool = stack.enter_context(ProcessPoolExecutor(min(workers, len(missing)),
-                                                               mp_context=multiprocessing.get_context("spawn")))
-                stack.callback(pool.shutdown, cancel_futures=True)
-                futures = {fp: pool.submit(compile_in_worker, self.name, [todo[fp]]) for fp in missing}
+            # Spawned, not forked: this process may hold a driver's context and Numba's threads.
+            pool = ProcessPoolExecutor(min(workers, len(missing)), mp_context=multiprocessing.get_context("spawn"))
+            futures = {fp: pool.submit(compile_in_worker, self.name, [todo[fp]]) for fp in missing}
+        try:
             with Progress("compiling kernels", len(todo)) as bar:
                 for fp, kernel in todo.items():
                     if fp in futures:
@@ -400,6 +398,9 @@ class Runtime(ABC):
                             futures[fp].result()
                     out[fp] = self.compile(kernel)
                     bar.update(note=f"{self.cache_hits - hits} from the cache")
+        finally:
+            if pool is not None:  # an error here (or Ctrl-C) drops the compiles not yet started
+                pool.shutdown(cancel_futures=True)
         return out
 
     def compile_workers(self) -> int:
