@@ -74,6 +74,9 @@ class Policy:
     sliced_formats: tuple[str, ...] = ()  # weight formats kept in sliced rows (`ir.layout.sliced`)
     split_kv_formats: tuple[str, ...] = ()  # KV cache types kept in split rows (`kv_layout`)
     knobs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # knob space -> knob -> default
+    # Knobs whose every value renders the same code here (the tuner does not try them): `contract` only grants a
+    # permission (`Kernel.contract`) that the GPU renderers do not use.
+    inert_knobs: tuple[str, ...] = ()
     # The tuning database's choices for this device (`polystrata.tuning.apply_tuning`): kernel instance signature
     # (`KnobSpace.signature`) -> knob overrides; and by knob space name, overrides for all its kernels (`bench --knob`).
     tuned: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -108,7 +111,7 @@ def device_policy(lanes: int, subgroup: int, wide_loads: bool = False, int8_dot:
     layouts = (PADDED_ON_WIDE_LOADS, SLICED_ON_WIDE_LOADS, SPLIT_KV_ON_WIDE_LOADS) if wide_loads else ((), (), ())
     return Policy(lanes=lanes, subgroup=subgroup, wide_loads=wide_loads, int8_dot=int8_dot,
                   padded_formats=layouts[0], sliced_formats=layouts[1], split_kv_formats=layouts[2],
-                  knobs=DEVICE_KNOBS)
+                  knobs=DEVICE_KNOBS, inert_knobs=("contract",))
 
 
 def shape_policy(lanes: int, subgroup: int, wide_loads: bool = False) -> Policy:

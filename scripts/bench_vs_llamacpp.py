@@ -6,7 +6,10 @@ llama-cpp-python with the same thread count and n_batch 512, timed like llama-be
 tg is n single-token evals from an empty context. Both see the same seeded random token ids, get one untimed
 warm-up pass per shape, and are repeated r times (mean ± sd). Run by hand, not by CI:
 
-    python scripts/bench_vs_llamacpp.py [MODEL] [--target cpu] [-p 512] [-n 128] [-r 3] [--json]
+    python scripts/bench_vs_llamacpp.py [MODEL] [--target cpu] [-p 512] [-n 128] [-r 3] [--tuning both] [--json]
+
+`--tuning both` measures PolyStrata twice, without and with the tuning database's knobs (`polystrata tune`), before
+llama.cpp, so both sit beside the same anchor (issue 20's benchmark).
 """
 
 from __future__ import annotations
@@ -100,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tuning", choices=("on", "off", "both"), default="on",
+                    help="PolyStrata with the tuning database's knobs, without, or both runs (default: %(default)s)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = ap.parse_args(argv)
 
@@ -114,12 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     say = None if a.json else (lambda msg: print(f"polystrata {msg}", file=sys.stderr, flush=True))
     try:
         path = zoo.resolve_model(a.model)
-        try:
-            ps = bench.run_bench(path, a.target, a.n_prompt, a.n_gen, a.repetitions, a.seed, progress=say)
-        except PolystrataError as e:
-            # A target listed but not working yet (kernels still being written) fails at load or first run.
-            print(f"error: PolyStrata target '{a.target}' cannot run this model yet: {e}", file=sys.stderr)
-            return 1
+        runs = {}
+        for tuned in {"on": (True,), "off": (False,), "both": (False, True)}[a.tuning]:
+            try:
+                runs["tuned" if tuned else "untuned"] = bench.run_bench(
+                    path, a.target, a.n_prompt, a.n_gen, a.repetitions, a.seed, progress=say, tuning=tuned)
+            except PolystrataError as e:
+                # A target listed but not working yet (kernels still being written) fails at load or first run.
+                print(f"error: PolyStrata target '{a.target}' cannot run this model yet: {e}", file=sys.stderr)
+                return 1
+        ps = next(iter(runs.values()))
         if not a.json:
             print(f"llama.cpp: {ps['n_threads']} threads, n_batch 512 ...", file=sys.stderr, flush=True)
         lc = _llamacpp_bench(path, a.n_prompt, a.n_gen, a.repetitions, ps["n_threads"], a.seed)
@@ -127,22 +136,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
-    ratio = {t: (ps[t]["tok_s_mean"] / lc[t]["tok_s_mean"] if ps[t] and lc[t] else None) for t in ("pp", "tg")}
+    ratio = {name: {t: (r[t]["tok_s_mean"] / lc[t]["tok_s_mean"] if r[t] and lc[t] else None) for t in ("pp", "tg")}
+             for name, r in runs.items()}
     machine = {"cpu": cpu_name(), "threads": ps["n_threads"]}
     if a.json:
-        print(json.dumps({"model": str(path), "machine": machine, "polystrata": ps, "llamacpp": lc, "ratio": ratio}))
+        if a.tuning != "both":
+            print(json.dumps({"model": str(path), "machine": machine, "polystrata": ps, "llamacpp": lc,
+                              "ratio": next(iter(ratio.values()))}))
+        else:
+            print(json.dumps({"model": str(path), "machine": machine, "polystrata": runs, "llamacpp": lc,
+                              "ratio": ratio, "tuned_over_untuned": bench.tuning_ratios(runs["untuned"],
+                                                                                          runs["tuned"])}))
         return 0
 
     print(f"model:   {path.name} ({ps['model_label']})")
     print(f"machine: {machine['cpu']}, {machine['threads']} threads")
     print(f"polystrata: target {ps['target']} on {ps['device']}; llama.cpp: llama-cpp-python {lc['version']}")
+    for name, r in runs.items():
+        if name == "tuned":
+            print(f"tuned: {len(r['tuned_kernels'])} kernel instances with the tuning database's knobs")
     print()
     rows = [("test", "polystrata t/s", "llama.cpp t/s", "ratio")]
     for t in ("pp", "tg"):
-        if ps[t] is None:
-            continue
-        r = ratio[t]
-        rows.append((f"{t}{ps[t]['n']}", _fmt(ps[t]), _fmt(lc[t]), "-" if r is None else f"{r:.3f}"))
+        for name, r in runs.items():
+            if r[t] is None:
+                continue
+            x = ratio[name][t]
+            label = f"{t}{r[t]['n']}" + (f" {name}" if a.tuning == "both" else "")
+            rows.append((label, _fmt(r[t]), _fmt(lc[t]), "-" if x is None else f"{x:.3f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for j, row in enumerate(rows):
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))

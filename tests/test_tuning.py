@@ -238,6 +238,30 @@ def test_tune_stops_at_its_budget(tiny, db):
     assert spent.run() == [] and "budget of 0 s spent; 4 kernel instances left" in logs[-1]
 
 
+def test_gpu_renderers_ignore_contract_and_the_tuner_does_not_try_it(tiny, db, monkeypatch):
+    """`contract` is inert on the GPU targets (their policies say so, and their renderers spell the same code
+    either way but for the knob comment); the tuner does not spend a candidate on it there."""
+    from polystrata.codegen import cuda, hip, opencl
+    from polystrata.codegen.policy import device_policy
+
+    assert "contract" in device_policy(64, 1).inert_knobs and "contract" not in HOST_POLICY.inert_knobs
+    engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
+    kernel = next(la.kernel for la in engine.executor.plans[id(engine.graph_step)].launches
+                  if la.kernel.name.startswith("matmul") and not la.kernel.contract)
+    fused = dataclasses.replace(kernel, contract=True, knobs=(*kernel.knobs, ("contract", 1)))
+    for render in (cuda.render, lambda k: hip.render(k, "gfx90a"), opencl.render):
+        plain, other = (render(k).replace(repr(dict(k.knobs)), "") for k in (kernel, fused))
+        assert plain == other
+    if TARGET != "opencl":
+        return
+    # The f32 path with contract: a kernel unlike the default's (int8 on a GPU), so only the policy skips it.
+    fused_f32 = [{"int8": 0, "contract": 1}]
+    monkeypatch.setattr(KnobSpace, "candidates", lambda self: fused_f32 if self.name == "matmul" else [])
+    tuner = Tuner(engine, db, 60.0, plans=("decode",), only=r"matmul_q8_0_128x128:t1$", log=lambda m: None)
+    (res,) = tuner.run()
+    assert res.tried == 0
+
+
 # Per target: the extremes of rows, and the schedule the other kind of target takes by default.
 EXTREMES = {"cpu": [{"rows": 1}, {"rows": 8}, {"int8": 1}],
             "opencl": [{"rows": 8}, {"xq": "inline"}, {"split": "rows", "xq": "inline"}]}

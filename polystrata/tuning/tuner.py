@@ -8,8 +8,9 @@ first match that reads it:
    the match's inputs hold what a real step gives it. What its launches read and write is saved and put back
    before each run below.
 2. Candidates: the knob space's sets of one or two changed knobs (`KnobSpace.candidates`), each lowered by
-   compiling the plan with that instance's override. A candidate whose launches equal the default's or an earlier
-   candidate's (the target ignores the knob), whose lowering fails, or whose local memory exceeds the policy's,
+   compiling the plan with that instance's override. A candidate that sets a knob the target's policy calls inert
+   (`Policy.inert_knobs`), whose launches equal the default's or an earlier candidate's (the target ignores the
+   knob), whose lowering fails, or whose local memory exceeds the policy's,
    is skipped without compiling. The others are compiled (in worker processes with `jobs` > 1: the kernel cache
    receives them, and this process loads them from there).
 3. Check: the candidate's outputs (every buffer the match writes but scratch) against the default's from the
@@ -351,6 +352,8 @@ class Tuner:
         seen = {tuple(default_launches)}
         lowered = []
         for knobs in space.candidates():
+            if any(k in rt.policy.inert_knobs for k in knobs):
+                continue
             try:
                 launches, specs = self.candidate_launches(plan, m, idx[0], sig, knobs)
             except Exception as e:  # a knob set the recipe cannot build (an assertion, a shape that does not divide)
