@@ -319,6 +319,15 @@ if [[ " $STAGES " == *" serve "* ]]; then
     fi
     timeout 900 python3 scripts/serve_bench.py "$M/llama3-8b-q4km.gguf" --target cuda "${lcpp[@]}" ${SERVE_ARGS:-} \
         --json "$OUT/serve.json" 2>&1 | tee -a "$LOG" | tail -10 | tee -a "$SUMMARY"
+    # SERVE_VARIANTS: PolyStrata alone again with knobs, one run per space-separated item, a run's knobs joined by
+    # commas (as the prefill stage's), at SERVE_VARIANT_STREAMS (default 16) streams: e.g. "matmul.reuse=1
+    # matmul.mma_min=512,matmul.mma_chunk=128" (the batched step's matmuls on the reuse matvecs, on the tile products).
+    for kn in ${SERVE_VARIANTS:-}; do
+        args=""; IFS=, read -ra ks <<< "$kn"; for k in "${ks[@]}"; do args+=" --knob $k"; done
+        timeout 600 python3 scripts/serve_bench.py "$M/llama3-8b-q4km.gguf" --target cuda --polystrata-args "$args" \
+            --streams "${SERVE_VARIANT_STREAMS:-16}" ${SERVE_ARGS:-} --json "$OUT/serve_${kn//[.=,]/_}.json" 2>&1 \
+            | tee -a "$LOG" | tail -3 | sed "s/^/[$kn] /" | tee -a "$SUMMARY"
+    done
 fi
 
 if [[ " $STAGES " == *" tune "* ]]; then
