@@ -262,6 +262,21 @@ def test_gpu_renderers_ignore_contract_and_the_tuner_does_not_try_it(tiny, db, m
     assert res.tried == 0
 
 
+def test_candidates_that_do_not_lower_are_logged_once_a_reason(tiny, db, monkeypatch):
+    engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
+    monkeypatch.setattr(KnobSpace, "candidates", lambda self: [{"chunk": 3}, {"chunk": 5}, {"chunk": 7}])
+
+    def refuse(self, plan, m, i, sig, knobs):
+        raise ValueError("odd chunk" if knobs["chunk"] != 5 else "five")
+
+    monkeypatch.setattr(Tuner, "candidate_launches", refuse)
+    logs = []
+    (res,) = Tuner(engine, db, 60.0, plans=("decode",), only="last_row", log=logs.append).run()
+    assert res.tried == 0
+    skipped = [m for m in logs if "skipped" in m]
+    assert len(skipped) == 2 and "2 candidates skipped" in skipped[0] and "odd chunk" in skipped[0]
+
+
 # Per target: the extremes of rows, and the schedule the other kind of target takes by default.
 EXTREMES = {"cpu": [{"rows": 1}, {"rows": 8}, {"int8": 1}],
             "opencl": [{"rows": 8}, {"xq": "inline"}, {"split": "rows", "xq": "inline"}]}

@@ -351,13 +351,14 @@ class Tuner:
         # Lower every candidate first (cheap), drop those that change nothing, start their compiles.
         seen = {tuple(default_launches)}
         lowered = []
+        unlowered: dict[str, list[dict]] = {}  # why a candidate does not lower -> the candidates
         for knobs in space.candidates():
             if any(k in rt.policy.inert_knobs for k in knobs):
                 continue
             try:
                 launches, specs = self.candidate_launches(plan, m, idx[0], sig, knobs)
             except Exception as e:  # a knob set the recipe cannot build (an assertion, a shape that does not divide)
-                self.log(f"tune: {sig} {knobs}: skipped, does not lower ({type(e).__name__}: {e})")
+                unlowered.setdefault(f"{type(e).__name__}: {e}", []).append(knobs)
                 continue
             if tuple(launches) in seen:
                 continue
@@ -365,6 +366,9 @@ class Tuner:
             if rt.lanes > 1 and any(_local_bytes(la.kernel) > rt.policy.local_bytes for la in launches):
                 continue
             lowered.append((knobs, launches, specs))
+        for why, cands in unlowered.items():  # one line a reason: a knob value the shape refuses skips many sets
+            self.log(f"tune: {sig}: {len(cands)} candidate{'s' * (len(cands) > 1)} skipped, not lowering "
+                     f"({why}; first {cands[0]})")
         res.setup_s = time.monotonic() - site_start
         futures: list[Future | None] = [None] * len(lowered)
         if self.pool is not None:
