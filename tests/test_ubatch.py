@@ -4,17 +4,16 @@ artifact and every command that builds prompt plans follow it."""
 
 from __future__ import annotations
 
-import io
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from test_chat_cli import polystrata  # `polystrata argv` in this process: exit code, stdout, stderr
+from test_cli_habits import one_line_error
 
 from polystrata.batch import BatchDecoder
-from polystrata.cli import main
 from polystrata.compiler import DEFAULT_UBATCH
 from polystrata.engine import Engine
 from polystrata.errors import PolystrataError
@@ -30,24 +29,6 @@ def tiny(tmp_path_factory) -> Path:
 
 def _tokens(n: int, seed: int = 0) -> list[int]:
     return [int(i) for i in np.random.default_rng(seed).integers(3, 1000, size=n)]
-
-
-def polystrata(capsys, monkeypatch, *argv: str) -> tuple[int, str, str]:
-    """`polystrata argv` in this process, stdin empty: exit code, stdout, stderr."""
-    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
-    try:
-        rc = main(list(argv))
-    except SystemExit as e:  # argparse's usage errors
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_line_error(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert lines and lines[-1].startswith("error: ") and "Traceback" not in err, err
-    assert sum(line.startswith("error") for line in lines) == 1, err
-    return lines[-1]
 
 
 @pytest.mark.parametrize("target", ["reference", pytest.param("cpu", marks=pytest.mark.target("cpu"))])
