@@ -4,6 +4,8 @@ artifact and every command that builds prompt plans follow it."""
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 from pathlib import Path
 
@@ -91,6 +93,9 @@ def test_every_command_takes_the_step_size(tiny, tmp_path, capsys, monkeypatch):
                             "-o", "json")
     r = json.loads(out)
     assert rc == 0 and r["n_ubatch"] == 24 and r["n_ctx"] == 24  # the default context holds a step
+    rc, out, _ = polystrata(capsys, monkeypatch, "bench", model, *ref, "-p", "8", "-n", "0", "-r", "1", "-ub", "24",
+                            "-o", "csv")
+    assert rc == 0 and [row["n_ubatch"] for row in csv.DictReader(io.StringIO(out))] == ["24"]
     rc, out, _ = polystrata(capsys, monkeypatch, "bench", model, *ref, "-p", "8", "-n", "0", "-r", "1")
     assert rc == 0 and out.splitlines()[0].split("|")[7].strip() == "n_ubatch"
     assert out.splitlines()[2].split("|")[7].strip() == str(DEFAULT_UBATCH)
@@ -150,3 +155,27 @@ def test_parity_refuses_a_step_size_above_the_context(tiny, capsys, monkeypatch,
     rc, _, err = polystrata(capsys, monkeypatch, "parity", str(tiny), "--target", "reference", "--fixtures",
                             str(fixtures), "-ub", "100000")
     assert rc == 1 and "error: the step size (-ub 100000) is larger than the context" in one_line_error(err)
+
+
+@pytest.mark.parametrize("cmd", ["run", "chat", "serve", "score", "bench", "tune", "compile"])
+def test_kernel_target_plans_take_the_step_size(tiny, cmd, capsys, monkeypatch, tmp_path):
+    """On a kernel target every command plans its prompt steps (scoring, last logits) for -ub tokens and its decode
+    steps for one; none is compiled here."""
+    from polystrata import compiler
+
+    class Planned(Exception):
+        pass
+
+    seen = []
+
+    def spy(file, graphs, runtime, n_ctx, kv_type="f16", steps=None, **kw):
+        seen.append(sorted((steps or {}).get(id(g), DEFAULT_UBATCH) for g in graphs))
+        raise Planned
+
+    monkeypatch.setattr(compiler, "compile_plans", spy)
+    monkeypatch.chdir(tmp_path)
+    args = {"run": ("-p", "hi"), "chat": ("-p", "hi"), "score": ("--text", "hi", "-o", "x.npz"),
+            "bench": ("-p", "8", "-n", "4"), "compile": ("-o", "art"), "serve": (), "tune": ()}[cmd]
+    with pytest.raises(Planned):
+        polystrata(capsys, monkeypatch, cmd, str(tiny), "--target", "cpu", "-c", "64", "-ub", "48", *args)
+    assert seen == [[1, 48, 48]]
