@@ -151,6 +151,7 @@ def write_artifact(
     `memory.n_ubatch`, which `run` plans with)."""
     if n_ubatch is not None:
         check_ubatch(n_ubatch, n_ctx)
+    step = n_ubatch or DEFAULT_UBATCH
     target = resolve_target(target)
     if target == "reference":
         from polystrata.runtimes.memory import check_reference_flags
@@ -185,9 +186,8 @@ def write_artifact(
                 apply_tuning(rt)
             device, source_ext = rt.device, rt.source_ext
             # As the engine runs them: one-token steps, prompt chunks (last logits), scoring (every token's).
-            steps = {id(score): n_ubatch or DEFAULT_UBATCH, id(prefill): n_ubatch or DEFAULT_UBATCH, id(decode): 1}
-            plans, mem = fit_plans(f, [score, prefill, decode], steps, rt, n_ctx_asked, int(meta["n_ctx_train"]),
-                                   kv_type, gpu_mem, expert_slots)
+            plans, mem = fit_plans(f, [score, prefill, decode], {id(score): step, id(prefill): step, id(decode): 1},
+                                   rt, n_ctx_asked, int(meta["n_ctx_train"]), kv_type, gpu_mem, expert_slots)
             n_ctx = mem.n_ctx
             memory_plan = {**mem.manifest(), "plan": mem.describe()}
             named = (("decode", plans[id(decode)]), ("prefill", plans[id(prefill)]), ("score", plans[id(score)]))
@@ -220,7 +220,7 @@ def write_artifact(
         "kernels": kernels,
         "memory": {
             "weights_bytes": int(weight_bytes), "kv_type": kv_type if target != "reference" else "f32",
-            "n_ctx": n_ctx, "n_ubatch": n_ubatch or DEFAULT_UBATCH, "kv_bytes_f32": int(kv_bytes), **memory_plan,
+            "n_ctx": n_ctx, "n_ubatch": step, "kv_bytes_f32": int(kv_bytes), **memory_plan,
         },
     }
     with writing(out):
