@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 from polystrata import __version__
-from polystrata.engine import DEFAULT_CTX, tensor_table
+from polystrata.compiler import DEFAULT_UBATCH
+from polystrata.engine import DEFAULT_CTX, check_ubatch, tensor_table
 from polystrata.errors import PolystrataError, writing
 from polystrata.gguf import GGUFFile
 from polystrata.models import build_graph
@@ -140,12 +141,17 @@ def _has_marker(directory: Path) -> bool:
 def write_artifact(
     model_path: Path, target: str, out: str | os.PathLike, kv_type: str = "f16", arch: str | None = None,
     n_ctx: int | None = None, gpu_mem: str | None = None, expert_slots: int | None = None, tuning: bool = True,
+    n_ubatch: int | None = None,
 ) -> tuple[Path, str]:
     """Plan `model_path` for `target` with a KV cache of `n_ctx` tokens (default: the trained context, reduced to what
     the device-memory budget `gpu_mem` holds, as `run` would: see `runtimes.memory.fit_plans`), compile its kernels
     (through the binary cache), and write the artifact directory `out` atomically. Returns the path and a one-line
     report of the kernel cache. `tuning`: take the tuning database's knobs for this device (the manifest's
-    `tuned` per kernel says which)."""
+    `tuned` per kernel says which). `n_ubatch`: the step size of the prompt plans (`Engine`'s; the manifest's
+    `memory.n_ubatch`, which `run` plans with)."""
+    if n_ubatch is not None:
+        check_ubatch(n_ubatch, n_ctx)
+    step = n_ubatch or DEFAULT_UBATCH
     target = resolve_target(target)
     if target == "reference":
         from polystrata.runtimes.memory import check_reference_flags
@@ -180,8 +186,8 @@ def write_artifact(
                 apply_tuning(rt)
             device, source_ext = rt.device, rt.source_ext
             # As the engine runs them: one-token steps, prompt chunks (last logits), scoring (every token's).
-            plans, mem = fit_plans(f, [score, prefill, decode], {id(decode): 1}, rt, n_ctx_asked,
-                                   int(meta["n_ctx_train"]), kv_type, gpu_mem, expert_slots)
+            plans, mem = fit_plans(f, [score, prefill, decode], {id(score): step, id(prefill): step, id(decode): 1},
+                                   rt, n_ctx_asked, int(meta["n_ctx_train"]), kv_type, gpu_mem, expert_slots)
             n_ctx = mem.n_ctx
             memory_plan = {**mem.manifest(), "plan": mem.describe()}
             named = (("decode", plans[id(decode)]), ("prefill", plans[id(prefill)]), ("score", plans[id(score)]))
@@ -199,6 +205,8 @@ def write_artifact(
                 f"{total} kernels: {rt.cache_hits} from the binary cache, {rt.cache_misses} compiled"
                 + (" (cache hit)" if rt.cache_misses == 0 else "")
             )
+    if n_ubatch is not None:  # the context the budget holds may be smaller than the one asked for
+        check_ubatch(n_ubatch, n_ctx)
     kv_bytes = 4 * 2 * n_ctx * meta["n_layer"] * meta["n_head_kv"] * meta["head_dim"]
     manifest: dict[str, Any] = {
         "format": FORMAT,
@@ -212,7 +220,7 @@ def write_artifact(
         "kernels": kernels,
         "memory": {
             "weights_bytes": int(weight_bytes), "kv_type": kv_type if target != "reference" else "f32",
-            "n_ctx": n_ctx, "kv_bytes_f32": int(kv_bytes), **memory_plan,
+            "n_ctx": n_ctx, "n_ubatch": step, "kv_bytes_f32": int(kv_bytes), **memory_plan,
         },
     }
     with writing(out):
@@ -281,6 +289,10 @@ def load_artifact(path: str | os.PathLike, model: str | os.PathLike | None = Non
         ok = isinstance(v, int) and not isinstance(v, bool) and v > 0 if keys[-1] == "n_ctx" else isinstance(v, str)
         if not ok or not v:
             raise PolystrataError(f"{path}: the manifest has no {'.'.join(keys)}; compile the model again")
+    ub = m["memory"].get("n_ubatch")  # absent in artifacts from before -ub (they were planned with the default)
+    if ub is not None and (not isinstance(ub, int) or isinstance(ub, bool) or ub < 1):
+        raise PolystrataError(f"{path}: the manifest's memory.n_ubatch is not a positive step size; compile the "
+                              "model again")
     m["model"]["path"] = str(find_model(Path(path), m["model"]["path"], m["model"]["sha256"], model))
     return m
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from polystrata.compiler import PREFILL_CHUNK
 from polystrata.engine import Engine
 from polystrata.errors import PolystrataError
 
@@ -21,8 +20,11 @@ class BatchDecoder:
     """Sequence slots over one engine's KV cache; `step` decodes one token of several sequences at once."""
 
     def __init__(self, engine: Engine, n_seq: int):
-        if not 1 <= n_seq <= PREFILL_CHUNK:
-            raise PolystrataError(f"parallel sequences must be between 1 and {PREFILL_CHUNK}, not {n_seq}")
+        if n_seq < 1:
+            raise PolystrataError(f"parallel sequences must be at least 1, not {n_seq}")
+        if n_seq > engine.n_ubatch:  # a decode step computes one row per sequence, at most a step's rows
+            raise PolystrataError(f"{n_seq} parallel sequences do not fit a step of {engine.n_ubatch} rows: use "
+                                  f"-ub {n_seq} or more, or fewer parallel sequences")
         if engine.graph_all.recurrent():
             # Sequences share the K/V cache by rows, but a recurrent state is one per engine (issue 23).
             raise PolystrataError(f"{engine.hparams.arch} keeps a recurrent state, one per engine: batched decoding "
@@ -51,12 +53,13 @@ class BatchDecoder:
         self.free.append(slot)
 
     def prefill(self, slot: int, ids: list[int] | np.ndarray) -> np.ndarray:
-        """Feed `ids` after what the slot holds, alone, in chunks; returns the logits of the last token."""
+        """Feed `ids` after what the slot holds, alone, in steps of at most the engine's `n_ubatch`; returns the
+        logits of the last token."""
         ids = self.engine.check_tokens(ids, self.n_past[slot], self.n_ctx)
         eng, ex = self.engine, self.engine.executor
         out = None
-        for i in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[i : i + PREFILL_CHUNK]
+        for i in range(0, len(ids), eng.n_ubatch):
+            chunk = ids[i : i + eng.n_ubatch]
             pos = np.arange(self.n_past[slot], self.n_past[slot] + len(chunk), dtype=np.int32)
             graph = eng.graph_step if len(chunk) == 1 else eng.graph_last
             out = ex.step(graph, chunk, pos, np.full(len(chunk), slot * self.n_ctx, np.int32))

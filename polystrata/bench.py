@@ -29,7 +29,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from polystrata.cli import ctx_arg, knob_arg, memory_args, memory_kwargs, model_arg, seed_arg, target_arg, threads_arg
+from polystrata.cli import (
+    ctx_arg,
+    knob_arg,
+    memory_args,
+    memory_kwargs,
+    model_arg,
+    seed_arg,
+    target_arg,
+    threads_arg,
+    ubatch_arg,
+)
 from polystrata.errors import PolystrataError, UsageError
 from polystrata.runtimes.base import cpu_name
 from polystrata.runtimes.memory import fmt_bytes
@@ -253,12 +263,15 @@ def run_bench(
     memory: dict | None = None,
     tuning: bool = True,
     knobs: dict | None = None,
+    n_ubatch: int | None = None,
 ) -> dict:
     """Benchmark `model` on `target` with a KV cache of `kv_type` holding `n_ctx` tokens (default: just what the
     tests need, depth + max(p, n)); returns the `--json` object (see the module docstring for its meaning).
     `memory`: the Engine's memory options (gpu_mem, expert_slots, expert_policy). `tuning`: the tuning
     database's knobs (`polystrata.tuning`), recorded in the result with how many kernel instances they set.
-    `knobs`: knob space -> knob -> value for every kernel of the space (`parse_knobs`; the Engine's)."""
+    `knobs`: knob space -> knob -> value for every kernel of the space (`parse_knobs`; the Engine's). `n_ubatch`:
+    the step size (llama-bench's -ub; the Engine's, whose default the result's "n_ubatch" then names); the default
+    context holds at least one step of it."""
     from polystrata import zoo
     from polystrata.engine import Engine
 
@@ -276,9 +289,10 @@ def run_bench(
     say = progress or (lambda _msg: None)
 
     path = zoo.resolve_model(model)
-    # Every test starts after `depth` tokens, so the cache only needs to hold that and the longest test.
-    engine = Engine(path, target=target, n_ctx=n_ctx or need, kv_type=kv_type, tuning=tuning, knobs=knobs,
-                    **(memory or {}))
+    # Every test starts after `depth` tokens, so the cache only needs to hold that and the longest test (and a
+    # step size asked for: its plans are what -ub measures, even where the test's prompt is shorter).
+    engine = Engine(path, target=target, n_ctx=n_ctx or max(need, n_ubatch or 0), kv_type=kv_type, tuning=tuning,
+                    knobs=knobs, n_ubatch=n_ubatch, **(memory or {}))
     target = getattr(engine, "target", target)  # `auto` resolved to what actually runs
     threads = engine_threads(engine)
     device = describe_device(engine, target)
@@ -299,6 +313,7 @@ def run_bench(
         "kv_type": kv_type if target != "reference" else "f32",  # the reference executor keeps f32 K and V
         "depth": depth,
         "n_ctx": engine.n_ctx,
+        "n_ubatch": engine.n_ubatch,
         "tuning": tuning,
         "knobs": knobs or {},
         "tuned_kernels": tuned_instances(engine),
@@ -364,7 +379,7 @@ def run_bench(
 
 def format_table(r: dict) -> str:
     """llama-bench-style markdown table, then the roofline line and, where measured, the host time a token."""
-    head = ["model", "size", "params", "target", "device", "threads", "test", "t/s"]
+    head = ["model", "size", "params", "target", "device", "threads", "n_ubatch", "test", "t/s"]
     rows = []
     for test in ("pp", "tg"):
         e = r[test]
@@ -378,12 +393,13 @@ def format_table(r: dict) -> str:
                 r["target"],
                 r["device"],
                 str(r["n_threads"] or "-"),
+                str(r["n_ubatch"]),
                 f"{test}{e['n']}" + (f" @ d{r['depth']}" if r.get("depth") else ""),
                 f"{e['tok_s_mean']:.2f} ± {e['tok_s_sd']:.2f}",
             ]
         )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    right = {1, 2, 5, 7}  # numbers right-aligned, as llama-bench does
+    right = {1, 2, 5, 6, 8}  # numbers right-aligned, as llama-bench does
 
     def line(cells: list[str]) -> str:
         return (
@@ -409,8 +425,8 @@ def format_table(r: dict) -> str:
     return "\n".join(out)
 
 
-CSV_FIELDS = ("model", "size_bytes", "n_params", "target", "device", "n_threads", "kv_type", "n_ctx", "depth", "test",
-              "n_tokens", "tok_s_mean", "tok_s_sd", "bytes_per_token", "roofline_pct")
+CSV_FIELDS = ("model", "size_bytes", "n_params", "target", "device", "n_threads", "kv_type", "n_ctx", "n_ubatch",
+              "depth", "test", "n_tokens", "tok_s_mean", "tok_s_sd", "bytes_per_token", "roofline_pct")
 
 
 def format_csv(r: dict) -> str:
@@ -422,8 +438,9 @@ def format_csv(r: dict) -> str:
         e = r[test]
         if e is not None:
             w.writerow([r["model_label"], r["model_size_bytes"], r["n_params"], r["target"], r["device"],
-                        r["n_threads"], r["kv_type"], r["n_ctx"], r.get("depth", 0), test, e["n"], e["tok_s_mean"],
-                        e["tok_s_sd"], r["bytes_per_token"], r["roofline_pct"] if test == "tg" else None])
+                        r["n_threads"], r["kv_type"], r["n_ctx"], r["n_ubatch"], r.get("depth", 0), test, e["n"],
+                        e["tok_s_mean"], e["tok_s_sd"], r["bytes_per_token"],
+                        r["roofline_pct"] if test == "tg" else None])
     return buf.getvalue().rstrip("\n")
 
 
@@ -438,7 +455,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="prefill and decode speed (tok/s), like llama-bench")
     model_arg(p)
     target_arg(p)
-    ctx_arg(p, "depth + max(p, n)")
+    ctx_arg(p, "depth + max(p, n), and at least -ub")
+    ubatch_arg(p)
     threads_arg(p)
     p.add_argument("-d", "--depth", type=int, default=0, help="tokens of context before each test (llama-bench -d)")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prefill test tokens; 0 skips it")
@@ -505,6 +523,7 @@ def cmd_bench(a) -> int:
             memory=memory_kwargs(a),
             tuning=tuning,
             knobs=knobs,
+            n_ubatch=a.n_ubatch,
         )
     if mode != "both":
         (r,) = runs.values()

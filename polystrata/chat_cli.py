@@ -55,13 +55,16 @@ def stream_reply(
 
 
 def open_engine(a) -> Engine:
-    """The engine `run`/`chat` ask for: a model (path or zoo name) or an artifact, with the target, KV type,
-    context and memory options."""
+    """The engine `run`/`chat`/`serve` ask for: a model (path or zoo name) or an artifact, with the target, KV type,
+    context, step size and memory options. An artifact's step size is the one it was compiled for, unless -ub asks
+    for another: then its plans are made again for that one, with a line on stderr (kernels the artifact lacks are
+    compiled)."""
     from polystrata.artifact import is_artifact, kernel_store, load_artifact
     from polystrata.bench import parse_knobs
     from polystrata.cli import _resolve, memory_kwargs
+    from polystrata.compiler import DEFAULT_UBATCH
 
-    target, kv_type, n_ctx, store = a.target, a.kv_type, a.ctx, None
+    target, kv_type, n_ctx, n_ubatch, store = a.target, a.kv_type, a.ctx, a.n_ubatch, None
     if a.model and is_artifact(a.model):
         # The model it was compiled from, found by its sha256 (-m PATH, the manifest's path, the zoo cache); the
         # kernels the cache lacks come from the artifact.
@@ -70,6 +73,12 @@ def open_engine(a) -> Engine:
         path, target = Path(manifest["model"]["path"]), manifest["target"]["name"]
         kv_type = manifest["memory"]["kv_type"] if target != "reference" else kv_type
         n_ctx = n_ctx or manifest["memory"]["n_ctx"]
+        compiled_ub = manifest["memory"].get("n_ubatch")  # absent in artifacts from before -ub: the default then
+        if n_ubatch is not None and compiled_ub is not None and n_ubatch != compiled_ub:
+            print(f"{a.model} was compiled for steps of {compiled_ub} tokens; -ub {n_ubatch} plans its steps again "
+                  "(kernels it lacks are compiled)", file=sys.stderr)
+        if n_ubatch is None and compiled_ub != DEFAULT_UBATCH:  # the default may exceed a small context; a
+            n_ubatch = compiled_ub  # step size asked for at compile time was checked against the artifact's
         slots = manifest["memory"].get("expert_slots_per_layer")
         if a.expert_slots is None and manifest["memory"].get("experts_streamed") and isinstance(slots, int):
             a.expert_slots = slots  # the compiled plan's expert cache, unless --expert-slots says otherwise
@@ -77,7 +86,7 @@ def open_engine(a) -> Engine:
         path = _resolve(a.model)
     knobs = parse_knobs(a.knob) if getattr(a, "knob", None) else None
     return Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, kernel_store=store,
-                  tuning=not a.no_tuning, knobs=knobs, **memory_kwargs(a))
+                  tuning=not a.no_tuning, knobs=knobs, n_ubatch=n_ubatch, **memory_kwargs(a))
 
 
 def make_sampler(a) -> Sampler:

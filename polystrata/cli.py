@@ -150,6 +150,16 @@ def ctx_arg(p: argparse.ArgumentParser, default_help: str) -> None:
                    help=f"context length in tokens, the KV cache's size (default: {default_help})")
 
 
+def ubatch_arg(p: argparse.ArgumentParser, default_also: str = "") -> None:
+    """-ub/--ubatch-size N (llama.cpp's): the most tokens one step of a prompt computes (`Engine`'s n_ubatch);
+    `default_also` follows the default in the help."""
+    from polystrata.compiler import DEFAULT_UBATCH
+
+    p.add_argument("-ub", "--ubatch-size", dest="n_ubatch", type=_positive_int, default=None, metavar="N",
+                   help="step size: the most tokens one step of a prompt computes; a longer prompt runs in steps of "
+                        f"N, and the scratch memory grows with N (default: {DEFAULT_UBATCH}{default_also})")
+
+
 def threads_arg(p: argparse.ArgumentParser) -> None:
     """-t/--threads N: threads of the cpu target's kernels (applied by `main` before any command runs)."""
     p.add_argument("-t", "--threads", type=_positive_int, default=None, metavar="N",
@@ -210,6 +220,7 @@ def generation_args(p: argparse.ArgumentParser, chat: bool) -> None:
         p.add_argument("-i", "--interactive", "-cnv", "--conversation", dest="interactive", action="store_true",
                        help="talk: the same as `polystrata chat`")
     ctx_arg(p, "the model's, reduced to what the memory budget holds; or the artifact's")
+    ubatch_arg(p, ", or the artifact's")
     target_arg(p)
     threads_arg(p)
     memory_args(p)
@@ -259,6 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=40, help="logits kept per position, the largest")
     target_arg(p)
     ctx_arg(p, "the text's length, at least 4096")
+    ubatch_arg(p)
     memory_args(p)
     threads_arg(p)
     p.add_argument("-o", "--output", required=True, type=_output_path)
@@ -281,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="key clients must send (Authorization: Bearer KEY); default: $POLYSTRATA_API_KEY, else none")
     ctx_arg(p, "the model's, reduced to what the memory budget holds, or the artifact's; shared by the --parallel "
                "sequences")
+    ubatch_arg(p, ", or the artifact's; at least --parallel")
     target_arg(p)
     knob_arg(p)
     threads_arg(p)
@@ -291,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_arg(p)
     p.add_argument("--fixtures", required=True, help="folder with prompts.json and one <prompt>.npz per prompt")
     target_arg(p)
+    ubatch_arg(p)
     threads_arg(p)
     p.add_argument("--against-kv", default=None, metavar="KV_TYPE",
                    help="compare against this target's own run with that KV cache type (e.g. f16) instead of "
@@ -301,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     target_arg(p)
     p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
     ctx_arg(p, "the model's, reduced to what the memory budget holds")
+    ubatch_arg(p)
     threads_arg(p)
     memory_args(p, experts=False)
     p.add_argument("-o", "--output", required=True, type=_output_path)
@@ -508,7 +523,7 @@ def cmd_score(a) -> int:
         raise PolystrataError(f"the text has {len(ids)} tokens, more than the context (-c {a.ctx})")
     # One pass over the whole text: the context must hold all of it, however long.
     eng = Engine(path, target=a.target, n_ctx=a.ctx or max(len(ids), DEFAULT_CTX), kv_type=a.kv_type,
-                 tuning=not a.no_tuning, **memory_kwargs(a))
+                 tuning=not a.no_tuning, n_ubatch=a.n_ubatch, **memory_kwargs(a))
     t0 = time.perf_counter()
     logits = eng.score(ids)
     dt = time.perf_counter() - t0
@@ -564,8 +579,9 @@ def cmd_parity(a) -> int:
         raise PolystrataError("--against-kv compares KV cache types of a kernel target; the reference keeps f32 K, V")
     path = _resolve(a.model)
     refs = _read_fixtures(Path(a.fixtures), path, ("ids", "top_ids", "top_logits") + (("greedy",) * bool(a.against_kv)))
-    eng = Engine(path, target=a.target, kv_type=a.kv_type, tuning=not a.no_tuning)
-    base = Engine(path, target=eng.target, kv_type=a.against_kv, tuning=not a.no_tuning) if a.against_kv else None
+    eng = Engine(path, target=a.target, kv_type=a.kv_type, tuning=not a.no_tuning, n_ubatch=a.n_ubatch)
+    base = (Engine(path, target=eng.target, kv_type=a.against_kv, tuning=not a.no_tuning, n_ubatch=a.n_ubatch)
+            if a.against_kv else None)
     par = Parity()
     for ref in refs:
         if base is None:
@@ -610,7 +626,8 @@ def cmd_compile(a) -> int:
             n_layer = model_hparams(f.metadata, tensor_table(f)).n_layer
         target = gpu_layers_target(target, resolve_target(target), a.n_gpu_layers, n_layer)
     out, report = write_artifact(path, target, a.output, kv_type=a.kv_type, arch=a.arch, n_ctx=a.ctx,
-                                 gpu_mem=a.gpu_mem, expert_slots=a.expert_slots, tuning=not a.no_tuning)
+                                 gpu_mem=a.gpu_mem, expert_slots=a.expert_slots, tuning=not a.no_tuning,
+                                 n_ubatch=a.n_ubatch)
     print(f"wrote {out}: {report}", file=sys.stderr)
     return 0
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from polystrata.compiler import PREFILL_CHUNK
+from polystrata.compiler import DEFAULT_UBATCH
 from polystrata.errors import PolystrataError, UnsupportedError
 from polystrata.gguf import GGUFFile
 from polystrata.ir.graph import Graph
@@ -77,6 +77,15 @@ def gpu_layers_target(asked: str, resolved: str, n_gpu_layers: int | None, n_lay
         f"does not do: use -ngl 0 (CPU) or -ngl {n_layer} (all on the GPU; --gpu-mem bounds its memory)")
 
 
+def check_ubatch(n_ubatch: int, n_ctx: int | None) -> None:
+    """Refuse a step size (`-ub/--ubatch-size`) below 1, or above the context `n_ctx` (None: not known yet)."""
+    if n_ubatch < 1:
+        raise PolystrataError(f"the step size (-ub/--ubatch-size) must be at least 1, not {n_ubatch}")
+    if n_ctx is not None and n_ubatch > n_ctx:
+        raise PolystrataError(f"the step size (-ub {n_ubatch}) is larger than the context ({n_ctx} tokens): use "
+                              f"-ub {n_ctx} or less, or a larger -c/--ctx-size")
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = 0
@@ -94,7 +103,7 @@ class Engine:
         self, model_path: str | Path, target: str = "auto", n_ctx: int | None = None, kv_type: str = "f16",
         gpu_mem: str | None = None, expert_policy: str | None = None, expert_slots: int | None = None,
         n_gpu_layers: int | None = None, verbose: bool = False, kernel_store: Path | None = None,
-        tuning: bool = True, knobs: dict | None = None,
+        tuning: bool = True, knobs: dict | None = None, n_ubatch: int | None = None,
     ):
         """`n_ctx` None: the model's trained context, reduced to what the device-memory budget holds (see
         `runtimes.memory.fit_plans`; the reference target: min(trained, `DEFAULT_CTX`)). `gpu_mem`: the budget
@@ -105,9 +114,16 @@ class Engine:
         `kernel_store`: an artifact's compiled kernels, used where the kernel cache lacks them
         (`polystrata.artifact.kernel_store`). `tuning`: take the tuning database's knobs for this device
         (`polystrata.tuning`; `--no-tuning` turns it off). `knobs`: knob space -> knob -> value, for every kernel of
-        the space (`bench --knob`), under the tuning database's choices for single kernels."""
+        the space (`bench --knob`), under the tuning database's choices for single kernels. `n_ubatch`: the step
+        size, llama.cpp's -ub: the most tokens one step of a prompt computes (its plans' t_max; a longer prompt runs
+        in steps of this many); None: `DEFAULT_UBATCH`, which the context may be smaller than, where a given one
+        must fit the context (`check_ubatch`)."""
         if n_ctx is not None and n_ctx < 1:
             raise PolystrataError(f"the context length must be at least 1, not {n_ctx}")
+        if n_ubatch is not None:
+            check_ubatch(n_ubatch, n_ctx)
+        self.n_ubatch = n_ubatch or DEFAULT_UBATCH
+        self.n_ubatch_given = n_ubatch is not None
         from polystrata.runtimes.memory import check_reference_flags, policy_class
 
         asked, target = target, resolve_target(target)
@@ -143,7 +159,11 @@ class Engine:
         if self.runtime is not None and kernel_store is not None:
             self.runtime.kernel_stores.append(kernel_store)
         self.device = self.runtime.device if self.runtime else "host CPU (numpy float32)"
+        if self.n_ubatch_given and self.runtime is None:
+            check_ubatch(self.n_ubatch, self.n_ctx)
         self.executor = self._make_executor()
+        if verbose:
+            print(f"step size: {self.n_ubatch} tokens at most per step of a prompt (-ub)", file=sys.stderr)
         # The token ids whose K, V the cache holds, in order: `generate(reuse_cache=True)` prefills only what follows
         # the longest prefix a new prompt shares with them.
         self.cache_ids: list[int] = []
@@ -165,10 +185,13 @@ class Engine:
         from polystrata.runtimes import memory as mm
 
         graphs = [self.graph_all, self.graph_last, self.graph_step]
+        steps = {id(self.graph_all): self.n_ubatch, id(self.graph_last): self.n_ubatch, id(self.graph_step): 1}
         plans, self.memory = mm.fit_plans(
-            self.file, graphs, {id(self.graph_step): 1}, self.runtime, self.n_ctx if self.n_ctx_given else None,
+            self.file, graphs, steps, self.runtime, self.n_ctx if self.n_ctx_given else None,
             self.hparams.n_ctx_train, self.kv_type, self.gpu_mem, self.expert_slots)
         self.n_ctx = self.memory.n_ctx
+        if self.n_ubatch_given:  # the context fitted to the budget may be smaller than the one asked for
+            check_ubatch(self.n_ubatch, self.n_ctx)
         if self.verbose:
             for line in self.memory.describe():
                 print(line, file=sys.stderr)
@@ -234,12 +257,13 @@ class Engine:
         return ids
 
     def forward(self, ids: list[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
-        """Feed tokens after those already in the cache; logits of every token, or of the last one only."""
+        """Feed tokens after those already in the cache, in steps of at most `n_ubatch`; logits of every token, or
+        of the last one only."""
         ids = self.check_tokens(ids, self.n_past, self.n_ctx)
         outs = []
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[start : start + PREFILL_CHUNK]
-            last_chunk = start + PREFILL_CHUNK >= len(ids)
+        for start in range(0, len(ids), self.n_ubatch):
+            chunk = ids[start : start + self.n_ubatch]
+            last_chunk = start + self.n_ubatch >= len(ids)
             if all_logits:
                 outs.append(self.executor.forward(self.graph_all, chunk))
             else:

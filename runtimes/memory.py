@@ -216,8 +216,8 @@ def plan_memory(
         for name, spec in plan.buffers.items():
             if spec.kind == "weight":
                 weights[name] = _nbytes(spec)
-            elif spec.kind in ("kv", "input", "state"):
-                shared[name] = (spec.kind, _nbytes(spec))
+            elif spec.kind in ("kv", "input", "state"):  # inputs: as large as the largest step's (-ub)
+                shared[name] = (spec.kind, max(_nbytes(spec), shared.get(name, ("", 0))[1]))
             elif spec.kind == "activation":  # each plan's own (slot tables: counted below, with the cache)
                 scratch += _nbytes(spec)
     kv_bytes = sum(nb for kind, nb in shared.values() if kind == "kv")

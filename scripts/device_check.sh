@@ -244,7 +244,7 @@ if [[ " $STAGES " == *" prefill "* ]]; then
     # llama.cpp's on both presets, same files; each also without the tile products of attention (attention.mma=0:
     # its loops), and with the matmuls' and, on the MoE preset, the experts' tile products on (mma_min 512: they are
     # off by default, slower than the int8 matvecs at the first measurement).
-    # PREFILL_LENGTHS, BENCH_MODELS narrow it; PREFILL_VARIANTS=0 skips the variants.
+    # PREFILL_LENGTHS, BENCH_MODELS narrow it; PREFILL_VARIANTS=0 skips the variants but pp512 at -ub 512.
     for shape in "14336 4096" "4096 14336"; do
         set -- $shape
         timeout 300 python3 scripts/matvec_bench.py --target cuda --rows "$1" --cols "$2" --tokens 512 --iters 20 \
@@ -258,13 +258,18 @@ if [[ " $STAGES " == *" prefill "* ]]; then
                 > "$OUT/prefill_${m}_$p.json" 2>> "$LOG" || { row "$m pp$p" "failed (see the log)"; continue; }
             pp_row "$OUT/prefill_${m}_$p.json" "$m pp$p"
             # A variant's knobs joined by commas: the int8 matvecs with each token tile's weights decoded once
-            # (matmul.reuse=1), the tile products on (their default K staging, then 128 a round).
+            # (matmul.reuse=1), the tile products on (their default K staging, then 128 a round). ub=N: -ub N, the
+            # step size: pp512 in one step of 512 rows (llama.cpp's default micro-batch) against the default's two
+            # of 256, also with the tile products on; the first of them runs with PREFILL_VARIANTS=0 too.
             variants="attention.mma=0 matmul.reuse=1 matmul.mma_min=512 matmul.mma_min=512,matmul.mma_chunk=128"
             [[ "$m" == qwen3moe* ]] && variants+=" moe_ffn.mma_min=512"
+            [ "$p" = 512 ] && variants+=" ub=512,matmul.mma_min=512"
             [ "${PREFILL_VARIANTS:-1}" = 0 ] && variants=""
+            [ "$p" = 512 ] && variants="ub=512 $variants"
             for kn in $variants; do
                 f="$OUT/prefill_${m}_${p}_${kn//[.=,]/_}.json"
-                args=(); IFS=, read -ra ks <<< "$kn"; for k in "${ks[@]}"; do args+=(--knob "$k"); done
+                args=(); IFS=, read -ra ks <<< "$kn"
+                for k in "${ks[@]}"; do [[ "$k" == ub=* ]] && args+=(-ub "${k#ub=}") || args+=(--knob "$k"); done
                 timeout 600 python3 -m polystrata bench "$M/$m.gguf" --target cuda -p "$p" -n 0 -r 3 "${args[@]}" \
                     --json > "$f" 2>> "$LOG" || { row "$m pp$p $kn" "failed (see the log)"; continue; }
                 pp_row "$f" "$m pp$p $kn"

@@ -88,19 +88,13 @@ def test_reference_parity_with_llama_cpp(model, request, fixtures_dir):
 @pytest.mark.slow
 def test_chunked_prefill_and_decode_match_one_pass(smollm2_path):
     """Prompt in chunks, then token by token, gives the logits of a single pass over everything."""
-    import polystrata.engine as engine_mod
-
     eng = Engine(smollm2_path, target="reference")
     ids = eng.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
     full = eng.score(ids)
-    old = engine_mod.PREFILL_CHUNK
-    engine_mod.PREFILL_CHUNK = 7
-    try:
-        eng.reset()
-        part = eng.forward(ids[:-3], all_logits=True)
-        steps = [eng.forward([t])[-1] for t in ids[-3:]]
-    finally:
-        engine_mod.PREFILL_CHUNK = old
+    eng.n_ubatch = 7  # steps of 7 tokens (-ub 7): on the reference, the step size only cuts the prompt
+    eng.reset()
+    part = eng.forward(ids[:-3], all_logits=True)
+    steps = [eng.forward([t])[-1] for t in ids[-3:]]
     got = np.concatenate([part, np.stack(steps)])
     np.testing.assert_allclose(got, full, rtol=1e-3, atol=1e-3)
 

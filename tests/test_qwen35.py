@@ -66,13 +66,11 @@ def test_delta_rule_head_maps_differ():
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_state_carried_across_chunks_and_reset(arch, tiny_hybrid, monkeypatch):
     """One pass twice, and after a reset prefill in uneven pieces then token by token: the same logits."""
-    import polystrata.engine as engine_mod
-
     e = Engine(tiny_hybrid(arch), target="reference", n_ctx=512)
     ids = np.random.default_rng(1).integers(0, e.hparams.n_vocab, 200)
     whole = e.score(ids)
     np.testing.assert_array_equal(e.score(ids), whole)  # score starts from zero state again
-    monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 48)  # engine chunks across delta-rule chunks of 64
+    monkeypatch.setattr(e, "n_ubatch", 48)  # steps of 48 (-ub) across delta-rule chunks of 64
     e.reset()
     pieces = [e.forward(ids[:130], all_logits=True)]
     pieces += [e.forward(ids[i : i + 1], all_logits=True) for i in range(130, 200)]

@@ -10,8 +10,9 @@ from polystrata.ir.formats import KV_FORMATS
 from polystrata.ir.graph import Graph
 from polystrata.runtimes.base import Runtime
 
-# Largest number of tokens one step processes; prefill runs in chunks of this many.
-PREFILL_CHUNK = 256
+# The default step size (llama.cpp's -ub/--ubatch-size): the most tokens one step of a prompt plan computes; a
+# longer prompt runs in steps of this many.
+DEFAULT_UBATCH = 256
 
 
 def compile_plans(
@@ -19,7 +20,7 @@ def compile_plans(
     steps: dict[int, int] | None = None, stream_experts: bool = False, knobs: dict | None = None,
 ) -> dict[int, Plan]:
     """Plans of `graphs` for `runtime`: id(graph) -> Plan. `steps`: id(graph) -> the most tokens a step of its
-    plan takes (default `PREFILL_CHUNK`; 1 for a plan of decode steps, whose recipes may then specialize).
+    plan takes (default `DEFAULT_UBATCH`; 1 for a plan of decode steps, whose recipes may then specialize).
     `stream_experts`: plans for a device cache of MoE expert slots (`runtimes/memory.py`). `knobs`: overrides by
     knob space or kernel instance (the tuning database's choices: `polystrata.tuning`)."""
     if kv_type not in KV_FORMATS:
@@ -27,10 +28,10 @@ def compile_plans(
     formats = {name: t.fmt for name, t in file.tensors.items()}
     kv = KV_FORMATS[kv_type]
     return {
-        id(g): build_plan(g, formats, kv, n_ctx, (steps or {}).get(id(g), PREFILL_CHUNK), knobs=knobs,
+        id(g): build_plan(g, formats, kv, n_ctx, (steps or {}).get(id(g), DEFAULT_UBATCH), knobs=knobs,
                           stream_experts=stream_experts, policy=runtime.policy)
         for g in graphs
     }
 
 
-__all__ = ["PREFILL_CHUNK", "Plan", "build_plan", "compile_plans"]
+__all__ = ["DEFAULT_UBATCH", "Plan", "build_plan", "compile_plans"]

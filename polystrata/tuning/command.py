@@ -11,7 +11,7 @@ from polystrata.errors import UsageError
 
 def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `tune` subcommand and its options to `subparsers`; returns its parser."""
-    from polystrata.cli import ctx_arg, model_arg, target_arg, threads_arg
+    from polystrata.cli import ctx_arg, model_arg, target_arg, threads_arg, ubatch_arg
     from polystrata.tuning.tuner import default_jobs
 
     p = subparsers.add_parser("tune", help="search each kernel's schedule knobs on this device and keep the winners "
@@ -19,6 +19,7 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     model_arg(p, optional=True)
     target_arg(p, tuning=False)  # a session starts from the default knobs
     ctx_arg(p, "the model's, as run takes it (attention kernels are made for the context)")
+    ubatch_arg(p, "; the prefill kernels tuned are those of this step size, as run -ub takes it")
     threads_arg(p)
     p.add_argument("--budget", default="10m", help="time for the search: NUMBER with s, m or h (the model's load and "
                                                    "its default kernels' compile come before it)")
@@ -89,7 +90,8 @@ def _tune(a, db) -> int:
             raise UsageError(f"--only is not a regular expression: {e}") from None
     if resolve_target(a.target) == "reference":
         raise UsageError("tune needs a kernel target (cpu, cuda, hip, opencl), not the reference executor")
-    engine = Engine(_resolve(a.model), target=a.target, n_ctx=a.ctx, kv_type=a.kv_type, tuning=False)
+    engine = Engine(_resolve(a.model), target=a.target, n_ctx=a.ctx, kv_type=a.kv_type, tuning=False,
+                    n_ubatch=a.n_ubatch)
     tuner = Tuner(engine, db, budget, plans, a.only, a.jobs)
     try:
         tuner.run()
