@@ -27,8 +27,10 @@ from polystrata.runtimes.base import cpu_name
 from polystrata.targets import TARGETS
 
 
-def _llamacpp_bench(path, n_prompt: int, n_gen: int, reps: int, threads: int, seed: int) -> dict:
-    """llama.cpp numbers through llama-cpp-python, in the same shape as PolyStrata's pp/tg entries."""
+def _llamacpp_bench(path, n_prompt: int, n_gen: int, reps: int, threads: int, seed: int,
+                    n_ctx: int | None = None) -> dict:
+    """llama.cpp numbers through llama-cpp-python, in the same shape as PolyStrata's pp/tg entries (a context of
+    `n_ctx` tokens, default just what the tests need)."""
     try:
         from llama_cpp import Llama
     except ImportError as e:
@@ -36,7 +38,7 @@ def _llamacpp_bench(path, n_prompt: int, n_gen: int, reps: int, threads: int, se
 
     llm = Llama(
         model_path=str(path),
-        n_ctx=max(n_prompt, n_gen, 1) + 8,
+        n_ctx=n_ctx or max(n_prompt, n_gen, 1) + 8,
         n_batch=512,
         n_ubatch=512,
         n_threads=threads,
@@ -103,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=128)
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("-c", "--ctx-size", type=int, default=None,
+                    help="both engines' context (default: what the tests need); kernels tuned for a context"
+                         " (attention's) apply at that context only")
     ap.add_argument("--tuning", choices=("on", "off", "both"), default="on",
                     help="PolyStrata with the tuning database's knobs, without, or both runs (default: %(default)s)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -123,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         for tuned in {"on": (True,), "off": (False,), "both": (False, True)}[a.tuning]:
             try:
                 runs["tuned" if tuned else "untuned"] = bench.run_bench(
-                    path, a.target, a.n_prompt, a.n_gen, a.repetitions, a.seed, progress=say, tuning=tuned)
+                    path, a.target, a.n_prompt, a.n_gen, a.repetitions, a.seed, progress=say, tuning=tuned,
+                    n_ctx=a.ctx_size)
             except PolystrataError as e:
                 # A target listed but not working yet (kernels still being written) fails at load or first run.
                 print(f"error: PolyStrata target '{a.target}' cannot run this model yet: {e}", file=sys.stderr)
@@ -131,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         ps = next(iter(runs.values()))
         if not a.json:
             print(f"llama.cpp: {ps['n_threads']} threads, n_batch 512 ...", file=sys.stderr, flush=True)
-        lc = _llamacpp_bench(path, a.n_prompt, a.n_gen, a.repetitions, ps["n_threads"], a.seed)
+        lc = _llamacpp_bench(path, a.n_prompt, a.n_gen, a.repetitions, ps["n_threads"], a.seed, a.ctx_size)
     except PolystrataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
