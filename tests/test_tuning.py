@@ -262,6 +262,19 @@ def test_gpu_renderers_ignore_contract_and_the_tuner_does_not_try_it(tiny, db, m
     assert res.tried == 0
 
 
+def test_tune_takes_the_instances_with_the_largest_share_of_a_step_first(tiny, db, monkeypatch):
+    engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
+    tuner = Tuner(engine, db, 60.0, only="embed|last_row", log=lambda m: None)
+    todo = [job[2] for job in tuner.jobs_todo()]
+    times = tuner.step_times()
+    assert set(todo) <= set(times) and all(times[sig] > 0 for sig in todo)  # every instance's launches timed
+    ranked = dict(zip(todo, range(1, len(todo) + 1)))  # the last in plan order the largest
+    monkeypatch.setattr(Tuner, "step_times", lambda self: ranked)
+    monkeypatch.setattr(KnobSpace, "candidates", lambda self: [{"chunk": 3}])
+    monkeypatch.setattr(Tuner, "candidate_launches", lambda *a: (_ for _ in ()).throw(ValueError("no")))
+    assert [r.signature for r in tuner.run()] == todo[::-1]
+
+
 def test_candidates_that_do_not_lower_are_logged_once_a_reason(tiny, db, monkeypatch):
     engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
     monkeypatch.setattr(KnobSpace, "candidates", lambda self: [{"chunk": 3}, {"chunk": 5}, {"chunk": 7}])

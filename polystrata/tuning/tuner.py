@@ -23,7 +23,9 @@ first match that reads it:
    spread ((max - min) / 2 / median). The best candidate and the default are timed once more at the end; the
    best is kept only if its median beats the default's by more than both spreads and `MIN_GAIN`.
 
-Each finished instance is a row of the tuning database (the default's row when nothing won: not searched again),
+The instances are tuned in order of their share of a step (`Tuner.step_times`: each launch of the plans timed
+alone), the largest first, so a short budget goes where the time is. Each finished instance is a row of the
+tuning database (the default's row when nothing won: not searched again),
 so a Ctrl-C keeps every instance finished before it and a second `tune` resumes with the next. The budget bounds
 the search (the engine's load and its default kernels' compile come first and are not counted); a candidate
 already started finishes.
@@ -57,6 +59,7 @@ from polystrata.tuning.db import TuningDB, today
 
 PLANS = ("decode", "prefill")
 DECODE_DEPTH = 32  # tokens in the KV cache when decode kernels are timed
+RANK_REPS = 3  # runs of each launch when a step's time is shared out among the kernel instances (`step_times`)
 PREFILL_TOKENS = 64  # tokens of the prompt chunk when prefill kernels are timed (any count runs the same kernels)
 ROUNDS = 5
 MIN_ROUND_S = 0.01
@@ -188,6 +191,28 @@ class Tuner:
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
+    def step_times(self) -> dict[str, float]:
+        """Seconds one step of each plan asked for spends in each kernel instance (signature -> the sum over its
+        matches), every launch timed alone after a warm-up run of the step: what orders the session, so that a
+        budget too short for every instance goes to those that take most of a step."""
+        rt, ex = self.rt, self.ex
+        times: dict[str, float] = {}
+        for plan_name, graph in self._graphs():
+            plan, bound = ex.plans[id(graph)], ex.bound[id(graph)]
+            step = self._step(plan_name)
+            for b in bound:
+                b.run(rt, step)
+            rt.sync()
+            for b, m in zip(bound, plan.groups):
+                t0 = time.perf_counter()
+                for _ in range(RANK_REPS):
+                    b.run(rt, step)
+                rt.sync()
+                dt = (time.perf_counter() - t0) / RANK_REPS
+                for site in plan.group_sites[m]:
+                    times[site.signature] = times.get(site.signature, 0.0) + dt
+        return times
+
     # --- the session ----------------------------------------------------------------------------------------
 
     def run(self) -> list[SiteResult]:
@@ -197,11 +222,18 @@ class Tuner:
             self.log("tune: nothing to tune (every kernel instance is in the tuning database for this device)")
             return []
         self.started = time.monotonic()
+        times = self.step_times()
+        total = {name: sum(t for sig, t in times.items() if sig in sigs) for name, sigs in
+                 ((name, {s.signature for ss in self.ex.plans[id(g)].group_sites for s in ss}) for name, g in
+                  self._graphs())}
+        todo.sort(key=lambda job: -times.get(job[2], 0.0))  # the largest share of a step first
         if self.jobs > 1:  # spawned, not forked: this process runs kernels on threads (Numba's, a driver's)
             self.pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
         try:
             with Progress("tuning kernels", len(todo)) as bar:
                 for plan_name, graph, sig, space, m in todo:
+                    share = times.get(sig, 0.0) / max(total[plan_name], 1e-12)
+                    bar.update(0, note=f"{sig.split(':')[1]}: {share:.0%} of a {plan_name} step")
                     if self.elapsed() >= self.budget_s:
                         self.log(f"tune: budget of {self.budget_s:.0f} s spent; {len(todo) - len(self.results)} "
                                  "kernel instances left for the next run")
