@@ -336,15 +336,21 @@ if [[ " $STAGES " == *" serve "* ]]; then
 fi
 
 if [[ " $STAGES " == *" tune "* ]]; then
-    # Kernel autotuning (issue 20): per model and target, `tune` with TUNE_BUDGET (default 10m; the time actually
-    # spent is in the summary), then `bench --tuning both` (untuned, then tuned, in one run). TUNE_TARGETS and
-    # TUNE_MODELS narrow it; TUNE_BENCH_ARGS shortens the bench. The tuning database starts empty on each machine;
-    # its rows come back as tuning_h200.json (`polystrata tune --import` takes them).
+    # Kernel autotuning (issue 20): per model and target, `tune` with TUNE_BUDGET (default 4m: a call is at most
+    # 10 minutes, with the load, the default kernels' compile and the bench), then `bench --tuning both` (untuned,
+    # then tuned, in one run; TUNE_BENCH=0 skips it). TUNE_TARGETS and TUNE_MODELS narrow it; TUNE_BENCH_ARGS
+    # shortens the bench. The tuning database starts empty on each machine: a session that takes several calls
+    # carries the last call's rows back in .tuning/tuning_h200.json (ignored by git), imported first, and each call
+    # returns all rows as tuning_h200.json; `tune` resumes with the instances left (largest share of a step first).
     preset_model llama3-8b-q4km; preset_model qwen3moe-8l-q4km
+    [ -f .tuning/tuning_h200.json ] && python3 -m polystrata tune --import .tuning/tuning_h200.json 2>&1 | tee -a "$LOG"
     for t in ${TUNE_TARGETS:-cuda hip opencl}; do
         for m in ${TUNE_MODELS:-llama3-8b-q4km qwen3moe-8l-q4km}; do
-            timeout 1500 python3 -m polystrata tune "$M/$m.gguf" --target "$t" --budget "${TUNE_BUDGET:-10m}" \
-                2>&1 | tee -a "$LOG" | grep -E '^tune: [0-9]+ kernel' | sed "s/^/$m $t: /" | tee -a "$SUMMARY"
+            timeout 900 python3 -m polystrata tune "$M/$m.gguf" --target "$t" --budget "${TUNE_BUDGET:-4m}" \
+                ${TUNE_JOBS:+-j "$TUNE_JOBS"} 2>&1 | tee -a "$LOG" | grep -E '^tune: ([0-9]+ kernel|budget)' \
+                | sed "s/^/$m $t: /" | tee -a "$SUMMARY"
+            python3 -m polystrata tune --export "$OUT/tuning_h200.json" 2>> "$LOG"  # after each: a timeout keeps it
+            [ "${TUNE_BENCH:-1}" = 0 ] && continue
             timeout 900 python3 -m polystrata bench "$M/$m.gguf" --target "$t" --tuning both \
                 ${TUNE_BENCH_ARGS:--p 512 -n 128 -r 3} --json > "$OUT/tune_${m}_$t.json" 2>> "$LOG"
             python3 - "$OUT/tune_${m}_$t.json" "$m $t" <<'EOF' | tee -a "$SUMMARY"
@@ -358,7 +364,6 @@ EOF
         done
     done
     python3 -m polystrata tune --show > "$OUT/tuning_rows.txt" 2>> "$LOG"
-    python3 -m polystrata tune --export "$OUT/tuning_h200.json" 2>> "$LOG"
 fi
 
 echo; echo "=== summary ($(date -u +%F), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)) ==="
