@@ -25,10 +25,12 @@ class BatchDecoder:
         if n_seq > engine.n_ubatch:  # a decode step computes one row per sequence, at most a step's rows
             raise PolystrataError(f"{n_seq} parallel sequences do not fit a step of {engine.n_ubatch} rows: use "
                                   f"-ub {n_seq} or more, or fewer parallel sequences")
-        if engine.graph_all.recurrent():
-            # Sequences share the K/V cache by rows, but a recurrent state is one per engine (issue 23).
-            raise PolystrataError(f"{engine.hparams.arch} keeps a recurrent state, one per engine: batched decoding "
-                                  "and serve do not support it yet")
+        self.recurrent = engine.graph_all.recurrent()
+        if self.recurrent and n_seq > 1:
+            # Sequences share the K/V cache by rows, but a recurrent state is one per engine (issue 23): one
+            # sequence at a time holds it, zeroed as each opens.
+            raise PolystrataError(f"{engine.hparams.arch} keeps a recurrent state, one per engine: {n_seq} parallel "
+                                  "sequences are not supported yet; use one (--parallel 1)")
         if engine.n_ctx // n_seq < 2:
             raise PolystrataError(f"a context of {engine.n_ctx} tokens cannot hold {n_seq} sequences; "
                                   "use a larger -c/--ctx-size or fewer parallel sequences")
@@ -44,6 +46,8 @@ class BatchDecoder:
             raise PolystrataError(f"all {self.n_seq} sequence slots are busy")
         slot = self.free.pop()
         self.n_past[slot] = 0
+        if self.recurrent:  # the one sequence's state starts from zero (the engine's reset)
+            self.engine.reset()
         return slot
 
     def close(self, slot: int) -> None:

@@ -95,14 +95,24 @@ def test_recurrent_state_rewinds_only_to_its_checkpoint(tiny_hybrid):
     assert e.n_past == 0 and not e.executor.states
 
 
-def test_batched_decoding_refuses_a_recurrent_state(tiny_hybrid):
-    """Batched sequences share one engine's K/V cache by rows; a recurrent state is one per engine, so serve's
-    batches refuse hybrids in one line rather than mix their sequences' states."""
+def test_batched_decoding_takes_one_sequence_with_a_recurrent_state(tiny_hybrid):
+    """Batched sequences share one engine's K/V cache by rows; a recurrent state is one per engine, so serve takes
+    hybrids one sequence at a time (--parallel 1; more are refused in one line), the state zeroed as each opens:
+    a second sequence gives what the first gave, as the engine alone does."""
     from polystrata.batch import BatchDecoder
 
     e = Engine(tiny_hybrid("qwen35"), target="reference", n_ctx=64)
-    with pytest.raises(PolystrataError, match="recurrent state, one per engine"):
-        BatchDecoder(e, 1)
+    with pytest.raises(PolystrataError, match="recurrent state, one per engine.*--parallel 1"):
+        BatchDecoder(e, 2)
+    ids = [5, 9, 2, 7, 3]
+    alone = e.forward(ids, all_logits=True)
+    b = BatchDecoder(e, 1)
+    for _ in range(2):
+        slot = b.open()
+        np.testing.assert_allclose(b.prefill(slot, ids[:3]), alone[2], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(b.step([slot], [ids[3]])[0], alone[3], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(b.step([slot], [ids[4]])[0], alone[4], rtol=0, atol=1e-5)
+        b.close(slot)
 
 
 def test_info_names_hybrid_layout_and_unused_mtp_layer(tiny_hybrid):
