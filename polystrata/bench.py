@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from polystrata import progress as progress_lines
 from polystrata.cli import (
     ctx_arg,
     knob_arg,
@@ -505,7 +506,7 @@ def cmd_bench(a) -> int:
     mode = "off" if a.no_tuning else a.tuning
     if mode == "both" and a.output_format == "csv":
         raise UsageError("--tuning both prints md or json, not csv")
-    progress = None if a.output_format != "md" else (lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True))
+    progress = (lambda msg: print(f"bench: {msg}", file=sys.stderr, flush=True)) if progress_lines.enabled else None
     knobs = parse_knobs(a.knob)
     runs = {}
     for tuning in {"on": (True,), "off": (False,), "both": (False, True)}[mode]:

@@ -704,8 +704,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return interrupt.report()
     try:
-        # Progress bars on stderr, except where the output is for a program (--json, bench -o json|csv).
-        progress.enabled = not (getattr(args, "json", False) or getattr(args, "output_format", "md") != "md")
+        # Progress bars on stderr, except where the output is for a program (--json, bench -o json|csv), unless
+        # POLYSTRATA_PROGRESS=1 asks for them anyway (a log of a long run then shows how far it got).
+        machine_output = getattr(args, "json", False) or getattr(args, "output_format", "md") != "md"
+        progress.enabled = not machine_output or os.environ.get("POLYSTRATA_PROGRESS") == "1"
         if getattr(args, "threads", None) is not None:
             from polystrata import threads
 

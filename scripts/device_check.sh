@@ -12,7 +12,8 @@ STAGES="${*:-selftest tests parity bench}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 LOG="$OUT/device_check.log"
 # PYTHONSAFEPATH: the source tree's polystrata/ must not shadow the installed package (ir/, codegen/ map into it).
-export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 POLYSTRATA_HOME=/tmp/ps_home NCCL_NVLS_ENABLE=0
+# POLYSTRATA_PROGRESS: progress lines in the log even from `--json` runs, so a timed-out run shows how far it got.
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 POLYSTRATA_HOME=/tmp/ps_home NCCL_NVLS_ENABLE=0 POLYSTRATA_PROGRESS=1
 
 # numpy 2.5 breaks numba-cuda (np.row_stack is gone): the carried 2.4 wheel goes first on the path.
 # A warm machine keeps /tmp/site between calls, so a later call (one carrying model parts) may leave .whl behind.

@@ -61,6 +61,21 @@ def test_moe_bytes_count_only_the_routed_experts(tmp_path, capsys):
     assert r["bytes_per_token"] == _decode_weight_bytes(path) < full
 
 
+@pytest.mark.parametrize("forced", [False, True])
+def test_json_keeps_stderr_quiet_unless_progress_is_asked_for(tiny_model, capsys, monkeypatch, forced):
+    """`bench -o json` is for programs: no progress lines, unless POLYSTRATA_PROGRESS=1 (a device run's log)."""
+    from polystrata.cli import main
+
+    if forced:
+        monkeypatch.setenv("POLYSTRATA_PROGRESS", "1")
+    else:
+        monkeypatch.delenv("POLYSTRATA_PROGRESS", raising=False)
+    assert main(["bench", str(tiny_model), "--target", "reference", "-p", "4", "-n", "2", "-r", "1", "-o", "json"]) == 0
+    out, err = capsys.readouterr()
+    json.loads(out)
+    assert ("bench: " in err) == forced
+
+
 def test_json_keys_and_values(tiny_model, capsys):
     out = _run(capsys, str(tiny_model), "--target", "reference", "-p", "16", "-n", "4", "-r", "2", "--json")
     r = json.loads(out)  # exactly one JSON object on stdout
