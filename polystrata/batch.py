@@ -10,6 +10,8 @@ join (`open`, `prefill`) and leave (`close`) between steps.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from polystrata.engine import Engine
@@ -60,32 +62,40 @@ class BatchDecoder:
         """Feed `ids` after what the slot holds, alone, in steps of at most the engine's `n_ubatch`; returns the
         logits of the last token."""
         ids = self.engine.check_tokens(ids, self.n_past[slot], self.n_ctx)
-        eng, ex = self.engine, self.engine.executor
-        out = None
-        for i in range(0, len(ids), eng.n_ubatch):
-            chunk = ids[i : i + eng.n_ubatch]
-            pos = np.arange(self.n_past[slot], self.n_past[slot] + len(chunk), dtype=np.int32)
-            graph = eng.graph_step if len(chunk) == 1 else eng.graph_last
-            out = ex.step(graph, chunk, pos, np.full(len(chunk), slot * self.n_ctx, np.int32))
-            self.n_past[slot] += len(chunk)
-        return out[-1]
+        n = self.engine.n_ubatch
+        for i in range(0, len(ids), n):
+            out = self.step([(slot, ids[i : i + n])], need=[i + n >= len(ids)])
+        return out[0]
 
-    def step(self, slots: list[int], tokens: list[int]) -> np.ndarray:
-        """One decode step: token `tokens[i]` appended to sequence `slots[i]` (distinct slots); returns the logits
-        [len(slots), vocab], row i those of sequence `slots[i]`."""
-        if len(set(slots)) != len(slots) or len(slots) != len(tokens) or not slots:
-            raise ValueError("a step takes one token each of distinct sequences")
-        for s in slots:
-            if self.n_past[s] >= self.n_ctx:
-                raise PolystrataError(f"context length exceeded: a sequence holds {self.n_ctx} tokens")
-        ids = self.engine.check_tokens(tokens, 0, self.n_ctx)
-        pos = np.asarray([self.n_past[s] for s in slots], np.int32)
-        starts = np.asarray(slots, np.int32) * self.n_ctx
+    def step(self, runs: Sequence[tuple[int, Sequence[int]]], need: Sequence[bool] | None = None) -> np.ndarray:
+        """One step of runs of tokens of distinct sequences, at most the engine's `n_ubatch` tokens in all: run
+        `(slot, ids)` appends `ids` (a decode token, or a chunk of a prompt) to sequence `slot` after what it holds.
+        Returns the logits of the last token of each run that `need`s them (default: every run), in run order,
+        [runs needing them, vocab]; only those rows leave the device."""
+        slots = [s for s, _ in runs]
+        need = [True] * len(runs) if need is None else list(need)
+        if not runs or len(set(slots)) != len(slots) or len(need) != len(runs):
+            raise ValueError("a step takes runs of tokens of distinct sequences")
         eng = self.engine
-        # One row: the one-token plan (captured into a device graph where the target has them); several: the plan
-        # of all logits, whose matrix products take the rows together.
-        graph = eng.graph_step if len(slots) == 1 else eng.graph_all
-        out = eng.executor.step(graph, ids, pos, starts)
-        for s in slots:
-            self.n_past[s] += 1
+        ids = [eng.check_tokens(t, self.n_past[s], self.n_ctx) for s, t in runs]
+        lengths = [len(t) for t in ids]
+        if sum(lengths) > eng.n_ubatch:
+            raise ValueError(f"a step of {sum(lengths)} tokens exceeds the step size {eng.n_ubatch}")
+        pos = np.concatenate([np.arange(self.n_past[s], self.n_past[s] + n, dtype=np.int32)
+                              for s, n in zip(slots, lengths)])
+        starts = np.repeat(np.asarray(slots, np.int32) * self.n_ctx, lengths)
+        ends = np.cumsum(lengths) - 1  # each run's last row
+        rows = [int(e) for e, w in zip(ends, need) if w]
+        # One row: the one-token plan (captured into a device graph where the target has them); only the step's
+        # last row wanted: the plan of the last logits (a prompt's chunk alone); else the plan of all logits, whose
+        # matrix products take the rows together, of which only the wanted rows are read.
+        if len(pos) == 1:
+            graph, rows = eng.graph_step, [0] if rows else []
+        elif rows == [len(pos) - 1] or not rows:
+            graph, rows = eng.graph_last, [0] if rows else []
+        else:
+            graph = eng.graph_all
+        out = eng.executor.step(graph, np.concatenate(ids), pos, starts, rows=rows)
+        for s, n in zip(slots, lengths):
+            self.n_past[s] += n
         return out

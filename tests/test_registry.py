@@ -73,8 +73,8 @@ class _Recorder(Runtime):
     def alloc(self, shape, dtype):
         return np.zeros(max(int(np.prod(shape)) * 4, 4), np.uint8)
 
-    def read_bytes(self, buf, out):
-        out[:] = buf[: out.size]
+    def read_bytes(self, buf, out, offset=0):
+        out[:] = buf[offset : offset + out.size]
 
     def write_bytes(self, buf, offset, host):
         buf[offset : offset + host.size] = host
