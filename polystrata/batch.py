@@ -1,13 +1,15 @@
-"""Batched decoding: up to N sequences share each decode step (the server's `--parallel N`).
+"""Batched decoding: up to N sequences share each step (the server's `--parallel N`).
 
 The engine's KV cache is split into N runs of n_ctx // N rows, one per sequence slot (as llama-server splits its
-context between its slots). A step is a list of rows, one per active sequence: its token, its position in its own
-sequence and its slot's first cache row (`starts`); the attention kernels store and read each row's K and V in its
-own slot's rows (codegen/recipes/attention.py), and every other kernel treats the rows as the T rows of a prefill
-chunk, so the step's matrix-vector products become small matrix products over the active sequences. Sequences
-join (`open`, `prefill`) and leave (`close`) between steps.
+context between its slots). A step is a list of rows of several sequences, each sequence giving its next decode
+token or a run of its prompt's tokens (continuous batching): each row carries its token, its position in its own
+sequence and its slot's first cache row (`starts`); the attention kernels store every row's K and V in its own slot's
+rows before any row reads them, and a row attends to the rows of its slot up to its position
+(codegen/recipes/attention.py, attention_tiles.py), so a run of prompt rows sees its cache and its own earlier rows
+of the step, causally. Every other kernel treats the rows as the T rows of a prefill chunk, so the step's
+matrix-vector products become matrix products over all the step's rows. Only the logits a caller samples from (a
+decode row's, a prompt's last token's) leave the device. Sequences join (`open`) and leave (`close`) between steps.
 """
-
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -19,7 +21,7 @@ from polystrata.errors import PolystrataError
 
 
 class BatchDecoder:
-    """Sequence slots over one engine's KV cache; `step` decodes one token of several sequences at once."""
+    """Sequence slots over one engine's KV cache; `step` feeds tokens of several sequences at once."""
 
     def __init__(self, engine: Engine, n_seq: int):
         if n_seq < 1:
@@ -78,6 +80,12 @@ class BatchDecoder:
             raise ValueError("a step takes runs of tokens of distinct sequences")
         eng = self.engine
         ids = [eng.check_tokens(t, self.n_past[s], self.n_ctx) for s, t in runs]
+        order = list(range(len(runs)))
+        if need.count(True) == 1:
+            # Rows are independent of their order in a step: the one run whose logits are wanted goes last, so the
+            # plan of the last logits serves (no output projection of the other rows).
+            order.append(order.pop(need.index(True)))
+        slots, ids, need = [slots[i] for i in order], [ids[i] for i in order], [need[i] for i in order]
         lengths = [len(t) for t in ids]
         if sum(lengths) > eng.n_ubatch:
             raise ValueError(f"a step of {sum(lengths)} tokens exceeds the step size {eng.n_ubatch}")

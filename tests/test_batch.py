@@ -132,12 +132,17 @@ def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
     a, b, c = bd.open(), bd.open(), bd.open()
     slot_of = {a: 0, b: 1, c: 2}
     read: list[int] = []
+    plans: list[str] = []
+    graphs = {id(eng.graph_step): "step", id(eng.graph_last): "last", id(eng.graph_all): "all"}
+    step = eng.executor.step
+    eng.executor.step = lambda graph, *a, **kw: (plans.append(graphs[id(graph)]), step(graph, *a, **kw))[1]
     if eng.runtime is not None:  # count the bytes that leave the device
         read_bytes = eng.runtime.read_bytes
         eng.runtime.read_bytes = lambda buf, out, offset=0: (read.append(out.size), read_bytes(buf, out, offset))[1]
 
-    def check(runs: list[tuple[int, int, int]], need: list[bool]) -> None:
-        """A step of runs (slot, first, end) of the sequences' tokens: the wanted rows against the runs alone."""
+    def check(runs: list[tuple[int, int, int]], need: list[bool], plan: str) -> None:
+        """A step of runs (slot, first, end) of the sequences' tokens: the wanted rows against the runs alone, the
+        step run with `plan`."""
         read.clear()
         out = bd.step([(s, seqs[slot_of[s]][i:j]) for s, i, j in runs], need)
         want = np.stack([alone[slot_of[s]][j - 1] for (s, _, j), w in zip(runs, need) if w])
@@ -149,13 +154,14 @@ def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
             assert sum(read) == out.nbytes  # only the wanted rows were read
         for s, _, j in runs:
             assert bd.n_past[s] == j
+        assert plans[-1] == plan
 
-    check([(a, 0, 5)], [True])  # a prompt alone: the last-logits plan
-    check([(a, 5, 6), (b, 0, 4)], [True, False])  # a decode row and a prompt's first chunk
-    check([(a, 6, 7), (b, 4, 9), (c, 0, 3)], [True, True, False])  # a chunk ending a prompt, one starting one
-    check([(b, 9, 10), (c, 3, 8), (a, 7, 8)], [True, True, True])  # a prompt's run between decode rows
-    check([(a, 8, 9), (c, 8, 10)], [False, True])  # the step's last row alone wanted: the last-logits plan
-    check([(b, 10, 11)], [True])  # one decode row: the one-token plan
+    check([(a, 0, 5)], [True], "last")  # a prompt alone
+    check([(a, 5, 6), (b, 0, 4)], [True, False], "last")  # one row wanted: its run goes last
+    check([(a, 6, 7), (b, 4, 9), (c, 0, 3)], [True, True, False], "all")  # a chunk ending a prompt, one starting
+    check([(b, 9, 10), (c, 3, 8), (a, 7, 8)], [True, True, True], "all")  # a prompt's run between decode rows
+    check([(a, 8, 9), (c, 8, 10)], [False, True], "last")
+    check([(b, 10, 11)], [True], "step")  # one decode row
 
 
 def test_slots_and_their_context(tiny_llama):
