@@ -7,7 +7,7 @@ key (where one is set; /health needs none), 404, 405, 413 for a body over `MAX_B
 requests already wait.
 
 Two threads: the event loop (HTTP, parsing, chat templates, tokenizing) and the `Scheduler`, which owns the engine
-(the thread that made it, the command's main thread) and runs batched decoding (polystrata/batch.py): waiting
+(the thread that made it, the command's main thread) and runs batched decoding (polystrata/batch.py):
 waiting requests take a slot between steps while slots are free; each step decodes one token of every decoding
 request and fills its remaining rows (up to the step size, -ub) with prompt tokens of the joining ones (continuous
 batching: `Scheduler`); tokens are sampled per request (its own sampler and seed) and cut at its stop strings.
