@@ -112,22 +112,28 @@ def test_batched_steps_match_each_sequence_alone(tiny_llama, target):
         assert (id(eng.graph_all), 3) in eng.executor.graphs and eng.runtime.replays >= 1
 
 
-@pytest.mark.parametrize("target", ["reference", *targets_under_test(),
-                                    *(["opencl-tiles"] if "opencl" in targets_under_test() else [])])
+@pytest.mark.parametrize("target", ["reference", *targets_under_test(), "cpu-graphs",
+                                    *(f"{t}-tiles" for t in targets_under_test() if t != "cpu")])
 def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
     """Steps mixing decode rows with runs of prompt tokens (continuous batching): a run of several rows of one
     sequence attends causally to its own earlier rows of the same step and to its cache, not to the rows of other
     sequences or its own later ones; each wanted row's logits equal those of the same tokens run alone (bit for bit
     on the kernel targets, within float rounding on the reference), and only the wanted rows leave the device.
-    opencl-tiles: the prefill attention in tiles of 4 query rows at every step size (GPU targets take it for steps
-    over 64 rows), so tiles hold rows of several sequences."""
+    -tiles: the prefill attention in tiles of 4 query rows at every step size (GPU targets take it for steps over 64
+    rows), so tiles hold rows of several sequences. cpu-graphs: steps replayed as device graphs (as on cuda), the
+    9-row graph captured at one mixed step replayed at another, of other sequences and positions."""
     knobs = {"attention": {"tiles": "1", "tiles_above": "0", "q_tile": "4"}} if target.endswith("-tiles") else None
-    eng = Engine(tiny_llama, target=target.removesuffix("-tiles"), n_ctx=64, knobs=knobs)
-    seqs = [_tokens(n, s) for n, s in ((9, 11), (12, 12), (10, 13))]  # each: its prompt, then what it decodes
+    eng = alone_eng = Engine(tiny_llama, target=target.removesuffix("-tiles").removesuffix("-graphs"), n_ctx=64,
+                             knobs=knobs)
+    if target == "cpu-graphs":
+        eng = Engine(tiny_llama, target="cpu", n_ctx=64)
+        eng.runtime = _GraphCPU()
+        eng.executor = eng._make_executor()
+    seqs = [_tokens(n, s) for n, s in ((17, 11), (16, 12), (15, 13))]  # each: its prompt, then what it decodes
     alone = []
     for ids in seqs:
-        eng.reset()
-        alone.append(eng.forward(ids, all_logits=True))
+        alone_eng.reset()
+        alone.append(alone_eng.forward(ids, all_logits=True))
     bd = BatchDecoder(eng, 3)
     a, b, c = bd.open(), bd.open(), bd.open()
     slot_of = {a: 0, b: 1, c: 2}
@@ -162,6 +168,10 @@ def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
     check([(b, 9, 10), (c, 3, 8), (a, 7, 8)], [True, True, True], "all")  # a prompt's run between decode rows
     check([(a, 8, 9), (c, 8, 10)], [False, True], "last")
     check([(b, 10, 11)], [True], "step")  # one decode row
+    check([(a, 9, 12), (c, 10, 15), (b, 11, 12)], [False, True, True], "all")  # 9 rows again (captured)
+    check([(a, 12, 17), (b, 12, 16)], [True, True], "all")  # and again (replayed)
+    if target == "cpu-graphs":
+        assert (id(eng.graph_all), 9) in eng.executor.graphs and eng.runtime.replays >= 2
 
 
 def test_slots_and_their_context(tiny_llama):
