@@ -6,6 +6,7 @@ text is gibberish but deterministic; the batched decoding under it is checked ag
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import signal
@@ -258,6 +259,29 @@ def test_a_client_that_leaves_frees_its_slot(served, monkeypatch, stream):
         time.sleep(0.02)
     assert not sched.running and len(sched.batch.free) == 2
     assert jobs[0].cancelled and jobs[0].n_generated < 50
+
+
+def test_a_client_that_leaves_while_its_prompt_is_fed_frees_its_slot(served, monkeypatch):
+    """A client that disconnects while its long prompt is still being fed (steps of 4 rows, slowed to 20 ms): the
+    job is dropped at the next step, before it generates anything, and its slot is free again."""
+    url, eng, sched = served
+    jobs = []
+    submit, step = sched.submit, sched.batch.step
+    monkeypatch.setattr(eng, "n_ubatch", 4)
+    monkeypatch.setattr(sched, "submit", lambda job: (jobs.append(job), submit(job))[1])
+    monkeypatch.setattr(sched.batch, "step", lambda *a: (time.sleep(0.02), step(*a))[1])
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": LONG, "max_tokens": 4}),
+                 {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    deadline = time.monotonic() + 5
+    while not (sched.joining and sched.joining[0].fed) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sched.joining and sched.joining[0].fed < len(jobs[0].prompt_ids)  # its prompt is being fed
+    conn.close()
+    while (sched.joining or sched.running or len(sched.batch.free) < 2) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not sched.joining and not sched.running and len(sched.batch.free) == 2
+    assert jobs[0].cancelled and jobs[0].n_generated == 0
 
 
 def test_a_failing_engine_gives_500_and_the_server_goes_on(served, client, monkeypatch):
