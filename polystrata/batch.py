@@ -1,14 +1,18 @@
-"""Batched decoding: up to N sequences share each decode step (the server's `--parallel N`).
+"""Batched decoding: up to N sequences share each step (the server's `--parallel N`).
 
 The engine's KV cache is split into N runs of n_ctx // N rows, one per sequence slot (as llama-server splits its
-context between its slots). A step is a list of rows, one per active sequence: its token, its position in its own
-sequence and its slot's first cache row (`starts`); the attention kernels store and read each row's K and V in its
-own slot's rows (codegen/recipes/attention.py), and every other kernel treats the rows as the T rows of a prefill
-chunk, so the step's matrix-vector products become small matrix products over the active sequences. Sequences
-join (`open`, `prefill`) and leave (`close`) between steps.
+context between its slots). A step is a list of rows of several sequences, each sequence giving its next decode
+token or a run of its prompt's tokens (continuous batching): each row carries its token, its position in its own
+sequence and its slot's first cache row (`starts`); the attention kernels store every row's K and V in its own slot's
+rows before any row reads them, and a row attends to the rows of its slot up to its position
+(codegen/recipes/attention.py, attention_tiles.py), so a run of prompt rows sees its cache and its own earlier rows
+of the step, causally. Every other kernel treats the rows as the T rows of a prefill chunk, so the step's
+matrix-vector products become matrix products over all the step's rows. Only the logits a caller samples from (a
+decode row's, a prompt's last token's) leave the device. Sequences join (`open`) and leave (`close`) between steps.
 """
-
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -17,7 +21,7 @@ from polystrata.errors import PolystrataError
 
 
 class BatchDecoder:
-    """Sequence slots over one engine's KV cache; `step` decodes one token of several sequences at once."""
+    """Sequence slots over one engine's KV cache; `step` feeds tokens of several sequences at once."""
 
     def __init__(self, engine: Engine, n_seq: int):
         if n_seq < 1:
@@ -60,32 +64,46 @@ class BatchDecoder:
         """Feed `ids` after what the slot holds, alone, in steps of at most the engine's `n_ubatch`; returns the
         logits of the last token."""
         ids = self.engine.check_tokens(ids, self.n_past[slot], self.n_ctx)
-        eng, ex = self.engine, self.engine.executor
-        out = None
-        for i in range(0, len(ids), eng.n_ubatch):
-            chunk = ids[i : i + eng.n_ubatch]
-            pos = np.arange(self.n_past[slot], self.n_past[slot] + len(chunk), dtype=np.int32)
-            graph = eng.graph_step if len(chunk) == 1 else eng.graph_last
-            out = ex.step(graph, chunk, pos, np.full(len(chunk), slot * self.n_ctx, np.int32))
-            self.n_past[slot] += len(chunk)
-        return out[-1]
+        n = self.engine.n_ubatch
+        for i in range(0, len(ids), n):
+            out = self.step([(slot, ids[i : i + n])], need=[i + n >= len(ids)])
+        return out[0]
 
-    def step(self, slots: list[int], tokens: list[int]) -> np.ndarray:
-        """One decode step: token `tokens[i]` appended to sequence `slots[i]` (distinct slots); returns the logits
-        [len(slots), vocab], row i those of sequence `slots[i]`."""
-        if len(set(slots)) != len(slots) or len(slots) != len(tokens) or not slots:
-            raise ValueError("a step takes one token each of distinct sequences")
-        for s in slots:
-            if self.n_past[s] >= self.n_ctx:
-                raise PolystrataError(f"context length exceeded: a sequence holds {self.n_ctx} tokens")
-        ids = self.engine.check_tokens(tokens, 0, self.n_ctx)
-        pos = np.asarray([self.n_past[s] for s in slots], np.int32)
-        starts = np.asarray(slots, np.int32) * self.n_ctx
+    def step(self, runs: Sequence[tuple[int, Sequence[int]]], need: Sequence[bool] | None = None) -> np.ndarray:
+        """One step of runs of tokens of distinct sequences, at most the engine's `n_ubatch` tokens in all: run
+        `(slot, ids)` appends `ids` (a decode token, or a chunk of a prompt) to sequence `slot` after what it holds.
+        Returns the logits of the last token of each run that `need`s them (default: every run), in run order,
+        [runs needing them, vocab]; only those rows leave the device."""
+        slots = [s for s, _ in runs]
+        need = [True] * len(runs) if need is None else list(need)
+        if not runs or len(set(slots)) != len(slots) or len(need) != len(runs):
+            raise ValueError("a step takes runs of tokens of distinct sequences")
         eng = self.engine
-        # One row: the one-token plan (captured into a device graph where the target has them); several: the plan
-        # of all logits, whose matrix products take the rows together.
-        graph = eng.graph_step if len(slots) == 1 else eng.graph_all
-        out = eng.executor.step(graph, ids, pos, starts)
-        for s in slots:
-            self.n_past[s] += 1
+        ids = [eng.check_tokens(t, self.n_past[s], self.n_ctx) for s, t in runs]
+        order = list(range(len(runs)))
+        if need.count(True) == 1:
+            # Rows are independent of their order in a step: the one run whose logits are wanted goes last, so the
+            # plan of the last logits serves (no output projection of the other rows).
+            order.append(order.pop(need.index(True)))
+        slots, ids, need = [slots[i] for i in order], [ids[i] for i in order], [need[i] for i in order]
+        lengths = [len(t) for t in ids]
+        if sum(lengths) > eng.n_ubatch:
+            raise ValueError(f"a step of {sum(lengths)} tokens exceeds the step size {eng.n_ubatch}")
+        pos = np.concatenate([np.arange(self.n_past[s], self.n_past[s] + n, dtype=np.int32)
+                              for s, n in zip(slots, lengths)])
+        starts = np.repeat(np.asarray(slots, np.int32) * self.n_ctx, lengths)
+        ends = np.cumsum(lengths) - 1  # each run's last row
+        rows = [int(e) for e, w in zip(ends, need) if w]
+        # One row: the one-token plan (captured into a device graph where the target has them); only the step's
+        # last row wanted: the plan of the last logits (a prompt's chunk alone); else the plan of all logits, whose
+        # matrix products take the rows together, of which only the wanted rows are read.
+        if len(pos) == 1:
+            graph, rows = eng.graph_step, [0] if rows else []
+        elif rows == [len(pos) - 1] or not rows:
+            graph, rows = eng.graph_last, [0] if rows else []
+        else:
+            graph = eng.graph_all
+        out = eng.executor.step(graph, np.concatenate(ids), pos, starts, rows=rows)
+        for s, n in zip(slots, lengths):
+            self.n_past[s] += n
         return out

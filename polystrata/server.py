@@ -7,9 +7,10 @@ key (where one is set; /health needs none), 404, 405, 413 for a body over `MAX_B
 requests already wait.
 
 Two threads: the event loop (HTTP, parsing, chat templates, tokenizing) and the `Scheduler`, which owns the engine
-(the thread that made it, the command's main thread) and runs batched decoding (polystrata/batch.py): waiting
-requests join between steps while slots are free, each is prefilled alone, then every step decodes one token of
-each active request; tokens are sampled per request (its own sampler and seed) and cut at its stop strings.
+(the thread that made it, the command's main thread) and runs batched decoding (polystrata/batch.py):
+waiting requests take a slot between steps while slots are free; each step decodes one token of every decoding
+request and fills its remaining rows (up to the step size, -ub) with prompt tokens of the joining ones (continuous
+batching: `Scheduler`); tokens are sampled per request (its own sampler and seed) and cut at its stop strings.
 """
 
 from __future__ import annotations
@@ -82,10 +83,13 @@ def _deliver(events: list[tuple[Job, str, Any]]) -> None:
 
 
 class _Running:
-    """A job in a sequence slot: its history, detokenizer, stop strings and the logits of its next token."""
+    """A job in a sequence slot: its prompt tokens fed so far, history, detokenizer, stop strings and the logits
+    of its next token."""
 
-    def __init__(self, job: Job, slot: int, logits: np.ndarray, tokenizer):
-        self.job, self.slot, self.logits = job, slot, logits
+    def __init__(self, job: Job, slot: int, tokenizer):
+        self.job, self.slot = job, slot
+        self.fed = 0  # prompt tokens in the slot's cache rows; all of them once the job decodes
+        self.logits: np.ndarray | None = None
         self.sampler = Sampler(job.sampling)
         self.history = list(job.prompt_ids)
         self.decoder = tokenizer.stream()
@@ -94,13 +98,18 @@ class _Running:
 
 
 class Scheduler:
-    """Runs jobs on an engine, up to `n_seq` at once, sharing decode steps (`BatchDecoder`)."""
+    """Runs jobs on an engine, up to `n_seq` at once, in shared steps (`BatchDecoder.step`): each step takes every
+    decoding job's next token, then fills the step's remaining rows with prompt tokens of the joining jobs (oldest
+    first, a prompt in chunks over several steps where it does not fit), as llama-server's continuous batching and
+    vLLM's chunked prefill do: a long prompt joining does not stall the running streams, and joining prompts share
+    steps."""
 
     def __init__(self, engine: Engine, n_seq: int, log: Callable[[str], None] | None = None):
         self.engine = engine
         self.batch = BatchDecoder(engine, n_seq)
         self.waiting: queue.Queue[Job | None] = queue.Queue()
-        self.running: dict[int, _Running] = {}
+        self.running: dict[int, _Running] = {}  # slot -> a decoding job
+        self.joining: list[_Running] = []  # jobs in a slot whose prompts are being fed, oldest first
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.stopped = False
         # Events of the jobs, handed to their event loops together after each step (`_flush`): one wake-up of the
@@ -137,15 +146,15 @@ class Scheduler:
         """Serve jobs until `stop`: in the engine's thread."""
         while not self.stopped:
             self._admit()
-            if self.running:
+            if self.running or self.joining:
                 self._step()
             self._flush()
 
     def _admit(self) -> None:
-        """Jobs join while slots are free; with nothing running, wait for one."""
+        """Jobs take a slot while slots are free, to join at the next step; with nothing running, wait for one."""
         while self.batch.free and not self.stopped:
             try:
-                job = self.waiting.get(block=not self.running and not self.outbox)
+                job = self.waiting.get(block=not self.running and not self.joining and not self.outbox)
             except queue.Empty:
                 return
             if job is None:
@@ -153,37 +162,52 @@ class Scheduler:
                 return
             if job.cancelled:
                 continue
-            slot = self.batch.open()
-            try:
-                logits = self.batch.prefill(slot, job.prompt_ids)
-                run = _Running(job, slot, logits, self.engine.tokenizer)
-            except Exception as e:  # the job's own problem (a PolystrataError) or the device's: the job learns it
-                if not isinstance(e, PolystrataError):
-                    self.log(f"error: prefill failed: {type(e).__name__}: {e}")
-                self.batch.close(slot)
-                self.emit(job, "error", str(e) if isinstance(e, PolystrataError) else "the prefill failed")
+            try:  # the prompt's own problems reach its job alone, not the step it would join
+                self.engine.check_tokens(job.prompt_ids, 0, self.batch.n_ctx)
+            except PolystrataError as e:
+                self.emit(job, "error", str(e))
                 continue
-            self.running[slot] = run
-            self._advance(run)
-            self._flush()  # its first token now, not after the other joining jobs' prefills
+            self.joining.append(_Running(job, self.batch.open(), self.engine.tokenizer))
 
     def _step(self) -> None:
-        for slot in [s for s, r in self.running.items() if r.job.cancelled]:
-            self._finish(self.running[slot], None)
-        if not self.running:
+        for r in [r for r in (*self.running.values(), *self.joining) if r.job.cancelled]:
+            self._finish(r, None)
+        # The decoding jobs' rows first (at most n_seq <= n_ubatch), then prompt tokens up to the step's size.
+        decoding = list(self.running.values())
+        runs: list[tuple[int, list[int]]] = [(r.slot, [r.next_token]) for r in decoding]
+        need = [True] * len(runs)
+        fed: list[tuple[_Running, int]] = []  # joining jobs in this step, and the prompt tokens each gives it
+        room = self.engine.n_ubatch - len(runs)
+        for r in self.joining:
+            if room <= 0:
+                break
+            chunk = r.job.prompt_ids[r.fed : r.fed + room]
+            runs.append((r.slot, chunk))
+            need.append(r.fed + len(chunk) == len(r.job.prompt_ids))
+            fed.append((r, len(chunk)))
+            room -= len(chunk)
+        if not runs:
             return
-        runs = list(self.running.values())
         try:
-            out = self.batch.step([r.slot for r in runs], [r.next_token for r in runs])
-        except Exception as e:  # a failure of the device or the engine: every running job learns it
-            self.log(f"error: decode step failed: {type(e).__name__}: {e}")
-            for r in runs:
-                self.emit(r.job, "error", "the decode step failed")
+            out = self.batch.step(runs, need)
+        except Exception as e:  # a failure of the device or the engine: every job in the step learns it
+            self.log(f"error: step failed: {type(e).__name__}: {e}")
+            for r in (*decoding, *(r for r, _ in fed)):
+                self.emit(r.job, "error", "the model step failed")
                 self._finish(r, None)
             return
-        for row, r in enumerate(runs):
+        for row, r in enumerate(decoding):
             r.logits = out[row]
             self._advance(r)
+        row = len(decoding)
+        for r, n in fed:
+            r.fed += n
+            if r.fed == len(r.job.prompt_ids):  # its prompt is in: the step's logits give its first token
+                self.joining.remove(r)
+                self.running[r.slot] = r
+                r.logits = out[row]
+                row += 1
+                self._advance(r)
 
     def _advance(self, r: _Running) -> None:
         """Sample the job's next token, send its text, and end the job or leave the token for the next step."""
@@ -211,7 +235,10 @@ class Scheduler:
 
     def _finish(self, r: _Running, reason: str | None) -> None:
         """Free the job's slot; with a `reason`, send the text still held and the end."""
-        del self.running[r.slot]
+        if self.running.get(r.slot) is r:
+            del self.running[r.slot]
+        else:
+            self.joining.remove(r)
         self.batch.close(r.slot)
         if reason is None:
             return

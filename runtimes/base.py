@@ -562,6 +562,23 @@ class Runtime(ABC):
             self.read_bytes(buf, out.reshape(-1).view(np.uint8))
         return out.view(np.float16).astype(np.float32) if dtype == "f16" else out
 
+    def download_rows(self, buf: Any, width: int, rows: Sequence[int], dtype: str) -> np.ndarray:
+        """Rows `rows` of a device buffer of rows of `width` values, [len(rows), width], waiting for queued work:
+        each run of consecutive rows in one read (a step's logits: only the rows to sample leave the device)."""
+        out = np.empty((len(rows), width), NUMPY_DTYPES[dtype])
+        row_bytes = width * out.itemsize
+        flat = out.reshape(-1).view(np.uint8)
+        i = 0
+        while i < len(rows):
+            j = i + 1
+            while j < len(rows) and rows[j] == rows[j - 1] + 1:
+                j += 1
+            offset, nbytes = int(rows[i]) * row_bytes, (j - i) * row_bytes
+            self._check_fits(buf, offset, nbytes, "download")
+            self.read_bytes(buf, flat[i * row_bytes : i * row_bytes + nbytes], offset)
+            i = j
+        return out.view(np.float16).astype(np.float32) if dtype == "f16" else out
+
     def write(self, buf: Any, array: np.ndarray) -> None:
         """Overwrite a device buffer's leading bytes with `array`'s bytes (inputs for one step)."""
         self.write_region(buf, 0, array)
@@ -583,9 +600,9 @@ class Runtime(ABC):
         return int(buf.nbytes)
 
     @abstractmethod
-    def read_bytes(self, buf: Any, out: np.ndarray) -> None:
-        """Copy the first `out.nbytes` bytes of a device buffer into the host bytes `out` (uint8), after the work
-        queued so far."""
+    def read_bytes(self, buf: Any, out: np.ndarray, offset: int = 0) -> None:
+        """Copy `out.nbytes` bytes of a device buffer from byte `offset` on (in bounds) into the host bytes `out`
+        (uint8), after the work queued so far."""
 
     @abstractmethod
     def write_bytes(self, buf: Any, offset: int, host: np.ndarray) -> None:
@@ -732,8 +749,8 @@ class DriverRuntime(Runtime):
         self._need_gpu()
         return self._malloc(max(int(np.prod(shape)) * DTYPE_BYTES[dtype], 4))
 
-    def read_bytes(self, buf: DeviceBuffer, out: np.ndarray) -> None:
-        self._copy(False, buf.ptr, out.ctypes.data, out.size)
+    def read_bytes(self, buf: DeviceBuffer, out: np.ndarray, offset: int = 0) -> None:
+        self._copy(False, buf.ptr + offset, out.ctypes.data, out.size)
 
     def write_bytes(self, buf: DeviceBuffer, offset: int, host: np.ndarray) -> None:
         self._copy(True, buf.ptr + offset, host.ctypes.data, host.size)

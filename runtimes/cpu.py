@@ -59,8 +59,8 @@ class CPURuntime(Runtime):
     def upload(self, array: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(array).reshape(-1).copy()
 
-    def read_bytes(self, buf: np.ndarray, out: np.ndarray) -> None:
-        out[:] = buf.view(np.uint8)[: out.size]
+    def read_bytes(self, buf: np.ndarray, out: np.ndarray, offset: int = 0) -> None:
+        out[:] = buf.view(np.uint8)[offset : offset + out.size]
 
     def write_bytes(self, buf: np.ndarray, offset: int, host: np.ndarray) -> None:
         buf.view(np.uint8)[offset : offset + host.size] = host

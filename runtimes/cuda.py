@@ -172,15 +172,16 @@ class CUDARuntime(Runtime):
             host = np.zeros(1, host.dtype)
         return self.cuda.to_device(host, stream=self.stream)
 
-    def read_bytes(self, buf: Any, out: np.ndarray) -> None:
+    def read_bytes(self, buf: Any, out: np.ndarray, offset: int = 0) -> None:
         if self.simulator:
-            out[:] = buf.view(np.uint8)[: out.size].copy_to_host(stream=self.stream)
+            out[:] = buf.view(np.uint8)[offset : offset + out.size].copy_to_host(stream=self.stream)
             self.stream.synchronize()
             return
         # Through the driver into a pinned staging buffer: numba's slice-and-copy costs far more Python a
         # call, and a pageable copy is slower; a decode step downloads its logits every token.
         staging = self.staging(out.size)
-        check(driver.cuMemcpyDtoHAsync(staging.ctypes.data, device_pointer(buf), out.size, self.stream.handle))
+        check(driver.cuMemcpyDtoHAsync(staging.ctypes.data, device_pointer(buf) + offset, out.size,
+                                       self.stream.handle))
         check(driver.cuStreamSynchronize(self.stream.handle))
         out[:] = staging[: out.size]
 

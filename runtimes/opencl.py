@@ -168,8 +168,8 @@ class OpenCLRuntime(Runtime):
     def buffer_bytes(self, buf: Any) -> int:
         return int(buf.size)
 
-    def read_bytes(self, buf: Any, out: np.ndarray) -> None:
-        cl.enqueue_copy(self.queue, out, buf, is_blocking=True)
+    def read_bytes(self, buf: Any, out: np.ndarray, offset: int = 0) -> None:
+        cl.enqueue_copy(self.queue, out, buf, src_offset=offset, is_blocking=True)
 
     def write_bytes(self, buf: Any, offset: int, host: np.ndarray) -> None:
         cl.enqueue_copy(self.queue, buf, host, dst_offset=offset, is_blocking=True)

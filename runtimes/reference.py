@@ -8,7 +8,7 @@ start of a sequence, carried from one step to the next.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -94,7 +94,7 @@ class OneSequence:
         return out
 
     def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
-             starts: np.ndarray | None = None) -> np.ndarray:
+             starts: np.ndarray | None = None, rows: Sequence[int] | None = None) -> np.ndarray:
         raise NotImplementedError
 
 
@@ -132,9 +132,10 @@ class ReferenceExecutor(OneSequence):
         self.states = {key: st.copy() for key, st in saved.items()}
 
     def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
-             starts: np.ndarray | None = None) -> np.ndarray:
+             starts: np.ndarray | None = None, rows: Sequence[int] | None = None) -> np.ndarray:
         """One step over rows of (token, position in its sequence, cache row where its sequence begins: `starts`,
-        None for all 0), as `PlanExecutor.step`; `n_past` is left as it is."""
+        None for all 0), as `PlanExecutor.step`, returning the logits (with `rows`: those rows of them); `n_past`
+        is left as it is."""
         t = len(tokens)
         self.starts = np.zeros(t, np.int32) if starts is None else np.asarray(starts, np.int32)
         env: dict[int, object] = {}
@@ -146,7 +147,8 @@ class ReferenceExecutor(OneSequence):
         for node in graph.nodes:
             args = [env[id(v)] for v in node.inputs]
             env[id(node.output)] = _IMPLS[node.op](self, node, args)
-        return env[id(graph.outputs[0])]
+        out = env[id(graph.outputs[0])]
+        return out if rows is None else out[np.asarray(rows, dtype=np.intp)]
 
     def cache(self, layer: int, hkv: int, dk: int, dv: int) -> tuple[np.ndarray, np.ndarray]:
         """The layer's (K, V) cache arrays, allocated on first use."""

@@ -65,8 +65,8 @@ class NullDevice(Runtime):
     def alloc(self, shape: Sequence[int], dtype: str) -> np.ndarray:
         return np.zeros(max(int(np.prod(shape)) * DTYPE_BYTES[dtype], 4), np.uint8)
 
-    def read_bytes(self, buf: np.ndarray, out: np.ndarray) -> None:
-        out[:] = buf[: out.size]  # as cuda's copy out of its pinned staging buffer
+    def read_bytes(self, buf: np.ndarray, out: np.ndarray, offset: int = 0) -> None:
+        out[:] = buf[offset : offset + out.size]  # as cuda's copy out of its pinned staging buffer
 
     def write_bytes(self, buf: np.ndarray, offset: int, host: np.ndarray) -> None:
         buf[offset : offset + host.size] = host

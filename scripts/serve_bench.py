@@ -10,7 +10,11 @@ token, averaged over the streams) and time to first token (mean and worst). Each
 request, and is stopped at the end. Run by hand, not by CI:
 
     python scripts/serve_bench.py MODEL [--target cuda] [--llama-server PATH [--llama-args "-ngl 99 -fa on"]]
-        [--streams 1,4,16] [--tokens 128] [--json FILE]
+        [--streams 1,4,16] [--tokens 128] [--join N] [--json FILE]
+
+With --join N it measures continuous batching instead: max(streams) - 1 streams run, and once each has a few tokens
+a request with a prompt of N tokens joins; reported: the streams' usual and longest gap between two tokens while it
+joins, and its time to first token.
 """
 
 from __future__ import annotations
@@ -73,10 +77,13 @@ class Launched:
                 self.proc.wait()
 
 
-async def one_stream(session: aiohttp.ClientSession, url: str, n_tokens: int, t0: float) -> dict:
-    """A streamed completion of `n_tokens` tokens: times (since t0) of its first and last token and its count."""
-    body = {"model": "bench", "prompt": PROMPT, "max_tokens": n_tokens, "temperature": 0, "stream": True,
+async def one_stream(session: aiohttp.ClientSession, url: str, n_tokens: int, t0: float,
+                     prompt: str | list[int] = PROMPT, times: list[float] | None = None) -> dict:
+    """A streamed completion of `n_tokens` tokens: times (since t0) of its first and last token and its count;
+    each token's time is appended to `times` as it arrives."""
+    body = {"model": "bench", "prompt": prompt, "max_tokens": n_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
+    times = [] if times is None else times
     first = last = None
     chunks, usage = 0, None
     async with session.post(url + "/v1/completions", json=body) as r:
@@ -95,6 +102,7 @@ async def one_stream(session: aiohttp.ClientSession, url: str, n_tokens: int, t0
                 now = time.perf_counter() - t0
                 first = now if first is None else first
                 last = now
+                times.append(now)
                 chunks += 1
     n = usage["completion_tokens"] if usage else chunks
     return {"ttft_s": first, "end_s": last, "tokens": n}
@@ -117,11 +125,47 @@ async def measure(url: str, n_streams: int, n_tokens: int) -> dict:
     }
 
 
-async def bench_server(server: Launched, streams: list[int], n_tokens: int, timeout_s: float) -> list[dict]:
+async def measure_join(url: str, n_streams: int, n_tokens: int, join_tokens: int) -> dict:
+    """`n_streams` streams of `n_tokens` tokens; once each has 4, a request with a prompt of `join_tokens` token
+    ids joins (4 tokens): the streams' longest gap between two tokens around its prefill (from its submission to
+    its first token) against their usual gap (the median before it joined), and the joiner's time to first
+    token."""
+    joiner_ids = [1000 + (37 * i) % 20000 for i in range(join_tokens)]
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3600)) as s:
+        t0 = time.perf_counter()
+        times: list[list[float]] = [[] for _ in range(n_streams)]
+        tasks = [asyncio.create_task(one_stream(s, url, n_tokens, t0, times=t)) for t in times]
+        while min(map(len, times)) < 4:
+            await asyncio.sleep(0.005)
+        t_join = time.perf_counter() - t0
+        joiner = await one_stream(s, url, 4, t0, prompt=joiner_ids)
+        await asyncio.gather(*tasks)
+    t_first = joiner["ttft_s"]
+    before = [b - a for t in times for a, b in zip(t, t[1:]) if b <= t_join]
+    around = [b - a for t in times for a, b in zip(t, t[1:]) if b > t_join and a < t_first]
+    return {
+        "streams": n_streams,
+        "join_tokens": join_tokens,
+        "gap_ms_usual": 1000 * statistics.median(before),
+        "gap_ms_longest": 1000 * max(around, default=0.0),
+        "join_ttft_ms": 1000 * (t_first - t_join),
+        "streams_outlasted_join": all(t[-1] > t_first for t in times),  # else the gaps miss part of the prefill
+    }
+
+
+async def bench_server(server: Launched, streams: list[int], n_tokens: int, timeout_s: float,
+                       join_tokens: int = 0) -> list[dict]:
     try:
         await server.ready(timeout_s)
         await measure(server.url, 1, 8)  # warm-up: first launches, lazily built state
         rows = []
+        if join_tokens:
+            # Warm-up of the prompt steps' plans, then the join beside max(streams) - 1 streams.
+            await measure_join(server.url, 1, 16, min(join_tokens, 64))
+            row = {"server": server.name, **await measure_join(server.url, max(streams) - 1, n_tokens, join_tokens)}
+            print(f"{server.name}: join of {join_tokens} tokens: longest gap {row['gap_ms_longest']:.0f} ms, "
+                  f"TTFT {row['join_ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
+            return [row]
         for n in streams:
             row = {"server": server.name, **await measure(server.url, n, n_tokens)}
             print(f"{server.name}: {n} streams: {row['aggregate_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
@@ -132,6 +176,12 @@ async def bench_server(server: Launched, streams: list[int], n_tokens: int, time
 
 
 def table(rows: list[dict]) -> str:
+    if rows and "join_tokens" in rows[0]:
+        out = ["| server | streams | joining prompt tokens | usual gap ms | longest gap ms | joiner's TTFT ms |",
+               "|---|---|---|---|---|---|"]
+        out += [f"| {r['server']} | {r['streams']} | {r['join_tokens']} | {r['gap_ms_usual']:.0f} | "
+                f"{r['gap_ms_longest']:.0f} | {r['join_ttft_ms']:.0f} |" for r in rows]
+        return "\n".join(out)
     out = ["| server | streams | aggregate tok/s | per-stream tok/s | TTFT mean ms | TTFT max ms |",
            "|---|---|---|---|---|---|"]
     for r in rows:
@@ -147,6 +197,9 @@ def main() -> int:
     ap.add_argument("--streams", default="1,4,16", help="comma-separated counts of concurrent streams")
     ap.add_argument("--tokens", type=int, default=128, help="tokens each stream generates")
     ap.add_argument("--slot-ctx", type=int, default=512, help="context tokens a parallel slot holds")
+    ap.add_argument("--join", type=int, default=0, metavar="N",
+                    help="instead: max(streams) - 1 streams, joined by a request with a prompt of N tokens (the "
+                         "streams' longest gap between tokens and the joiner's time to first token)")
     ap.add_argument("--llama-server", default=None, metavar="PATH", help="a llama-server binary to compare with")
     ap.add_argument("--llama-args", default="", help="extra llama-server arguments, e.g. \"-ngl 99 -fa on\"")
     ap.add_argument("--polystrata-args", default="", help="extra `polystrata serve` arguments, e.g. \"--kv-type q8_0\"")
@@ -169,13 +222,13 @@ def main() -> int:
             logs / "serve_bench.polystrata.log"))
     rows = []
     for s in servers:
-        rows += asyncio.run(bench_server(s, streams, a.tokens, a.timeout))
+        rows += asyncio.run(bench_server(s, streams, a.tokens, a.timeout, a.join))
     if a.llama_server:
         port = _free_port()
         server = Launched("llama-server", [
             a.llama_server, "-m", a.model, "--port", str(port), "--parallel", str(parallel), "-c", str(ctx),
             "--cont-batching", *shlex.split(a.llama_args)], port, logs / "serve_bench.llama-server.log")
-        rows += asyncio.run(bench_server(server, streams, a.tokens, a.timeout))
+        rows += asyncio.run(bench_server(server, streams, a.tokens, a.timeout, a.join))
     print(table(rows))
     if a.json:
         Path(a.json).write_text(json.dumps({"model": os.path.abspath(a.model) if os.path.exists(a.model) else a.model,

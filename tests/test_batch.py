@@ -89,7 +89,7 @@ def test_batched_steps_match_each_sequence_alone(tiny_llama, target):
     pending = {s: 0 for s in range(3)}  # sequence -> index of its next token
     while pending:
         seqs = sorted(pending, key=lambda s: (s + step) % 3)  # rows in a varying order
-        out = bd.step([slot[s] for s in seqs], [conts[s][pending[s]] for s in seqs])
+        out = bd.step([(slot[s], [conts[s][pending[s]]]) for s in seqs])
         for row, s in enumerate(seqs):
             got[s].append(out[row])
             pending[s] += 1
@@ -112,6 +112,68 @@ def test_batched_steps_match_each_sequence_alone(tiny_llama, target):
         assert (id(eng.graph_all), 3) in eng.executor.graphs and eng.runtime.replays >= 1
 
 
+@pytest.mark.parametrize("target", ["reference", *targets_under_test(), "cpu-graphs",
+                                    *(f"{t}-tiles" for t in targets_under_test() if t != "cpu")])
+def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
+    """Steps mixing decode rows with runs of prompt tokens (continuous batching): a run of several rows of one
+    sequence attends causally to its own earlier rows of the same step and to its cache, not to the rows of other
+    sequences or its own later ones; each wanted row's logits equal those of the same tokens run alone (bit for bit
+    on the kernel targets, within float rounding on the reference), and only the wanted rows leave the device.
+    -tiles: the prefill attention in tiles of 4 query rows at every step size (GPU targets take it for steps over 64
+    rows), so tiles hold rows of several sequences. cpu-graphs: steps replayed as device graphs (as on cuda), the
+    9-row graph captured at one mixed step replayed at another, of other sequences and positions."""
+    knobs = {"attention": {"tiles": "1", "tiles_above": "0", "q_tile": "4"}} if target.endswith("-tiles") else None
+    eng = alone_eng = Engine(tiny_llama, target=target.removesuffix("-tiles").removesuffix("-graphs"), n_ctx=64,
+                             knobs=knobs)
+    if target == "cpu-graphs":
+        eng = Engine(tiny_llama, target="cpu", n_ctx=64)
+        eng.runtime = _GraphCPU()
+        eng.executor = eng._make_executor()
+    seqs = [_tokens(n, s) for n, s in ((17, 11), (16, 12), (15, 13))]  # each: its prompt, then what it decodes
+    alone = []
+    for ids in seqs:
+        alone_eng.reset()
+        alone.append(alone_eng.forward(ids, all_logits=True))
+    bd = BatchDecoder(eng, 3)
+    a, b, c = bd.open(), bd.open(), bd.open()
+    slot_of = {a: 0, b: 1, c: 2}
+    read: list[int] = []
+    plans: list[str] = []
+    graphs = {id(eng.graph_step): "step", id(eng.graph_last): "last", id(eng.graph_all): "all"}
+    step = eng.executor.step
+    eng.executor.step = lambda graph, *a, **kw: (plans.append(graphs[id(graph)]), step(graph, *a, **kw))[1]
+    if eng.runtime is not None:  # count the bytes that leave the device
+        read_bytes = eng.runtime.read_bytes
+        eng.runtime.read_bytes = lambda buf, out, offset=0: (read.append(out.size), read_bytes(buf, out, offset))[1]
+
+    def check(runs: list[tuple[int, int, int]], need: list[bool], plan: str) -> None:
+        """A step of runs (slot, first, end) of the sequences' tokens: the wanted rows against the runs alone, the
+        step run with `plan`."""
+        read.clear()
+        out = bd.step([(s, seqs[slot_of[s]][i:j]) for s, i, j in runs], need)
+        want = np.stack([alone[slot_of[s]][j - 1] for (s, _, j), w in zip(runs, need) if w])
+        assert out.shape == want.shape
+        if target == "reference":
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+        else:
+            np.testing.assert_array_equal(out, want)
+            assert sum(read) == out.nbytes  # only the wanted rows were read
+        for s, _, j in runs:
+            assert bd.n_past[s] == j
+        assert plans[-1] == plan
+
+    check([(a, 0, 5)], [True], "last")  # a prompt alone
+    check([(a, 5, 6), (b, 0, 4)], [True, False], "last")  # one row wanted: its run goes last
+    check([(a, 6, 7), (b, 4, 9), (c, 0, 3)], [True, True, False], "all")  # a chunk ending a prompt, one starting
+    check([(b, 9, 10), (c, 3, 8), (a, 7, 8)], [True, True, True], "all")  # a prompt's run between decode rows
+    check([(a, 8, 9), (c, 8, 10)], [False, True], "last")
+    check([(b, 10, 11)], [True], "step")  # one decode row
+    check([(a, 9, 12), (c, 10, 15), (b, 11, 12)], [False, True, True], "all")  # 9 rows again (captured)
+    check([(a, 12, 17), (b, 12, 16)], [True, True], "all")  # and again (replayed)
+    if target == "cpu-graphs":
+        assert (id(eng.graph_all), 9) in eng.executor.graphs and eng.runtime.replays >= 2
+
+
 def test_slots_and_their_context(tiny_llama):
     """Each sequence holds n_ctx // N tokens; slots are refused when all are taken or the context is too small."""
     eng = Engine(tiny_llama, target="reference", n_ctx=16)
@@ -120,12 +182,17 @@ def test_slots_and_their_context(tiny_llama):
     with pytest.raises(PolystrataError, match="slots are busy"):
         bd.open()
     bd.prefill(a, _tokens(7, 1))
-    bd.step([a], [5])
+    bd.step([(a, [5])])
     with pytest.raises(PolystrataError, match="context length exceeded"):
-        bd.step([a, b], [5, 6])
+        bd.step([(a, [5]), (b, [6])])
     with pytest.raises(PolystrataError, match="context length exceeded: 9 tokens > 8"):
         bd.prefill(b, _tokens(9, 2))
     bd.close(a)
     assert bd.open() == a
     with pytest.raises(PolystrataError, match="cannot hold 9 sequences"):
         BatchDecoder(eng, 9)
+    eng.n_ubatch = 4  # as -ub 4 gives (the reference executor has no plans of a step size)
+    with pytest.raises(ValueError, match="a step of 5 tokens exceeds the step size 4"):
+        bd.step([(a, [5, 6]), (b, [7, 8, 9])])
+    with pytest.raises(ValueError, match="distinct sequences"):
+        bd.step([(a, [5]), (a, [6])])

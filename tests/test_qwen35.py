@@ -110,8 +110,8 @@ def test_batched_decoding_takes_one_sequence_with_a_recurrent_state(tiny_hybrid)
     for _ in range(2):
         slot = b.open()
         np.testing.assert_allclose(b.prefill(slot, ids[:3]), alone[2], rtol=0, atol=1e-5)
-        np.testing.assert_allclose(b.step([slot], [ids[3]])[0], alone[3], rtol=0, atol=1e-5)
-        np.testing.assert_allclose(b.step([slot], [ids[4]])[0], alone[4], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(b.step([(slot, [ids[3]])])[0], alone[3], rtol=0, atol=1e-5)
+        np.testing.assert_allclose(b.step([(slot, [ids[4]])])[0], alone[4], rtol=0, atol=1e-5)
         b.close(slot)
 
 

@@ -73,8 +73,8 @@ class _Recorder(Runtime):
     def alloc(self, shape, dtype):
         return np.zeros(max(int(np.prod(shape)) * 4, 4), np.uint8)
 
-    def read_bytes(self, buf, out):
-        out[:] = buf[: out.size]
+    def read_bytes(self, buf, out, offset=0):
+        out[:] = buf[offset : offset + out.size]
 
     def write_bytes(self, buf, offset, host):
         buf[offset : offset + host.size] = host
@@ -106,7 +106,7 @@ def test_base_defaults_capture_replay_and_timing():
 @pytest.mark.parametrize("runtime", [_Recorder, CPURuntime])
 def test_base_moves_bytes_and_reinterprets_them(runtime):
     """`write` copies an array's bytes whatever the buffer's dtype; `download` views the bytes as the asked dtype
-    (f16 back as f32); both refuse to go past the buffer's end."""
+    (f16 back as f32), `download_rows` the rows asked for; all refuse to go past the buffer's end."""
     rt = runtime()
     buf = rt.alloc((4,), "f32")
     rt.write(buf, np.array([1.5, -2.0], np.float16))
@@ -119,6 +119,12 @@ def test_base_moves_bytes_and_reinterprets_them(runtime):
         rt.write_region(buf, 12, np.zeros(2, np.float32))
     with pytest.raises(PolystrataError, match="download of 20 bytes"):
         rt.download(buf, (5,), "f32")
+    rows = rt.alloc((12,), "f32")  # 4 rows of 3: rows 0, 2 and 3 read (two reads)
+    rt.write(rows, np.arange(12, dtype=np.float32))
+    np.testing.assert_array_equal(rt.download_rows(rows, 3, [0, 2, 3], "f32"), [[0, 1, 2], [6, 7, 8], [9, 10, 11]])
+    assert rt.download_rows(rows, 3, [], "f32").shape == (0, 3)
+    with pytest.raises(PolystrataError, match="download of 12 bytes at 48 beyond a 48-byte"):
+        rt.download_rows(rows, 3, [1, 4], "f32")
 
 
 def test_every_package_is_installed_by_a_plain_pip_install():

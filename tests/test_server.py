@@ -6,6 +6,7 @@ text is gibberish but deterministic; the batched decoding under it is checked ag
 
 from __future__ import annotations
 
+import http.client
 import json
 import re
 import signal
@@ -52,10 +53,15 @@ def client(served):
     return openai.OpenAI(base_url=served[0] + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def _alone(eng: Engine, ids: list[int], n: int, seed: int | None = None, temp: float = 0.0) -> str:
+def _alone(eng: Engine, ids: list[int], n: int, seed: int | None = None, temp: float = 0.0,
+           ignore_eos: bool = False) -> str:
     """What the engine generates on its own: the text a server's answer must equal."""
     sampler = Sampler(SamplerConfig(temperature=temp, seed=seed))
-    return eng.tokenizer.decode(list(eng.generate(ids, n, sampler)))
+    stop = (lambda _tok: False) if ignore_eos else None
+    return eng.tokenizer.decode(list(eng.generate(ids, n, sampler, stop=stop)))
+
+
+LONG = " ".join(f"word{i} and" for i in range(25))  # a prompt of many steps of 8 tokens (91)
 
 
 def test_chat_whole_and_streamed(client, served):
@@ -110,6 +116,68 @@ def test_seeded_sampling_and_parallel_requests(client, served):
 
     with ThreadPoolExecutor(5) as pool:
         assert list(pool.map(ask, range(5))) == want
+
+
+def test_long_and_short_prompts_at_once_in_shared_steps(client, served, monkeypatch):
+    """Steps of 8 rows here: four requests at once on two slots, long prompts and short ones; the long prompts go
+    in chunks over several steps, beside the other request's decode rows or the end of another prompt. Each answer
+    is what its prompt gives alone."""
+    _, eng, sched = served
+    monkeypatch.setattr(eng, "n_ubatch", 8)
+    prompts = [LONG, "Hi", " ".join(f"and word{i}" for i in range(25)), "Tell me more"]
+    assert min(len(eng.tokenizer.encode(p)) for p in prompts[::2]) > 40
+    want = [_alone(eng, eng.tokenizer.encode(p), 12 + i, ignore_eos=True) for i, p in enumerate(prompts)]
+    sizes: list[list[int]] = []
+    step = sched.batch.step
+    monkeypatch.setattr(sched.batch, "step", lambda runs, need=None: (sizes.append([len(t) for _, t in runs]),
+                                                                      step(runs, need))[1])
+
+    def ask(i: int) -> str:
+        r = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=12 + i, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 12 + i
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(ask, range(4))) == want
+    assert max(map(sum, sizes)) == 8  # steps filled to the step size
+    assert any(len(s) > 1 and max(s) > 1 for s in sizes)  # a prompt's chunk shared a step with another request
+
+
+def test_a_stream_goes_on_while_a_long_prompt_joins(client, served, monkeypatch):
+    """While a long prompt is fed (steps of 8 rows, each slowed by 5 ms here), a running stream keeps receiving
+    tokens: its decode row is in every step. (Were the prompt prefilled alone, the stream would wait for all of
+    it: at most the token of the step under way between the long job's submission to the scheduler and its first
+    token.) Both texts are what they give alone."""
+    _, eng, sched = served
+    monkeypatch.setattr(eng, "n_ubatch", 8)
+    ids = eng.tokenizer.encode(LONG)
+    want_long, want_short = _alone(eng, ids, 4, ignore_eos=True), _alone(eng, eng.tokenizer.encode("Hi"), 60,
+                                                                          ignore_eos=True)
+    events: list[str] = []
+    step, submit = sched.batch.step, sched.submit
+    monkeypatch.setattr(sched.batch, "step", lambda *a: (time.sleep(0.005), step(*a))[1])
+    monkeypatch.setattr(sched, "submit", lambda job: (events.append("submitted") if len(job.prompt_ids) > 50 else None,
+                                                      submit(job))[1])
+    first = threading.Event()
+    texts: dict[str, list[str]] = {"short": [], "long": []}
+
+    def read(name: str, prompt: str, n: int) -> None:
+        for c in client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True}):
+            if c.choices and c.choices[0].text:
+                texts[name].append(c.choices[0].text)
+                events.append(name)
+                first.set()
+
+    with ThreadPoolExecutor(2) as pool:
+        short = pool.submit(read, "short", "Hi", 60)
+        assert first.wait(30)
+        pool.submit(read, "long", LONG, 4).result()
+        short.result()
+    between = events[events.index("submitted"):events.index("long")]
+    assert between.count("short") >= len(ids) // 8 // 2  # about one a step of the prompt's (7 rows each)
+    assert ("".join(texts["long"]), "".join(texts["short"])) == (want_long, want_short)
 
 
 def test_models_health_and_api_key(client, served):
@@ -193,22 +261,45 @@ def test_a_client_that_leaves_frees_its_slot(served, monkeypatch, stream):
     assert jobs[0].cancelled and jobs[0].n_generated < 50
 
 
+def test_a_client_that_leaves_while_its_prompt_is_fed_frees_its_slot(served, monkeypatch):
+    """A client that disconnects while its long prompt is still being fed (steps of 4 rows, slowed to 20 ms): the
+    job is dropped at the next step, before it generates anything, and its slot is free again."""
+    url, eng, sched = served
+    jobs = []
+    submit, step = sched.submit, sched.batch.step
+    monkeypatch.setattr(eng, "n_ubatch", 4)
+    monkeypatch.setattr(sched, "submit", lambda job: (jobs.append(job), submit(job))[1])
+    monkeypatch.setattr(sched.batch, "step", lambda *a: (time.sleep(0.02), step(*a))[1])
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": LONG, "max_tokens": 4}),
+                 {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    deadline = time.monotonic() + 5
+    while not (sched.joining and sched.joining[0].fed) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert sched.joining and sched.joining[0].fed < len(jobs[0].prompt_ids)  # its prompt is being fed
+    conn.close()
+    while (sched.joining or sched.running or len(sched.batch.free) < 2) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not sched.joining and not sched.running and len(sched.batch.free) == 2
+    assert jobs[0].cancelled and jobs[0].n_generated == 0
+
+
 def test_a_failing_engine_gives_500_and_the_server_goes_on(served, client, monkeypatch):
-    """A failure inside the engine (here the prefill raising): that request gets a 500 JSON error, streamed or
-    not, no traceback; the next request is served."""
+    """A failure inside the engine (here the step raising): the requests in that step get a 500 JSON error,
+    streamed or not, no traceback; the next request is served."""
     _, _, sched = served
 
-    def broken(slot, ids):
+    def broken(runs, need=None):
         raise RuntimeError("device lost")
 
-    prefill = sched.batch.prefill
-    monkeypatch.setattr(sched.batch, "prefill", broken)
+    step = sched.batch.step
+    monkeypatch.setattr(sched.batch, "step", broken)
     with pytest.raises(openai.InternalServerError) as e:
         client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
-    assert e.value.status_code == 500 and e.value.body["message"] == "the prefill failed"
-    with pytest.raises(openai.APIError, match="the prefill failed"):
+    assert e.value.status_code == 500 and e.value.body["message"] == "the model step failed"
+    with pytest.raises(openai.APIError, match="the model step failed"):
         list(client.completions.create(model="tiny", prompt="Hello", max_tokens=3, stream=True))
-    monkeypatch.setattr(sched.batch, "prefill", prefill)
+    monkeypatch.setattr(sched.batch, "step", step)
     again = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
     assert again.usage.completion_tokens == 3
 

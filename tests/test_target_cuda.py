@@ -213,6 +213,8 @@ def test_buffers_and_empty_grid(rt):
     rt.write(buf, np.array([1, 2, 3], np.float16))
     np.testing.assert_array_equal(rt.download(buf, (5,), "f16"), [1, 2, 3, 0, 0])
     assert rt.download(rt.upload(np.zeros(0, np.float32)), (0,), "f32").size == 0
+    rows = rt.upload(np.arange(12, dtype=np.float32))  # 4 rows of 3: reads at an offset
+    np.testing.assert_array_equal(rt.download_rows(rows, 3, [0, 2, 3], "f32"), [[0, 1, 2], [6, 7, 8], [9, 10, 11]])
     out = run(rt, grid_kernel(), {}, {"y": (10 * np.prod(GRID), "i32")}, {}, (0, *GRID[1:]))
     assert out["y"].view(np.uint32).min() == 0xFFFFFFFF  # nothing launched
     assert rt.memory_info() is None and rt.lanes == 128 and rt.subgroup == 32

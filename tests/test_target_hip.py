@@ -373,6 +373,8 @@ def test_nvidia_runtime_is_nvrtc(nvrt):
     np.testing.assert_array_equal(nvrt.download(buf, (5,), "i32"), np.zeros(5, np.int32))
     nvrt.write(buf, np.arange(3, dtype=np.int32))
     np.testing.assert_array_equal(nvrt.download(buf, (5,), "i32"), [0, 1, 2, 0, 0])
+    rows = nvrt.upload(np.arange(12, dtype=np.float32))  # 4 rows of 3: reads at an offset
+    np.testing.assert_array_equal(nvrt.download_rows(rows, 3, [0, 2, 3], "f32"), [[0, 1, 2], [6, 7, 8], [9, 10, 11]])
     with pytest.raises(PolystrataError, match="write of 24 bytes at 0 beyond a 20-byte hip buffer"):
         nvrt.write(buf, np.arange(6, dtype=np.int32))
     if hipnv.include_dirs():

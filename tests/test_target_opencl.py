@@ -190,6 +190,8 @@ def test_memory_and_buffers(rt):
     buf = rt.alloc((5,), "f16")
     rt.write(buf, np.array([1, 2, 3], np.float16))
     np.testing.assert_array_equal(rt.download(buf, (5,), "f16"), [1, 2, 3, 0, 0])
+    rows = rt.upload(np.arange(12, dtype=np.float32))  # 4 rows of 3: reads at an offset
+    np.testing.assert_array_equal(rt.download_rows(rows, 3, [0, 2, 3], "f32"), [[0, 1, 2], [6, 7, 8], [9, 10, 11]])
 
 
 _OCLGRIND_SCRIPT = """

@@ -43,8 +43,8 @@ def test_steps_of_16_and_64_give_the_same_logits(tiny, target):
     steps: dict[int, list[int]] = {16: [], 64: []}
     for ub, e in eng.items():  # every step's rows, whether of `forward` or of a sequence slot's prefill
         step = e.executor.step
-        e.executor.step = lambda graph, tokens, *args, ub=ub, step=step: (steps[ub].append(len(tokens)),
-                                                                         step(graph, tokens, *args))[1]
+        e.executor.step = lambda graph, tokens, *args, ub=ub, step=step, **kw: (steps[ub].append(len(tokens)),
+                                                                               step(graph, tokens, *args, **kw))[1]
     full = {ub: e.score(ids) for ub, e in eng.items()}
     assert steps == {16: [16, 16, 16, 2], 64: [50]}
     # The tolerance of test_models' chunked prefill (the kernel targets agree far closer).

@@ -14,7 +14,7 @@ valid whatever the cache holds.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -181,10 +181,10 @@ class PlanExecutor(OneSequence):
             self.rt.write(self.handles[name], data)
 
     def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
-             starts: np.ndarray | None = None) -> np.ndarray:
+             starts: np.ndarray | None = None, rows: Sequence[int] | None = None) -> np.ndarray:
         """One step over rows of (token, position in its sequence, cache row where its sequence begins: `starts`,
-        None for all 0), whatever sequences they belong to (`polystrata/batch.py`); returns the logits. `n_past`
-        is left as it is."""
+        None for all 0), whatever sequences they belong to (`polystrata/batch.py`); returns the logits, or with
+        `rows` only those rows of them (the rest never leave the device). `n_past` is left as it is."""
         plan = self.plans[id(graph)]
         t = len(tokens)
         if t > plan.t_max:
@@ -203,8 +203,12 @@ class PlanExecutor(OneSequence):
         else:
             self._launch((pid, t), self.bound[pid], step)
         end = rt.mark() if timed else None
-        rows = t if plan.output_shape[0] == "T" else int(plan.output_shape[0])
-        out = rt.download(self.handles[(id(plan), plan.output)], (rows, int(plan.output_shape[1])), "f32")
+        n_out = t if plan.output_shape[0] == "T" else int(plan.output_shape[0])
+        logits, width = self.handles[(id(plan), plan.output)], int(plan.output_shape[1])
+        if rows is None:
+            out = rt.download(logits, (n_out, width), "f32")
+        else:
+            out = rt.download_rows(logits, width, rows, "f32")
         self.last_device_s = rt.elapsed(start, end) if timed else None
         if self.streamer is not None:
             self.streamer.tokens += t
