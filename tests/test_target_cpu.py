@@ -97,3 +97,4 @@ def test_ssa_in_one_sweep_matches_numba(module, tmp_path):
     assert got == want
     text = str(want)
     assert text.count(" = phi(") >= 2 and text.count(".1 = ") > 30, text[:2000]  # phis, many renamed variables
+

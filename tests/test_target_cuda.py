@@ -305,6 +305,34 @@ def test_one_pass_lowering_scan_matches_numba_cuda(tmp_path):
     assert max(n for n, _ in agree) > 100  # a real kernel: hundreds of register variables
 
 
+
+@inner
+def test_repeated_reads_are_rendered_once_per_run(rt):
+    """The cuda printer reads a load repeated within a run of straight-line statements once (a temporary), but
+    reads again after a store (the output may be the input: here it is) and after the index's variable changes."""
+    from polystrata.ir.expr import Const
+    from polystrata.ir.kernel import Assign, Buf, Decl, Kernel, Let, Load, Store, Var
+
+    g0, i, a, b, c, d = (Var(v) for v in ("g0", "i", "a", "b", "c", "d"))
+    kern = Kernel("cse", (Buf("x", "i32"), Buf("y", "i32", True), Buf("z", "i32", True)), (Const(1),), (
+        Let("a", Load("x", g0) + Load("x", g0)),
+        Store("y", g0, a),  # y is x: x[0] doubles
+        Let("b", Load("x", g0) + Load("x", g0)),
+        Store("y", g0 + 1, b),
+        Decl("i", "i32", g0 + 2),
+        Let("c", Load("z", i) * Load("z", i)),
+        Assign("i", i + 1),
+        Let("d", Load("z", i) * Load("z", i)),
+        Store("z", Const(0), c),
+        Store("z", Const(1), d),
+    ))
+    source = render(kern)
+    assert source.count("x[np.uint64(g0)]") == 2 and source.count("z[np.uint64(i)]") == 2, source
+    x, z = rt.upload(np.array([3, 0], np.int32)), rt.upload(np.array([0, 0, 5, 7], np.int32))
+    rt.launch(rt.compile(kern), rt.args_for(kern, {"x": x, "y": x, "z": z}, {}), (1,))
+    assert rt.download(x, (2,), "i32").tolist() == [6, 12]
+    assert rt.download(z, (4,), "i32").tolist() == [25, 49, 5, 7]
+
 def test_barriers_follow_the_model():
     src = render(shared_kernel(64))
     body = src[src.index("def shared64"):]
