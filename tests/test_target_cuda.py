@@ -333,6 +333,30 @@ def test_repeated_reads_are_rendered_once_per_run(rt):
     assert rt.download(x, (2,), "i32").tolist() == [6, 12]
     assert rt.download(z, (4,), "i32").tolist() == [25, 49, 5, 7]
 
+
+@inner
+def test_shared_reads_leave_a_matvec_unchanged(rt, monkeypatch):
+    """A Q4_K matvec of two tokens with each weight word decoded once for both (`reuse`: the kernel that repeats
+    its reads most) gives, bit for bit, the same outputs rendered with shared reads and without."""
+    from polystrata.codegen.cuda import CUDAPrinter
+    from polystrata.codegen.recipes.linear import matvec_q8_kernel
+    from polystrata.ir.encode import quantize
+    from polystrata.ir.formats import FORMATS
+
+    n, k, tokens = 4, 256, 2
+    kern = matvec_q8_kernel("t_shared", [FORMATS["Q4_K"]], n, k, tokens=tokens, lanes=32, runs=1, reuse=True)
+    rng = np.random.default_rng(0)
+    inputs = {"xq": rng.integers(0, 2**32, tokens * k // 4, dtype=np.uint32),
+              "xd": rng.random(tokens * k // 32, dtype=np.float32),
+              "w0": quantize(FORMATS["Q4_K"], rng.standard_normal((n, k)).astype(np.float32)).reshape(-1)}
+    got = {}
+    for share in (True, False):
+        monkeypatch.setattr(CUDAPrinter, "share_reads", share)
+        assert ("_cse" in rt.render(kern)) == share
+        got[share] = run(rt, kern, inputs, {"y": (tokens * n, "f32")}, {"T": tokens}, grid=(n, 1))["y"]
+    assert np.isfinite(got[True]).all()
+    np.testing.assert_array_equal(got[True], got[False])
+
 def test_barriers_follow_the_model():
     src = render(shared_kernel(64))
     body = src[src.index("def shared64"):]
