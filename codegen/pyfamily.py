@@ -178,7 +178,9 @@ class PyPrinter:
         self.tables: set[str] = set()
         # Repeated subexpressions of the straight-line run being rendered, bound to temporaries (`straight`).
         self.shared: dict[tuple, str] | None = None
+        self.versions: dict[str, int] = {}  # variable (or "" for memory) -> assignments so far in the run
         self.single: set[str] = set()
+        self.depth = 0
         self.in_index = False  # rendering the index of a load
         self.temps = 0
         self.local_names = frozenset(a.name for a in k.local)
@@ -315,7 +317,7 @@ class PyPrinter:
 
     def straight(self, run: list, depth: int) -> None:
         """Render the straight-line statements `run` at `depth`, repeated subexpressions bound once."""
-        self.versions: dict[str, int] = {}  # variable (or "" for memory) -> assignments so far in the run
+        self.versions = {}
         seen: dict[tuple, int] = {}
         for s in run:
             for x in self.stmt_exprs(s):
