@@ -31,6 +31,7 @@ class CUDAPrinter(PyPrinter):
     helper_decorator = 'cuda.jit(device=True, inline="always")'
     lane_id = "_lid"
     barrier = "cuda.syncthreads()"
+    share_reads = True
 
     def __init__(self, k: Kernel, shuffles: bool = False, native: bool = False, mma: bool = False):
         super().__init__(k, LaneAbilities(subgroup=WARP if shuffles else 0, several=True,

@@ -14,6 +14,7 @@ uniform stores into (the lane id, `Barrier`, `SubgroupReduce`); a one-lane targe
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 from polystrata.codegen.lanes import ONE_LANE, Barrier, LaneAbilities, LaneId, MatrixOp, SubgroupReduce, lower
 from polystrata.ir.expr import TABLES, Table
@@ -105,6 +106,54 @@ def prelude(imports: str, decorator: str) -> str:
     return imports + "\n" + HELPERS.format(dec=decorator)
 
 
+def _operands(x) -> tuple:
+    """The subexpressions `PyPrinter.e` renders inside `x` (not the buffer name of a load)."""
+    if isinstance(x, Bin):
+        return x.a, x.b
+    if isinstance(x, Select):
+        return x.cond, x.a, x.b
+    if isinstance(x, ToF32 | Cast):
+        return (x.a,)
+    if isinstance(x, Load | Table):
+        return (x.index,)
+    if isinstance(x, Call):
+        return x.args[1:] if x.fn == "load_u32" else x.args
+    return ()
+
+
+def _index_of(x):
+    """The index operand of a load (of a buffer, a table, or a word by `load_u32`), else None."""
+    if isinstance(x, Load | Table):
+        return x.index
+    return x.args[1] if isinstance(x, Call) and x.fn == "load_u32" else None
+
+
+def _reads_memory(x) -> bool:
+    return isinstance(x, Load) or isinstance(x, Call) and x.fn == "load_u32"
+
+
+def _reads(x, local: frozenset, memo: dict) -> tuple | None:
+    """The variables `x` reads ("" for memory, through a load), sorted; None where it must not be shared (it
+    loads from a local array). `memo`: earlier answers, by expression."""
+    if x in memo:
+        return memo[x]
+    names: set[str] | None = set()
+    for a in _operands(x):
+        if isinstance(a, Var):
+            names.add(a.name)
+        elif not isinstance(a, LaneId | Const):
+            r = _reads(a, local, memo)
+            if r is None:
+                names = None
+                break
+            names.update(r)
+    buf = x.buf if isinstance(x, Load) else x.args[0].name if isinstance(x, Call) and x.fn == "load_u32" else None
+    if names is not None and buf is not None:
+        names = None if buf in local else names | {""}  # "": memory
+    memo[x] = out = None if names is None else tuple(sorted(names))
+    return out
+
+
 class PyPrinter:
     """Renders one `Kernel` as a Python module for Numba; subclasses supply the target's execution mapping."""
 
@@ -116,6 +165,9 @@ class PyPrinter:
     # by its alignment argument, and 4-byte element loads by the bytes their `align` promises (`promised_bytes`).
     aligned_loads: dict[int, str] = {}
     aligned_elements: dict[int, str] = {}
+    # Repeated loads and their index arithmetic computed once within a run of statements (`straight`): for
+    # NVVM's long unrolled kernels; the CPU's kernels are short, and gained nothing measurable.
+    share_reads = False
 
     def __init__(self, k: Kernel, abilities: LaneAbilities = ONE_LANE):
         """`abilities`: what the target does with lanes (`codegen/lanes.py`; default: one thread per group)."""
@@ -124,6 +176,15 @@ class PyPrinter:
         self.f16 = {p.name for p in k.params if isinstance(p, Buf) and p.dtype == "f16"}
         self.f16 |= {a.name for a in k.local if a.dtype == "f16"}
         self.tables: set[str] = set()
+        # Repeated subexpressions of the straight-line run being rendered, bound to temporaries (`straight`).
+        self.shared: dict[tuple, str] | None = None
+        self.versions: dict[str, int] = {}  # variable (or "" for memory) -> assignments so far in the run
+        self.single: set[str] = set()
+        self.depth = 0
+        self.in_index = False  # rendering the index of a load
+        self.temps = 0
+        self.local_names = frozenset(a.name for a in k.local)
+        self.reads: dict = {}  # `_reads` memo
 
     # --- target hooks ---------------------------------------------------------------------------------
 
@@ -142,7 +203,42 @@ class PyPrinter:
     # --- expressions ----------------------------------------------------------------------------------
 
     def e(self, x) -> str:
-        """Render an expression."""
+        """Render an expression (a repeated subexpression of the run being rendered: its temporary)."""
+        if self.shared and (self.in_index or _reads_memory(x)) and (key := self.cse_key(x)) in self.shared:
+            name = self.shared[key]
+            if not name:  # its first use: bind it just before the statement being rendered
+                read = self.memory_read(x) if _reads_memory(x) else ""
+                self.shared[key] = name = f"_cse{self.temps}"
+                self.temps += 1
+                self.emit(self.depth, f"{name} = {read or self.render_expr(x)}")
+            return self.widening(x).format(name) if _reads_memory(x) else name
+        return self.render_expr(x)
+
+    def memory_read(self, x) -> str:
+        """A load (`Load`, `load_u32`) as its read of memory, before `widening`."""
+        if isinstance(x, Call):
+            i = self.index(x.args[1])
+            if isinstance(x.args[2], Const) and x.args[2].value in self.aligned_loads:
+                return f"{self.aligned_loads[x.args[2].value]}({x.args[0].name}, np.uint64({i}))"
+            return f"load_u32({x.args[0].name}, {i}, {self.e(x.args[2])})"
+        # Indices are never negative in the IR; an unsigned index spares Numba its wrap-around check, which
+        # otherwise keeps loops over consecutive elements from vectorizing.
+        i = self.index(x.index)
+        if promised_bytes(self.k, x) in self.aligned_elements:
+            return f"{self.aligned_elements[promised_bytes(self.k, x)]}({x.buf}, np.uint64({i}))"
+        return f"{x.buf}[np.uint64({i})]"
+
+    def widening(self, x) -> str:
+        """The format that takes a load's read to the load's value (int64, f16 converted); a shared read keeps it
+        at each use, where LLVM can narrow the arithmetic on it."""
+        if isinstance(x, Call):
+            aligned = isinstance(x.args[2], Const) and x.args[2].value in self.aligned_loads
+            return "np.int64({})" if aligned else "{}"  # the portable helper returns an int64
+        if x.buf in self.f16:
+            return f"{self.native_intrinsics.get('f16_bits_to_f32', 'f16_bits_to_f32')}({{}})"
+        return "{}" if self.k.dtype_of(x.buf) in ("f32", "f16") else "np.int64({})"
+
+    def render_expr(self, x) -> str:
         if isinstance(x, Const):
             if isinstance(x.value, float):
                 # repr gives 'inf'/'nan' for non-finite values, which are not Python names.
@@ -161,7 +257,12 @@ class PyPrinter:
                 return f"np.float32({self.e(x.a)} / {self.e(x.b)})"
             return f"({self.e(x.a)} {op} {self.e(x.b)})"
         if isinstance(x, Select):
-            return f"({self.e(x.a)} if {self.e(x.cond)} else {self.e(x.b)})"
+            cond = self.e(x.cond)
+            shared, self.shared = self.shared, None  # a branch may not run: nothing in it is hoisted
+            try:
+                return f"({self.e(x.a)} if {cond} else {self.e(x.b)})"
+            finally:
+                self.shared = shared
         if isinstance(x, ToF32):
             return f"np.float32({self.e(x.a)})"
         if isinstance(x, Cast):
@@ -169,21 +270,13 @@ class PyPrinter:
                 return f"np.float32({self.e(x.a)})"
             return f"np.int64({self.e(x.a)})"
         if isinstance(x, Load):
-            # Indices are never negative in the IR; an unsigned index spares Numba its wrap-around check, which
-            # otherwise keeps loops over consecutive elements from vectorizing.
-            v = f"{x.buf}[np.uint64({self.e(x.index)})]"
-            if promised_bytes(self.k, x) in self.aligned_elements:
-                v = f"{self.aligned_elements[promised_bytes(self.k, x)]}({x.buf}, np.uint64({self.e(x.index)}))"
-            if x.buf in self.f16:
-                return f"{self.native_intrinsics.get('f16_bits_to_f32', 'f16_bits_to_f32')}({v})"
-            return v if self.k.dtype_of(x.buf) in ("f32", "f16") else f"np.int64({v})"
+            return self.widening(x).format(self.memory_read(x))
         if isinstance(x, Table):
             self.tables.add(x.name)
-            return f"_TABLE_{x.name}[{self.e(x.index)}]"
+            return f"_TABLE_{x.name}[{self.index(x.index)}]"
         if isinstance(x, Call):
-            if x.fn == "load_u32" and isinstance(x.args[2], Const) and x.args[2].value in self.aligned_loads:
-                fn = self.aligned_loads[x.args[2].value]
-                return f"np.int64({fn}({x.args[0].name}, np.uint64({self.e(x.args[1])})))"
+            if x.fn == "load_u32":
+                return self.widening(x).format(self.memory_read(x))
             args = ", ".join(self.e(a) for a in x.args)
             if x.fn == "rsqrt":
                 return f"np.float32(np.float32(1.0) / math.sqrt({args}))"
@@ -201,8 +294,85 @@ class PyPrinter:
     def body(self, stmts, depth: int) -> None:
         if not stmts:
             self.emit(depth, "pass")
+        run: list = []  # straight-line statements, rendered together (`straight`)
         for s in stmts:
-            self.stmt(s, depth)
+            if isinstance(s, Let | Assign | Decl | Store) and self.share_reads:
+                run.append(s)
+            else:
+                self.straight(run, depth)
+                run = []
+                self.stmt(s, depth)
+        self.straight(run, depth)
+
+    # --- repeated reads ------------------------------------------------------------------------------
+    # Unrolled generated code repeats its loads (the same weight word read for each field it holds, each row's
+    # scales for every token) and their index arithmetic (a block's address in every load of its words): Numba
+    # types and lowers each copy, with its calls and casts, before NVVM merges them, which made long kernels
+    # slow to compile (docs/benchmarks.md, "Compile time of the generated kernels"). Within a run of straight-line
+    # statements, a load met more than once with the same values of its index's variables and no store in
+    # between (buffers may alias) is read once into a temporary, just before the statement that first uses it,
+    # and so is repeated index arithmetic. Each use keeps its own widening of the read (`memory_read`): LLVM
+    # narrows integer arithmetic to 32 bits only on a value with one use. Branches of a select are left alone
+    # (they may not run), as are loads of local arrays (other lanes write them).
+
+    def straight(self, run: list, depth: int) -> None:
+        """Render the straight-line statements `run` at `depth`, repeated subexpressions bound once."""
+        self.versions = {}
+        seen: dict[tuple, int] = {}
+        for s in run:
+            for x in self.stmt_exprs(s):
+                self.count(x, seen)
+            self.advance(s)
+        self.versions = {}
+        self.shared, self.depth = {key: "" for key, n in seen.items() if n > 1}, depth
+        bound = Counter(s.name for s in run if not isinstance(s, Store))
+        self.single = {n for n, times in bound.items() if times == 1}  # names bound once in the run
+        try:
+            for s in run:
+                self.stmt(s, depth)
+                self.advance(s)
+        finally:
+            self.shared = None
+
+    @staticmethod
+    def stmt_exprs(s) -> tuple:
+        return (s.index, s.value) if isinstance(s, Store) else (s.init,) if isinstance(s, Decl) else (s.expr,)
+
+    def advance(self, s) -> None:
+        """What statement `s` changes: its variable, or memory (a store: buffers may alias)."""
+        name = "" if isinstance(s, Store) else s.name
+        self.versions[name] = self.versions.get(name, 0) + 1
+
+    def count(self, x, seen: dict, in_index: bool = False) -> None:
+        """Count the occurrences of the subexpressions of `x` that `e` would share: loads, and the arithmetic of
+        their indices (those inside an occurrence already seen are not counted again: the temporary covers
+        them). Other arithmetic stays where it is (shared, a decoded field would keep its uses in 64 bits)."""
+        key = self.cse_key(x) if in_index or _reads_memory(x) else None
+        if key is not None:
+            seen[key] = seen.get(key, 0) + 1
+            if seen[key] > 1:
+                return
+        index = _index_of(x)
+        for a in (x.cond,) if isinstance(x, Select) else _operands(x):
+            self.count(a, seen, in_index or a is index)
+
+    def index(self, x) -> str:
+        """Render the index of a load (its arithmetic shared within the run)."""
+        inside, self.in_index = self.in_index, True
+        try:
+            return self.e(x)
+        finally:
+            self.in_index = inside
+
+    def cse_key(self, x) -> tuple | None:
+        """`x` with the versions of what it reads, if it is worth a temporary (an operation reading a variable or
+        memory) and may have one; else None."""
+        if not isinstance(x, Bin | Cast | ToF32 | Load | Call | Table):
+            return None
+        reads = _reads(x, self.local_names, self.reads)
+        if not reads:
+            return None
+        return x, tuple(self.versions.get(n, 0) for n in reads)
 
     def store_text(self, s: Store) -> str:
         v = self.e(s.value)
@@ -214,6 +384,10 @@ class PyPrinter:
         """Render one statement of the lowered kernel."""
         if isinstance(s, Store):
             self.emit(d, self.store_text(s))
+        elif (isinstance(s, Let) and s.name in self.single and not _reads_memory(s.expr)
+              and self.shared.get(key := self.cse_key(s.expr)) == ""):
+            self.shared[key] = s.name  # repeated index arithmetic bound by a let: the let's name is its temporary
+            self.emit(d, f"{s.name} = {self.render_expr(s.expr)}")
         elif isinstance(s, Let | Assign):
             self.emit(d, f"{s.name} = {self.e(s.expr)}")
         elif isinstance(s, Decl):

@@ -18,6 +18,7 @@ from polystrata import threads
 from polystrata.codegen.cpu import NUMPY_DTYPES, render
 from polystrata.codegen.policy import HOST_POLICY
 from polystrata.ir.kernel import Kernel
+from polystrata.runtimes import numba_ssa
 from polystrata.runtimes.base import CompiledKernel, Runtime, cache_key, cpu_name, host_memory, numba_signature
 
 
@@ -42,6 +43,7 @@ class CPURuntime(Runtime):
     def __init__(self) -> None:
         super().__init__()
         threads.configure()  # before Numba's pool starts: the CLI's -t, else the default (polystrata.threads)
+        numba_ssa.install()  # numba's SSA pass, linear in a kernel's length
         self.device = f"{cpu_name()} ({os.cpu_count()} threads, numba {numba.__version__})"
         self.compiler = f"numba {numba.__version__}"
 

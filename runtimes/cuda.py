@@ -27,7 +27,7 @@ from polystrata.codegen.policy import device_policy, matrix_unit
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Buf, Kernel
-from polystrata.runtimes import cuda_driver
+from polystrata.runtimes import cuda_driver, numba_ssa
 from polystrata.runtimes.base import CompiledKernel, PackedLaunch, Runtime, cache_key, numba_signature, scalar_value
 from polystrata.runtimes.cuda_driver import DeviceEvent, Graph, check, device_pointer, driver
 
@@ -101,6 +101,7 @@ class CUDARuntime(Runtime):
             self.device = "numba-cuda simulator"
         else:
             _linear_lowering_scan()
+            numba_ssa.install()  # numba-cuda's SSA pass, linear in a kernel's length
             try:
                 cuda.current_context()  # initialises the driver and the primary context
                 name, arch = cuda_driver.device_name_arch(check(driver.cuCtxGetDevice())[0])

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from numba import njit
 
 from polystrata.codegen.cpu import render
 from polystrata.codegen.cpu_intrinsics import f16_to_f32, f32_to_f16
-from polystrata.codegen.recipes.linear import matmul_kernel
+from polystrata.codegen.recipes.linear import matmul_kernel, matvec_q8_kernel
 from polystrata.ir.formats import FORMATS
 
 
@@ -54,3 +57,44 @@ def test_permissions_render_as_their_fastmath_flags_only():
     assert "fastmath={'reassoc'}" in render(summed)
     # Both, in a fixed order whatever the hash seed: the rendered source is the kernel cache's key.
     assert "fastmath={'contract', 'reassoc'}" in render(replace(fused, reassociate=True))
+
+
+@pytest.mark.parametrize("module", ["numba.core.ssa", "numba.cuda.core.ssa"])
+def test_ssa_in_one_sweep_matches_numba(module, tmp_path):
+    """The runtimes' replacement of Numba's SSA reconstruction (`runtimes/numba_ssa.py`; numba's pass and
+    numba-cuda's copy) gives the blocks numba's own gives, statement for statement, phis and fresh names
+    included, on the IR of a generated kernel (an unrolled matvec of four tokens: a long block, dozens of
+    reassigned accumulators, loops)."""
+    if module.startswith("numba.cuda") and importlib.util.find_spec("numba_cuda") is None:
+        pytest.skip("numba-cuda not installed")
+    from numba.core.compiler import run_frontend
+
+    from polystrata.codegen import cuda
+    from polystrata.runtimes import numba_ssa
+    from polystrata.runtimes.cpu import CPURuntime
+
+    ssa = importlib.import_module(module)
+    CPURuntime()  # installs it (as the cuda runtime does)
+    theirs, ours = numba_ssa.replaced[module], ssa._run_ssa
+    assert ours is not theirs and "numba_ssa" in ours.__doc__
+    kern = matvec_q8_kernel("t_ssa", [FORMATS["Q4_0"]], 64, 256, tokens=4, lanes=32, runs=1, reuse=True)
+    if module.startswith("numba.cuda"):
+        from numba.cuda.compiler import run_frontend
+    source = cuda.render(kern, shuffles=True, native=True) if module.startswith("numba.cuda") else render(kern)
+    path = tmp_path / "k_ssa.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("polystrata_t_ssa", path)
+    kernel_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernel_module)
+    fn = getattr(kernel_module, kern.name)
+    blocks = [run_frontend(getattr(fn, "py_func", fn)).blocks for _ in range(2)]  # one each: the pass renames
+
+    def listing(blocks: dict) -> list:
+        scope = next(iter(blocks.values())).scope
+        return [(label, [str(st) for st in b.body]) for label, b in blocks.items()] + list(scope.localvars._con)
+
+    want, got = listing(theirs(blocks[0])), listing(ours(blocks[1]))
+    assert got == want
+    text = str(want)
+    assert text.count(" = phi(") >= 2 and text.count(".1 = ") > 30, text[:2000]  # phis, many renamed variables
+

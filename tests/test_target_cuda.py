@@ -307,6 +307,58 @@ def test_one_pass_lowering_scan_matches_numba_cuda(tmp_path):
     assert max(n for n, _ in agree) > 100  # a real kernel: hundreds of register variables
 
 
+
+@inner
+def test_repeated_reads_are_rendered_once_per_run(rt):
+    """The cuda printer reads a load repeated within a run of straight-line statements once (a temporary), but
+    reads again after a store (the output may be the input: here it is) and after the index's variable changes."""
+    from polystrata.ir.expr import Const
+    from polystrata.ir.kernel import Assign, Buf, Decl, Kernel, Let, Load, Store, Var
+
+    g0, i, a, b, c, d = (Var(v) for v in ("g0", "i", "a", "b", "c", "d"))
+    kern = Kernel("cse", (Buf("x", "i32"), Buf("y", "i32", True), Buf("z", "i32", True)), (Const(1),), (
+        Let("a", Load("x", g0) + Load("x", g0)),
+        Store("y", g0, a),  # y is x: x[0] doubles
+        Let("b", Load("x", g0) + Load("x", g0)),
+        Store("y", g0 + 1, b),
+        Decl("i", "i32", g0 + 2),
+        Let("c", Load("z", i) * Load("z", i)),
+        Assign("i", i + 1),
+        Let("d", Load("z", i) * Load("z", i)),
+        Store("z", Const(0), c),
+        Store("z", Const(1), d),
+    ))
+    source = render(kern)
+    assert source.count("x[np.uint64(g0)]") == 2 and source.count("z[np.uint64(i)]") == 2, source
+    x, z = rt.upload(np.array([3, 0], np.int32)), rt.upload(np.array([0, 0, 5, 7], np.int32))
+    rt.launch(rt.compile(kern), rt.args_for(kern, {"x": x, "y": x, "z": z}, {}), (1,))
+    assert rt.download(x, (2,), "i32").tolist() == [6, 12]
+    assert rt.download(z, (4,), "i32").tolist() == [25, 49, 5, 7]
+
+
+@inner
+def test_shared_reads_leave_a_matvec_unchanged(rt, monkeypatch):
+    """A Q4_K matvec of two tokens with each weight word decoded once for both (`reuse`: the kernel that repeats
+    its reads most) gives, bit for bit, the same outputs rendered with shared reads and without."""
+    from polystrata.codegen.cuda import CUDAPrinter
+    from polystrata.codegen.recipes.linear import matvec_q8_kernel
+    from polystrata.ir.encode import quantize
+    from polystrata.ir.formats import FORMATS
+
+    n, k, tokens = 4, 256, 2
+    kern = matvec_q8_kernel("t_shared", [FORMATS["Q4_K"]], n, k, tokens=tokens, lanes=32, runs=1, reuse=True)
+    rng = np.random.default_rng(0)
+    inputs = {"xq": rng.integers(0, 2**32, tokens * k // 4, dtype=np.uint32),
+              "xd": rng.random(tokens * k // 32, dtype=np.float32),
+              "w0": quantize(FORMATS["Q4_K"], rng.standard_normal((n, k)).astype(np.float32)).reshape(-1)}
+    got = {}
+    for share in (True, False):
+        monkeypatch.setattr(CUDAPrinter, "share_reads", share)
+        assert ("_cse" in rt.render(kern)) == share
+        got[share] = run(rt, kern, inputs, {"y": (tokens * n, "f32")}, {"T": tokens}, grid=(n, 1))["y"]
+    assert np.isfinite(got[True]).all()
+    np.testing.assert_array_equal(got[True], got[False])
+
 def test_barriers_follow_the_model():
     src = render(shared_kernel(64))
     body = src[src.index("def shared64"):]
