@@ -31,7 +31,7 @@ from pathlib import Path
 from polystrata import synth
 from polystrata.bench import parse_knobs
 from polystrata.cli import knob_arg
-from polystrata.compiler import PREFILL_CHUNK, build_plan
+from polystrata.compiler import DEFAULT_UBATCH, build_plan
 from polystrata.ir.formats import FORMATS, KV_FORMATS
 from polystrata.models import build_graph
 from polystrata.runtimes.base import numba_signature
@@ -47,7 +47,7 @@ def distinct_kernels(arch: str, preset: str, qtype: str, policy, knobs: dict) ->
     meta = synth.preset_metadata(arch, preset, qtype, n_layer=2)
     tensors, formats = {n: (s, t) for n, s, t in table}, {n: FORMATS[t] for n, _, t in table}
     kernels = {}
-    for all_logits, steps in ((True, PREFILL_CHUNK), (False, PREFILL_CHUNK), (False, 1)):
+    for all_logits, steps in ((True, DEFAULT_UBATCH), (False, DEFAULT_UBATCH), (False, 1)):
         plan = build_plan(build_graph(meta, tensors, all_logits), formats, KV_FORMATS["f16"], 4096, steps,
                           knobs=knobs, policy=policy)
         for la in plan.launches:

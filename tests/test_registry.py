@@ -143,3 +143,17 @@ def test_every_package_is_installed_by_a_plain_pip_install():
             rel = init.parent.relative_to(root / top).parts
             found.add(".".join((name, *rel)))
     assert found <= set(setup["packages"]), sorted(found - set(setup["packages"]))
+
+
+def test_every_script_imports():
+    """The scripts under scripts/ (device checks, benchmarks) run by hand or on the GPU machine, where a name
+    renamed in the package and not in a script costs a device call: each one's imports and module-level code run
+    here (its `main` does not)."""
+    import importlib.util
+    from pathlib import Path
+
+    scripts = sorted((Path(__file__).resolve().parent.parent / "scripts").glob("*.py"))
+    assert scripts
+    for path in scripts:
+        spec = importlib.util.spec_from_file_location(f"script_{path.stem}", path)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
