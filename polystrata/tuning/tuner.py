@@ -60,7 +60,10 @@ from polystrata.tuning.db import TuningDB, today
 PLANS = ("decode", "prefill")
 DECODE_DEPTH = 32  # tokens in the KV cache when decode kernels are timed
 RANK_REPS = 3  # runs of each launch when a step's time is shared out among the kernel instances (`step_times`)
-PREFILL_TOKENS = 64  # tokens of the prompt chunk when prefill kernels are timed (any count runs the same kernels)
+# Tokens of the prompt step when prefill kernels are timed, at most the plan's step size and the context: a full
+# step, as a long prompt runs them. Some kernels choose by the row count at run time (attention's tiles above
+# TILES_ABOVE rows), so a short step would time another kernel than the one the knob changes.
+PREFILL_TOKENS = 512
 ROUNDS = 5
 MIN_ROUND_S = 0.01
 MIN_GAIN = 0.03  # a winner must be at least this much faster than the default, beyond the spreads
@@ -256,7 +259,7 @@ class Tuner:
             eng.forward(self.rng.integers(0, n_vocab, size=DECODE_DEPTH))  # a real KV cache to attend to
             n_past, t = DECODE_DEPTH, 1
         else:
-            t = min(PREFILL_TOKENS, self.ex.plans[id(eng.graph_last)].t_max)
+            t = min(PREFILL_TOKENS, self.ex.plans[id(eng.graph_last)].t_max, eng.n_ctx)  # positions in the cache
         rt.write(self.ex.handles["tokens"], self.rng.integers(0, n_vocab, size=t).astype(np.int32))
         rt.write(self.ex.handles["positions"], np.arange(n_past, n_past + t, dtype=np.int32))
         if "starts" in self.ex.handles:
