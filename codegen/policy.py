@@ -38,7 +38,10 @@ SPLIT_KV_ON_WIDE_LOADS = ("Q8_0", "q8_g64")
 HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
     "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1, "contract": 1, "reuse": 0},
     "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1},
-    "attention": {"split_keys": 0},
+    # group_heads: a KV head's query heads in one group (knob heads "auto"), each K and V value decoded once for all,
+    # one-token plans keeping at least this many groups a token for the cores (docs/benchmarks.md, "Attention's
+    # query heads grouped on the CPU"); 0: the GPUs' rule (attention.py).
+    "attention": {"split_keys": 0, "group_heads": 2},
     # Steps of more tokens than this take the delta rule's chunked form: never on the host, where its lanes are
     # one and it does the recurrent form's arithmetic over more memory, slower there (docs/benchmarks.md, hybrids).
     "delta_rule": {"chunked_above": 1 << 30},
@@ -50,7 +53,7 @@ DEVICE_KNOBS: Mapping[str, Mapping[str, Any]] = {
     # (docs/benchmarks.md, "H200, 2026-12-05, second session"): `bench`/`serve --knob matmul.reuse=1`.
     "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0, "reuse": 0},
     "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0},
-    "attention": {"split_keys": 1},
+    "attention": {"split_keys": 1, "group_heads": 0},
     "delta_rule": {"chunked_above": 16},
 }
 

@@ -321,7 +321,13 @@ def test_attention_splits_grow_with_the_context_in_one_token_steps():
     assert attn(128, 1, LONG_CONTEXT) == ({**runs, "splits": LONG_CONTEXT // DECODE_RUN_KEYS}, 3)
     assert attn(128, 1, 640) == ({**runs, "splits": 16}, 3)  # the span, 1024, in runs of 64
     assert attn(128, 1, 256) == ({**runs, "splits": 4}, 3)
-    assert attn(1, 1, n_ctx) == ({"two_pass": 1, "splits": 1}, 2)
+    # The host groups a KV head's 4 query heads (policy attention.group_heads 2): prefill all 4; one-token steps
+    # too while they leave 2 groups a token (8 here) ...
+    assert attn(1, 1, n_ctx) == ({"two_pass": 1, "splits": 1, "heads": 4}, 2)
+    assert attn(1, 16, n_ctx) == ({"two_pass": 1, "splits": 1, "heads": 4}, 2)
+    g = _attention_graph(4, 1, 128)  # ... gemma3's 4 query heads of one KV head: 2 groups of 2 in one-token steps
+    assert attn(1, 1, n_ctx) == ({"two_pass": 1, "splits": 1, "heads": 2}, 2)
+    assert attn(1, 16, n_ctx) == ({"two_pass": 1, "splits": 1, "heads": 4}, 2)
 
 
 def test_attention_kernels_depend_on_the_key_span_only():

@@ -19,8 +19,10 @@ split; with one element a lane, in registers, else into a local output row; spli
 lane, in registers, lanes sharing a word by phases of the keys; and where the target has an int8 dot product,
 knob `int8`, the scores take q quantized to int8 per 32 values, a K word against a q word in one `dot4_i8`).
 Knob `heads` (GQA): a group takes
-that many query heads of one KV head, each K and V value decoded once for all of them ("auto": all of them in
-one-token GPU plans of contexts longer than LONG_CONTEXT, where their scores fit GROUP_SCORES).
+that many query heads of one KV head, each K and V value decoded once for all of them ("auto": what the policy's
+`attention.group_heads` says: on the host all of them, one-token plans keeping at least that many groups a token
+for the cores to share; on GPUs (0) all of them in one-token plans of contexts longer than LONG_CONTEXT, where
+their scores fit GROUP_SCORES).
 
 The kernels depend on the context only through its key span (`key_span`: n_ctx rounded up), so contexts that
 differ a little share kernel sources; and however long the context, a GPU group's scores fit local memory (runs of
@@ -644,11 +646,15 @@ def _row_launches(ctx: RecipeContext, node: Node, layouts: tuple[QuantFormat, Qu
     min_run = chosen["min_run"]
     min_run = int((MIN_RUN_KEYS if split_keys else 1) if min_run == "auto" else min_run)
     heads = chosen["heads"]
-    if heads == "auto":  # long one-token GPU plans: a KV head's query heads together, their scores in local memory
+    if heads == "auto":
         run = max(-(-span // splits), min_run)
+        group = [h for h in range(1, hq // hkv + 1) if (hq // hkv) % h == 0]  # what divides a KV head's q heads
         heads = 1
-        if split_keys and ctx.t_max == 1 and span > LONG_CONTEXT:
-            heads = max(h for h in range(1, hq // hkv + 1) if (hq // hkv) % h == 0 and h * run <= GROUP_SCORES)
+        keep = int(ctx.target().default("attention", "group_heads"))  # the host: groups a token in one-token plans
+        if keep:  # a K or V value decoded once for all the group's heads
+            heads = max((h for h in group if ctx.t_max > 1 or hq // h >= keep), default=1)
+        elif split_keys and ctx.t_max == 1 and span > LONG_CONTEXT:  # long one-token GPU plans: scores in local
+            heads = max(h for h in group if h * run <= GROUP_SCORES)  # memory
     heads = int(heads)
     int8_q = chosen["int8"]
     if int8_q == "auto":  # where the target has an int8 dot product and the K rows' codes are words
