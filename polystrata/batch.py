@@ -8,7 +8,9 @@ rows before any row reads them, and a row attends to the rows of its slot up to 
 (codegen/recipes/attention.py, attention_tiles.py), so a run of prompt rows sees its cache and its own earlier rows
 of the step, causally. Every other kernel treats the rows as the T rows of a prefill chunk, so the step's
 matrix-vector products become matrix products over all the step's rows. Only the logits a caller samples from (a
-decode row's, a prompt's last token's) leave the device. Sequences join (`open`) and leave (`close`) between steps.
+decode row's, a prompt's last token's) leave the device, and a step with other rows computes only theirs: the wanted
+rows go last and the plan of the step's last rows' logits runs (`Engine(logit_rows=N)`, the `last_rows` op before
+the output norm and projection). Sequences join (`open`) and leave (`close`) between steps.
 """
 from __future__ import annotations
 

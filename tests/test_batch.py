@@ -179,6 +179,17 @@ def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
     if target == "cpu-graphs":
         assert (id(eng.graph_rows), 9) in eng.executor.graphs and eng.runtime.replays >= 2
 
+def test_serve_makes_the_plan_of_its_parallel_rows(tiny_llama):
+    """`serve -np N` asks the engine for the plan of the last N rows' logits; `run` makes none."""
+    from polystrata.chat_cli import open_engine
+    from polystrata.cli import build_parser
+
+    args = ["--target", "reference", "-c", "64"]
+    eng = open_engine(build_parser().parse_args(["serve", str(tiny_llama), "-np", "3", *args]))
+    assert eng.logit_rows == 3 and eng.graph_rows.outputs[0].type.shape[0] == 3
+    assert open_engine(build_parser().parse_args(["run", str(tiny_llama), *args])).graph_rows is None
+
+
 def test_slots_and_their_context(tiny_llama):
     """Each sequence holds n_ctx // N tokens; slots are refused when all are taken or the context is too small."""
     eng = Engine(tiny_llama, target="reference", n_ctx=16)
