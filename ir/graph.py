@@ -138,7 +138,10 @@ def _infer_moe(ts, a):
 
 
 def _infer_last(ts, a):
-    return TensorType(ts[0].dtype, (1,) + ts[0].shape[1:])
+    n = a["n"]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise GraphError(f"last_rows takes n >= 1 rows, not {n!r}")
+    return TensorType(ts[0].dtype, (n,) + ts[0].shape[1:])
 
 
 def _infer_slice(ts, a):
@@ -226,7 +229,13 @@ OPS: dict[str, OpDef] = {
         _infer_moe,
         "sum over the routed experts of weight * down(swiglu(gate x, up x))",
     ),
-    "last_row": OpDef(("x",), (), _infer_last, "the last token's row"),
+    "last_rows": OpDef(
+        ("x",),
+        ("n",),
+        _infer_last,
+        "the step's last n token rows [n, ...]: row i is x[max(T - n + i, 0)] (a step of fewer than n rows gives its "
+        "first row repeated, then its rows)",
+    ),
     "slice": OpDef(("x",), ("start", "stop"), _infer_slice, "x[..., start:stop] (a copy)"),
     "l2_norm": OpDef(("x",), ("eps",), _same(), "x / sqrt(sum(x^2) + eps) over the last dim"),
     "rms_norm_gated": OpDef(

@@ -8,7 +8,9 @@ rows before any row reads them, and a row attends to the rows of its slot up to 
 (codegen/recipes/attention.py, attention_tiles.py), so a run of prompt rows sees its cache and its own earlier rows
 of the step, causally. Every other kernel treats the rows as the T rows of a prefill chunk, so the step's
 matrix-vector products become matrix products over all the step's rows. Only the logits a caller samples from (a
-decode row's, a prompt's last token's) leave the device. Sequences join (`open`) and leave (`close`) between steps.
+decode row's, a prompt's last token's) leave the device, and a step with other rows computes only theirs: the wanted
+rows go last and the plan of the step's last rows' logits runs (`Engine(logit_rows=N)`, the `last_rows` op before
+the output norm and projection). Sequences join (`open`) and leave (`close`) between steps.
 """
 from __future__ import annotations
 
@@ -80,30 +82,32 @@ class BatchDecoder:
             raise ValueError("a step takes runs of tokens of distinct sequences")
         eng = self.engine
         ids = [eng.check_tokens(t, self.n_past[s], self.n_ctx) for s, t in runs]
-        order = list(range(len(runs)))
-        if need.count(True) == 1:
-            # Rows are independent of their order in a step: the one run whose logits are wanted goes last, so the
-            # plan of the last logits serves (no output projection of the other rows).
-            order.append(order.pop(need.index(True)))
-        slots, ids, need = [slots[i] for i in order], [ids[i] for i in order], [need[i] for i in order]
-        lengths = [len(t) for t in ids]
-        if sum(lengths) > eng.n_ubatch:
-            raise ValueError(f"a step of {sum(lengths)} tokens exceeds the step size {eng.n_ubatch}")
-        pos = np.concatenate([np.arange(self.n_past[s], self.n_past[s] + n, dtype=np.int32)
-                              for s, n in zip(slots, lengths)])
-        starts = np.repeat(np.asarray(slots, np.int32) * self.n_ctx, lengths)
-        ends = np.cumsum(lengths) - 1  # each run's last row
-        rows = [int(e) for e, w in zip(ends, need) if w]
-        # One row: the one-token plan (captured into a device graph where the target has them); only the step's
-        # last row wanted: the plan of the last logits (a prompt's chunk alone); else the plan of all logits, whose
+        if sum(map(len, ids)) > eng.n_ubatch:
+            raise ValueError(f"a step of {sum(map(len, ids))} tokens exceeds the step size {eng.n_ubatch}")
+        # Rows are independent of their order in a step, and a run's rows may be split: every row's K and V are
+        # stored (the attention's store launch) before any row of the step attends. So the wanted rows, each
+        # wanted run's last token, go last, in run order, and a plan computing the logits of the step's last rows
+        # only serves: (slot, tokens, first position) segments.
+        early = [(s, t, self.n_past[s]) for s, t, w in zip(slots, ids, need) if not w]
+        early += [(s, t[:-1], self.n_past[s]) for s, t, w in zip(slots, ids, need) if w and len(t) > 1]
+        late = [(s, t[-1:], self.n_past[s] + len(t) - 1) for s, t, w in zip(slots, ids, need) if w]
+        segments = early + late
+        pos = np.concatenate([np.arange(p, p + len(t), dtype=np.int32) for _, t, p in segments])
+        starts = np.concatenate([np.full(len(t), s * self.n_ctx, np.int32) for s, t, _ in segments])
+        n, wanted = len(pos), len(late)
+        # One row: the one-token plan (captured into a device graph where the target has them); at most one row
+        # wanted: the plan of the last logits; several of more rows: the plan of the last `logit_rows` rows' logits
+        # where they are that many at most; else (every row wanted: decode rows only) the plan of all logits, whose
         # matrix products take the rows together, of which only the wanted rows are read.
-        if len(pos) == 1:
-            graph, rows = eng.graph_step, [0] if rows else []
-        elif rows == [len(pos) - 1] or not rows:
-            graph, rows = eng.graph_last, [0] if rows else []
+        if n == 1:
+            graph, rows = eng.graph_step, [0] * wanted
+        elif wanted <= 1:
+            graph, rows = eng.graph_last, [0] * wanted
+        elif wanted < n and eng.graph_rows is not None and wanted <= eng.logit_rows:
+            graph, rows = eng.graph_rows, list(range(eng.logit_rows - wanted, eng.logit_rows))
         else:
-            graph = eng.graph_all
-        out = eng.executor.step(graph, np.concatenate(ids), pos, starts, rows=rows)
-        for s, n in zip(slots, lengths):
-            self.n_past[s] += n
+            graph, rows = eng.graph_all, list(range(n - wanted, n))
+        out = eng.executor.step(graph, np.concatenate([t for _, t, _ in segments]), pos, starts, rows=rows)
+        for s, t in zip(slots, ids):
+            self.n_past[s] += len(t)
         return out

@@ -86,7 +86,8 @@ def open_engine(a) -> Engine:
         path = _resolve(a.model)
     knobs = parse_knobs(a.knob) if getattr(a, "knob", None) else None
     return Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, kernel_store=store,
-                  tuning=not a.no_tuning, knobs=knobs, n_ubatch=n_ubatch, **memory_kwargs(a))
+                  tuning=not a.no_tuning, knobs=knobs, n_ubatch=n_ubatch, logit_rows=getattr(a, "parallel", 1),
+                  **memory_kwargs(a))
 
 
 def make_sampler(a) -> Sampler:

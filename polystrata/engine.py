@@ -103,7 +103,7 @@ class Engine:
         self, model_path: str | Path, target: str = "auto", n_ctx: int | None = None, kv_type: str = "f16",
         gpu_mem: str | None = None, expert_policy: str | None = None, expert_slots: int | None = None,
         n_gpu_layers: int | None = None, verbose: bool = False, kernel_store: Path | None = None,
-        tuning: bool = True, knobs: dict | None = None, n_ubatch: int | None = None,
+        tuning: bool = True, knobs: dict | None = None, n_ubatch: int | None = None, logit_rows: int = 1,
     ):
         """`n_ctx` None: the model's trained context, reduced to what the device-memory budget holds (see
         `runtimes.memory.fit_plans`; the reference target: min(trained, `DEFAULT_CTX`)). `gpu_mem`: the budget
@@ -117,7 +117,9 @@ class Engine:
         the space (`bench --knob`), under the tuning database's choices for single kernels. `n_ubatch`: the step
         size, llama.cpp's -ub: the most tokens one step of a prompt computes (its plans' t_max; a longer prompt runs
         in steps of this many); None: `DEFAULT_UBATCH`, which the context may be smaller than, where a given one
-        must fit the context (`check_ubatch`)."""
+        must fit the context (`check_ubatch`). `logit_rows`: the most rows whose logits a step of several sequences
+        wants (`serve --parallel N`: N); above 1, the plan of the step's last `logit_rows` rows' logits
+        (`graph_rows`) is made too, for steps mixing prompt runs with decode rows (`polystrata.batch`)."""
         if n_ctx is not None and n_ctx < 1:
             raise PolystrataError(f"the context length must be at least 1, not {n_ctx}")
         if n_ubatch is not None:
@@ -140,6 +142,10 @@ class Engine:
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
         self.graph_all: Graph = build_graph(self.metadata, tensors, all_logits=True)
         self.graph_last: Graph = build_graph(self.metadata, tensors, all_logits=False)
+        # Steps wanting several rows' logits of many (a prompt run beside decode rows): those rows go last.
+        self.logit_rows = logit_rows
+        self.graph_rows: Graph | None = (build_graph(self.metadata, tensors, all_logits=False, last_rows=logit_rows)
+                                         if logit_rows > 1 else None)
         # One-token steps (decode) run their own plan, compiled for steps of one token.
         self.graph_step: Graph = build_graph(self.metadata, tensors, all_logits=False)
         self.n_ctx = n_ctx or min(self.hparams.n_ctx_train, DEFAULT_CTX)
@@ -184,8 +190,8 @@ class Engine:
         executor's expert-cache settings (None: every expert resident). Nothing is uploaded yet."""
         from polystrata.runtimes import memory as mm
 
-        graphs = [self.graph_all, self.graph_last, self.graph_step]
-        steps = {id(self.graph_all): self.n_ubatch, id(self.graph_last): self.n_ubatch, id(self.graph_step): 1}
+        graphs = [self.graph_all, self.graph_last, self.graph_step, *([self.graph_rows] if self.graph_rows else [])]
+        steps = {id(g): self.n_ubatch for g in graphs} | {id(self.graph_step): 1}
         plans, self.memory = mm.fit_plans(
             self.file, graphs, steps, self.runtime, self.n_ctx if self.n_ctx_given else None,
             self.hparams.n_ctx_train, self.kv_type, self.gpu_mem, self.expert_slots)

@@ -297,9 +297,10 @@ def _moe_ffn(ex, node, a):
     return out
 
 
-@_impl("last_row")
-def _last_row(ex, node, a):
-    return a[0][-1:]
+@_impl("last_rows")
+def _last_rows(ex, node, a):
+    t, n = len(a[0]), node.attrs["n"]
+    return a[0][np.maximum(np.arange(t - n, t), 0)]
 
 
 @_impl("slice")

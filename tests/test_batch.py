@@ -119,17 +119,20 @@ def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
     sequence attends causally to its own earlier rows of the same step and to its cache, not to the rows of other
     sequences or its own later ones; each wanted row's logits equal those of the same tokens run alone (bit for bit
     on the kernel targets, within float rounding on the reference), and only the wanted rows leave the device.
+    Steps wanting several rows of more run the plan of the last 4 rows' logits (`Engine(logit_rows=4)`), the
+    wanted runs' last tokens laid out last and their earlier ones first (a run split in two), also at a step of
+    fewer than 4 rows; steps of decode rows only, the plan of all logits.
     -tiles: the prefill attention in tiles of 4 query rows at every step size (GPU targets take it for steps over 64
     rows), so tiles hold rows of several sequences. cpu-graphs: steps replayed as device graphs (as on cuda), the
     9-row graph captured at one mixed step replayed at another, of other sequences and positions."""
     knobs = {"attention": {"tiles": "1", "tiles_above": "0", "q_tile": "4"}} if target.endswith("-tiles") else None
     eng = alone_eng = Engine(tiny_llama, target=target.removesuffix("-tiles").removesuffix("-graphs"), n_ctx=64,
-                             knobs=knobs)
+                             knobs=knobs, logit_rows=4)
     if target == "cpu-graphs":
-        eng = Engine(tiny_llama, target="cpu", n_ctx=64)
+        eng = Engine(tiny_llama, target="cpu", n_ctx=64, logit_rows=4)
         eng.runtime = _GraphCPU()
         eng.executor = eng._make_executor()
-    seqs = [_tokens(n, s) for n, s in ((17, 11), (16, 12), (15, 13))]  # each: its prompt, then what it decodes
+    seqs = [_tokens(n, s) for n, s in ((19, 11), (17, 12), (18, 13))]  # each: its prompt, then what it decodes
     alone = []
     for ids in seqs:
         alone_eng.reset()
@@ -139,7 +142,8 @@ def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
     slot_of = {a: 0, b: 1, c: 2}
     read: list[int] = []
     plans: list[str] = []
-    graphs = {id(eng.graph_step): "step", id(eng.graph_last): "last", id(eng.graph_all): "all"}
+    graphs = {id(eng.graph_step): "step", id(eng.graph_last): "last", id(eng.graph_all): "all",
+              id(eng.graph_rows): "rows"}
     step = eng.executor.step
     eng.executor.step = lambda graph, *a, **kw: (plans.append(graphs[id(graph)]), step(graph, *a, **kw))[1]
     if eng.runtime is not None:  # count the bytes that leave the device
@@ -164,14 +168,26 @@ def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
 
     check([(a, 0, 5)], [True], "last")  # a prompt alone
     check([(a, 5, 6), (b, 0, 4)], [True, False], "last")  # one row wanted: its run goes last
-    check([(a, 6, 7), (b, 4, 9), (c, 0, 3)], [True, True, False], "all")  # a chunk ending a prompt, one starting
-    check([(b, 9, 10), (c, 3, 8), (a, 7, 8)], [True, True, True], "all")  # a prompt's run between decode rows
+    check([(a, 6, 7), (b, 4, 9), (c, 0, 3)], [True, True, False], "rows")  # a chunk ending a prompt, one starting
+    check([(b, 9, 10), (c, 3, 8), (a, 7, 8)], [True, True, True], "rows")  # a prompt's run between decode rows
     check([(a, 8, 9), (c, 8, 10)], [False, True], "last")
     check([(b, 10, 11)], [True], "step")  # one decode row
-    check([(a, 9, 12), (c, 10, 15), (b, 11, 12)], [False, True, True], "all")  # 9 rows again (captured)
-    check([(a, 12, 17), (b, 12, 16)], [True, True], "all")  # and again (replayed)
+    check([(a, 9, 12), (c, 10, 15), (b, 11, 12)], [False, True, True], "rows")  # 9 rows again (captured)
+    check([(a, 12, 17), (b, 12, 16)], [True, True], "rows")  # and again (replayed)
+    check([(c, 15, 17), (a, 17, 18)], [True, True], "rows")  # 3 rows: the plan's first row repeats the step's
+    check([(a, 18, 19), (b, 16, 17), (c, 17, 18)], [True, True, True], "all")  # decode rows only
     if target == "cpu-graphs":
-        assert (id(eng.graph_all), 9) in eng.executor.graphs and eng.runtime.replays >= 2
+        assert (id(eng.graph_rows), 9) in eng.executor.graphs and eng.runtime.replays >= 2
+
+def test_serve_makes_the_plan_of_its_parallel_rows(tiny_llama):
+    """`serve -np N` asks the engine for the plan of the last N rows' logits; `run` makes none."""
+    from polystrata.chat_cli import open_engine
+    from polystrata.cli import build_parser
+
+    args = ["--target", "reference", "-c", "64"]
+    eng = open_engine(build_parser().parse_args(["serve", str(tiny_llama), "-np", "3", *args]))
+    assert eng.logit_rows == 3 and eng.graph_rows.outputs[0].type.shape[0] == 3
+    assert open_engine(build_parser().parse_args(["run", str(tiny_llama), *args])).graph_rows is None
 
 
 def test_slots_and_their_context(tiny_llama):

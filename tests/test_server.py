@@ -36,7 +36,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 def served(tmp_path_factory):
     """(base URL, engine, scheduler) of a server with 2 parallel slots of 128 tokens, its scheduler in a thread."""
     path = synth_model("llama", tmp_path_factory.mktemp("serve") / "llama.gguf", preset="tiny", qtype="Q8_0", seed=7)
-    eng = Engine(path, target="reference", n_ctx=256)
+    eng = Engine(path, target="reference", n_ctx=256, logit_rows=2)  # as `serve -np 2` makes it
     sched = Scheduler(eng, 2)
     server = Server(sched, "tiny", api_key=KEY)
     url = server.start("127.0.0.1", 0)

@@ -1,7 +1,7 @@
 """Kernel autotuning: knob spaces, the tuning database, tuned knobs in plans and artifacts, `tune` sessions.
 
 The tiny llama here is test_targets' (seed 7, n_ctx 64), so the engine's default kernels come from the run's
-kernel cache; only candidates compile. Sessions tune the cheap instances (last_row, embed) on opencl where PoCL
+kernel cache; only candidates compile. Sessions tune the cheap instances (last_rows, embed) on opencl where PoCL
 is present, else cpu.
 """
 
@@ -57,7 +57,7 @@ def _row(sig="matmul.v1:matmul_q8_0_64x64:t1", device="dev A", compiler="c 1", k
 def test_knob_spaces_declare_candidates_within_their_constraints():
     load_all()
     spaces = {r.knobs.name: r.knobs for r in RECIPES if r.knobs is not None}
-    assert {"matmul", "moe_ffn", "attention", "embed", "last_row"} <= set(spaces)
+    assert {"matmul", "moe_ffn", "attention", "embed", "last_rows"} <= set(spaces)
     for space in spaces.values():
         for cand in space.candidates():
             full = {**space.defaults(), **cand}
@@ -129,12 +129,12 @@ def test_tuned_knobs_reach_the_plan_and_the_manifest(tiny, db, tmp_path):
         graph = build_graph(f.metadata, tensor_table(f), all_logits=False)
         formats = {n: t.fmt for n, t in f.tensors.items()}
     plan = build_plan(graph, formats, KV_FORMATS["f16"], 64, 1, policy=HOST_POLICY)
-    sig = next(s.signature for sites in plan.group_sites for s in sites if s.signature.startswith("last_row"))
+    sig = next(s.signature for sites in plan.group_sites for s in sites if s.signature.startswith("last_rows"))
     assert not any(k["tuned"] for k in plan.kernel_summary())
     tuned = build_plan(graph, formats, KV_FORMATS["f16"], 64, 1, policy=dataclasses.replace(
         HOST_POLICY, tuned={sig: {"chunk": 32}}))
     summary = {k["name"]: k for k in tuned.kernel_summary()}
-    assert summary["last_row_128"]["tuned"] and summary["last_row_128"]["knobs"] == {"chunk": 32}
+    assert summary["last_rows_1x128"]["tuned"] and summary["last_rows_1x128"]["knobs"] == {"chunk": 32}
     assert sum(k["tuned"] for k in summary.values()) == 1
 
     # Through the database: compile picks the choice up for this device, and the manifest says so.
@@ -145,9 +145,9 @@ def test_tuned_knobs_reach_the_plan_and_the_manifest(tiny, db, tmp_path):
     db.put({**_row(sig, device, compiler, {"chunk": 32}), "target": target})
     assert main(["compile", str(tiny), "--target", "cpu", "-c", "64", "-o", str(tmp_path / "art")]) == 0
     kernels = yaml.safe_load((tmp_path / "art" / "manifest.yaml").read_text())["kernels"]
-    mine = [k for k in kernels if k["plan"] == "decode" and k["name"] == "last_row_128"]
+    mine = [k for k in kernels if k["plan"] == "decode" and k["name"] == "last_rows_1x128"]
     assert mine and mine[0]["tuned"] is True and mine[0]["knobs"] == {"chunk": 32}
-    assert not any(k["tuned"] for k in kernels if k["name"] != "last_row_128")
+    assert not any(k["tuned"] for k in kernels if k["name"] != "last_rows_1x128")
     assert main(["compile", str(tiny), "--target", "cpu", "-c", "64", "--no-tuning", "-o", str(tmp_path / "a2")]) == 0
     kernels = yaml.safe_load((tmp_path / "a2" / "manifest.yaml").read_text())["kernels"]
     assert not any(k["tuned"] for k in kernels)
@@ -163,10 +163,10 @@ def test_compare_tolerates_rounding_not_errors():
 
 
 def _corrupting_last_row(monkeypatch, request):
-    """Give last_row a fake knob `corrupt` whose candidate 1 adds 1 to every value it copies."""
-    space = KnobSpace("last_row", (Knob("chunk", ew.CHUNK, (32,)), Knob("corrupt", 0, (1,))))
-    monkeypatch.setitem(ew._SPACES, "last_row", space)
-    i = next(i for i, r in enumerate(RECIPES) if r.name == "last_row")
+    """Give last_rows a fake knob `corrupt` whose candidate 1 adds 1 to every value it copies."""
+    space = KnobSpace("last_rows", (Knob("chunk", ew.CHUNK, (32,)), Knob("corrupt", 0, (1,))))
+    monkeypatch.setitem(ew._SPACES, "last_rows", space)
+    i = next(i for i, r in enumerate(RECIPES) if r.name == "last_rows")
     lower = RECIPES[i].lower
 
     def corrupting(nodes, ctx):
@@ -191,9 +191,9 @@ def test_tune_rejects_a_wrong_candidate_keeps_what_it_measured_and_resumes(tiny,
     _corrupting_last_row(monkeypatch, request)
     engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
     logs = []
-    tuner = Tuner(engine, db, 60.0, only="last_row", log=logs.append)
+    tuner = Tuner(engine, db, 60.0, only="last_rows", log=logs.append)
     todo = tuner.jobs_todo()
-    assert [j[2].split(":")[-1] for j in todo] == ["t1", "t256"]  # one last_row instance per plan
+    assert [j[2].split(":")[-1] for j in todo] == ["t1", "t256"]  # one last_rows instance per plan
 
     calls = []
     tune_site = Tuner._tune_site
@@ -215,16 +215,16 @@ def test_tune_rejects_a_wrong_candidate_keeps_what_it_measured_and_resumes(tiny,
     assert "corrupt" not in rows[0]["knobs"]
 
     monkeypatch.setattr(Tuner, "_tune_site", tune_site)
-    again = Tuner(engine, db, 60.0, only="last_row", log=logs.append)
+    again = Tuner(engine, db, 60.0, only="last_rows", log=logs.append)
     assert [j[2] for j in again.jobs_todo()] == [calls[1]]  # resumes with what was left
     again.run()
-    assert len(db.rows()) == 2 and not Tuner(engine, db, 60.0, only="last_row").jobs_todo()
+    assert len(db.rows()) == 2 and not Tuner(engine, db, 60.0, only="last_rows").jobs_todo()
 
 
 def test_tune_stops_at_its_budget(tiny, db):
     engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
     budget = 2.0
-    tuner = Tuner(engine, db, budget, only="embed|last_row", log=lambda m: None)
+    tuner = Tuner(engine, db, budget, only="embed|last_rows", log=lambda m: None)
     todo = len(tuner.jobs_todo())
     tuner.run()
     starts = [t for r in tuner.results for t, _ in r.candidate_s]
@@ -234,7 +234,7 @@ def test_tune_stops_at_its_budget(tiny, db):
     assert tuner.elapsed() <= budget + longest + setup + 1.0  # + the last instance's final timing
     assert todo
     logs = []
-    spent = Tuner(engine, TuningDB(db.path.with_name("other.sqlite")), 1e-9, only="embed|last_row", log=logs.append)
+    spent = Tuner(engine, TuningDB(db.path.with_name("other.sqlite")), 1e-9, only="embed|last_rows", log=logs.append)
     assert spent.run() == [] and "budget of 0 s spent; 4 kernel instances left" in logs[-1]
 
 
@@ -264,7 +264,7 @@ def test_gpu_renderers_ignore_contract_and_the_tuner_does_not_try_it(tiny, db, m
 
 def test_tune_takes_the_instances_with_the_largest_share_of_a_step_first(tiny, db, monkeypatch):
     engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
-    tuner = Tuner(engine, db, 60.0, only="embed|last_row", log=lambda m: None)
+    tuner = Tuner(engine, db, 60.0, only="embed|last_rows", log=lambda m: None)
     todo = [job[2] for job in tuner.jobs_todo()]
     times = tuner.step_times()
     assert set(todo) <= set(times) and all(times[sig] > 0 for sig in todo)  # every instance's launches timed
@@ -284,7 +284,7 @@ def test_candidates_that_do_not_lower_are_logged_once_a_reason(tiny, db, monkeyp
 
     monkeypatch.setattr(Tuner, "candidate_launches", refuse)
     logs = []
-    (res,) = Tuner(engine, db, 60.0, plans=("decode",), only="last_row", log=logs.append).run()
+    (res,) = Tuner(engine, db, 60.0, plans=("decode",), only="last_rows", log=logs.append).run()
     assert res.tried == 0
     skipped = [m for m in logs if "skipped" in m]
     assert len(skipped) == 2 and "2 candidates skipped" in skipped[0] and "odd chunk" in skipped[0]
@@ -318,7 +318,7 @@ def test_bench_tuning_both_runs_untuned_then_tuned(tiny, db, monkeypatch, capsys
 
     monkeypatch.setenv(bench.BANDWIDTH_ENV, "1e11")  # no bandwidth measurement
     target, device, compiler = machine_key(make_runtime("cpu"))
-    sig = "last_row.v1:last_row_128:t1"
+    sig = "last_rows.v1:last_rows_1x128:t1"
     db.put({**_row(sig, device, compiler, {"chunk": 32}), "target": target})
     assert main(["bench", str(tiny), "--target", "cpu", "-c", "64", "-p", "4", "-n", "2", "-r", "1",
                  "--tuning", "both", "-o", "json"]) == 0

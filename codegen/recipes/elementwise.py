@@ -1,4 +1,4 @@
-"""Elementwise and row-wise recipes: add, mul, scale, swiglu/geglu (unfused), sigmoid_mul, last_row, rms_norm,
+"""Elementwise and row-wise recipes: add, mul, scale, swiglu/geglu (unfused), sigmoid_mul, last_rows, rms_norm,
 fused add + rms_norm, rope.
 
 Elementwise kernels: grid (tokens, ceil(C / chunk)), a LaneFor over the chunk. Row kernels (norms): grid over
@@ -112,14 +112,17 @@ def _lower_elementwise(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch
     return [Launch(kern, bufs, (("T", tbind),))]
 
 
-def _lower_last_row(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+def _lower_last_rows(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """y[i] = x[max(T - n + i, 0)], i < n: a group per chunk of a row (grid dim 0) and output row (grid dim 1)."""
     (node,) = nodes
-    per = _per_token(node.inputs[0])
-    chunk = max(1, min(ctx.knobs_for(_SPACES["last_row"], f"last_row_{per}")["chunk"], per))
+    per, n = _per_token(node.inputs[0]), node.attrs["n"]
+    name = f"last_rows_{n}x{per}"
+    chunk = max(1, min(ctx.knobs_for(_SPACES["last_rows"], name)["chunk"], per))
     c = Var("g0") * chunk + Var("l")
-    body = (LaneFor("l", Const(chunk), (If(c < per, (Store("y", c, Load("x", (Var("T") - 1) * per + c)),)),)),)
-    kern = Kernel(f"last_row_{per}", (Buf("x", "f32"), Buf("y", "f32", out=True), Scalar("T")),
-                  (Const((per + chunk - 1) // chunk),), body, lanes=ctx.lanes, knobs=(("chunk", chunk),))
+    src = Call("max", Const(0), Var("T") - n + Var("g1"))  # clamped: a step of fewer than n rows repeats row 0
+    body = (LaneFor("l", Const(chunk), (If(c < per, (Store("y", Var("g1") * per + c, Load("x", src * per + c)),)),)),)
+    kern = Kernel(name, (Buf("x", "f32"), Buf("y", "f32", out=True), Scalar("T")),
+                  (Const((per + chunk - 1) // chunk), Const(n)), body, lanes=ctx.lanes, knobs=(("chunk", chunk),))
     return [Launch(kern, (("x", ctx.buf(node.inputs[0])), ("y", ctx.buf(node.output))), (("T", "T"),))]
 
 
@@ -323,9 +326,9 @@ def _lower_rope(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
 
 register(Recipe("add_rms_norm", ("add", "rms_norm"), _lower_add_rms, match_add_rms))
 # Knob chunk: values a group takes (its lanes' loop).
-_SPACES = {op: KnobSpace(op, (Knob("chunk", CHUNK, (32, 64, 128, 512, 1024)),)) for op in (*_FNS, "last_row")}
+_SPACES = {op: KnobSpace(op, (Knob("chunk", CHUNK, (32, 64, 128, 512, 1024)),)) for op in (*_FNS, "last_rows")}
 for _op in _FNS:
     register(Recipe(_op, (_op,), _lower_elementwise, None, _SPACES[_op]))
-register(Recipe("last_row", ("last_row",), _lower_last_row, None, _SPACES["last_row"]))
+register(Recipe("last_rows", ("last_rows",), _lower_last_rows, None, _SPACES["last_rows"]))
 register(Recipe("rms_norm", ("rms_norm",), _lower_rms, None))
 register(Recipe("rope", ("rope",), _lower_rope, None))

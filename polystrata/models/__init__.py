@@ -49,11 +49,13 @@ def model_hparams(metadata: dict[str, Any], tensors: dict[str, tuple[tuple[int, 
 
 
 def build_graph(
-    metadata: dict[str, Any], tensors: dict[str, tuple[tuple[int, ...], str]], all_logits: bool = True
+    metadata: dict[str, Any], tensors: dict[str, tuple[tuple[int, ...], str]], all_logits: bool = True,
+    last_rows: int = 1,
 ) -> Graph:
-    """The graph of one forward step. With `all_logits` False only the last token's logits are computed."""
+    """The graph of one forward step. With `all_logits` False only the logits of the step's last `last_rows`
+    tokens are computed (the `last_rows` op: a step of fewer rows repeats its first)."""
     hp = model_hparams(metadata, tensors)
-    b = Builder(hp, tensors, all_logits)
+    b = Builder(hp, tensors, all_logits, last_rows)
     if hp.arch == "gemma3":
         g = gemma3.build(b, metadata)
     elif hp.arch in ("qwen2moe", "qwen3moe"):

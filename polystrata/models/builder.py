@@ -21,13 +21,16 @@ def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
 class Builder:
     """Builds one forward step of a transformer into a `Graph`, from GGUF tensor names and hyper-parameters.
 
-    `tensors` maps a GGUF tensor name to `(shape, format name)` with the shape in numpy order.
+    `tensors` maps a GGUF tensor name to `(shape, format name)` with the shape in numpy order. `all_logits`: the
+    logits of every row of the step; else those of its last `last_rows` rows.
     """
 
-    def __init__(self, hp: HParams, tensors: dict[str, tuple[tuple[int, ...], str]], all_logits: bool):
+    def __init__(self, hp: HParams, tensors: dict[str, tuple[tuple[int, ...], str]], all_logits: bool,
+                 last_rows: int = 1):
         self.hp = hp
         self.tensors = tensors
         self.all_logits = all_logits
+        self.last_rows = last_rows
         self.g = Graph(arch=hp.arch)
         self.tokens = self.g.input("tokens", "i32", ("T",))
         self.positions = self.g.input("positions", "i32", ("T",))
@@ -146,7 +149,7 @@ class Builder:
         """Final norm and output projection (tied to the embeddings when the file has no output.weight)."""
         hp = self.hp
         if not self.all_logits:
-            x = self.op("last_row", x, name="last")
+            x = self.op("last_rows", x, n=self.last_rows, name="last")
         x = self.norm(x, "output_norm.weight")
         out = "output.weight" if self.has("output.weight") else "token_embd.weight"
         logits = self.op("matmul", x, self.w(out, (hp.n_vocab, hp.n_embd)), name="logits")

@@ -1,0 +1,76 @@
+"""Wall time of one mixed serving step on each plan that can run it: what a prompt joining running streams costs.
+
+Loads a model with the serving setup of `serve -np N -ub UB` (N sequence slots; the plan of the last N rows'
+logits), fills N - 1 slots with short prompts and the last with a `--depth`-token prompt, then times, interleaved
+`--reps` times, steps from that same state (the slots' lengths are put back after each):
+
+- last: the UB prompt rows of the joiner alone, on the last-logits plan (the prompt alone, the floor);
+- all-K / rows-K: the N - 1 decode rows and UB - N + 1 rows of the joiner, on the all-logits plan and on the plan
+  of the last N rows' logits, K rows wanted (K = N - 1: the joiner's chunk is not its last; K = N: it is).
+
+    python scripts/mixed_step_bench.py MODEL.gguf [--target cpu] [--parallel 4] [--ubatch 256] [--depth 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from polystrata.batch import BatchDecoder
+from polystrata.engine import Engine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--target", default="cpu")
+    ap.add_argument("--parallel", type=int, default=4, help="sequence slots (serve -np)")
+    ap.add_argument("--ubatch", type=int, default=256, help="rows of a step (serve -ub)")
+    ap.add_argument("--depth", type=int, default=1000, help="tokens in the joiner's slot before the timed step")
+    ap.add_argument("--reps", type=int, default=7)
+    a = ap.parse_args()
+    n = a.parallel
+    eng = Engine(a.model, target=a.target, n_ctx=n * (a.depth + a.ubatch + 16), n_ubatch=a.ubatch, logit_rows=n)
+    bd = BatchDecoder(eng, n)
+    rng = np.random.default_rng(0)
+
+    def tokens(k: int) -> list[int]:
+        return [int(i) for i in rng.integers(3, min(1000, eng.hparams.n_vocab), size=k)]
+
+    slots = [bd.open() for _ in range(n)]
+    for s in slots[:-1]:
+        bd.prefill(s, tokens(16))
+    bd.prefill(slots[-1], tokens(a.depth))
+    saved, rows_plan = list(bd.n_past), eng.graph_rows
+    decode, prompt = [tokens(1) for _ in slots[:-1]], tokens(a.ubatch)
+
+    def run(kind: str) -> float:
+        bd.n_past[:] = saved
+        if kind == "last":
+            runs, need = [(slots[-1], prompt)], [True]
+        else:
+            runs = [*zip(slots[:-1], decode), (slots[-1], prompt[: a.ubatch - n + 1])]
+            need = [True] * (n - 1) + [kind.endswith(str(n))]
+        eng.graph_rows = None if kind.startswith("all") else rows_plan  # without it, mixed steps take graph_all
+        t0 = time.perf_counter()
+        bd.step(runs, need)
+        return time.perf_counter() - t0
+
+    kinds = ["last", f"all-{n - 1}", f"rows-{n - 1}", f"all-{n}", f"rows-{n}"]
+    for k in kinds:
+        run(k)  # compiles, warms
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(a.reps):
+        for k in kinds:
+            times[k].append(run(k))
+    base = statistics.median(times["last"])
+    for k in kinds:
+        med = statistics.median(times[k])
+        print(f"{k:>8}: median {1000 * med:.0f} ms ({med / base - 1:+.0%} vs last), min {1000 * min(times[k]):.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
