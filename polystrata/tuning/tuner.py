@@ -226,9 +226,9 @@ class Tuner:
             return []
         self.started = time.monotonic()
         times = self.step_times()
-        total = {name: sum(t for sig, t in times.items() if sig in sigs) for name, sigs in
-                 ((name, {s.signature for ss in self.ex.plans[id(g)].group_sites for s in ss}) for name, g in
-                  self._graphs())}
+        sites = {name: {s.signature for ss in self.ex.plans[id(g)].group_sites for s in ss}
+                 for name, g in self._graphs()}
+        total = {name: sum(times.get(sig, 0.0) for sig in sigs) for name, sigs in sites.items()}  # a step's time
         todo.sort(key=lambda job: -times.get(job[2], 0.0))  # the largest share of a step first
         if self.jobs > 1:  # spawned, not forked: this process runs kernels on threads (Numba's, a driver's)
             self.pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
