@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from polystrata.compiler import DEFAULT_UBATCH
+from polystrata.compiler import DEFAULT_UBATCH, check_kv_type
 from polystrata.errors import PolystrataError, UnsupportedError
 from polystrata.gguf import GGUFFile
 from polystrata.ir.graph import Graph
@@ -156,6 +156,8 @@ class Engine:
         asked, target = target, resolve_target(target)
         if target == "reference":
             check_reference_flags(gpu_mem, expert_slots, expert_policy)
+        else:
+            check_kv_type(kv_type)  # before the model loads (the reference keeps f32 K, V whatever is asked)
         expert_policy = expert_policy or "lru"
         policy_class(expert_policy)  # an unknown name fails before anything is loaded
         self.path = Path(model_path)

@@ -341,6 +341,9 @@ def test_serve_cli_refuses_what_it_cannot_do(tmp_path, capsys, monkeypatch):
     art = tmp_path / "art"
     assert main(["compile", str(hybrid), "--target", "cpu", "-np", "2", "-o", str(art)]) == 1
     assert capsys.readouterr().err == want and not art.exists()
+    built.clear()  # an unknown KV cache type: before the model's graph is built
+    assert main(["serve", str(hybrid), "--target", "cpu", "--kv-type", "q4", "--port", "0"]) == 1
+    assert capsys.readouterr().err == "error: unknown KV cache type 'q4' (known: f16, q8_0, q8_g64)\n" and not built
 
 
 def test_serve_command_answers_and_stops_on_ctrl_c(tmp_path):
