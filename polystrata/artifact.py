@@ -21,7 +21,7 @@ import yaml
 
 from polystrata import __version__
 from polystrata.compiler import DEFAULT_UBATCH
-from polystrata.engine import DEFAULT_CTX, check_ubatch, tensor_table
+from polystrata.engine import DEFAULT_CTX, check_parallel, check_ubatch, tensor_table
 from polystrata.errors import PolystrataError, writing
 from polystrata.gguf import GGUFFile
 from polystrata.models import build_graph
@@ -49,7 +49,7 @@ def _source_suffixes() -> frozenset[str]:
 
 
 def is_artifact(arg: str | os.PathLike) -> bool:
-    """Whether `arg` is a directory with a manifest, to be read as an artifact (`load_artifact` checks it)."""
+    """Whether `arg` is a directory with a manifest, to be read as an artifact (`read_artifact` checks it)."""
     return (Path(arg) / MANIFEST).is_file()
 
 
@@ -141,17 +141,20 @@ def _has_marker(directory: Path) -> bool:
 def write_artifact(
     model_path: Path, target: str, out: str | os.PathLike, kv_type: str = "f16", arch: str | None = None,
     n_ctx: int | None = None, gpu_mem: str | None = None, expert_slots: int | None = None, tuning: bool = True,
-    n_ubatch: int | None = None,
+    n_ubatch: int | None = None, n_seq: int = 1,
 ) -> tuple[Path, str]:
     """Plan `model_path` for `target` with a KV cache of `n_ctx` tokens (default: the trained context, reduced to what
     the device-memory budget `gpu_mem` holds, as `run` would: see `runtimes.memory.fit_plans`), compile its kernels
     (through the binary cache), and write the artifact directory `out` atomically. Returns the path and a one-line
     report of the kernel cache. `tuning`: take the tuning database's knobs for this device (the manifest's
     `tuned` per kernel says which). `n_ubatch`: the step size of the prompt plans (`Engine`'s; the manifest's
-    `memory.n_ubatch`, which `run` plans with)."""
+    `memory.n_ubatch`, which `run` plans with). `n_seq`: the sequences `serve -np N` decodes at once; above 1 the
+    plan of a step's last N rows' logits (`Engine(logit_rows=N)`) is compiled too (the manifest's
+    `memory.n_parallel`), so that `serve ARTIFACT -np N` compiles nothing."""
     if n_ubatch is not None:
         check_ubatch(n_ubatch, n_ctx)
     step = n_ubatch or DEFAULT_UBATCH
+    check_parallel(n_seq, step, n_ctx)  # before anything loads
     target = resolve_target(target)
     if target == "reference":
         from polystrata.runtimes.memory import check_reference_flags
@@ -162,8 +165,11 @@ def write_artifact(
     with GGUFFile(model_path) as f:
         tensors = tensor_table(f)
         decode = build_graph(f.metadata, tensors, all_logits=False)
+        check_parallel(n_seq, step, graph=decode)  # a recurrent model: before any plan
         prefill = build_graph(f.metadata, tensors, all_logits=False)
         score = build_graph(f.metadata, tensors, all_logits=True)
+        # Steps of several sequences wanting some rows' logits (`polystrata.batch`): as `serve -np N` plans them.
+        rows = build_graph(f.metadata, tensors, all_logits=False, last_rows=n_seq) if n_seq > 1 else None
         weight_bytes = sum(f.tensors[n].nbytes for n in decode.weights)
         meta = dict(decode.meta)
         n_ctx_asked = n_ctx
@@ -185,12 +191,17 @@ def write_artifact(
 
                 apply_tuning(rt)
             device, source_ext = rt.device, rt.source_ext
-            # As the engine runs them: one-token steps, prompt chunks (last logits), scoring (every token's).
-            plans, mem = fit_plans(f, [score, prefill, decode], {id(score): step, id(prefill): step, id(decode): 1},
-                                   rt, n_ctx_asked, int(meta["n_ctx_train"]), kv_type, gpu_mem, expert_slots)
+            # As the engine runs them: one-token steps, prompt chunks (last logits), scoring (every token's), and
+            # with several sequences the steps of their rows (the last rows' logits).
+            graphs = [score, prefill, decode, *([rows] if rows else [])]
+            steps = {id(g): step for g in graphs} | {id(decode): 1}
+            plans, mem = fit_plans(f, graphs, steps, rt, n_ctx_asked, int(meta["n_ctx_train"]), kv_type, gpu_mem,
+                                   expert_slots)
             n_ctx = mem.n_ctx
+            check_parallel(n_seq, step, n_ctx)  # the context the budget holds, before anything compiles
             memory_plan = {**mem.manifest(), "plan": mem.describe()}
-            named = (("decode", plans[id(decode)]), ("prefill", plans[id(prefill)]), ("score", plans[id(score)]))
+            named = (("decode", plans[id(decode)]), ("prefill", plans[id(prefill)]), ("score", plans[id(score)]),
+                     *((("rows", plans[id(rows)]),) if rows else ()))
             for name, plan in named:
                 for entry in plan.kernel_summary():
                     kernels.append({"plan": name, **entry})
@@ -207,6 +218,7 @@ def write_artifact(
             )
     if n_ubatch is not None:  # the context the budget holds may be smaller than the one asked for
         check_ubatch(n_ubatch, n_ctx)
+    check_parallel(n_seq, step, n_ctx)
     kv_bytes = 4 * 2 * n_ctx * meta["n_layer"] * meta["n_head_kv"] * meta["head_dim"]
     manifest: dict[str, Any] = {
         "format": FORMAT,
@@ -220,7 +232,7 @@ def write_artifact(
         "kernels": kernels,
         "memory": {
             "weights_bytes": int(weight_bytes), "kv_type": kv_type if target != "reference" else "f32",
-            "n_ctx": n_ctx, "n_ubatch": step, "kv_bytes_f32": int(kv_bytes), **memory_plan,
+            "n_ctx": n_ctx, "n_ubatch": step, "n_parallel": n_seq, "kv_bytes_f32": int(kv_bytes), **memory_plan,
         },
     }
     with writing(out):
@@ -277,9 +289,9 @@ def kernel_store(path: str | os.PathLike) -> Path | None:
     return store if store.is_dir() else None
 
 
-def load_artifact(path: str | os.PathLike, model: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Read and check a manifest (known format, the fields `run` needs) and find the model it was compiled from by
-    its sha256 (`find_model`); the manifest's model path is replaced by the file found."""
+def read_artifact(path: str | os.PathLike) -> dict[str, Any]:
+    """Read and check a manifest: known format and the fields `run` needs. The model it was compiled from is found
+    apart (`find_model`: hashing it takes a while), after what the manifest alone can refuse."""
     m = _read_manifest(Path(path))
     fields = (("model", "path"), ("model", "sha256"), ("target", "name"), ("memory", "kv_type"), ("memory", "n_ctx"))
     for keys in fields:
@@ -289,11 +301,12 @@ def load_artifact(path: str | os.PathLike, model: str | os.PathLike | None = Non
         ok = isinstance(v, int) and not isinstance(v, bool) and v > 0 if keys[-1] == "n_ctx" else isinstance(v, str)
         if not ok or not v:
             raise PolystrataError(f"{path}: the manifest has no {'.'.join(keys)}; compile the model again")
-    ub = m["memory"].get("n_ubatch")  # absent in artifacts from before -ub (they were planned with the default)
-    if ub is not None and (not isinstance(ub, int) or isinstance(ub, bool) or ub < 1):
-        raise PolystrataError(f"{path}: the manifest's memory.n_ubatch is not a positive step size; compile the "
-                              "model again")
-    m["model"]["path"] = str(find_model(Path(path), m["model"]["path"], m["model"]["sha256"], model))
+    # Absent in artifacts from before -ub and -np: planned with the default step size and for one sequence.
+    for key, what in (("n_ubatch", "step size"), ("n_parallel", "count of parallel sequences")):
+        v = m["memory"].get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise PolystrataError(f"{path}: the manifest's memory.{key} is not a positive {what}; compile the "
+                                  "model again")
     return m
 
 

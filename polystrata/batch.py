@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from polystrata.engine import Engine
+from polystrata.engine import Engine, check_parallel
 from polystrata.errors import PolystrataError
 
 
@@ -26,20 +26,8 @@ class BatchDecoder:
     """Sequence slots over one engine's KV cache; `step` feeds tokens of several sequences at once."""
 
     def __init__(self, engine: Engine, n_seq: int):
-        if n_seq < 1:
-            raise PolystrataError(f"parallel sequences must be at least 1, not {n_seq}")
-        if n_seq > engine.n_ubatch:  # a decode step computes one row per sequence, at most a step's rows
-            raise PolystrataError(f"{n_seq} parallel sequences do not fit a step of {engine.n_ubatch} rows: use "
-                                  f"-ub {n_seq} or more, or fewer parallel sequences")
+        check_parallel(n_seq, engine.n_ubatch, engine.n_ctx, engine.graph_all)
         self.recurrent = engine.graph_all.recurrent()
-        if self.recurrent and n_seq > 1:
-            # Sequences share the K/V cache by rows, but a recurrent state is one per engine (issue 23): one
-            # sequence at a time holds it, zeroed as each opens.
-            raise PolystrataError(f"{engine.hparams.arch} keeps a recurrent state, one per engine: {n_seq} parallel "
-                                  "sequences are not supported yet; use one (--parallel 1)")
-        if engine.n_ctx // n_seq < 2:
-            raise PolystrataError(f"a context of {engine.n_ctx} tokens cannot hold {n_seq} sequences; "
-                                  "use a larger -c/--ctx-size or fewer parallel sequences")
         self.engine = engine
         self.n_seq = n_seq
         self.n_ctx = engine.n_ctx // n_seq  # tokens a sequence holds

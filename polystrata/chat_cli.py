@@ -10,7 +10,7 @@ stdout; notices, errors and speeds go to stderr.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -54,23 +54,25 @@ def stream_reply(
     return "".join(parts), stats
 
 
-def open_engine(a) -> Engine:
+def open_engine(a, checked: Callable[[], None] | None = None) -> Engine:
     """The engine `run`/`chat`/`serve` ask for: a model (path or zoo name) or an artifact, with the target, KV type,
-    context, step size and memory options. An artifact's step size is the one it was compiled for, unless -ub asks
-    for another: then its plans are made again for that one, with a line on stderr (kernels the artifact lacks are
-    compiled)."""
-    from polystrata.artifact import is_artifact, kernel_store, load_artifact
+    context, step size and memory options, and `serve`'s parallel sequences. What the options and an artifact's
+    manifest can refuse (-np against the step size and the context, -ub against the context, --knob) is refused
+    before the model is looked for or loaded; then `checked` is called (serve takes its port there). An
+    artifact's step size is the one it was compiled for, unless -ub asks for another; its plans are made again
+    for that one, and likewise for another -np than the artifact's (`compile -np`), with a line on stderr (kernels
+    the artifact lacks are compiled)."""
+    from polystrata.artifact import find_model, is_artifact, kernel_store, read_artifact
     from polystrata.bench import parse_knobs
     from polystrata.cli import _resolve, memory_kwargs
     from polystrata.compiler import DEFAULT_UBATCH
+    from polystrata.engine import check_parallel, check_ubatch
 
     target, kv_type, n_ctx, n_ubatch, store = a.target, a.kv_type, a.ctx, a.n_ubatch, None
-    if a.model and is_artifact(a.model):
-        # The model it was compiled from, found by its sha256 (-m PATH, the manifest's path, the zoo cache); the
-        # kernels the cache lacks come from the artifact.
-        manifest = load_artifact(a.model, getattr(a, "model_file", None))
-        store = kernel_store(a.model)
-        path, target = Path(manifest["model"]["path"]), manifest["target"]["name"]
+    n_seq = getattr(a, "parallel", 1)
+    manifest = read_artifact(a.model) if a.model and is_artifact(a.model) else None
+    if manifest is not None:
+        target = manifest["target"]["name"]
         kv_type = manifest["memory"]["kv_type"] if target != "reference" else kv_type
         n_ctx = n_ctx or manifest["memory"]["n_ctx"]
         compiled_ub = manifest["memory"].get("n_ubatch")  # absent in artifacts from before -ub: the default then
@@ -79,15 +81,30 @@ def open_engine(a) -> Engine:
                   "(kernels it lacks are compiled)", file=sys.stderr)
         if n_ubatch is None and compiled_ub != DEFAULT_UBATCH:  # the default may exceed a small context; a
             n_ubatch = compiled_ub  # step size asked for at compile time was checked against the artifact's
+    check_parallel(n_seq, n_ubatch or DEFAULT_UBATCH, n_ctx)
+    if n_ubatch is not None:
+        check_ubatch(n_ubatch, n_ctx)
+    knobs = parse_knobs(a.knob) if getattr(a, "knob", None) else None
+    if checked is not None:
+        checked()
+    if manifest is not None:
+        compiled_np = manifest["memory"].get("n_parallel", 1)  # absent in artifacts from before -np: one
+        if n_seq > 1 and n_seq != compiled_np and target != "reference":
+            print(f"{a.model} was compiled for {compiled_np} parallel sequence{'s' * (compiled_np > 1)} "
+                  f"(compile -np); -np {n_seq} plans the steps of {n_seq} sequences (kernels it lacks are compiled)",
+                  file=sys.stderr)
+        # The model it was compiled from, found by its sha256 (-m PATH, the manifest's path, the zoo cache); the
+        # kernels the cache lacks come from the artifact.
+        path = find_model(Path(a.model), manifest["model"]["path"], manifest["model"]["sha256"],
+                          getattr(a, "model_file", None))
+        store = kernel_store(a.model)
         slots = manifest["memory"].get("expert_slots_per_layer")
         if a.expert_slots is None and manifest["memory"].get("experts_streamed") and isinstance(slots, int):
             a.expert_slots = slots  # the compiled plan's expert cache, unless --expert-slots says otherwise
     else:
         path = _resolve(a.model)
-    knobs = parse_knobs(a.knob) if getattr(a, "knob", None) else None
     return Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, kernel_store=store,
-                  tuning=not a.no_tuning, knobs=knobs, n_ubatch=n_ubatch, logit_rows=getattr(a, "parallel", 1),
-                  **memory_kwargs(a))
+                  tuning=not a.no_tuning, knobs=knobs, n_ubatch=n_ubatch, logit_rows=n_seq, **memory_kwargs(a))
 
 
 def make_sampler(a) -> Sampler:

@@ -316,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
     ctx_arg(p, "the model's, reduced to what the memory budget holds")
     ubatch_arg(p)
+    p.add_argument("-np", "--parallel", type=_positive_int, default=1, metavar="N",
+                   help="plan for `serve -np N` too: the steps of N sequences decoded at once, so that serving the "
+                        "artifact with that -np compiles nothing")
     threads_arg(p)
     memory_args(p, experts=False)
     p.add_argument("-o", "--output", required=True, type=_output_path)
@@ -598,9 +601,18 @@ def cmd_parity(a) -> int:
 def cmd_serve(a) -> int:
     from polystrata import zoo
     from polystrata.chat_cli import open_engine
-    from polystrata.server import serve
+    from polystrata.server import listen, serve
 
-    eng = open_engine(a)
+    # The port is taken once the options pass their checks and before the model loads: an address in use is refused
+    # at once, not after the compile.
+    socks = []
+    try:
+        eng = open_engine(a, checked=lambda: socks.append(listen(a.host, a.port)))
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    sock = socks[0]
     model_id = Path(a.model).name if a.model else zoo.DEFAULT_MODEL
 
     def ready(url: str) -> None:
@@ -609,17 +621,19 @@ def cmd_serve(a) -> int:
               f"tokens{', API key required' if a.api_key else ''}; Ctrl-C stops",
               file=sys.stderr, flush=True)
 
-    serve(eng, a.parallel, a.host, a.port, model_id, a.api_key, ready)
+    serve(eng, a.parallel, sock, model_id, a.api_key, ready)
     return 0
 
 
 def cmd_compile(a) -> int:
     from polystrata.artifact import write_artifact
-    from polystrata.engine import gpu_layers_target, tensor_table
+    from polystrata.compiler import DEFAULT_UBATCH
+    from polystrata.engine import check_parallel, gpu_layers_target, tensor_table
     from polystrata.gguf import GGUFFile
     from polystrata.models import model_hparams
     from polystrata.targets import resolve_target
 
+    check_parallel(a.parallel, a.n_ubatch or DEFAULT_UBATCH, a.ctx)  # before a zoo model downloads
     path, target = _resolve(a.model), a.target
     if a.n_gpu_layers is not None:
         with GGUFFile(path) as f:
@@ -627,7 +641,7 @@ def cmd_compile(a) -> int:
         target = gpu_layers_target(target, resolve_target(target), a.n_gpu_layers, n_layer)
     out, report = write_artifact(path, target, a.output, kv_type=a.kv_type, arch=a.arch, n_ctx=a.ctx,
                                  gpu_mem=a.gpu_mem, expert_slots=a.expert_slots, tuning=not a.no_tuning,
-                                 n_ubatch=a.n_ubatch)
+                                 n_ubatch=a.n_ubatch, n_seq=a.parallel)
     print(f"wrote {out}: {report}", file=sys.stderr)
     return 0
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from polystrata.compiler import DEFAULT_UBATCH
+from polystrata.compiler import DEFAULT_UBATCH, check_kv_type
 from polystrata.errors import PolystrataError, UnsupportedError
 from polystrata.gguf import GGUFFile
 from polystrata.ir.graph import Graph
@@ -86,6 +86,29 @@ def check_ubatch(n_ubatch: int, n_ctx: int | None) -> None:
                               f"-ub {n_ctx} or less, or a larger -c/--ctx-size")
 
 
+def check_parallel(n_seq: int, n_ubatch: int, n_ctx: int | None = None, graph: Graph | None = None) -> None:
+    """Refuse `n_seq` sequences sharing each step (`serve -np N`, `compile -np N`) where they cannot be served: more
+    than a step's `n_ubatch` rows (a decode step computes a row of each), fewer than 2 tokens each of a context of
+    `n_ctx`, or several on a model whose `graph` keeps a recurrent state (one per engine). None: not known yet;
+    callers check again once it is, before anything is planned or compiled. One sequence is always served."""
+    if n_seq < 1:
+        raise PolystrataError(f"parallel sequences (-np/--parallel) must be at least 1, not {n_seq}")
+    if n_seq == 1:
+        return
+    if n_seq > n_ubatch:
+        raise PolystrataError(f"-np {n_seq} does not fit a step of {n_ubatch} rows (-ub {n_ubatch}): a decode step "
+                              f"computes one row per sequence; use -ub {n_seq} or more, or -np {n_ubatch} or less")
+    if n_ctx is not None and n_ctx // n_seq < 2:
+        raise PolystrataError(f"a context of {n_ctx} tokens (-c) cannot hold {n_seq} parallel sequences (-np) of at "
+                              f"least 2 tokens each: use -c {2 * n_seq} or more"
+                              + (f", or -np {n_ctx // 2} or less" if n_ctx >= 4 else ""))
+    if graph is not None and graph.recurrent():
+        # Sequences share the K/V cache by rows, but a recurrent state is one per engine (issue 23): one sequence
+        # at a time holds it, zeroed as each opens.
+        raise PolystrataError(f"{graph.arch} keeps a recurrent state, one per engine: -np {n_seq} parallel sequences "
+                              "are not supported yet; use -np 1")
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     """Length of the longest common prefix of two token lists."""
     n = 0
@@ -119,18 +142,22 @@ class Engine:
         in steps of this many); None: `DEFAULT_UBATCH`, which the context may be smaller than, where a given one
         must fit the context (`check_ubatch`). `logit_rows`: the most rows whose logits a step of several sequences
         wants (`serve --parallel N`: N); above 1, the plan of the step's last `logit_rows` rows' logits
-        (`graph_rows`) is made too, for steps mixing prompt runs with decode rows (`polystrata.batch`)."""
+        (`graph_rows`) is made too, for steps mixing prompt runs with decode rows (`polystrata.batch`), once that
+        many sequences are known to fit the step size, the context and the model (`check_parallel`)."""
         if n_ctx is not None and n_ctx < 1:
             raise PolystrataError(f"the context length must be at least 1, not {n_ctx}")
         if n_ubatch is not None:
             check_ubatch(n_ubatch, n_ctx)
         self.n_ubatch = n_ubatch or DEFAULT_UBATCH
         self.n_ubatch_given = n_ubatch is not None
+        check_parallel(logit_rows, self.n_ubatch, n_ctx)  # before the model loads; its graph and context below
         from polystrata.runtimes.memory import check_reference_flags, policy_class
 
         asked, target = target, resolve_target(target)
         if target == "reference":
             check_reference_flags(gpu_mem, expert_slots, expert_policy)
+        else:
+            check_kv_type(kv_type)  # before the model loads (the reference keeps f32 K, V whatever is asked)
         expert_policy = expert_policy or "lru"
         policy_class(expert_policy)  # an unknown name fails before anything is loaded
         self.path = Path(model_path)
@@ -139,8 +166,9 @@ class Engine:
         tensors = tensor_table(self.file)
         self.hparams: HParams = model_hparams(self.metadata, tensors)
         target = gpu_layers_target(asked, target, n_gpu_layers, self.hparams.n_layer)
-        self.tokenizer = Tokenizer.from_metadata(self.metadata)
         self.graph_all: Graph = build_graph(self.metadata, tensors, all_logits=True)
+        check_parallel(logit_rows, self.n_ubatch, graph=self.graph_all)  # a recurrent model: before anything else
+        self.tokenizer = Tokenizer.from_metadata(self.metadata)
         self.graph_last: Graph = build_graph(self.metadata, tensors, all_logits=False)
         # Steps wanting several rows' logits of many (a prompt run beside decode rows): those rows go last.
         self.logit_rows = logit_rows
@@ -179,6 +207,8 @@ class Engine:
         if self.runtime is None:
             from polystrata.runtimes.reference import ReferenceExecutor
 
+            check_parallel(self.logit_rows, self.n_ubatch, self.n_ctx)
+
             return ReferenceExecutor.from_file(self.file, self.graph_all, self.n_ctx)
         from polystrata.compiler.executor import PlanExecutor
 
@@ -198,6 +228,7 @@ class Engine:
         self.n_ctx = self.memory.n_ctx
         if self.n_ubatch_given:  # the context fitted to the budget may be smaller than the one asked for
             check_ubatch(self.n_ubatch, self.n_ctx)
+        check_parallel(self.logit_rows, self.n_ubatch, self.n_ctx)  # so may the sequences' share of it
         if self.verbose:
             for line in self.memory.describe():
                 print(line, file=sys.stderr)

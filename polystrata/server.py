@@ -19,7 +19,9 @@ import asyncio
 import hmac
 import json
 import math
+import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -399,8 +401,8 @@ class Server:
         app.router.add_post("/v1/completions", self.completions)
         return app
 
-    def start(self, host: str, port: int) -> str:
-        """Listen on host:port (0: any free port) from a thread of its own; returns the base URL."""
+    def start(self, sock: socket.socket) -> str:
+        """Serve on the listening socket `sock` (`listen`) from a thread of its own; returns the base URL."""
         started = threading.Event()
         failure: list[BaseException] = []
         url: list[str] = []
@@ -412,7 +414,7 @@ class Server:
                 # A client that goes away cancels its handler, and so its job (`_answer`), streamed or not.
                 self.runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
                 self.loop.run_until_complete(self.runner.setup())
-                site = web.TCPSite(self.runner, host, port)
+                site = web.SockSite(self.runner, sock)
                 self.loop.run_until_complete(site.start())
                 h, p = self.runner.addresses[0][:2]
                 url.append(f"http://{f'[{h}]' if ':' in h else h}:{p}")
@@ -428,10 +430,7 @@ class Server:
         threading.Thread(target=serve, name="polystrata-http", daemon=True).start()
         started.wait()
         if failure:
-            e = failure[0]
-            if isinstance(e, OSError):
-                raise PolystrataError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
-            raise e
+            raise failure[0]
         return url[0]
 
     def close(self) -> None:
@@ -596,13 +595,25 @@ class Server:
         return resp
 
 
-def serve(engine: Engine, n_seq: int, host: str, port: int, model_id: str, api_key: str | None = None,
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port (0: any free port), taken before the model loads, so that an address in use
+    or not allowed is refused at once rather than after the compile; connections wait in its backlog until
+    `Server.start` serves it."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=128)
+    except OSError as e:
+        # create_server's message adds the address; os.strerror gives the reason alone.
+        raise PolystrataError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
+
+
+def serve(engine: Engine, n_seq: int, sock: socket.socket, model_id: str, api_key: str | None = None,
           ready: Callable[[str], None] | None = None) -> None:
-    """Serve `engine` over HTTP until interrupted: the scheduler runs in this thread, the event loop in another.
-    `ready` is called with the base URL once the server listens."""
+    """Serve `engine` over HTTP on the listening socket `sock` (`listen`) until interrupted: the scheduler runs in
+    this thread, the event loop in another. `ready` is called with the base URL once the server answers."""
     scheduler = Scheduler(engine, n_seq)
     server = Server(scheduler, model_id, api_key)
-    url = server.start(host, port)
+    url = server.start(sock)
     if ready:
         ready(url)
     try:

@@ -179,7 +179,7 @@ class MemoryPlan:
         else:
             lines.append(f"  weights: {fmt_bytes(self.weight_bytes)} resident")
         lines.append(f"  KV cache: {fmt_bytes(self.kv_bytes)} ({self.kv_type}, n_ctx {self.n_ctx})")
-        lines.append(f"  scratch: {fmt_bytes(self.scratch_bytes)}")
+        lines.append(f"  scratch: {fmt_bytes(self.scratch_bytes)} (one set of activation buffers shared by the plans)")
         return lines
 
     def manifest(self) -> dict[str, Any]:
@@ -194,6 +194,30 @@ class MemoryPlan:
 
 def _nbytes(spec: Any) -> int:
     return int(spec.count) * DTYPE_BYTES[spec.dtype]
+
+
+def shared_scratch(plans: Mapping[int, Any]) -> tuple[list[tuple[str, int]], dict[tuple[int, str], int]]:
+    """One set of activation buffers for all of an engine's plans: they never run at the same time (one step at a
+    time, on one queue, its logits read before the next step) and no activation outlives its step, so the i-th
+    largest activation buffer of a dtype of every plan takes shared buffer i of that dtype, as large as the largest
+    it holds: the plans' scratch costs about that of the largest plan, not their sum. Returns the shared buffers,
+    (dtype, count) each, and which one each plan's activation uses: (plan key, buffer name) -> index."""
+    shared: list[tuple[str, int]] = []
+    index: dict[str, list[int]] = {}  # dtype -> its shared buffers, by rank
+    use: dict[tuple[int, str], int] = {}
+    for pid, plan in plans.items():
+        acts = sorted(((spec.dtype, -spec.count, name) for name, spec in plan.buffers.items()
+                       if spec.kind == "activation"))
+        rank: dict[str, int] = {}
+        for dtype, neg, name in acts:
+            i = rank[dtype] = rank.get(dtype, -1) + 1
+            ranked = index.setdefault(dtype, [])
+            if i == len(ranked):
+                ranked.append(len(shared))
+                shared.append((dtype, 0))
+            use[(pid, name)] = j = ranked[i]
+            shared[j] = (dtype, max(shared[j][1], -neg))
+    return shared, use
 
 
 def plan_memory(
@@ -211,15 +235,14 @@ def plan_memory(
         raise PolystrataError("--expert-slots must be at least 1")
     weights: dict[str, int] = {}
     shared: dict[str, tuple[str, int]] = {}  # the KV cache, recurrent states, inputs: one buffer for every plan
-    scratch = 0
     for plan in plans.values():
         for name, spec in plan.buffers.items():
             if spec.kind == "weight":
                 weights[name] = _nbytes(spec)
             elif spec.kind in ("kv", "input", "state"):  # inputs: as large as the largest step's (-ub)
                 shared[name] = (spec.kind, max(_nbytes(spec), shared.get(name, ("", 0))[1]))
-            elif spec.kind == "activation":  # each plan's own (slot tables: counted below, with the cache)
-                scratch += _nbytes(spec)
+    # Activations: one set shared by the plans (slot tables: counted below, with the cache).
+    scratch = sum(count * DTYPE_BYTES[dtype] for dtype, count in shared_scratch(plans)[0])
     kv_bytes = sum(nb for kind, nb in shared.values() if kind == "kv")
     # Recurrent states do not grow with the context: counted with the fixed buffers.
     scratch += sum(nb for kind, nb in shared.values() if kind in ("input", "state"))

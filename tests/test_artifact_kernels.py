@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from polystrata import progress, zoo
+from polystrata import progress, server, zoo
 from polystrata.artifact import KERNELS, write_artifact
 from polystrata.cli import main
 from polystrata.errors import PolystrataError
@@ -125,6 +125,39 @@ def test_model_found_by_sha256(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as usage:
         main(["run", str(kept), "--model", str(kept), "-n", "1"])
     assert usage.value.code == 2 and "give the model once" in capsys.readouterr().err
+
+
+def test_serve_an_artifact_compiled_for_its_parallel_sequences(tmp_path, monkeypatch, capsys, lines):
+    """`compile -np 4` plans the steps of 4 sequences too (the plan of the last 4 rows' logits), so `serve ARTIFACT
+    -np 4` on an empty kernel cache compiles nothing; another -np plans those steps again, with a line saying so,
+    compiling only the kernel the artifact lacks. The manifest counts the plans' shared scratch as the engine
+    does. An -np the step size cannot hold is refused from the manifest, before the model is looked for."""
+    # test_batch's model and context: the kernels of its 4-row plan compile once per run.
+    (tmp_path / "m").mkdir()
+    model = synth_model("llama", tmp_path / "m" / "tiny.gguf", preset="tiny", qtype="Q8_0", seed=7)
+    art = tmp_path / "m" / "art"
+    assert main(["compile", str(model), "--target", "cpu", "-c", "64", "-np", "4", "-o", str(art)]) == 0
+    capsys.readouterr()
+    m = yaml.safe_load((art / "manifest.yaml").read_text())
+    assert m["memory"]["n_parallel"] == 4 and any(k["plan"] == "rows" for k in m["kernels"])
+    served: list = []
+    monkeypatch.setattr(server, "serve", lambda eng, n_seq, sock, *a: (sock.close(), served.append((eng, n_seq))))
+    _fresh_home(monkeypatch, tmp_path)
+    assert main(["serve", str(art), "-np", "4", "--port", "0"]) == 0
+    err = capsys.readouterr().err
+    k, n, hits = _compiles(err)
+    assert k == n == hits > 0 and "was compiled for" not in err
+    eng = served[-1][0]
+    assert served[-1][1] == 4 and eng.graph_rows.outputs[0].type.shape[0] == 4
+    assert eng.memory.scratch_bytes == m["memory"]["scratch_bytes"]
+    assert main(["serve", str(art), "-np", "2", "--port", "0"]) == 0
+    err = capsys.readouterr().err
+    assert f"{art} was compiled for 4 parallel sequences (compile -np); -np 2 plans the steps of 2 sequences" in err
+    k, n, hits = _compiles(err)
+    assert k == n and hits == n - 1  # the 2-row plan's own kernel
+    shutil.copytree(art, tmp_path / "alone")  # without its model: not found, and not looked for
+    assert main(["serve", str(tmp_path / "alone"), "-np", "300"]) == 1
+    assert capsys.readouterr().err.startswith("error: -np 300 does not fit a step of 256 rows (-ub 256)")
 
 
 def test_progress_on_long_waits_but_not_under_json(bundle, tmp_path, capsys, lines):

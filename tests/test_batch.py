@@ -205,7 +205,7 @@ def test_slots_and_their_context(tiny_llama):
         bd.prefill(b, _tokens(9, 2))
     bd.close(a)
     assert bd.open() == a
-    with pytest.raises(PolystrataError, match="cannot hold 9 sequences"):
+    with pytest.raises(PolystrataError, match="cannot hold 9 parallel sequences"):
         BatchDecoder(eng, 9)
     eng.n_ubatch = 4  # as -ub 4 gives (the reference executor has no plans of a step size)
     with pytest.raises(ValueError, match="a step of 5 tokens exceeds the step size 4"):

@@ -254,7 +254,7 @@ def test_knobs_reach_the_plans(tiny_model, capsys, monkeypatch):
     from polystrata.cli import main
 
     with pytest.raises(Planned):
-        main(["serve", str(tiny_model), "--target", "cpu", "--no-tuning", "--knob", "matmul.reuse=1"])
+        main(["serve", str(tiny_model), "--target", "cpu", "--no-tuning", "--knob", "matmul.reuse=1", "--port", "0"])
     assert seen == {"matmul": {"reuse": 1}}
 
 

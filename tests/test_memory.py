@@ -25,6 +25,8 @@ from polystrata.runtimes.memory import (
     fmt_bytes,
     margin,
     parse_gpu_mem,
+    plan_memory,
+    shared_scratch,
     vram_guard,
 )
 from polystrata.synth import synth_model
@@ -522,6 +524,26 @@ def test_bench_json_reports_experts(moe, kernel_target):
     assert set(r["experts"]) == {"policy", "slots", "hit_rate", "link_bytes_per_token", "stall_ms_per_token"}
     assert r["experts"]["slots"] == 1 and r["experts"]["link_bytes_per_token"] > 0
     assert isinstance(r["gpu_mem"], int) and r["gpu_mem"] > 0
+
+
+def test_plans_share_one_set_of_activation_buffers():
+    """An engine's plans never run at once: the i-th largest activation buffer of a dtype of every plan takes shared
+    buffer i, as large as the largest it holds; a plan's own buffers stay apart; the memory plan counts the set
+    once. Weights, the KV cache and the inputs are shared by name as before."""
+    from polystrata.compiler.plan import BufferSpec, Plan
+
+    def plan(*bufs) -> Plan:
+        return Plan([], {n: BufferSpec(n, d, c, k) for n, d, c, k in bufs}, "x", ("T", 8), 4)
+
+    prompt = plan(("x", "f32", 100, "activation"), ("y", "f32", 30, "activation"), ("q", "u8", 64, "activation"),
+                  ("w", "f32", 999, "weight"), ("tokens", "i32", 4, "input"))
+    step = plan(("x", "f32", 20, "activation"), ("z", "f32", 50, "activation"), ("k", "f16", 16, "kv"),
+                ("w", "f32", 999, "weight"), ("tokens", "i32", 1, "input"))
+    pool, use = shared_scratch({1: prompt, 2: step})
+    assert sorted(pool) == [("f32", 30), ("f32", 100), ("u8", 64)]
+    assert use[1, "x"] == use[2, "z"] != use[1, "y"] == use[2, "x"] and use[1, "q"] not in (use[1, "x"], use[1, "y"])
+    mem = plan_memory({1: prompt, 2: step}, [], 16, None)
+    assert (mem.scratch_bytes, mem.kv_bytes, mem.weight_bytes) == (4 * 130 + 64 + 4 * 4, 2 * 16, 4 * 999)
 
 
 def test_compile_manifest_records_the_plan(moe, kernel_target, tmp_path):

@@ -102,7 +102,7 @@ def test_batched_decoding_takes_one_sequence_with_a_recurrent_state(tiny_hybrid)
     from polystrata.batch import BatchDecoder
 
     e = Engine(tiny_hybrid("qwen35"), target="reference", n_ctx=64)
-    with pytest.raises(PolystrataError, match="recurrent state, one per engine.*--parallel 1"):
+    with pytest.raises(PolystrataError, match="recurrent state, one per engine.*use -np 1"):
         BatchDecoder(e, 2)
     ids = [5, 9, 2, 7, 3]
     alone = e.forward(ids, all_logits=True)

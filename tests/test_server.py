@@ -21,11 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 
+import polystrata.engine as engine_module
 from polystrata.chat import encode_chat
 from polystrata.cli import main
 from polystrata.engine import Engine
+from polystrata.runtimes import memory
 from polystrata.sampling import Sampler, SamplerConfig
-from polystrata.server import MAX_BODY, Scheduler, Server
+from polystrata.server import MAX_BODY, Scheduler, Server, listen
 from polystrata.synth import synth_model
 
 KEY = "test-key"
@@ -39,7 +41,7 @@ def served(tmp_path_factory):
     eng = Engine(path, target="reference", n_ctx=256, logit_rows=2)  # as `serve -np 2` makes it
     sched = Scheduler(eng, 2)
     server = Server(sched, "tiny", api_key=KEY)
-    url = server.start("127.0.0.1", 0)
+    url = server.start(listen("127.0.0.1", 0))
     worker = threading.Thread(target=sched.run, daemon=True)
     worker.start()
     yield url, eng, sched
@@ -304,17 +306,44 @@ def test_a_failing_engine_gives_500_and_the_server_goes_on(served, client, monke
     assert again.usage.completion_tokens == 3
 
 
-def test_serve_cli_refuses_what_it_cannot_do(tmp_path, capsys):
-    """Usage errors and impossible settings: one line, no traceback."""
-    path = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=7)
-    cmd = ["serve", str(path), "--target", "reference"]
+def test_serve_cli_refuses_what_it_cannot_do(tmp_path, capsys, monkeypatch):
+    """Usage errors and impossible settings: one line naming the values and what to change, no traceback, before
+    the model loads: here the model file does not even exist (or, for a hybrid, before its plans are made)."""
+    cmd = ["serve", str(tmp_path / "missing.gguf"), "--target", "reference"]
     with pytest.raises(SystemExit) as e:
         main([*cmd, "--port", "70000"])
     assert e.value.code == 2 and capsys.readouterr().err.strip().endswith(
         "error: argument --port: expected a port from 0 to 65535, got '70000'")
     assert main([*cmd, "-c", "8", "-np", "5"]) == 1
-    assert capsys.readouterr().err == ("error: a context of 8 tokens cannot hold 5 sequences; use a larger "
-                                       "-c/--ctx-size or fewer parallel sequences\n")
+    assert capsys.readouterr().err == ("error: a context of 8 tokens (-c) cannot hold 5 parallel sequences (-np) of "
+                                       "at least 2 tokens each: use -c 10 or more, or -np 4 or less\n")
+    assert main([*cmd, "-np", "8", "-ub", "4"]) == 1
+    assert capsys.readouterr().err == ("error: -np 8 does not fit a step of 4 rows (-ub 4): a decode step computes "
+                                       "one row per sequence; use -ub 8 or more, or -np 4 or less\n")
+    assert main([*cmd, "-np", "300"]) == 1  # the default step size
+    assert "error: -np 300 does not fit a step of 256 rows (-ub 256)" in capsys.readouterr().err
+    with listen("127.0.0.1", 0) as taken:  # the port is taken before the model loads, a busy one refused at once
+        port = taken.getsockname()[1]
+        assert main([*cmd, "--port", str(port)]) == 1
+    assert capsys.readouterr().err == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    # A hybrid (one recurrent state per engine): refused once its graph says so, before the plan of the last N
+    # rows or anything else is made; `compile -np` likewise, writing nothing.
+    hybrid = synth_model("qwen35", tmp_path / "q.gguf", preset="tiny", qtype="Q8_0", seed=7)
+    built: list[int] = []
+    build = engine_module.build_graph
+    monkeypatch.setattr(engine_module, "build_graph", lambda *a, **kw: (built.append(kw.get("last_rows", 1)),
+                                                                          build(*a, **kw))[1])
+    monkeypatch.setattr(memory, "fit_plans", lambda *a, **kw: pytest.fail("planned"))
+    want = "error: qwen35 keeps a recurrent state, one per engine: -np 2 parallel sequences are not supported yet; " \
+           "use -np 1\n"
+    assert main(["serve", str(hybrid), "--target", "cpu", "-np", "2", "--port", "0"]) == 1
+    assert capsys.readouterr().err == want and built == [1]  # the graph of every logit, which says it
+    art = tmp_path / "art"
+    assert main(["compile", str(hybrid), "--target", "cpu", "-np", "2", "-o", str(art)]) == 1
+    assert capsys.readouterr().err == want and not art.exists()
+    built.clear()  # an unknown KV cache type: before the model's graph is built
+    assert main(["serve", str(hybrid), "--target", "cpu", "--kv-type", "q4", "--port", "0"]) == 1
+    assert capsys.readouterr().err == "error: unknown KV cache type 'q4' (known: f16, q8_0, q8_g64)\n" and not built
 
 
 def test_serve_command_answers_and_stops_on_ctrl_c(tmp_path):

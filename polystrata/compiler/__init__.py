@@ -15,6 +15,12 @@ from polystrata.runtimes.base import Runtime
 DEFAULT_UBATCH = 256
 
 
+def check_kv_type(kv_type: str) -> None:
+    """Refuse a KV cache format (`--kv-type`) that no description names."""
+    if kv_type not in KV_FORMATS:
+        raise PolystrataError(f"unknown KV cache type '{kv_type}' (known: {', '.join(KV_FORMATS)})")
+
+
 def compile_plans(
     file: GGUFFile, graphs: list[Graph], runtime: Runtime, n_ctx: int, kv_type: str = "f16",
     steps: dict[int, int] | None = None, stream_experts: bool = False, knobs: dict | None = None,
@@ -23,8 +29,7 @@ def compile_plans(
     plan takes (default `DEFAULT_UBATCH`; 1 for a plan of decode steps, whose recipes may then specialize).
     `stream_experts`: plans for a device cache of MoE expert slots (`runtimes/memory.py`). `knobs`: overrides by
     knob space or kernel instance (the tuning database's choices: `polystrata.tuning`)."""
-    if kv_type not in KV_FORMATS:
-        raise PolystrataError(f"unknown KV cache type '{kv_type}' (known: {', '.join(KV_FORMATS)})")
+    check_kv_type(kv_type)
     formats = {name: t.fmt for name, t in file.tensors.items()}
     kv = KV_FORMATS[kv_type]
     return {
@@ -34,4 +39,4 @@ def compile_plans(
     }
 
 
-__all__ = ["DEFAULT_UBATCH", "Plan", "build_plan", "compile_plans"]
+__all__ = ["DEFAULT_UBATCH", "Plan", "build_plan", "check_kv_type", "compile_plans"]

@@ -26,7 +26,7 @@ from polystrata.ir.kernel import STEP_SYMBOLS, Buf
 from polystrata.ir.layout import repack
 from polystrata.progress import Progress
 from polystrata.runtimes.base import CompiledKernel, Runtime, eval_int
-from polystrata.runtimes.memory import ExpertStreamer, VRAMGuard, expert_source, guard_step
+from polystrata.runtimes.memory import ExpertStreamer, VRAMGuard, expert_source, guard_step, shared_scratch
 from polystrata.runtimes.reference import OneSequence
 
 # Steps of at most this many tokens are replayed as device graphs (see `PlanExecutor`): decode steps of up to as
@@ -73,7 +73,8 @@ class BoundLaunch:
 
 
 class PlanExecutor(OneSequence):
-    """Executes plans of one model on one runtime, sharing weights and the KV cache between them.
+    """Executes plans of one model on one runtime, sharing weights, the KV cache and one set of activation buffers
+    (`runtimes.memory.shared_scratch`: one plan runs at a time) between them.
 
     Same interface as the reference executor: `forward(graph, tokens)` (at most the plan's t_max tokens), `step`,
     `n_past`, `reset()`.
@@ -101,7 +102,9 @@ class PlanExecutor(OneSequence):
         weights = {name for plan in plans.values() for name, spec in plan.buffers.items()
                    if spec.kind == "weight" and name not in self.handles}
         loading = Progress("loading weights", len(weights))  # closed below; an error ends the command
-        for plan in plans.values():
+        pool, use = shared_scratch(plans)  # the plans' activations: one set for all of them
+        scratch = [runtime.alloc((count,), dtype) for dtype, count in pool]
+        for pid, plan in plans.items():
             for name, spec in plan.buffers.items():
                 if spec.kind in ("weight", "kv", "state", "input", "slots") and name in self.handles:
                     continue
@@ -113,7 +116,7 @@ class PlanExecutor(OneSequence):
                     self.handles[name] = runtime.upload(data)
                     loading.update()
                 elif spec.kind == "activation":
-                    self.handles[(id(plan), name)] = runtime.alloc((spec.count,), spec.dtype)
+                    self.handles[(id(plan), name)] = scratch[use[(pid, name)]]
                 else:
                     self.handles[name] = runtime.alloc((spec.count,), spec.dtype)
         loading.close()
