@@ -38,7 +38,7 @@ sizes, ...): the autotuner searches them, and compile manifests record them.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -355,9 +355,21 @@ class Kernel:
                 return a.dtype
         raise KeyError(buf)
 
+    def once(self, what: str, compute: Callable[[], Any]) -> Any:
+        """`compute()`, kept on this kernel under `what`: a kernel is immutable and shared by every launch of it
+        (`codegen.recipes.kernel_builder`), and walking its body again for each launch is what planning a model's
+        dozens of layers would spend its time on."""
+        memo = self.__dict__.setdefault("_once", {})
+        if what not in memo:
+            memo[what] = compute()
+        return memo[what]
+
+    def __hash__(self) -> int:  # the generated hash of the fields, computed once
+        return self.once("hash", lambda: hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
+
     def fingerprint(self) -> str:
         """A stable hash of the whole description (for caches keyed by kernel)."""
-        return stable_digest(self)
+        return self.once("fingerprint", lambda: stable_digest(self))
 
 
 GRID_VARS = ("g0", "g1", "g2")
@@ -525,8 +537,12 @@ def loads(e: Expr) -> list[Load]:
     return [n for n in expr_nodes(e) if isinstance(n, Load)]
 
 
-def buffers_read(k: Kernel) -> set[str]:
+def buffers_read(k: Kernel) -> frozenset[str]:
     """Names of the buffers and local arrays a kernel reads (`Load`s and `load_u32` word loads)."""
+    return k.once("buffers_read", lambda: frozenset(_buffers_read(k)))
+
+
+def _buffers_read(k: Kernel) -> set[str]:
     out: set[str] = set()
     for s in walk(k.body):
         for e in stmt_exprs(s):

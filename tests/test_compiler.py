@@ -150,3 +150,30 @@ def test_matmul_knob_space_reaches_every_matmul_of_a_prompt_plan(tmp_path):
     assert all(n.endswith("_mma") for n in on), on
     assert not any(n.endswith("_mma") for n in off), off
     assert matmuls(None) == off  # tile products are off by default
+
+
+def test_kernel_builders_build_each_kernel_once_and_tell_apart_what_renders_differently():
+    """A model's layers ask for the same kernels: the builders keep them (`kernel_builder`), and only arguments
+    that render alike may share one, with functions (epilogues) told apart by what they close over."""
+    from polystrata.codegen.recipes import _arg_key
+    from polystrata.codegen.recipes.elementwise import rms_norm_kernel
+    from polystrata.codegen.recipes.tile_matmul import tile_matmul_kernel
+    from polystrata.ir.kernel import Call, buffers_read
+
+    q4_0, q4_1 = FORMATS["Q4_0"], FORMATS["Q4_1"]
+
+    def tile(fmt, act):
+        return tile_matmul_kernel("glu", [fmt, fmt], 8, 64, rows=2, tokens=4,
+                                  epilogue=lambda v: Call(act, v[0]) * v[1])
+
+    assert tile(q4_0, "exp") is tile(q4_0, "exp")
+    assert len({id(tile(q4_0, "exp")), id(tile(q4_0, "tanh")), id(tile(q4_1, "exp"))}) == 3
+    assert tile(q4_0, "exp") != tile(q4_0, "tanh")  # the closure's value, not only its code
+    assert rms_norm_kernel("n", 64, 1e-6, False, 1) is rms_norm_kernel("n", 64, 1e-6, False, 1)
+    assert rms_norm_kernel("n", 64, 1e-6, False, 1) != rms_norm_kernel("n", 64, 1e-5, False, 1)
+    # Equal and alike hashed in Python, rendered differently (Const(1) prints 1, Const(1.0) prints 1.0).
+    assert len({_arg_key(1), _arg_key(1.0), _arg_key(True), _arg_key(0.0), _arg_key(-0.0)}) == 5
+    assert _arg_key((Var("a") + 1,)) != _arg_key((Var("a") + 1.0,))
+    # A plan's analysis of a shared kernel is its own too: the buffers it reads, walked once.
+    k = tile(q4_0, "exp")
+    assert buffers_read(k) is buffers_read(tile(q4_0, "exp")) and {"x", "w0", "w1"} <= buffers_read(k)

@@ -20,6 +20,9 @@ Step symbols usable as scalar bindings: "T", "n_past", "n_kv" (see `ir.kernel.La
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +31,50 @@ from polystrata.codegen.policy import Policy, shape_policy
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node, Value
 from polystrata.ir.kernel import Launch
+
+
+def _arg_key(v: Any) -> Any:
+    """A hashable key that tells apart every argument value a kernel builder may render differently: scalars by
+    type and exact value (1, 1.0 and True, or 0.0 and -0.0, hash alike but render differently), containers and
+    dataclasses (formats, expressions) by their contents, functions (epilogues) by their code and what they close
+    over. Raises TypeError for anything else unhashable."""
+    if v is None or isinstance(v, str | bytes):
+        return v
+    if isinstance(v, bool | int | float):
+        return (type(v).__name__, repr(v))
+    if isinstance(v, list | tuple):
+        return (type(v).__name__, tuple(_arg_key(x) for x in v))
+    if isinstance(v, dict):
+        return ("dict", tuple((_arg_key(k), _arg_key(x)) for k, x in v.items()))
+    if isinstance(v, types.FunctionType):
+        cells = tuple(_arg_key(c.cell_contents) for c in v.__closure__ or ())
+        return ("fn", v.__code__, _arg_key(v.__defaults__), _arg_key(v.__kwdefaults__), cells)
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return (type(v), tuple(_arg_key(getattr(v, f.name)) for f in dataclasses.fields(v)))
+    hash(v)
+    return (type(v), v)
+
+
+def kernel_builder(build: Callable[..., Any]) -> Callable[..., Any]:
+    """Memoize a kernel builder: a pure function of its arguments, asked by every layer of a model for the same
+    kernel (and every plan of an engine), whose lowering of the quantization formats is what planning spends
+    its time on. Arguments `_arg_key` cannot key are built each time."""
+    built: dict[Any, Any] = {}
+
+    @functools.wraps(build)
+    def memoized(*args, **kwargs):
+        try:
+            key = (_arg_key(args), _arg_key(kwargs))
+        except TypeError:
+            return build(*args, **kwargs)
+        kernel = built.get(key)
+        if kernel is None:
+            if len(built) >= 4096:  # a long tuning session's candidates: keep the memory bounded
+                built.clear()
+            kernel = built[key] = build(*args, **kwargs)
+        return kernel
+
+    return memoized
 
 
 @dataclass(frozen=True)

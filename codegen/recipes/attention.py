@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from polystrata.codegen.dequant import Decoder, chunk_len, word_codes
 from polystrata.codegen.format_analysis import affine, block_stride, finest_group, inline_elem_lets, widen
 from polystrata.codegen.policy import Policy
-from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register
+from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, kernel_builder, register
 from polystrata.codegen.recipes._matvec import QB, code_word, round_half_away
 from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE, default_tiles, mma_fits, prefill_attention_kernel
 from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
@@ -174,6 +174,7 @@ def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str, group: Expr | None
     ]
 
 
+@kernel_builder
 def kv_store_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: int, d: int, dv: int, lanes: int,
                     rope: dict | None = None, qk_norm_eps: float | None = None) -> Kernel:
     """This step's K and V rows into the caches (layouts `kf`, `vf`: `kv_layouts`) at row `starts[t] +
@@ -250,6 +251,7 @@ def _runs(pos: Expr, window: int, splits: int, min_run: int) -> tuple[Let, ...]:
             Let("runs", (Var("nall") + Var("per") - 1) // Var("per")))
 
 
+@kernel_builder
 def attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: int, d: int, dv: int, n_ctx: int,
                      scale: float, window: int, softcap: float, lanes: int, splits: int = 1, min_run: int = 1,
                      heads: int = 1, active: Expr | None = None, int8_q: bool = False) -> Kernel:
@@ -518,6 +520,7 @@ def attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: 
 UNROLL = 4
 
 
+@kernel_builder
 def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int, quant: bool = False,
                              min_run: int = 1, window: int = 0, active: Expr | None = None) -> Kernel:
     """out[t, h] from the split-K partials of `attention_kernel` (its `splits`, `min_run` and `window`): with M the

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 from polystrata.codegen.dequant import Decoder, word_codes
 from polystrata.codegen.format_analysis import block_stride
+from polystrata.codegen.recipes import kernel_builder
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.kernel import (
@@ -97,6 +98,7 @@ def default_tiles(d: int, dv: int, local_bytes: int, mma: bool = False,
     return next((c for c in choices if tile_local_bytes(d, dv, *c, mma, registers) <= room), None)
 
 
+@kernel_builder
 def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: int, d: int, dv: int,
                              scaled: Callable[[Expr], Expr], window: int, lanes: int, q_tile: int,
                              k_tile: int, active: Expr | None = None, mma: bool = False) -> Kernel:

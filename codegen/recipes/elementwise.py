@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register, token_binding
+from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, kernel_builder, register, token_binding
 from polystrata.codegen.recipes._matvec import QB
 from polystrata.codegen.recipes.linear import (
     ACTIVATIONS,
@@ -57,6 +57,7 @@ def _per_token(v: Value) -> int:
         int(d) for d in v.type.shape)
 
 
+@kernel_builder
 def elementwise_kernel(name: str, ins: Sequence[tuple[str, int]], per: int, fn: Callable[[list[Expr]], Expr],
                        chunk: int, lanes: int) -> Kernel:
     """out[t, c] = fn(in_j[t, c % size_j ...]); `ins` are (name, elements per token or -size for broadcast)."""
@@ -144,6 +145,7 @@ def rms_scale(name: str, sum_squares: Expr, d: int, eps: float) -> Let:
 Addend = tuple[tuple[Buf, ...], Callable[[Expr, Expr, int], Expr]]
 
 
+@kernel_builder
 def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, quant: bool = False,
                     addend: Addend | None = None) -> Kernel:
     """Rows of length d (grid over rows): [s = x + r, stored to `sum`] then y = s / sqrt(mean(s^2) + eps) * w.
@@ -299,6 +301,7 @@ def rope_value(x: Callable[[Expr], Expr], i: Expr, pos: Expr, d: int, dims: int,
     return rot if dims >= d else Select(i < dims, rot, x(i))
 
 
+@kernel_builder
 def rope_kernel(name: str, h: int, d: int, dims: int, base: float, freq_scale: float, mode: str,
                 lanes: int) -> Kernel:
     """y = rope(x) for x [T, h, d] (`rope_value`); grid (T, h)."""

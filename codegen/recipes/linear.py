@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from polystrata.codegen.dequant import Decoder
 from polystrata.codegen.format_analysis import block_stride, elements_per_row_bytes, weight_dtype, widen
 from polystrata.codegen.policy import Policy
-from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register, token_binding
+from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, kernel_builder, register, token_binding
 from polystrata.codegen.recipes._matvec import (
     QB,
     Act,
@@ -137,6 +137,7 @@ def gelu_tanh(g: Expr) -> Expr:
 ACTIVATIONS = {"swiglu": silu, "geglu": gelu_tanh}
 
 
+@kernel_builder
 def matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, int8: bool,
                   split: str, lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
                   vert: bool | str = "auto", host_arith: bool | None = None, contract: bool | str = False) -> Kernel:
@@ -367,6 +368,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
 
 
+@kernel_builder
 def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1) -> Kernel:
     """xq[(t*k + e) / 4] packs the int8 codes of x[t, e..e+3] (byte e % 4, little-endian), xd[t*k/32 + b] =
     max|x| / 127 of each 32 values. Grid (T * rows_per_t, k / 32): a group of 32 lanes per 32 values (the max a
@@ -488,6 +490,7 @@ def _q8_knobs(fmts: Sequence[QuantFormat], tokens: int, subs: Sequence[int], run
             ("spread", int(spread and rows > 1)), ("reuse", int(reuse)))
 
 
+@kernel_builder
 def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, tokens: int, lanes: int,
                      sub: int | str = "auto", runs: bool | int | str = "auto", rows: int = 1, spread: bool = False,
                      reuse: bool = False, epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
@@ -520,6 +523,7 @@ def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, 
                   doc=f"matvec int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
 
 
+@kernel_builder
 def stacked_matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], ns: Sequence[int], k: int, *, tokens: int,
                              lanes: int, sub: int | str = "auto", runs: bool | int | str = "auto",
                              rows: int = 1, spread: bool = False, reuse: bool = False) -> Kernel:
@@ -627,6 +631,7 @@ def _match_matmul(nodes: Sequence[Node]) -> bool:
     return nodes[0].inputs[1].weight is not None
 
 
+@kernel_builder
 def embed_kernel(name: str, fmt: QuantFormat, cols: int, chunk: int, lanes: int) -> Kernel:
     """out[t, :] = dequantized row tokens[t] of the [vocab, cols] table; grid (T, ceil(blocks / chunk))."""
     wf = fmt_for(fmt)

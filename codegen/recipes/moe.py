@@ -45,7 +45,16 @@ import functools
 from collections.abc import Callable, Sequence
 
 from polystrata.codegen.format_analysis import elements_per_row_bytes, weight_dtype
-from polystrata.codegen.recipes import ExpertStream, Knob, KnobSpace, Recipe, RecipeContext, register, token_binding
+from polystrata.codegen.recipes import (
+    ExpertStream,
+    Knob,
+    KnobSpace,
+    Recipe,
+    RecipeContext,
+    kernel_builder,
+    register,
+    token_binding,
+)
 from polystrata.codegen.recipes._matvec import (
     QB,
     Act,
@@ -93,6 +102,7 @@ from polystrata.ir.kernel import (
 Q30 = float(1 << 30)
 
 
+@kernel_builder
 def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int, lists: int | None = None) -> Kernel:
     """Softmax over e logits, top-k by repeated argmax (lowest index wins ties), optional renormalisation; grid
     (T,). Each argmax is two group reductions (the largest probability, then the lowest index holding it), so
@@ -149,6 +159,7 @@ def list_words(n_exp: int, cap: int) -> int:
     return n_exp * (1 + cap) + 1 + n_exp
 
 
+@kernel_builder
 def group_kernel(name: str, n_exp: int, k: int, cap: int, lanes: int) -> Kernel:
     """lst[e] = number of route entries with expert e; lst[n_exp + e*cap + j] = the j-th such entry (t*k + s);
     then the experts with entries, in order: lst[A] = their number, lst[A + 1 + i] = the i-th (A = n_exp*(1+cap)).
@@ -221,6 +232,7 @@ def weight_index(slots: bool) -> Var:
     return Var("xw") if slots else Var("ex")
 
 
+@kernel_builder
 def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
                   act: str, per_token: bool, rows: int, split: str, lanes: int,
                   epilogue: Callable[[list[Expr]], Expr] | None = None, slots: bool = False,
@@ -303,6 +315,7 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
                   doc=f"moe expert matmul {'+'.join(f.name for f in fmts)} [{n_exp}x{n}x{kd}]")
 
 
+@kernel_builder
 def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
                      per_token: bool, sub: int | str, lanes: int, runs: bool | int | str = "auto", spread: int = 1,
                      epilogue: Callable[[list[Expr]], Expr] | None = None, slots: bool = False) -> Kernel:
@@ -350,6 +363,7 @@ def _expert_sum(k: int, dm: int, tokens: Expr) -> Callable[[Expr, Expr, int], Ex
     return value
 
 
+@kernel_builder
 def combine_kernel(name: str, dm: int, k: int, lanes: int) -> Kernel:
     """y[t] = sum_s w(t, s) * d[t*k + s] (slot weights from the route buffer). Grid (T, ceil(dm / lanes)): a
     group per `lanes` values of a token's row, so that at decode the row is many groups' work, not one's (one

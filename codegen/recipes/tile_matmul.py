@@ -20,12 +20,14 @@ from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import Decoder
 from polystrata.codegen.format_analysis import block_stride, elements_per_row_bytes, weight_dtype
+from polystrata.codegen.recipes import kernel_builder
 from polystrata.codegen.recipes._matvec import NONNEG, fmt_for, nonneg_mask, sum_partials
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.kernel import Buf, Call, Decl, For, If, Kernel, Let, Load, LocalArray, Scalar, Store
 
 
+@kernel_builder
 def tile_matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int,
                        epilogue: Callable[[list[Expr]], Expr] | None = None, contract: bool = False) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of formats `fmts`; grid

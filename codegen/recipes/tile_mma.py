@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from polystrata.codegen.dequant import Decoder, chunk_len
 from polystrata.codegen.format_analysis import affine, block_stride, elements_per_row_bytes, finest_group, weight_dtype
 from polystrata.codegen.policy import Policy
-from polystrata.codegen.recipes import Knob
+from polystrata.codegen.recipes import Knob, kernel_builder
 from polystrata.codegen.recipes._alignment import ALIGN_MAX, realign
 from polystrata.codegen.recipes._matvec import QB, _vec_level, _wide_levels, fmt_for, use_int8
 from polystrata.ir.expr import Const, Expr, Var
@@ -173,6 +173,7 @@ def operand_arrays(fmts: Sequence[QuantFormat], rows: int, tokens: int, chunk: i
     return local
 
 
+@kernel_builder
 def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, chunk: int,
                     lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
                     gather: Gather | None = None, words: bool = True) -> Kernel:
