@@ -121,6 +121,20 @@ def test_target_parity_with_llama_cpp(target, model, request, fixtures_dir):
     assert par.ok(), f"{target}: {par}"
 
 
+@pytest.mark.slow
+def test_gemma3_beyond_sliding_window(gemma3_path, fixtures_dir):
+    """About 820 tokens of shuffled words: positions past 512 see only the window on gemma3's local layers. The
+    reference executor (the kernels' oracle) against llama.cpp's logits there (`scripts/window_fixture.py`). The
+    kernels' windows are checked against the reference on tiny models, whose windows are a few tokens."""
+    ref = np.load(fixtures_dir / "gemma3" / "window.npz")
+    ids, first = [int(i) for i in ref["ids"]], int(ref["first"])
+    assert first == 512 and len(ids) - first == len(ref["top_ids"]) > 256
+    ours = Engine(gemma3_path, target="reference").score(ids)
+    past_window = Parity()
+    past_window.add(ref["top_ids"], ref["top_logits"], ours[first:])
+    assert past_window.ok(), str(past_window)
+
+
 _OCLGRIND_MODEL = """
 import numpy as np
 from polystrata.engine import Engine
