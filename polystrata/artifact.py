@@ -193,7 +193,8 @@ def write_artifact(
             device, source_ext = rt.device, rt.source_ext
             # As `run`, `chat` and `serve`'s engine plans them: one-token steps, prompt chunks (last logits), and
             # with several sequences the steps of their rows (the last rows' logits). Not scoring's plan (every
-            # token's logits, `Engine(all_logits=True)`): `score ARTIFACT` compiles its few kernels.
+            # token's logits, `Engine(all_logits=True)`): `score ARTIFACT` makes it, compiling any kernel the
+            # artifact lacks.
             graphs = [prefill, decode, *([rows] if rows else [])]
             steps = {id(g): step for g in graphs} | {id(decode): 1}
             plans, mem = fit_plans(f, graphs, steps, rt, n_ctx_asked, int(meta["n_ctx_train"]), kv_type, gpu_mem,

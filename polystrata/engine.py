@@ -148,8 +148,8 @@ class Engine:
         context and the model (`check_parallel`).
         `all_logits`: make the plan of every token's logits too (`graph_all`), for `score` and
         `forward(all_logits=True)` (`score`, `parity`); without it they refuse. Its logits buffer (step size x
-        vocabulary, f32) is most of an engine's scratch memory on models of large vocabularies, and it has kernels
-        of its own: `run`, `chat`, `serve` and `bench` never ask for it."""
+        vocabulary, f32) is most of an engine's scratch memory on models of large vocabularies: `run`, `chat`,
+        `serve` and `bench` never ask for it."""
         if n_ctx is not None and n_ctx < 1:
             raise PolystrataError(f"the context length must be at least 1, not {n_ctx}")
         if n_ubatch is not None:
