@@ -144,13 +144,14 @@ def write_artifact(
     n_ubatch: int | None = None, n_seq: int = 1,
 ) -> tuple[Path, str]:
     """Plan `model_path` for `target` with a KV cache of `n_ctx` tokens (default: the trained context, reduced to what
-    the device-memory budget `gpu_mem` holds, as `run` would: see `runtimes.memory.fit_plans`), compile its kernels
-    (through the binary cache), and write the artifact directory `out` atomically. Returns the path and a one-line
-    report of the kernel cache. `tuning`: take the tuning database's knobs for this device (the manifest's
-    `tuned` per kernel says which). `n_ubatch`: the step size of the prompt plans (`Engine`'s; the manifest's
-    `memory.n_ubatch`, which `run` plans with). `n_seq`: the sequences `serve -np N` decodes at once; above 1 the
-    plan of a step's last N rows' logits (`Engine(logit_rows=N)`) is compiled too (the manifest's
-    `memory.n_parallel`), so that `serve ARTIFACT -np N` compiles nothing."""
+    the device-memory budget `gpu_mem` holds, as `run` would: see `runtimes.memory.fit_plans`), compile the kernels
+    of the plans `run`, `chat` and `serve` run (not scoring's), through the binary cache, and write the artifact
+    directory `out` atomically. Returns the path and a one-line report of the kernel cache. `tuning`: take the
+    tuning database's knobs for this device (the manifest's `tuned` per kernel says which). `n_ubatch`: the step
+    size of the prompt plans (`Engine`'s; the manifest's `memory.n_ubatch`, which `run` plans with). `n_seq`: the
+    sequences `serve -np N` decodes at once; above 1 the plan of a step's last N rows' logits
+    (`Engine(logit_rows=N)`) is compiled too (the manifest's `memory.n_parallel`), so that `serve ARTIFACT -np N`
+    compiles nothing."""
     if n_ubatch is not None:
         check_ubatch(n_ubatch, n_ctx)
     step = n_ubatch or DEFAULT_UBATCH
@@ -167,7 +168,6 @@ def write_artifact(
         decode = build_graph(f.metadata, tensors, all_logits=False)
         check_parallel(n_seq, step, graph=decode)  # a recurrent model: before any plan
         prefill = build_graph(f.metadata, tensors, all_logits=False)
-        score = build_graph(f.metadata, tensors, all_logits=True)
         # Steps of several sequences wanting some rows' logits (`polystrata.batch`): as `serve -np N` plans them.
         rows = build_graph(f.metadata, tensors, all_logits=False, last_rows=n_seq) if n_seq > 1 else None
         weight_bytes = sum(f.tensors[n].nbytes for n in decode.weights)
@@ -191,16 +191,18 @@ def write_artifact(
 
                 apply_tuning(rt)
             device, source_ext = rt.device, rt.source_ext
-            # As the engine runs them: one-token steps, prompt chunks (last logits), scoring (every token's), and
-            # with several sequences the steps of their rows (the last rows' logits).
-            graphs = [score, prefill, decode, *([rows] if rows else [])]
+            # As `run`, `chat` and `serve`'s engine plans them: one-token steps, prompt chunks (last logits), and
+            # with several sequences the steps of their rows (the last rows' logits). Not scoring's plan (every
+            # token's logits, `Engine(all_logits=True)`): `score ARTIFACT` makes it, compiling any kernel the
+            # artifact lacks.
+            graphs = [prefill, decode, *([rows] if rows else [])]
             steps = {id(g): step for g in graphs} | {id(decode): 1}
             plans, mem = fit_plans(f, graphs, steps, rt, n_ctx_asked, int(meta["n_ctx_train"]), kv_type, gpu_mem,
                                    expert_slots)
             n_ctx = mem.n_ctx
             check_parallel(n_seq, step, n_ctx)  # the context the budget holds, before anything compiles
             memory_plan = {**mem.manifest(), "plan": mem.describe()}
-            named = (("decode", plans[id(decode)]), ("prefill", plans[id(prefill)]), ("score", plans[id(score)]),
+            named = (("decode", plans[id(decode)]), ("prefill", plans[id(prefill)]),
                      *((("rows", plans[id(rows)]),) if rows else ()))
             for name, plan in named:
                 for entry in plan.kernel_summary():

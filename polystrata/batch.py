@@ -10,7 +10,8 @@ of the step, causally. Every other kernel treats the rows as the T rows of a pre
 matrix-vector products become matrix products over all the step's rows. Only the logits a caller samples from (a
 decode row's, a prompt's last token's) leave the device, and a step with other rows computes only theirs: the wanted
 rows go last and the plan of the step's last rows' logits runs (`Engine(logit_rows=N)`, the `last_rows` op before
-the output norm and projection). Sequences join (`open`) and leave (`close`) between steps.
+the output norm and projection), for steps of decode rows only too: no step needs the plan of every row's logits.
+Sequences join (`open`) and leave (`close`) between steps.
 """
 from __future__ import annotations
 
@@ -26,7 +27,13 @@ class BatchDecoder:
     """Sequence slots over one engine's KV cache; `step` feeds tokens of several sequences at once."""
 
     def __init__(self, engine: Engine, n_seq: int):
+        """`n_seq` sequence slots; an engine made for at least that many (`Engine(logit_rows=n_seq)`), whose plan of
+        the last rows' logits serves steps wanting several rows."""
         check_parallel(n_seq, engine.n_ubatch, engine.n_ctx, engine.graph_all)
+        if n_seq > engine.logit_rows:  # a caller's bug: `serve -np N` makes its engine with logit_rows=N
+            raise PolystrataError(f"{n_seq} sequences share the steps of an engine made for the logits of "
+                                  f"{engine.logit_rows} row{'s' * (engine.logit_rows > 1)} a step: make it with "
+                                  f"Engine(..., logit_rows={n_seq})")
         self.recurrent = engine.graph_all.recurrent()
         self.engine = engine
         self.n_seq = n_seq
@@ -84,17 +91,16 @@ class BatchDecoder:
         starts = np.concatenate([np.full(len(t), s * self.n_ctx, np.int32) for s, t, _ in segments])
         n, wanted = len(pos), len(late)
         # One row: the one-token plan (captured into a device graph where the target has them); at most one row
-        # wanted: the plan of the last logits; several of more rows: the plan of the last `logit_rows` rows' logits
-        # where they are that many at most; else (every row wanted: decode rows only) the plan of all logits, whose
-        # matrix products take the rows together, of which only the wanted rows are read.
+        # wanted: the plan of the last logits; several (at most one a sequence, so at most `logit_rows`): the plan
+        # of the last `logit_rows` rows' logits, whose matrix products take the step's rows together. A step of
+        # fewer rows than that (decode rows of fewer sequences, say) gives its first row repeated, then its rows
+        # (the `last_rows` op): the wanted rows are the plan's last rows either way.
         if n == 1:
             graph, rows = eng.graph_step, [0] * wanted
         elif wanted <= 1:
             graph, rows = eng.graph_last, [0] * wanted
-        elif wanted < n and eng.graph_rows is not None and wanted <= eng.logit_rows:
-            graph, rows = eng.graph_rows, list(range(eng.logit_rows - wanted, eng.logit_rows))
         else:
-            graph, rows = eng.graph_all, list(range(n - wanted, n))
+            graph, rows = eng.graph_rows, list(range(eng.logit_rows - wanted, eng.logit_rows))
         out = eng.executor.step(graph, np.concatenate([t for _, t, _ in segments]), pos, starts, rows=rows)
         for s, t in zip(slots, ids):
             self.n_past[s] += len(t)

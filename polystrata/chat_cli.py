@@ -54,14 +54,15 @@ def stream_reply(
     return "".join(parts), stats
 
 
-def open_engine(a, checked: Callable[[], None] | None = None) -> Engine:
-    """The engine `run`/`chat`/`serve` ask for: a model (path or zoo name) or an artifact, with the target, KV type,
-    context, step size and memory options, and `serve`'s parallel sequences. What the options and an artifact's
-    manifest can refuse (-np against the step size and the context, -ub against the context, --knob) is refused
-    before the model is looked for or loaded; then `checked` is called (serve takes its port there). An
-    artifact's step size is the one it was compiled for, unless -ub asks for another; its plans are made again
-    for that one, and likewise for another -np than the artifact's (`compile -np`), with a line on stderr (kernels
-    the artifact lacks are compiled)."""
+def open_engine(a, checked: Callable[[], None] | None = None, all_logits: bool = False) -> Engine:
+    """The engine `run`/`chat`/`serve` (and `score` of an artifact: `all_logits`) ask for: a model (path or zoo
+    name) or an artifact, with the target, KV type, context, step size and memory options, and `serve`'s parallel
+    sequences. What the options and an artifact's manifest can refuse (-np against the step size and the context,
+    -ub against the context, --knob) is refused before the model is looked for or loaded; then `checked` is called
+    (serve takes its port there). An artifact's step size is the one it was compiled for, unless -ub asks for
+    another; its plans are made again for that one, and likewise for another -np than the artifact's (`compile
+    -np`), with a line on stderr (kernels the artifact lacks are compiled); `all_logits` makes scoring's plan too,
+    which artifacts do not hold."""
     from polystrata.artifact import find_model, is_artifact, kernel_store, read_artifact
     from polystrata.bench import parse_knobs
     from polystrata.cli import _resolve, memory_kwargs
@@ -98,13 +99,17 @@ def open_engine(a, checked: Callable[[], None] | None = None) -> Engine:
         path = find_model(Path(a.model), manifest["model"]["path"], manifest["model"]["sha256"],
                           getattr(a, "model_file", None))
         store = kernel_store(a.model)
+        if all_logits and target != "reference":
+            print(f"{a.model} holds the plans of run, chat and serve; score plans every token's logits too "
+                  "(kernels the artifact lacks are compiled)", file=sys.stderr)
         slots = manifest["memory"].get("expert_slots_per_layer")
         if a.expert_slots is None and manifest["memory"].get("experts_streamed") and isinstance(slots, int):
             a.expert_slots = slots  # the compiled plan's expert cache, unless --expert-slots says otherwise
     else:
         path = _resolve(a.model)
-    return Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=a.verbose, kernel_store=store,
-                  tuning=not a.no_tuning, knobs=knobs, n_ubatch=n_ubatch, logit_rows=n_seq, **memory_kwargs(a))
+    return Engine(path, target=target, n_ctx=n_ctx, kv_type=kv_type, verbose=getattr(a, "verbose", False),
+                  kernel_store=store, tuning=not a.no_tuning, knobs=knobs, n_ubatch=n_ubatch, logit_rows=n_seq,
+                  all_logits=all_logits, **memory_kwargs(a))
 
 
 def make_sampler(a) -> Sampler:

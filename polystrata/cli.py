@@ -505,12 +505,13 @@ def _save_npz(path: str, **arrays: np.ndarray) -> None:
 def cmd_score(a) -> int:
     import numpy as np
 
+    from polystrata.artifact import is_artifact
+    from polystrata.chat_cli import open_engine
     from polystrata.engine import DEFAULT_CTX, Engine
 
     if a.top_k < 1:
         raise PolystrataError("--top-k must be at least 1")
     _output_file(a.output)
-    path = _resolve(a.model)
     if a.ids_file:
         ids = _read_ids_file(a.ids_file)
     else:
@@ -519,14 +520,20 @@ def cmd_score(a) -> int:
         except (OSError, UnicodeDecodeError) as e:
             raise PolystrataError(f"cannot read {a.file}: {e}") from None
         ids = None
-    tok = _load_tokenizer(path)
+    eng = None
+    if a.model is not None and is_artifact(a.model):  # its target, KV type, context (-c: another) and kernels
+        eng = open_engine(a, all_logits=True)
+        tok, n_ctx = eng.tokenizer, eng.n_ctx
+    else:
+        path = _resolve(a.model)
+        tok, n_ctx = _load_tokenizer(path), a.ctx
     if ids is None:
         ids = tok.encode(text)
-    if a.ctx is not None and a.ctx < len(ids):
-        raise PolystrataError(f"the text has {len(ids)} tokens, more than the context (-c {a.ctx})")
-    # One pass over the whole text: the context must hold all of it, however long.
-    eng = Engine(path, target=a.target, n_ctx=a.ctx or max(len(ids), DEFAULT_CTX), kv_type=a.kv_type,
-                 tuning=not a.no_tuning, n_ubatch=a.n_ubatch, **memory_kwargs(a))
+    if n_ctx is not None and n_ctx < len(ids):
+        raise PolystrataError(f"the text has {len(ids)} tokens, more than the context (-c {n_ctx})")
+    if eng is None:  # one pass over the whole text: the context must hold all of it, however long
+        eng = Engine(path, target=a.target, n_ctx=a.ctx or max(len(ids), DEFAULT_CTX), kv_type=a.kv_type,
+                     tuning=not a.no_tuning, n_ubatch=a.n_ubatch, all_logits=True, **memory_kwargs(a))
     t0 = time.perf_counter()
     logits = eng.score(ids)
     dt = time.perf_counter() - t0
@@ -582,9 +589,10 @@ def cmd_parity(a) -> int:
         raise PolystrataError("--against-kv compares KV cache types of a kernel target; the reference keeps f32 K, V")
     path = _resolve(a.model)
     refs = _read_fixtures(Path(a.fixtures), path, ("ids", "top_ids", "top_logits") + (("greedy",) * bool(a.against_kv)))
-    eng = Engine(path, target=a.target, kv_type=a.kv_type, tuning=not a.no_tuning, n_ubatch=a.n_ubatch)
-    base = (Engine(path, target=eng.target, kv_type=a.against_kv, tuning=not a.no_tuning, n_ubatch=a.n_ubatch)
-            if a.against_kv else None)
+    eng = Engine(path, target=a.target, kv_type=a.kv_type, tuning=not a.no_tuning, n_ubatch=a.n_ubatch,
+                 all_logits=True)
+    base = (Engine(path, target=eng.target, kv_type=a.against_kv, tuning=not a.no_tuning, n_ubatch=a.n_ubatch,
+                   all_logits=True) if a.against_kv else None)
     par = Parity()
     for ref in refs:
         if base is None:

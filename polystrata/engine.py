@@ -127,6 +127,7 @@ class Engine:
         gpu_mem: str | None = None, expert_policy: str | None = None, expert_slots: int | None = None,
         n_gpu_layers: int | None = None, verbose: bool = False, kernel_store: Path | None = None,
         tuning: bool = True, knobs: dict | None = None, n_ubatch: int | None = None, logit_rows: int = 1,
+        all_logits: bool = False,
     ):
         """`n_ctx` None: the model's trained context, reduced to what the device-memory budget holds (see
         `runtimes.memory.fit_plans`; the reference target: min(trained, `DEFAULT_CTX`)). `gpu_mem`: the budget
@@ -142,8 +143,13 @@ class Engine:
         in steps of this many); None: `DEFAULT_UBATCH`, which the context may be smaller than, where a given one
         must fit the context (`check_ubatch`). `logit_rows`: the most rows whose logits a step of several sequences
         wants (`serve --parallel N`: N); above 1, the plan of the step's last `logit_rows` rows' logits
-        (`graph_rows`) is made too, for steps mixing prompt runs with decode rows (`polystrata.batch`), once that
-        many sequences are known to fit the step size, the context and the model (`check_parallel`)."""
+        (`graph_rows`) is made too, for the steps of several sequences that want several rows' logits (decode rows,
+        with prompt runs or not: `polystrata.batch`), once that many sequences are known to fit the step size, the
+        context and the model (`check_parallel`).
+        `all_logits`: make the plan of every token's logits too (`graph_all`), for `score` and
+        `forward(all_logits=True)` (`score`, `parity`); without it they refuse. Its logits buffer (step size x
+        vocabulary, f32) is most of an engine's scratch memory on models of large vocabularies: `run`, `chat`,
+        `serve` and `bench` never ask for it."""
         if n_ctx is not None and n_ctx < 1:
             raise PolystrataError(f"the context length must be at least 1, not {n_ctx}")
         if n_ubatch is not None:
@@ -166,11 +172,14 @@ class Engine:
         tensors = tensor_table(self.file)
         self.hparams: HParams = model_hparams(self.metadata, tensors)
         target = gpu_layers_target(asked, target, n_gpu_layers, self.hparams.n_layer)
+        # The model's graph as a whole (what `recurrent()` and the weights say); planned only with `all_logits`.
         self.graph_all: Graph = build_graph(self.metadata, tensors, all_logits=True)
+        self.all_logits = all_logits
         check_parallel(logit_rows, self.n_ubatch, graph=self.graph_all)  # a recurrent model: before anything else
         self.tokenizer = Tokenizer.from_metadata(self.metadata)
         self.graph_last: Graph = build_graph(self.metadata, tensors, all_logits=False)
-        # Steps wanting several rows' logits of many (a prompt run beside decode rows): those rows go last.
+        # Steps of several sequences wanting several rows' logits (decode rows, a prompt run beside them or not):
+        # those rows go last.
         self.logit_rows = logit_rows
         self.graph_rows: Graph | None = (build_graph(self.metadata, tensors, all_logits=False, last_rows=logit_rows)
                                          if logit_rows > 1 else None)
@@ -220,7 +229,8 @@ class Engine:
         executor's expert-cache settings (None: every expert resident). Nothing is uploaded yet."""
         from polystrata.runtimes import memory as mm
 
-        graphs = [self.graph_all, self.graph_last, self.graph_step, *([self.graph_rows] if self.graph_rows else [])]
+        graphs = [*([self.graph_all] if self.all_logits else []), self.graph_last, self.graph_step,
+                  *([self.graph_rows] if self.graph_rows else [])]
         steps = {id(g): self.n_ubatch for g in graphs} | {id(self.graph_step): 1}
         plans, self.memory = mm.fit_plans(
             self.file, graphs, steps, self.runtime, self.n_ctx if self.n_ctx_given else None,
@@ -295,7 +305,10 @@ class Engine:
 
     def forward(self, ids: list[int] | np.ndarray, all_logits: bool = False) -> np.ndarray:
         """Feed tokens after those already in the cache, in steps of at most `n_ubatch`; logits of every token, or
-        of the last one only."""
+        of the last one only (every token's: an engine made with `all_logits`)."""
+        if all_logits and not self.all_logits:  # a caller's bug: its engine lacks the plan it needs
+            raise PolystrataError("the logits of every token were asked of an engine made without their plan: "
+                                  "make it with Engine(..., all_logits=True)")
         ids = self.check_tokens(ids, self.n_past, self.n_ctx)
         outs = []
         for start in range(0, len(ids), self.n_ubatch):
@@ -311,7 +324,8 @@ class Engine:
         return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=0)  # the runtime's array is a copy
 
     def score(self, ids: list[int]) -> np.ndarray:
-        """Logits [n, vocab] of one forward pass over `ids` from an empty context."""
+        """Logits [n, vocab] of one forward pass over `ids` from an empty context (an engine made with
+        `all_logits`)."""
         self.reset()
         return self.forward(ids, all_logits=True)
 

@@ -1,7 +1,8 @@
 """Where a kernel's compile goes, without a GPU: the distinct kernels of a synthetic preset's plans, each compiled
 alone, with Numba's pass timings grouped into stages.
 
-The plans are those the engine runs (prompt chunks, scoring, one-token steps; two layers: the kernels repeat) for
+The plans are those an engine makes for `score` (prompt chunks, scoring, one-token steps; `run` makes all but
+scoring's; two layers: the kernels repeat) for
 `--target` cuda (rendered for a GPU of compute capability `--cc`, compiled to PTX by numba-cuda's `compile_ptx`,
 with the cuda runtime's patches of Numba's passes) or cpu (`@njit(parallel=True)`, as the cpu runtime compiles).
 Stages: "other" (bytecode to IR, closure inlining, rewrites, ...), "SSA", "typing", "lowering" (Numba's

@@ -5,8 +5,9 @@ logits), fills N - 1 slots with short prompts and the last with a `--depth`-toke
 `--reps` times, steps from that same state (the slots' lengths are put back after each):
 
 - last: the UB prompt rows of the joiner alone, on the last-logits plan (the prompt alone, the floor);
-- all-K / rows-K: the N - 1 decode rows and UB - N + 1 rows of the joiner, on the all-logits plan and on the plan
-  of the last N rows' logits, K rows wanted (K = N - 1: the joiner's chunk is not its last; K = N: it is).
+- all-K / rows-K: the N - 1 decode rows and UB - N + 1 rows of the joiner, on the all-logits plan (which batched
+  steps took before the plan of the last rows; the engine is made with it here) and on the plan of the last N
+  rows' logits, K rows wanted (K = N - 1: the joiner's chunk is not its last; K = N: it is).
 
     python scripts/mixed_step_bench.py MODEL.gguf [--target cpu] [--parallel 4] [--ubatch 256] [--depth 1000]
 """
@@ -33,7 +34,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     a = ap.parse_args()
     n = a.parallel
-    eng = Engine(a.model, target=a.target, n_ctx=n * (a.depth + a.ubatch + 16), n_ubatch=a.ubatch, logit_rows=n)
+    eng = Engine(a.model, target=a.target, n_ctx=n * (a.depth + a.ubatch + 16), n_ubatch=a.ubatch, logit_rows=n,
+                 all_logits=True)
     bd = BatchDecoder(eng, n)
     rng = np.random.default_rng(0)
 
@@ -44,7 +46,14 @@ def main() -> None:
     for s in slots[:-1]:
         bd.prefill(s, tokens(16))
     bd.prefill(slots[-1], tokens(a.depth))
-    saved, rows_plan = list(bd.n_past), eng.graph_rows
+    saved, step = list(bd.n_past), eng.executor.step
+
+    def on_all_logits(graph, ids, positions, starts, rows):
+        """The step `BatchDecoder` gives the plan of the last rows' logits, on the all-logits plan: the wanted rows
+        are the step's last ones there too."""
+        t = len(ids)
+        return step(eng.graph_all, ids, positions, starts, rows=list(range(t - len(rows), t)))
+
     decode, prompt = [tokens(1) for _ in slots[:-1]], tokens(a.ubatch)
 
     def run(kind: str) -> float:
@@ -54,7 +63,7 @@ def main() -> None:
         else:
             runs = [*zip(slots[:-1], decode), (slots[-1], prompt[: a.ubatch - n + 1])]
             need = [True] * (n - 1) + [kind.endswith(str(n))]
-        eng.graph_rows = None if kind.startswith("all") else rows_plan  # without it, mixed steps take graph_all
+        eng.executor.step = on_all_logits if kind.startswith("all") else step
         t0 = time.perf_counter()
         bd.step(runs, need)
         return time.perf_counter() - t0

@@ -80,6 +80,26 @@ def test_run_from_an_artifact_on_an_empty_cache_compiles_nothing(bundle, tmp_pat
         write_artifact(moved / "tiny.gguf", "cpu", moved / "art")
 
 
+def test_score_an_artifact(bundle, tmp_path, capsys):
+    """An artifact holds the plans `run`, `chat` and `serve` run, not scoring's (every token's logits, which they
+    never compute): `score ARTIFACT` makes it, with a line saying so, in the artifact's target and context, and
+    writes what `score MODEL` writes there."""
+    import numpy as np
+
+    art = bundle / "art"
+    m = yaml.safe_load((art / "manifest.yaml").read_text())
+    assert {k["plan"] for k in m["kernels"]} == {"decode", "prefill"}
+    text = ["--text", "one two three four"]
+    assert main(["score", str(art), *text, "-o", str(tmp_path / "art.npz")]) == 0
+    assert (f"{art} holds the plans of run, chat and serve; score plans every token's logits too (kernels the "
+            "artifact lacks are compiled)") in capsys.readouterr().err
+    ctx = str(m["memory"]["n_ctx"])
+    assert main(["score", str(bundle / "tiny.gguf"), "--target", "cpu", "-c", ctx, *text, "-o",
+                 str(tmp_path / "model.npz")]) == 0
+    got, want = np.load(tmp_path / "art.npz"), np.load(tmp_path / "model.npz")
+    assert got.files == want.files and all(np.array_equal(got[k], want[k]) for k in got.files)
+
+
 def test_damaged_artifact_kernel_is_rebuilt_with_one_warning(bundle, tmp_path, monkeypatch, capsys, lines):
     art = tmp_path / "art"
     shutil.copytree(bundle / "art", art)

@@ -58,12 +58,14 @@ def test_batched_steps_match_each_sequence_alone(tiny_llama, target):
     """Three sequences prefilled one by one, then decoded together, leaving at different steps; a fourth joins in
     the slot the first left (its rows hold the first's stale K/V). Every sequence's logits equal those of the
     same tokens run alone: bit for bit on the kernel targets (the same kernels, rows independent), within float
-    rounding on the reference (numpy's sums over other shapes). cpu-graphs: the batched run's steps replayed as
-    device graphs, one per plan and row count, as cuda does."""
-    eng = Engine(tiny_llama, target=target.removesuffix("-graphs"), n_ctx=64)
+    rounding on the reference (numpy's sums over other shapes). The decode steps, of 3 rows and then 2, run the
+    plan of the last 4 rows' logits (`Engine(logit_rows=4)`, as `serve -np 4` makes it): fewer rows than it takes,
+    its first rows repeat the step's first; the engine has no plan of every row's logits. cpu-graphs: the batched
+    run's steps replayed as device graphs, one per plan and row count, as cuda does."""
+    eng = Engine(tiny_llama, target=target.removesuffix("-graphs"), n_ctx=64, logit_rows=4)
     if target == "cpu-graphs":
         alone_eng = eng
-        eng = Engine(tiny_llama, target="cpu", n_ctx=64)
+        eng = Engine(tiny_llama, target="cpu", n_ctx=64, logit_rows=4)
         eng.runtime = _GraphCPU()
         eng.executor = eng._make_executor()
     else:
@@ -108,8 +110,8 @@ def test_batched_steps_match_each_sequence_alone(tiny_llama, target):
             np.testing.assert_allclose(have, alone[s], rtol=1e-4, atol=1e-4)
         else:
             np.testing.assert_array_equal(have, alone[s])
-    if target == "cpu-graphs":  # the steps of 3 rows of the all-logits plan after the first ran as a graph
-        assert (id(eng.graph_all), 3) in eng.executor.graphs and eng.runtime.replays >= 1
+    if target == "cpu-graphs":  # the steps of 3 rows of the last rows' plan after the first ran as a graph
+        assert (id(eng.graph_rows), 3) in eng.executor.graphs and eng.runtime.replays >= 1
 
 
 @pytest.mark.parametrize("target", ["reference", *targets_under_test(), "cpu-graphs",
@@ -121,13 +123,14 @@ def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
     on the kernel targets, within float rounding on the reference), and only the wanted rows leave the device.
     Steps wanting several rows of more run the plan of the last 4 rows' logits (`Engine(logit_rows=4)`), the
     wanted runs' last tokens laid out last and their earlier ones first (a run split in two), also at a step of
-    fewer than 4 rows; steps of decode rows only, the plan of all logits.
+    fewer than 4 rows; steps of decode rows only too: no step runs the plan of every row's logits (the cpu-graphs
+    engine has none).
     -tiles: the prefill attention in tiles of 4 query rows at every step size (GPU targets take it for steps over 64
     rows), so tiles hold rows of several sequences. cpu-graphs: steps replayed as device graphs (as on cuda), the
     9-row graph captured at one mixed step replayed at another, of other sequences and positions."""
     knobs = {"attention": {"tiles": "1", "tiles_above": "0", "q_tile": "4"}} if target.endswith("-tiles") else None
     eng = alone_eng = Engine(tiny_llama, target=target.removesuffix("-tiles").removesuffix("-graphs"), n_ctx=64,
-                             knobs=knobs, logit_rows=4)
+                             knobs=knobs, logit_rows=4, all_logits=True)  # all: the logits of each run alone
     if target == "cpu-graphs":
         eng = Engine(tiny_llama, target="cpu", n_ctx=64, logit_rows=4)
         eng.runtime = _GraphCPU()
@@ -175,24 +178,52 @@ def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
     check([(a, 9, 12), (c, 10, 15), (b, 11, 12)], [False, True, True], "rows")  # 9 rows again (captured)
     check([(a, 12, 17), (b, 12, 16)], [True, True], "rows")  # and again (replayed)
     check([(c, 15, 17), (a, 17, 18)], [True, True], "rows")  # 3 rows: the plan's first row repeats the step's
-    check([(a, 18, 19), (b, 16, 17), (c, 17, 18)], [True, True, True], "all")  # decode rows only
+    check([(a, 18, 19), (b, 16, 17), (c, 17, 18)], [True, True, True], "rows")  # decode rows only
+    assert "all" not in plans
     if target == "cpu-graphs":
         assert (id(eng.graph_rows), 9) in eng.executor.graphs and eng.runtime.replays >= 2
 
 def test_serve_makes_the_plan_of_its_parallel_rows(tiny_llama):
-    """`serve -np N` asks the engine for the plan of the last N rows' logits; `run` makes none."""
+    """`serve -np N` asks the engine for the plan of the last N rows' logits; `run` makes none. Neither asks for
+    the plan of every token's logits."""
     from polystrata.chat_cli import open_engine
     from polystrata.cli import build_parser
 
     args = ["--target", "reference", "-c", "64"]
     eng = open_engine(build_parser().parse_args(["serve", str(tiny_llama), "-np", "3", *args]))
-    assert eng.logit_rows == 3 and eng.graph_rows.outputs[0].type.shape[0] == 3
-    assert open_engine(build_parser().parse_args(["run", str(tiny_llama), *args])).graph_rows is None
+    assert eng.logit_rows == 3 and eng.graph_rows.outputs[0].type.shape[0] == 3 and not eng.all_logits
+    run = open_engine(build_parser().parse_args(["run", str(tiny_llama), *args]))
+    assert run.graph_rows is None and not run.all_logits
+
+
+def test_engine_plans_only_what_its_caller_runs(tiny_llama):
+    """An engine plans prompt chunks and one-token steps (and with logit_rows=N the last N rows' logits); the plan
+    of every token's logits only with all_logits (score, parity): without it the activation buffers shrink by its
+    T x vocab logits, and asking for those logits is a caller's bug, refused in one PolystrataError on every
+    target, as is a step of a graph the executor has no plan of. (The kernels: test_targets' llama's.)"""
+    lean = Engine(tiny_llama, target="cpu", n_ctx=64)
+    full = Engine(tiny_llama, target="cpu", n_ctx=64, all_logits=True)
+    assert set(lean.executor.plans) == {id(lean.graph_last), id(lean.graph_step)}
+    assert set(full.executor.plans) == {id(full.graph_all), id(full.graph_last), id(full.graph_step)}
+    plan = full.executor.plans[id(full.graph_all)]
+    logits = plan.buffers[plan.output]
+    assert logits.count == full.n_ubatch * full.hparams.n_vocab
+    assert lean.memory.scratch_bytes <= full.memory.scratch_bytes - 4 * logits.count // 2
+    ids = _tokens(5, 1)
+    want = full.score(ids)
+    for eng in (lean, Engine(tiny_llama, target="reference", n_ctx=64)):
+        with pytest.raises(PolystrataError, match=r"^the logits of every token were asked of an engine made without "
+                                                  r"their plan: make it with Engine\(\.\.\., all_logits=True\)$"):
+            eng.score(ids)
+    lean.reset()
+    np.testing.assert_array_equal(lean.forward(ids), want[-1:])  # the last token's logits it makes
+    with pytest.raises(PolystrataError, match="^no plan was made for this graph"):
+        lean.executor.step(lean.graph_all, np.asarray(ids, np.int32), np.arange(5, dtype=np.int32))
 
 
 def test_slots_and_their_context(tiny_llama):
     """Each sequence holds n_ctx // N tokens; slots are refused when all are taken or the context is too small."""
-    eng = Engine(tiny_llama, target="reference", n_ctx=16)
+    eng = Engine(tiny_llama, target="reference", n_ctx=16, logit_rows=2)
     bd = BatchDecoder(eng, 2)
     a, b = bd.open(), bd.open()
     with pytest.raises(PolystrataError, match="slots are busy"):
@@ -207,6 +238,9 @@ def test_slots_and_their_context(tiny_llama):
     assert bd.open() == a
     with pytest.raises(PolystrataError, match="cannot hold 9 parallel sequences"):
         BatchDecoder(eng, 9)
+    with pytest.raises(PolystrataError, match=r"^3 sequences share the steps of an engine made for the logits of 2 "
+                                              r"rows a step: make it with Engine\(\.\.\., logit_rows=3\)$"):
+        BatchDecoder(eng, 3)
     eng.n_ubatch = 4  # as -ub 4 gives (the reference executor has no plans of a step size)
     with pytest.raises(ValueError, match="a step of 5 tokens exceeds the step size 4"):
         bd.step([(a, [5, 6]), (b, [7, 8, 9])])

@@ -50,7 +50,7 @@ def test_llama_cpp_quantized_qwen3moe(source, ftype, tmp_path):
             got = f.dequantize(t.name)
             assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32)), t.name
         want = plain_moe_forward(f, IDS)
-    got = Engine(out, target="reference").score(IDS)
+    got = Engine(out, target="reference", all_logits=True).score(IDS)
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
 
 
@@ -59,7 +59,7 @@ def test_unquantized_activations_agree_with_llama_cpp(source, ftype, tmp_path):
     """Where llama.cpp keeps activations in float (F16/BF16 weights), its logits equal ours."""
     out = tmp_path / f"{ftype}.gguf"
     quantize_with_llama_cpp(source, ftype, out)
-    ours = Engine(out, target="reference").score(IDS)
+    ours = Engine(out, target="reference", all_logits=True).score(IDS)
     llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, verbose=False, logits_all=True, type_k=0, type_v=0)
     llm.eval(IDS)
     theirs = np.asarray(llm.scores[: len(IDS)], dtype=np.float32)

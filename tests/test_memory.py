@@ -58,7 +58,7 @@ def kernel_target():
 def _engine(path, **kw):
     from polystrata.engine import Engine
 
-    return Engine(path, target=TARGET, n_ctx=64, **kw)
+    return Engine(path, target=TARGET, n_ctx=64, all_logits=True, **kw)  # `_outputs` reads the prompt's every row
 
 
 def _outputs(eng) -> list[np.ndarray]:
@@ -149,8 +149,8 @@ def test_cli_over_budget_is_one_line(moe, kernel_target, capsys):
 
 
 def _fit(path, rt, n_ctx_train, gpu_mem=None, expert_slots=None):
-    """`fit_plans` of the model's graphs (as the engine has them: all logits, last logits, one-token steps) with
-    no context given: the plans (IR only, nothing compiled) and the memory plan."""
+    """`fit_plans` of the model's graphs (as `score`'s engine has them: all logits, last logits, one-token steps)
+    with no context given: the plans (IR only, nothing compiled) and the memory plan."""
     from polystrata.engine import tensor_table
     from polystrata.gguf import GGUFFile
     from polystrata.models import build_graph

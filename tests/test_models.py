@@ -73,7 +73,7 @@ def test_missing_tensor_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_reference_parity_with_llama_cpp(model, request, fixtures_dir):
     path = request.getfixturevalue(f"{model}_path")
-    eng = Engine(path, target="reference")
+    eng = Engine(path, target="reference", all_logits=True)
     parity = Parity()
     for name in json.loads((fixtures_dir / "prompts.json").read_text()):
         ref = np.load(fixtures_dir / model / f"{name}.npz")
@@ -88,7 +88,7 @@ def test_reference_parity_with_llama_cpp(model, request, fixtures_dir):
 @pytest.mark.slow
 def test_chunked_prefill_and_decode_match_one_pass(smollm2_path):
     """Prompt in chunks, then token by token, gives the logits of a single pass over everything."""
-    eng = Engine(smollm2_path, target="reference")
+    eng = Engine(smollm2_path, target="reference", all_logits=True)
     ids = eng.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
     full = eng.score(ids)
     eng.n_ubatch = 7  # steps of 7 tokens (-ub 7): on the reference, the step size only cuts the prompt
@@ -111,7 +111,7 @@ def test_moe_matches_plain_numpy(arch, qtype, tmp_path):
         want = plain_moe_forward(f, ids)
         if arch == "qwen2moe":
             assert "blk.0.ffn_gate_inp_shexp.weight" in f.tensors
-    eng = Engine(path, target="reference")
+    eng = Engine(path, target="reference", all_logits=True)
     got = eng.score(ids)
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-3 * np.abs(want).max())
     # Decoding the last token after the others reproduces the last row.

@@ -66,7 +66,7 @@ def test_delta_rule_head_maps_differ():
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_state_carried_across_chunks_and_reset(arch, tiny_hybrid, monkeypatch):
     """One pass twice, and after a reset prefill in uneven pieces then token by token: the same logits."""
-    e = Engine(tiny_hybrid(arch), target="reference", n_ctx=512)
+    e = Engine(tiny_hybrid(arch), target="reference", n_ctx=512, all_logits=True)
     ids = np.random.default_rng(1).integers(0, e.hparams.n_vocab, 200)
     whole = e.score(ids)
     np.testing.assert_array_equal(e.score(ids), whole)  # score starts from zero state again
@@ -80,7 +80,7 @@ def test_state_carried_across_chunks_and_reset(arch, tiny_hybrid, monkeypatch):
 
 
 def test_recurrent_state_rewinds_only_to_its_checkpoint(tiny_hybrid):
-    e = Engine(tiny_hybrid("qwen35"), target="reference", n_ctx=64)
+    e = Engine(tiny_hybrid("qwen35"), target="reference", n_ctx=64, all_logits=True)
     fresh = e.forward([1, 2, 3, 4, 5, 6], all_logits=True)
     e.reset()
     e.forward([1, 2, 3, 4])
@@ -101,7 +101,7 @@ def test_batched_decoding_takes_one_sequence_with_a_recurrent_state(tiny_hybrid)
     a second sequence gives what the first gave, as the engine alone does."""
     from polystrata.batch import BatchDecoder
 
-    e = Engine(tiny_hybrid("qwen35"), target="reference", n_ctx=64)
+    e = Engine(tiny_hybrid("qwen35"), target="reference", n_ctx=64, all_logits=True)
     with pytest.raises(PolystrataError, match="recurrent state, one per engine.*use -np 1"):
         BatchDecoder(e, 2)
     ids = [5, 9, 2, 7, 3]
@@ -135,8 +135,8 @@ def test_kernel_target_matches_reference(tiny_hybrid, arch, target):
         pytest.skip(f"no {target} device here")
     path = tiny_hybrid(arch)
     ids = np.random.default_rng(3).integers(0, 1000, 80)
-    ref = Engine(path, target="reference", n_ctx=128).score(ids)
-    e = Engine(path, target=target, n_ctx=128)
+    ref = Engine(path, target="reference", n_ctx=128, all_logits=True).score(ids)
+    e = Engine(path, target=target, n_ctx=128, all_logits=True)
     names = {la.kernel.name for plan in e.executor.plans.values() for la in plan.launches}
     assert any(n.startswith("delta_scan_") for n in names) and any(n.startswith("delta_rule_") for n in names)
     np.testing.assert_allclose(e.score(ids), ref, rtol=0, atol=5e-3)
@@ -193,7 +193,8 @@ def test_logits_match_transformers(arch, outtype, tmp_path):
     with torch.no_grad():
         ref = model(torch.from_numpy(ids)[None]).logits[0].numpy()
     top = np.argsort(-ref, axis=1)[:, :40]
-    e = Engine(write_gguf_from_hf(model, arch, tmp_path / f"{arch}.gguf", outtype), target="reference", n_ctx=512)
+    e = Engine(write_gguf_from_hf(model, arch, tmp_path / f"{arch}.gguf", outtype), target="reference", n_ctx=512,
+               all_logits=True)
 
     scored = Parity()
     scored.add(top, np.take_along_axis(ref, top, 1), e.score(ids))
@@ -252,7 +253,7 @@ def test_llama_cpp_agrees_on_synth_models(arch, target, tiny_hybrid):
     for i in range(n_prompt, len(ids)):
         llm.eval([ids[i]])
     want = np.asarray(llm.scores[: len(ids)])
-    e = Engine(path, target=target, n_ctx=128)
+    e = Engine(path, target=target, n_ctx=128, all_logits=True)
     got = [e.forward(ids[:n_prompt], all_logits=True)]
     got += [e.forward(ids[i : i + 1], all_logits=True) for i in range(n_prompt, len(ids))]
     top = np.argsort(-want, axis=1)[:, :40]

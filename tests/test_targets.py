@@ -57,8 +57,8 @@ def test_target_matches_reference_on_every_arch(tiny_models, target, arch):
     """Prefill (all logits), then decode steps continuing the cache: both agree with the reference executor."""
     path = tiny_models(arch, "Q8_0")
     ids = _prompt(20)
-    ref = Engine(path, target="reference", n_ctx=64)
-    got = Engine(path, target=target, n_ctx=64)
+    ref = Engine(path, target="reference", n_ctx=64, all_logits=True)
+    got = Engine(path, target=target, n_ctx=64, all_logits=True)
     _close(got.score(ids), ref.score(ids))
     steps = _prompt(4, seed=1)
     _close(np.stack([got.forward([t])[-1] for t in steps]), np.stack([ref.forward([t])[-1] for t in steps]))
@@ -97,8 +97,8 @@ def test_quantized_kv_cache_stays_close(head64_model, target, kv_type):
     """A quantized KV cache changes logits only by its rounding: top-1 stays, KL stays tiny."""
     path = head64_model
     ids = _prompt(24, seed=2)
-    f16 = Engine(path, target=target, n_ctx=64, kv_type="f16").score(ids)
-    have = Engine(path, target=target, n_ctx=64, kv_type=kv_type).score(ids)
+    f16 = Engine(path, target=target, n_ctx=64, kv_type="f16", all_logits=True).score(ids)
+    have = Engine(path, target=target, n_ctx=64, kv_type=kv_type, all_logits=True).score(ids)
     _close(have, f16)
 
 
@@ -112,7 +112,7 @@ def test_kv_type_must_fit_the_heads(tiny_models):
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_target_parity_with_llama_cpp(target, model, request, fixtures_dir):
     path = request.getfixturevalue(f"{model}_path")
-    eng = Engine(path, target=target)
+    eng = Engine(path, target=target, all_logits=True)
     prompts = json.loads((fixtures_dir / "prompts.json").read_text())
     par = Parity()
     for name in prompts:
@@ -129,7 +129,7 @@ def test_gemma3_beyond_sliding_window(gemma3_path, fixtures_dir):
     ref = np.load(fixtures_dir / "gemma3" / "window.npz")
     ids, first = [int(i) for i in ref["ids"]], int(ref["first"])
     assert first == 512 and len(ids) - first == len(ref["top_ids"]) > 256
-    ours = Engine(gemma3_path, target="reference").score(ids)
+    ours = Engine(gemma3_path, target="reference", all_logits=True).score(ids)
     past_window = Parity()
     past_window.add(ref["top_ids"], ref["top_logits"], ours[first:])
     assert past_window.ok(), str(past_window)
@@ -139,7 +139,7 @@ _OCLGRIND_MODEL = """
 import numpy as np
 from polystrata.engine import Engine
 for path in {paths!r}:
-    eng = Engine(path, target="opencl", n_ctx=16)
+    eng = Engine(path, target="opencl", n_ctx=16, all_logits=True)
     eng.score([5, 17, 99])
     eng.forward([11])
 print("OK")

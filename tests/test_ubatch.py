@@ -39,7 +39,7 @@ def test_steps_of_16_and_64_give_the_same_logits(tiny, target):
     and of the last, alone and in a sequence slot of batched decoding; the plans are made for the step size, and
     their scratch memory, inputs included, grows with it."""
     ids = _tokens(50)
-    eng = {ub: Engine(tiny, target=target, n_ctx=64, n_ubatch=ub) for ub in (16, 64)}
+    eng = {ub: Engine(tiny, target=target, n_ctx=64, n_ubatch=ub, all_logits=True, logit_rows=2) for ub in (16, 64)}
     steps: dict[int, list[int]] = {16: [], 64: []}
     for ub, e in eng.items():  # every step's rows, whether of `forward` or of a sequence slot's prefill
         step = e.executor.step
@@ -167,8 +167,8 @@ def test_parity_refuses_a_step_size_above_the_context(tiny, capsys, monkeypatch,
 
 @pytest.mark.parametrize("cmd", ["run", "chat", "serve", "score", "bench", "tune", "compile"])
 def test_kernel_target_plans_take_the_step_size(tiny, cmd, capsys, monkeypatch, tmp_path):
-    """On a kernel target every command plans its prompt steps (scoring, last logits) for -ub tokens and its decode
-    steps for one; none is compiled here."""
+    """On a kernel target every command plans its prompt steps (last logits; every token's for score alone) for -ub
+    tokens and its decode steps for one; none is compiled here."""
     from polystrata import compiler
 
     class Planned(Exception):
@@ -186,4 +186,4 @@ def test_kernel_target_plans_take_the_step_size(tiny, cmd, capsys, monkeypatch, 
             "bench": ("-p", "8", "-n", "4"), "compile": ("-o", "art"), "serve": ("--port", "0"), "tune": ()}[cmd]
     with pytest.raises(Planned):
         polystrata(capsys, monkeypatch, cmd, str(tiny), "--target", "cpu", "-c", "64", "-ub", "48", *args)
-    assert seen == [[1, 48, 48]]
+    assert seen == [[1, 48, 48] if cmd == "score" else [1, 48]]

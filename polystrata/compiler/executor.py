@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from polystrata.compiler.plan import Plan
+from polystrata.errors import PolystrataError
 from polystrata.gguf import GGUFFile
 from polystrata.ir.graph import Graph
 from polystrata.ir.kernel import STEP_SYMBOLS, Buf
@@ -188,7 +189,10 @@ class PlanExecutor(OneSequence):
         """One step over rows of (token, position in its sequence, cache row where its sequence begins: `starts`,
         None for all 0), whatever sequences they belong to (`polystrata/batch.py`); returns the logits, or with
         `rows` only those rows of them (the rest never leave the device). `n_past` is left as it is."""
-        plan = self.plans[id(graph)]
+        plan = self.plans.get(id(graph))
+        if plan is None:  # a caller's bug: the engine plans only the graphs its caller asked for
+            raise PolystrataError("no plan was made for this graph: make the engine with the plans its caller runs "
+                                  "(Engine's all_logits, logit_rows)")
         t = len(tokens)
         if t > plan.t_max:
             raise ValueError(f"step of {t} tokens exceeds the plan's {plan.t_max}")
