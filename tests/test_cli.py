@@ -101,9 +101,9 @@ def test_ctx_size_sets_the_context(tiny_llama, tmp_path):
 
 
 def test_artifact_refuses_changed_model(tmp_path):
-    model = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="F16", seed=1)
+    model = synth_model("llama", tmp_path / "m.gguf", preset="tiny", qtype="Q8_0", seed=1)
     cli("compile", str(model), "-o", str(tmp_path / "art"))
-    synth_model("llama", model, preset="tiny", qtype="F16", seed=2)
+    synth_model("llama", model, preset="tiny", qtype="Q8_0", seed=2)
     p = cli("run", str(tmp_path / "art"), "-n", "2", "-p", "hi", check=False)
     assert "has changed and no zoo model in the cache has its sha256" in one_line_error(p)
 
