@@ -77,6 +77,12 @@ def test_batched_steps_match_each_sequence_alone(tiny_llama, target):
     for p, c in zip(prompts, conts):
         alone_eng.reset()
         alone.append(np.stack([alone_eng.forward(p)[-1], *(alone_eng.forward([t])[-1] for t in c[:-1])]))
+    if target != "reference":  # the last_rows launch and every one after it take their rows from T_last
+        plan = eng.executor.plans[id(eng.graph_rows)]
+        first = next(i for i, la in enumerate(plan.launches) if la.kernel.name.startswith("last_rows"))
+        assert ["T_last" in dict(la.scalars).values() for la in plan.launches] == [i >= first
+                                                                                  for i in range(len(plan.launches))]
+        assert [plan.step_symbols(t, 7)["T_last"] for t in (2, 3, 4, 9)] == [2, 3, 4, 4]
     bd = BatchDecoder(eng, 3)
     assert bd.n_ctx == 21
     got: dict[int, list] = {s: [] for s in range(4)}
