@@ -233,8 +233,8 @@ OPS: dict[str, OpDef] = {
         ("x",),
         ("n",),
         _infer_last,
-        "the step's last n token rows [n, ...]: row i is x[max(T - n + i, 0)] (a step of fewer than n rows gives its "
-        "first row repeated, then its rows)",
+        "the step's last min(T, n) token rows: row i is x[T - min(T, n) + i]; its type says [n, ...], the most rows "
+        "it has (one such op a graph: its row count is the step symbol T_last of every kernel after it)",
     ),
     "slice": OpDef(("x",), ("start", "stop"), _infer_slice, "x[..., start:stop] (a copy)"),
     "l2_norm": OpDef(("x",), ("eps",), _same(), "x / sqrt(sum(x^2) + eps) over the last dim"),
@@ -335,6 +335,12 @@ class Graph:
         for v in self.outputs:
             if id(v) not in defined:
                 raise GraphError(f"output %{v.name} is never computed")
+        if sum(n.op == "last_rows" for n in self.nodes) > 1:
+            raise GraphError("a graph has one last_rows op at most (the rows after it are one step symbol, T_last)")
+
+    def last_rows(self) -> int | None:
+        """The n of the graph's `last_rows` op (whose step keeps min(T, n) rows), None where it has none."""
+        return next((n.attrs["n"] for n in self.nodes if n.op == "last_rows"), None)
 
     def recurrent(self) -> bool:
         """Whether the graph keeps recurrent state (`RECURRENT_OPS`), which cannot be rewound like a KV cache."""

@@ -661,7 +661,8 @@ class Launch:
 
     `buffers` maps each `Buf` parameter to a plan buffer name (see `polystrata/compiler/plan.py`); `scalars`
     maps each `Scalar` parameter to a constant or to a step symbol resolved at run time: "T" (tokens in this
-    step), "n_past" (tokens already in the KV cache), "n_kv" (n_past + T).
+    step), "n_past" (tokens already in the KV cache), "n_kv" (n_past + T), "T_last" (the rows the graph's
+    `last_rows n` op keeps: min(T, n), the row count of every value after it; T in a graph without one).
 
     `provides`: launches whose whole effect this one also has (a norm that also writes its output quantized for
     the next matmuls): the compiler drops later copies of them, as it drops repeated launches.
@@ -679,4 +680,4 @@ class Launch:
             raise KernelError(f"{self.kernel.name}: launch binds {sorted(bound)}, kernel takes {sorted(want)}")
 
 
-STEP_SYMBOLS = ("T", "n_past", "n_kv")
+STEP_SYMBOLS = ("T", "n_past", "n_kv", "T_last")

@@ -10,7 +10,8 @@ of the step, causally. Every other kernel treats the rows as the T rows of a pre
 matrix-vector products become matrix products over all the step's rows. Only the logits a caller samples from (a
 decode row's, a prompt's last token's) leave the device, and a step with other rows computes only theirs: the wanted
 rows go last and the plan of the step's last rows' logits runs (`Engine(logit_rows=N)`, the `last_rows` op before
-the output norm and projection), for steps of decode rows only too: no step needs the plan of every row's logits.
+the output norm and projection, which keep min(rows, N) rows: a step of fewer rows computes only its own), for steps
+of decode rows only too: no step needs the plan of every row's logits.
 Sequences join (`open`) and leave (`close`) between steps.
 """
 from __future__ import annotations
@@ -93,14 +94,15 @@ class BatchDecoder:
         # One row: the one-token plan (captured into a device graph where the target has them); at most one row
         # wanted: the plan of the last logits; several (at most one a sequence, so at most `logit_rows`): the plan
         # of the last `logit_rows` rows' logits, whose matrix products take the step's rows together. A step of
-        # fewer rows than that (decode rows of fewer sequences, say) gives its first row repeated, then its rows
-        # (the `last_rows` op): the wanted rows are the plan's last rows either way.
+        # fewer rows than that (decode rows of fewer sequences, say) keeps all its rows (the `last_rows` op keeps
+        # min(n, logit_rows)): the wanted rows are the last of those either way.
         if n == 1:
             graph, rows = eng.graph_step, [0] * wanted
         elif wanted <= 1:
             graph, rows = eng.graph_last, [0] * wanted
         else:
-            graph, rows = eng.graph_rows, list(range(eng.logit_rows - wanted, eng.logit_rows))
+            kept = min(n, eng.logit_rows)
+            graph, rows = eng.graph_rows, list(range(kept - wanted, kept))
         out = eng.executor.step(graph, np.concatenate([t for _, t, _ in segments]), pos, starts, rows=rows)
         for s, t in zip(slots, ids):
             self.n_past[s] += len(t)

@@ -66,10 +66,12 @@ fi
 
 if [[ " $STAGES " == *" tests "* ]]; then
     # Conformance on every target present: cpu, cuda, hip (NVRTC), opencl (NVIDIA's driver); the recipes one by one
-    # (they name the failing kernel), then whole models. TESTS_K narrows the selection (pytest -k), e.g. "not cpu".
+    # (they name the failing kernel), then whole models, and batched steps (CUDA graphs of each plan and row count).
+    # TESTS_K narrows the selection (pytest -k), e.g. "not cpu".
     timeout 1500 python3 -m pytest -q -x -p no:cacheprovider tests/test_recipes_*.py tests/test_targets.py \
-        tests/test_target_hip.py -m "not slow" ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee -a "$LOG" | tail -15
-    row "tests (recipes, targets, hip)" "$(grep -E '[0-9]+ (passed|failed)' "$LOG" | tail -1)"
+        tests/test_target_hip.py tests/test_batch.py -m "not slow" ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+        | tee -a "$LOG" | tail -15
+    row "tests (recipes, targets, hip, batch)" "$(grep -E '[0-9]+ (passed|failed)' "$LOG" | tail -1)"
     # The memory manager on cuda: expert streaming bit-identical to the resident run for every policy, the guard.
     POLYSTRATA_MEMORY_TARGET=cuda timeout 900 python3 -m pytest -q -x -p no:cacheprovider tests/test_memory.py \
         2>&1 | tee "$OUT/memory.log" | tail -5

@@ -9,7 +9,11 @@ logits), fills N - 1 slots with short prompts and the last with a `--depth`-toke
   steps took before the plan of the last rows; the engine is made with it here) and on the plan of the last N
   rows' logits, K rows wanted (K = N - 1: the joiner's chunk is not its last; K = N: it is).
 
+With `--decode`, steps of decode rows only instead: all-K / rows-K, a decode row of each of K of the N sequences
+(K = 2..N; the joiner's slot among them) on either plan: what a step costs while fewer sequences run than `-np`.
+
     python scripts/mixed_step_bench.py MODEL.gguf [--target cpu] [--parallel 4] [--ubatch 256] [--depth 1000]
+                                       [--decode] [--reps 7]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ def main() -> None:
     ap.add_argument("--ubatch", type=int, default=256, help="rows of a step (serve -ub)")
     ap.add_argument("--depth", type=int, default=1000, help="tokens in the joiner's slot before the timed step")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--decode", action="store_true", help="time steps of K decode rows (K = 2..N) instead")
     a = ap.parse_args()
     n = a.parallel
     eng = Engine(a.model, target=a.target, n_ctx=n * (a.depth + a.ubatch + 16), n_ubatch=a.ubatch, logit_rows=n,
@@ -54,11 +59,14 @@ def main() -> None:
         t = len(ids)
         return step(eng.graph_all, ids, positions, starts, rows=list(range(t - len(rows), t)))
 
-    decode, prompt = [tokens(1) for _ in slots[:-1]], tokens(a.ubatch)
+    decode, prompt = [tokens(1) for _ in slots], tokens(a.ubatch)
 
     def run(kind: str) -> float:
         bd.n_past[:] = saved
-        if kind == "last":
+        if a.decode:
+            k = int(kind.split("-")[1])
+            runs, need = [*zip(slots[n - k:], decode[n - k:])], [True] * k
+        elif kind == "last":
             runs, need = [(slots[-1], prompt)], [True]
         else:
             runs = [*zip(slots[:-1], decode), (slots[-1], prompt[: a.ubatch - n + 1])]
@@ -68,17 +76,21 @@ def main() -> None:
         bd.step(runs, need)
         return time.perf_counter() - t0
 
-    kinds = ["last", f"all-{n - 1}", f"rows-{n - 1}", f"all-{n}", f"rows-{n}"]
+    if a.decode:
+        kinds = [f"{plan}-{k}" for k in range(2, n + 1) for plan in ("all", "rows")]
+    else:
+        kinds = ["last", f"all-{n - 1}", f"rows-{n - 1}", f"all-{n}", f"rows-{n}"]
     for k in kinds:
         run(k)  # compiles, warms
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for _ in range(a.reps):
         for k in kinds:
             times[k].append(run(k))
-    base = statistics.median(times["last"])
     for k in kinds:
         med = statistics.median(times[k])
-        print(f"{k:>8}: median {1000 * med:.0f} ms ({med / base - 1:+.0%} vs last), min {1000 * min(times[k]):.0f} ms")
+        base = statistics.median(times["last" if "last" in times else k.replace("rows", "all")])
+        print(f"{k:>8}: median {1000 * med:.1f} ms ({med / base - 1:+.0%} vs {'last' if 'last' in times else 'all'}), "
+              f"min {1000 * min(times[k]):.1f} ms")
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ def main() -> None:
     # Each launch of the profiled plan runs with the plan's own step sizes (a launch of another plan, given
     # these, would read and write past its buffers).
     pid = id(eng.graph_step if a.tokens == 1 else eng.graph_last)
-    step = {"T": a.tokens, "n_past": ex.n_past, "n_kv": ex.n_past + a.tokens}
+    step = ex.plans[pid].step_symbols(a.tokens, ex.n_past)
     if a.trace:
         trace(eng, ids[-1], a.reps, a.top)
         return

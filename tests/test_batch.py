@@ -60,8 +60,9 @@ def test_batched_steps_match_each_sequence_alone(tiny_llama, target):
     same tokens run alone: bit for bit on the kernel targets (the same kernels, rows independent), within float
     rounding on the reference (numpy's sums over other shapes). The decode steps, of 3 rows and then 2, run the
     plan of the last 4 rows' logits (`Engine(logit_rows=4)`, as `serve -np 4` makes it): fewer rows than it takes,
-    its first rows repeat the step's first; the engine has no plan of every row's logits. cpu-graphs: the batched
-    run's steps replayed as device graphs, one per plan and row count, as cuda does."""
+    it computes the logits of the step's rows only (T_last): on the kernel targets the rows of its logits buffer
+    past them, poisoned before each step, stay NaN. The engine has no plan of every row's logits. cpu-graphs: the
+    batched run's steps replayed as device graphs, one per plan and row count, as cuda does."""
     eng = Engine(tiny_llama, target=target.removesuffix("-graphs"), n_ctx=64, logit_rows=4)
     if target == "cpu-graphs":
         alone_eng = eng
@@ -71,15 +72,35 @@ def test_batched_steps_match_each_sequence_alone(tiny_llama, target):
     else:
         alone_eng = eng
     prompts = [_tokens(n, s) for n, s in ((5, 1), (9, 2), (3, 3), (4, 4))]
-    conts = [_tokens(n, s) for n, s in ((3, 5), (6, 6), (5, 7), (3, 8))]
+    conts = [_tokens(n, s) for n, s in ((3, 5), (7, 6), (6, 7), (2, 8))]  # steps of 3, 3, 3, 2, 2, 1 rows
     alone = []
     for p, c in zip(prompts, conts):
         alone_eng.reset()
         alone.append(np.stack([alone_eng.forward(p)[-1], *(alone_eng.forward([t])[-1] for t in c[:-1])]))
+    if target != "reference":  # the last_rows launch and every one after it take their rows from T_last
+        plan = eng.executor.plans[id(eng.graph_rows)]
+        first = next(i for i, la in enumerate(plan.launches) if la.kernel.name.startswith("last_rows"))
+        assert ["T_last" in dict(la.scalars).values() for la in plan.launches] == [i >= first
+                                                                                  for i in range(len(plan.launches))]
+        assert [plan.step_symbols(t, 7)["T_last"] for t in (2, 3, 4, 9)] == [2, 3, 4, 4]
     bd = BatchDecoder(eng, 3)
     assert bd.n_ctx == 21
     got: dict[int, list] = {s: [] for s in range(4)}
     slot: dict[int, int] = {}
+    rows_steps = []  # the row counts of the steps on the plan of the last rows
+
+    def batched(runs: list) -> np.ndarray:
+        """A step of decode rows; on the kernel targets, the rows plan's logits past the step's rows untouched."""
+        if target == "reference" or len(runs) == 1:
+            return bd.step(runs)
+        plan = eng.executor.plans[id(eng.graph_rows)]
+        logits, width = eng.executor.handles[(id(plan), plan.output)], plan.output_shape[1]
+        eng.runtime.write(logits, np.full(4 * width, np.nan, np.float32))
+        out = bd.step(runs)
+        have = eng.runtime.download(logits, (4, width), "f32")
+        assert np.isfinite(have[:len(runs)]).all() and np.isnan(have[len(runs):]).all()
+        rows_steps.append(len(runs))
+        return out
 
     def join(s: int) -> None:
         slot[s] = bd.open()
@@ -91,7 +112,7 @@ def test_batched_steps_match_each_sequence_alone(tiny_llama, target):
     pending = {s: 0 for s in range(3)}  # sequence -> index of its next token
     while pending:
         seqs = sorted(pending, key=lambda s: (s + step) % 3)  # rows in a varying order
-        out = bd.step([(slot[s], [conts[s][pending[s]]]) for s in seqs])
+        out = batched([(slot[s], [conts[s][pending[s]]]) for s in seqs])
         for row, s in enumerate(seqs):
             got[s].append(out[row])
             pending[s] += 1
@@ -110,8 +131,10 @@ def test_batched_steps_match_each_sequence_alone(tiny_llama, target):
             np.testing.assert_allclose(have, alone[s], rtol=1e-4, atol=1e-4)
         else:
             np.testing.assert_array_equal(have, alone[s])
-    if target == "cpu-graphs":  # the steps of 3 rows of the last rows' plan after the first ran as a graph
-        assert (id(eng.graph_rows), 3) in eng.executor.graphs and eng.runtime.replays >= 1
+    assert target == "reference" or {2, 3} <= set(rows_steps)
+    if target == "cpu-graphs":  # the steps of 3 and 2 rows of the last rows' plan after the first ran as graphs
+        assert {(id(eng.graph_rows), 3), (id(eng.graph_rows), 2)} <= set(eng.executor.graphs)
+        assert eng.runtime.replays >= 2
 
 
 @pytest.mark.parametrize("target", ["reference", *targets_under_test(), "cpu-graphs",
@@ -177,7 +200,7 @@ def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
     check([(b, 10, 11)], [True], "step")  # one decode row
     check([(a, 9, 12), (c, 10, 15), (b, 11, 12)], [False, True, True], "rows")  # 9 rows again (captured)
     check([(a, 12, 17), (b, 12, 16)], [True, True], "rows")  # and again (replayed)
-    check([(c, 15, 17), (a, 17, 18)], [True, True], "rows")  # 3 rows: the plan's first row repeats the step's
+    check([(c, 15, 17), (a, 17, 18)], [True, True], "rows")  # 3 rows: the plan keeps 3
     check([(a, 18, 19), (b, 16, 17), (c, 17, 18)], [True, True, True], "rows")  # decode rows only
     assert "all" not in plans
     if target == "cpu-graphs":

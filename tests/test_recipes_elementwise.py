@@ -41,8 +41,8 @@ def test_elementwise(rt, op):
 
 @pytest.mark.parametrize("n", [1, 4])
 def test_last_rows(rt, n):
-    """The step's last n rows, at steps of fewer rows than n (row 0 repeated first), as many, and more; every
-    output value written (the output buffer starts as NaN)."""
+    """The step's last min(T, n) rows (T_last), at steps of fewer rows than n (all of them), as many, and more;
+    every output value written (the output buffer starts as NaN), none past those rows (they stay NaN)."""
     g = Graph("t")
     x = g.input("x", "f32", ("T", 37))
     g.op("last_rows", x, n=n, name="o")
@@ -50,9 +50,11 @@ def test_last_rows(rt, n):
     for t in (1, 3, 4, 7):
         xv = np.random.default_rng(t).standard_normal((t, 37)).astype(np.float32)
         ref = R._IMPLS["last_rows"](None, g.nodes[0], [xv])
-        np.testing.assert_array_equal(ref, xv[[max(t - n + i, 0) for i in range(n)]])
-        out = run_launches(rt, launches, {"x": xv.reshape(-1)}, {"T": t}, {"o": (ref.shape, "f32")})["o"]
-        np.testing.assert_array_equal(out, ref)
+        np.testing.assert_array_equal(ref, xv[t - min(t, n):])
+        out = run_launches(rt, launches, {"x": xv.reshape(-1)}, {"T": t, "T_last": min(t, n)},
+                           {"o": ((n, 37), "f32")})["o"]
+        np.testing.assert_array_equal(out[:len(ref)], ref)
+        assert np.isnan(out[len(ref):]).all()
 
 
 @pytest.mark.parametrize("fused,heads", [(False, False), (True, False), (False, True)])

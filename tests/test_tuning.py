@@ -134,7 +134,7 @@ def test_tuned_knobs_reach_the_plan_and_the_manifest(tiny, db, tmp_path):
     tuned = build_plan(graph, formats, KV_FORMATS["f16"], 64, 1, policy=dataclasses.replace(
         HOST_POLICY, tuned={sig: {"chunk": 32}}))
     summary = {k["name"]: k for k in tuned.kernel_summary()}
-    assert summary["last_rows_1x128"]["tuned"] and summary["last_rows_1x128"]["knobs"] == {"chunk": 32}
+    assert summary["last_rows_128"]["tuned"] and summary["last_rows_128"]["knobs"] == {"chunk": 32}
     assert sum(k["tuned"] for k in summary.values()) == 1
 
     # Through the database: compile picks the choice up for this device, and the manifest says so.
@@ -145,9 +145,9 @@ def test_tuned_knobs_reach_the_plan_and_the_manifest(tiny, db, tmp_path):
     db.put({**_row(sig, device, compiler, {"chunk": 32}), "target": target})
     assert main(["compile", str(tiny), "--target", "cpu", "-c", "64", "-o", str(tmp_path / "art")]) == 0
     kernels = yaml.safe_load((tmp_path / "art" / "manifest.yaml").read_text())["kernels"]
-    mine = [k for k in kernels if k["plan"] == "decode" and k["name"] == "last_rows_1x128"]
+    mine = [k for k in kernels if k["plan"] == "decode" and k["name"] == "last_rows_128"]
     assert mine and mine[0]["tuned"] is True and mine[0]["knobs"] == {"chunk": 32}
-    assert not any(k["tuned"] for k in kernels if k["name"] != "last_rows_1x128")
+    assert not any(k["tuned"] for k in kernels if k["name"] != "last_rows_128")
     assert main(["compile", str(tiny), "--target", "cpu", "-c", "64", "--no-tuning", "-o", str(tmp_path / "a2")]) == 0
     kernels = yaml.safe_load((tmp_path / "a2" / "manifest.yaml").read_text())["kernels"]
     assert not any(k["tuned"] for k in kernels)
@@ -318,7 +318,7 @@ def test_bench_tuning_both_runs_untuned_then_tuned(tiny, db, monkeypatch, capsys
 
     monkeypatch.setenv(bench.BANDWIDTH_ENV, "1e11")  # no bandwidth measurement
     target, device, compiler = machine_key(make_runtime("cpu"))
-    sig = "last_rows.v1:last_rows_1x128:t1"
+    sig = "last_rows.v1:last_rows_128:t1"
     db.put({**_row(sig, device, compiler, {"chunk": 32}), "target": target})
     assert main(["bench", str(tiny), "--target", "cpu", "-c", "64", "-p", "4", "-n", "2", "-r", "1",
                  "--tuning", "both", "-o", "json"]) == 0

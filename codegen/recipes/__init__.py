@@ -15,7 +15,7 @@ Plan buffer names a recipe reads and writes (`RecipeContext.buf(value)`):
   n_ctx rows of n_head_kv * head_dim values each.
 - the recurrent state of layer L (linear-attention layers): "state.L.conv" and "state.L.delta", f32
   (`deltanet.state_buffer`), one per sequence, zeroed when it starts.
-Step symbols usable as scalar bindings: "T", "n_past", "n_kv" (see `ir.kernel.Launch`).
+Step symbols usable as scalar bindings: "T", "n_past", "n_kv", "T_last" (see `ir.kernel.Launch`).
 """
 
 from __future__ import annotations
@@ -152,7 +152,7 @@ class ExpertStream:
     n_expert: int
     k: int
     cap: int  # list capacity per expert
-    tokens: str | int  # the launches' token binding ("T", or a fixed row count)
+    tokens: str  # the launches' token binding, a step symbol (`token_binding`)
 
 
 @dataclass
@@ -214,6 +214,11 @@ class RecipeContext:
         self.sites.append(Site(sig, space, tuned is not None))
         return {**values, **(tuned or {})}
 
+    def max_rows(self, v: Value) -> int:
+        """The most rows value `v` has in a step (sizes per-row scratch): t_max, or n after `last_rows n`."""
+        d0 = v.type.shape[0]
+        return self.t_max if d0 == "T" else min(int(d0), self.t_max)
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -229,11 +234,10 @@ class Recipe:
 RECIPES: list[Recipe] = []
 
 
-def token_binding(v: Value) -> str | int:
-    """What a kernel's token-count scalar binds to for value `v`: the step symbol "T", or the fixed row count of a
-    value whose first dimension is not the step's tokens (the last-row path of decode graphs)."""
-    d0 = v.type.shape[0]
-    return "T" if d0 == "T" else int(d0)
+def token_binding(v: Value) -> str:
+    """The step symbol a kernel's token-count scalar binds to for value `v`: "T", or for a value after the graph's
+    `last_rows n` op (its first dimension n, the most rows it has) "T_last", the min(T, n) rows it has."""
+    return "T" if v.type.shape[0] == "T" else "T_last"
 
 
 def register(recipe: Recipe) -> Recipe:

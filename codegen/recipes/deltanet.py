@@ -66,7 +66,7 @@ def state_buffer(node: Node) -> tuple[str, int]:
     return f"state.{layer}.delta", int(hv) * int(node.inputs[0].type.shape[2]) * int(dv)
 
 
-def _rows(v: Value) -> tuple[Expr, str | int]:
+def _rows(v: Value) -> tuple[Expr, str]:
     """(grid extent, binding of T) of a kernel with a group per row of v's last dim."""
     mid = math.prod(int(d) for d in v.type.shape[1:-1])
     return Var("T") * mid, token_binding(v)
@@ -353,7 +353,7 @@ def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]
     above = ctx.knobs_for(DELTA_SPACE, f"delta_rule_{tag}")["chunked_above"]
     above = int(ctx.target().default("delta_rule", "chunked_above") if above == "auto" else above)
     tb = token_binding(v)
-    t_max = tb if isinstance(tb, int) else ctx.t_max
+    t_max = ctx.max_rows(v)
     inputs = (("q", ctx.buf(q)), ("k", ctx.buf(k)))
     state, out = ("s", state_buffer(node)[0]), ("y", ctx.buf(node.output))
     step = (("T", tb), ("above", max(above, 0)))

@@ -45,13 +45,6 @@ CHUNK = 256
 QUANT_LOCAL_BYTES = 40 * 1024  # the most local memory a norm may keep its row (and int8 output) in (of 48 KB)
 
 
-def _rows(v: Value) -> tuple[Expr, str | int, int]:
-    """(token-count expression, its launch binding, elements per token) of a [T or n, ...] value."""
-    per = math.prod(int(d) for d in v.type.shape[1:])
-    bind = token_binding(v)
-    return (Var("T") if bind == "T" else Const(bind)), bind, per
-
-
 def _per_token(v: Value) -> int:
     return math.prod(int(d) for d in v.type.shape[1:]) if v.type.shape[0] == "T" else math.prod(
         int(d) for d in v.type.shape)
@@ -103,7 +96,7 @@ def _lower_elementwise(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch
     (node,) = nodes
     ins = _sizes(node)
     per = _per_token(node.output)
-    _, tbind, _ = _rows(node.output)
+    tbind = token_binding(node.output)
     sig = "_".join(str(s) for _, s in ins)
     key = name_tag(f"{node.op}_{node.attrs.get('factor', '')}")
     name = f"ew_{key}_{sig}_{per}".replace("-", "b")
@@ -114,17 +107,20 @@ def _lower_elementwise(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch
 
 
 def _lower_last_rows(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
-    """y[i] = x[max(T - n + i, 0)], i < n: a group per chunk of a row (grid dim 0) and output row (grid dim 1)."""
+    """y[i] = x[T - rows + i], i < rows = min(T, n) (the step symbol "T_last", which every later launch's row count
+    binds to: a step of fewer rows than n computes only its own): a group per chunk of a row (grid dim 0) and
+    output row (grid dim 1). The kernel takes the count at run time, so plans of every n share it."""
     (node,) = nodes
-    per, n = _per_token(node.inputs[0]), node.attrs["n"]
-    name = f"last_rows_{n}x{per}"
+    per = _per_token(node.inputs[0])
+    name = f"last_rows_{per}"
     chunk = max(1, min(ctx.knobs_for(_SPACES["last_rows"], name)["chunk"], per))
     c = Var("g0") * chunk + Var("l")
-    src = Call("max", Const(0), Var("T") - n + Var("g1"))  # clamped: a step of fewer than n rows repeats row 0
+    src = Var("T") - Var("rows") + Var("g1")
     body = (LaneFor("l", Const(chunk), (If(c < per, (Store("y", Var("g1") * per + c, Load("x", src * per + c)),)),)),)
-    kern = Kernel(name, (Buf("x", "f32"), Buf("y", "f32", out=True), Scalar("T")),
-                  (Const((per + chunk - 1) // chunk), Const(n)), body, lanes=ctx.lanes, knobs=(("chunk", chunk),))
-    return [Launch(kern, (("x", ctx.buf(node.inputs[0])), ("y", ctx.buf(node.output))), (("T", "T"),))]
+    kern = Kernel(name, (Buf("x", "f32"), Buf("y", "f32", out=True), Scalar("T"), Scalar("rows")),
+                  (Const((per + chunk - 1) // chunk), Var("rows")), body, lanes=ctx.lanes, knobs=(("chunk", chunk),))
+    return [Launch(kern, (("x", ctx.buf(node.inputs[0])), ("y", ctx.buf(node.output))),
+                   (("T", "T"), ("rows", "T_last")))]
 
 
 def rms_inverse(name: str, var: str, d: int, x: Callable[[Expr], Expr], eps: float) -> list:
@@ -213,7 +209,7 @@ def norm_local_bytes(d: int, quant: bool) -> int:
     return sum(a.size * 4 for a in staged_locals("sl", d)[: 2 if quant else 1])
 
 
-def _norm_rows(v: Value) -> tuple[str | int, int]:
+def _norm_rows(v: Value) -> tuple[str, int]:
     """Launch binding for the row count of a norm over the last dim: 'T' scaled by middle dims needs a kernel
     scalar, so rows = T * mid is expressed through grid R bound to T with the middle folded into d-steps."""
     mid = math.prod(int(d) for d in v.type.shape[1:-1])

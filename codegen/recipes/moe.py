@@ -435,8 +435,7 @@ def _match_router_moe_add_rms(nodes: Sequence[Node]) -> bool:
 
 def _moe_cap(node: Node, ctx: RecipeContext) -> int:
     """Entries an expert's list holds: every (token, slot) of the largest step."""
-    tb = token_binding(node.inputs[0])
-    return (tb if isinstance(tb, int) else ctx.t_max) * int(node.inputs[1].type.shape[1])
+    return ctx.max_rows(node.inputs[0]) * int(node.inputs[1].type.shape[1])
 
 
 def _moe_lists(node: Node, ctx: RecipeContext, cap: int) -> str:
@@ -453,7 +452,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     k = int(route.type.shape[1])
     fg, fu, fd = (ctx.weight_formats[w.weight] for w in (g, u, d))
     tb = token_binding(x)
-    t_max = tb if isinstance(tb, int) else ctx.t_max
+    t_max = ctx.max_rows(x)
     cap = _moe_cap(node, ctx)
     kn = ctx.knobs_for(MOE_SPACE, f"moe_{fg.name}_{fu.name}_{fd.name}_{n_exp}_{dm}_{ff}_{k}_{cap}".lower())
     policy = ctx.target()

@@ -1,7 +1,7 @@
 """Runs compiled plans on a target runtime: weights uploaded once, buffers allocated once, arguments bound once.
 
-Per step the host only writes the token ids and positions, resolves the step symbols (T, n_past, n_kv) in the
-few scalar arguments and grids that use them, and launches.
+Per step the host only writes the token ids and positions, resolves the step symbols (T, n_past, n_kv, T_last:
+`Plan.step_symbols`) in the few scalar arguments and grids that use them, and launches.
 
 Plans made for expert streaming (`ExpertStream`s) run in segments: at each streamed MoE layer the host waits for
 the router, reads the routed expert ids, has the memory manager (`runtimes/memory.ExpertStreamer`) make them
@@ -23,7 +23,7 @@ from polystrata.compiler.plan import Plan
 from polystrata.errors import PolystrataError
 from polystrata.gguf import GGUFFile
 from polystrata.ir.graph import Graph
-from polystrata.ir.kernel import STEP_SYMBOLS, Buf
+from polystrata.ir.kernel import Buf
 from polystrata.ir.layout import repack
 from polystrata.progress import Progress
 from polystrata.runtimes.base import CompiledKernel, Runtime, eval_int
@@ -145,7 +145,8 @@ class PlanExecutor(OneSequence):
         # Steps of at most GRAPH_ROWS tokens (decode steps, of one sequence or a batch of them) are captured into a
         # device graph on their second run with a plan and row count, and replayed from then on, where the runtime
         # can: every kernel reads the positions and sequence starts from device memory and its launch depends on
-        # the row count alone, so the graph is the same for every such step. A streamed step's segments likewise.
+        # the row count alone (T, and T_last, which the plan and T give), so the graph is the same for every such
+        # step. A streamed step's segments likewise.
         self.use_graphs = runtime.graphs and not os.environ.get("POLYSTRATA_NO_GRAPHS")
         # (id(graph), rows), or (id(graph), rows, segment) for a streamed step's segment -> its captured graph
         self.graphs: dict[tuple[int, ...], Any] = {}
@@ -201,7 +202,7 @@ class PlanExecutor(OneSequence):
         rt.write(self.handles["positions"], np.asarray(positions, dtype=np.int32))
         if "starts" in self.handles:
             self._write_starts(starts)
-        step = dict(zip(STEP_SYMBOLS, (t, int(positions[0]), int(positions[0]) + t)))
+        step = plan.step_symbols(t, int(positions[0]))
         pid = id(graph)
         timed = self.time_device
         start = rt.mark() if timed else None
@@ -210,10 +211,9 @@ class PlanExecutor(OneSequence):
         else:
             self._launch((pid, t), self.bound[pid], step)
         end = rt.mark() if timed else None
-        n_out = t if plan.output_shape[0] == "T" else int(plan.output_shape[0])
         logits, width = self.handles[(id(plan), plan.output)], int(plan.output_shape[1])
         if rows is None:
-            out = rt.download(logits, (n_out, width), "f32")
+            out = rt.download(logits, (step["T_last"], width), "f32")  # T rows, or min(T, n) after last_rows
         else:
             out = rt.download_rows(logits, width, rows, "f32")
         self.last_device_s = rt.elapsed(start, end) if timed else None
@@ -262,7 +262,7 @@ class PlanExecutor(OneSequence):
         i = 0
         for n, (start, end, st, li) in enumerate(self.sections[pid]):
             self._launch((pid, step["T"], 2 * n), bound[i:start], step)
-            n_tok = step["T"] if st.tokens == "T" else int(st.tokens)
+            n_tok = step[st.tokens]
             ids = rt.download(local[st.route], (n_tok * st.k,), "i32")  # waits for the router
             cache = streamer.layers[li].cache
             groups = cache.passes(ids)

@@ -215,6 +215,7 @@ def build_plan(
         output=names[id(rootof(out))],
         output_shape=tuple(out.type.shape),
         t_max=t_max,
+        last_rows=graph.last_rows(),
         recipes=recipes_used,
         expert_streams=list(ctx.expert_streams),
     )

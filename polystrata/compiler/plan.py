@@ -7,7 +7,7 @@ from typing import Any
 
 from polystrata.codegen.recipes import ExpertStream, Site
 from polystrata.ir.formats import QuantFormat
-from polystrata.ir.kernel import Launch, dump
+from polystrata.ir.kernel import STEP_SYMBOLS, Launch, dump
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,9 @@ class Plan:
     launches: list[Launch]
     buffers: dict[str, BufferSpec]
     output: str
-    output_shape: tuple[Any, ...]  # ("T" or 1, vocab)
+    output_shape: tuple[Any, ...]  # ("T" or n, vocab)
     t_max: int
+    last_rows: int | None = None  # the graph's `last_rows` n (`Graph.last_rows`)
     aliases: dict[str, str] = field(default_factory=dict)  # graph value buffer -> buffer it shares (reshapes)
     recipes: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)  # (recipe, node names) per match
     expert_streams: list[ExpertStream] = field(default_factory=list)  # streamed MoE layers, in launch order
@@ -42,6 +43,10 @@ class Plan:
     # in `recipes` order) and the recipe context.
     matches: list[Any] = field(default_factory=list)
     context: Any = None
+
+    def step_symbols(self, t: int, n_past: int) -> dict[str, int]:
+        """The step symbols' values (`ir.kernel.STEP_SYMBOLS`) at a step of `t` tokens after `n_past` cached ones."""
+        return dict(zip(STEP_SYMBOLS, (t, n_past, n_past + t, min(t, self.last_rows or t))))
 
     def tuned(self, index: int) -> bool:
         """Whether launch `index` comes from a match whose knobs a tuned choice set."""

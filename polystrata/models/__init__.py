@@ -53,7 +53,7 @@ def build_graph(
     last_rows: int = 1,
 ) -> Graph:
     """The graph of one forward step. With `all_logits` False only the logits of the step's last `last_rows`
-    tokens are computed (the `last_rows` op: a step of fewer rows repeats its first)."""
+    tokens are computed (the `last_rows` op: a step of fewer rows computes all of its own)."""
     hp = model_hparams(metadata, tensors)
     b = Builder(hp, tensors, all_logits, last_rows)
     if hp.arch == "gemma3":

@@ -255,17 +255,18 @@ class Tuner:
         n_vocab = eng.hparams.n_vocab
         eng.reset()
         n_past = 0
+        plan = self.ex.plans[id(dict(self._graphs())[plan_name])]
         if plan_name == "decode":
             eng.forward(self.rng.integers(0, n_vocab, size=DECODE_DEPTH))  # a real KV cache to attend to
             n_past, t = DECODE_DEPTH, 1
         else:
-            t = min(PREFILL_TOKENS, self.ex.plans[id(eng.graph_last)].t_max, eng.n_ctx)  # positions in the cache
+            t = min(PREFILL_TOKENS, plan.t_max, eng.n_ctx)  # positions in the cache
         rt.write(self.ex.handles["tokens"], self.rng.integers(0, n_vocab, size=t).astype(np.int32))
         rt.write(self.ex.handles["positions"], np.arange(n_past, n_past + t, dtype=np.int32))
         if "starts" in self.ex.handles:
             rt.write(self.ex.handles["starts"], np.zeros(self.ex.starts_len, np.int32))
             self.ex.starts_zero = True
-        return {"T": t, "n_past": n_past, "n_kv": n_past + t}
+        return plan.step_symbols(t, n_past)
 
     @staticmethod
     def candidate_launches(plan: Plan, m: int, first: int, sig: str, knobs: dict
