@@ -12,6 +12,16 @@ reordering a float sum), added up once per row and token. The products and the o
 
 `linear._launches` takes this kernel for one-lane plans of more than one token on the f32 path (the CPU's
 default; knob tile); one-token plans keep `matmul_kernel`.
+
+`tile_matmul_q8_kernel` is the int8 form (knob tile_q8, its token tile: on by default where the host has VNNI,
+`policy.HOST_VNNI`), for formats whose value factors as `S_g * level + M_g` with byte-sized levels
+(`q8_tile_fits`): the activations quantized to int8 once per step by a launch before it (`linear.quantize_launch`
+with sums); a group decodes its rows' levels (plus a bias making them unsigned) to bytes, with the group scales
+and the 16-value terms (offsets less bias times scale), into local arrays once for its tile of tokens; then each
+token's dot product with a row is one `dot_i8_blocks` (32 byte products a step, `vpdpbusd` with VNNI, summed as
+integers a weight group, scaled by its scale and the activation block's) and one `dot_f32` of the 16-value terms
+with the activations' sums. Its results are those of the int8 activations: each product of the weights'
+values with the codes' values, exactly, but for float rounding.
 """
 
 from __future__ import annotations
@@ -19,11 +29,20 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import Decoder
-from polystrata.codegen.format_analysis import block_stride, elements_per_row_bytes, weight_dtype
-from polystrata.codegen.recipes._matvec import NONNEG, fmt_for, nonneg_mask, sum_partials
+from polystrata.codegen.format_analysis import (
+    affine,
+    block_stride,
+    elements_per_row_bytes,
+    finest_group,
+    level_range,
+    weight_dtype,
+)
+from polystrata.codegen.recipes._matvec import NONNEG, QB, fmt_for, nonneg_mask, sum_partials, use_int8
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
-from polystrata.ir.kernel import Buf, Call, Decl, For, If, Kernel, Let, Load, LocalArray, Scalar, Store
+from polystrata.ir.kernel import Assign, Buf, Call, Decl, For, If, Kernel, Let, Load, LocalArray, Scalar, Store
+
+HALF = 16  # elements of an activation sum (`quantize_x_kernel`'s sums): the finest weight group taken
 
 
 def tile_matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int,
@@ -78,3 +97,96 @@ def tile_matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *
                                                                          ("tile", 1), ("contract", int(contract))),
                   contract=contract,
                   doc=f"tile matmul {'+'.join(f.name for f in fmts)} [{n}x{k}]")
+
+
+def q8_level_bias(fmt: QuantFormat) -> int | None:
+    """What `tile_matmul_q8_kernel` adds to each level of `fmt` to store it as an unsigned byte (the negated least
+    level, `format_analysis.level_range`, or 0), or None where the levels do not fit a byte that way."""
+    r = level_range(fmt_for(fmt))
+    if r is None:
+        return None
+    bias = max(0, -r[0])
+    return bias if r[1] + bias <= 255 else None
+
+
+def q8_tile_fits(fmts: Sequence[QuantFormat], k: int) -> bool:
+    """Whether `tile_matmul_q8_kernel` takes weights of `fmts` with rows of `k`: every format on the int8 path
+    (`_matvec.use_int8`), its finest group 16 or 32 elements (`dot_i8_blocks`' groups; the activation sums are per
+    16), its levels bytes (`q8_level_bias`)."""
+    if k % QB:
+        return False
+    for f in fmts:
+        wf = fmt_for(f)
+        if not use_int8(f, True) or weight_dtype(wf) != "u8" or finest_group(wf) not in (16, 32):
+            return False
+        if q8_level_bias(f) is None:
+            return False
+    return True
+
+
+def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int,
+                          epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+    """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j) from x quantized by `quantize_x_kernel` with sums
+    (xq: int8 codes 4 a word, xd: a scale a 32 values, xs: the codes' sum a 16 values, scaled); grid (ceil(n /
+    rows), ceil(T / tokens)), one lane. A group first decodes its `rows` rows: each level plus the format's bias
+    (`q8_level_bias`) as a byte, each group's scale S, and for each 16 values M - bias * S (M the group's offset,
+    or 0). Then for each token of its tile and each row: one `dot_i8_blocks` of the bytes and the codes, plus the
+    16-value terms times the activations' sums. Formats: those `q8_tile_fits` takes."""
+    rows = max(1, min(rows, n))
+    wfs = [fmt_for(f) for f in fmts]
+    na, nh = k // QB, k // HALF
+    params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("xs", "f32"),
+              *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)), Buf("y", "f32", out=True), Scalar("T"))
+    rr, b = Var("rr"), Var("b")
+    t0, tk = Var("t0"), Var("tk")
+    local, decode, dots, vals = [], [], [], []
+    for j, (f, wf) in enumerate(zip(fmts, wfs)):
+        bs, g, a, bias = wf.block_size, finest_group(wf), affine(wf), q8_level_bias(f)
+        lv, sw, mw = f"lv{j}", f"sw{j}", f"mw{j}"
+        sums = a.offset is not None or bias != 0  # 16-value terms
+        local += [LocalArray(lv, "u8", rows * k), LocalArray(sw, "f32", rows * (k // g))]
+        if sums:
+            local.append(LocalArray(mw, "f32", rows * nh))
+        rb = elements_per_row_bytes(f, k)
+        dec = Decoder(wf, f"w{j}", Var(f"w{j}_wb"), f"w{j}_")
+
+        def group(start, size, env, inner, dec=dec, a=a, g=g, bs=bs, sw=sw, mw=mw, sums=sums, bias=bias):
+            scale = dec.group_expr(a.scale, start, env)
+            st = [Let(f"{sw}_s{start}", scale),
+                  Store(sw, rr * (k // g) + b * (bs // g) + start // g, Var(f"{sw}_s{start}"))]
+            if sums:
+                m = Const(0.0) if a.offset is None else dec.group_expr(a.offset, start, env)
+                if bias:
+                    m = m - Var(f"{sw}_s{start}") * float(bias)
+                st += [Store(mw, rr * nh + b * (bs // HALF) + (start + h) // HALF, m) for h in range(0, g, HALF)]
+            return [*st, *inner]
+
+        def chunk(c, L, i0, env, lw, a=a, bs=bs, lv=lv, bias=bias):
+            level = lw.expr(a.level)
+            return [Store(lv, rr * k + b * bs + (c + Var(i0)), level + bias if bias else level)]
+
+        decode.append(For("b", Const(0), Const(k // bs), (
+            # Block base addresses masked non-negative, as matmul_kernel's CPU path has them (`_matvec.NONNEG`).
+            Let(f"w{j}_wb", (Var("rowc") * rb + b * block_stride(wf)) & nonneg_mask(n * rb)),
+            *dec.walk(group, chunk),
+        )))
+        acc = f"acc{j}"
+        dots.append(Decl(acc, "f32", Call("dot_i8_blocks", Var(lv), rr * k, Var("xq"), tk * k, Var(sw),
+                                          rr * (k // g), Var("xd"), tk * na, Const(na), Const(g))))
+        if sums:
+            # dot_f32: a loop of this length is unrolled whole and left scalar, reassociation allowed or not.
+            dots.append(Assign(acc, Var(acc) + Call("dot_f32", Var(mw), rr * nh, Var("xs"), tk * nh, Const(nh))))
+        vals.append(Var(acc))
+    row = Var("g0") * rows + rr
+    body = (
+        Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - t0)),
+        # Rows past the last decode the last row (loads stay in bounds); their results are not stored.
+        For("rr", Const(0), Const(rows), (Let("rowc", Call("min", row, Const(n - 1))), *decode)),
+        For("t", Const(0), Var("nt"), (Let("tk", t0 + Var("t")), For("rr", Const(0), Const(rows), (
+            If(row < n, (*dots, Store("y", tk * n + row, epilogue(vals) if epilogue else vals[0]))),
+        )))),
+    )
+    grid = (Const(-(-n // rows)), (Var("T") + (tokens - 1)) // tokens)
+    return Kernel(name, params, grid, body, lanes=1, local=tuple(local),
+                  knobs=(("rows", rows), ("tile_q8", tokens)),
+                  doc=f"tile matmul int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
