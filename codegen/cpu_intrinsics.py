@@ -74,6 +74,10 @@ class _Emit:
         return self.b.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(ir.VectorType(ir.IntType(32), len(idx)),
                                                                                idx))
 
+    def pick(self, a, c, idx):
+        """The vector of lanes `idx` of vectors `a` and `c` side by side (lanes of `c` from a's width on)."""
+        return self.b.shuffle_vector(a, c, ir.Constant(ir.VectorType(ir.IntType(32), len(idx)), idx))
+
     def fma(self, a, x, acc):
         t = a.type
         fn = self.b.module.declare_intrinsic(f"llvm.fma.v{t.count}f32", (), ir.FunctionType(t, [t] * 3))
@@ -129,7 +133,28 @@ def dot_i8_blocks(typingctx, w, wo, x, xo, sw, swo, sx, sxo, steps, group):
                                                      ir.Constant(ir.IntType(32), 0)), [0] * 8)
             return e.fma(sums, builder.fmul(w_scales, x_scale), acc)
 
-        return e.across(e.loop2(e.index(8), step, v8f32))
+        n = e.index(8)
+        if g != STEP:
+            return e.across(e.loop2(n, step, v8f32))
+
+        def eight(b, acc):
+            # Steps 8b .. 8b+7 (a scale each): their eight sum vectors added across into one vector of eight sums
+            # (a transposing tree of shuffles and adds), converted and scaled at once.
+            s0 = builder.mul(b, e.const(8))
+            sums = [_step_sums(builder, e.load(0, i8, at, code_t), e.load(2, i8, at, code_t), HOST_VNNI)
+                    for at in (builder.mul(builder.add(s0, e.const(j)), e.const(STEP)) for j in range(8))]
+            for width in (1, 2, 4):  # pairs (a, c): lane i of a run from `a` (i // width even) or `c` (odd)
+                first = [i if i // width % 2 == 0 else i + 8 - width for i in range(8)]
+                second = [i + width if i // width % 2 == 0 else i + 8 for i in range(8)]
+                sums = [builder.add(e.pick(a, c, first), e.pick(a, c, second)) for a, c in zip(sums[::2], sums[1::2])]
+            scales = builder.fmul(e.load(4, f32, s0, v8f32, 4), e.load(6, f32, s0, v8f32, 4))
+            return e.fma(builder.sitofp(sums[0], v8f32), scales, acc)
+
+        whole = builder.mul(builder.sdiv(n, e.const(8)), e.const(8))
+        acc = cgutils.alloca_once_value(builder, e.loop2(builder.sdiv(n, e.const(8)), eight, v8f32))
+        with cgutils.for_range(builder, builder.sub(n, whole), intp=e.intp) as loop:
+            builder.store(step(builder.add(whole, loop.index), builder.load(acc)), acc)
+        return e.across(builder.load(acc))
 
     return types.float32(w, wo, x, xo, sw, swo, sx, sxo, steps, group), codegen
 

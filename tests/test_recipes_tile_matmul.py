@@ -129,7 +129,7 @@ def test_dot_i8_blocks_forms(monkeypatch, vnni):
                 dotf(a, 1, b, 2, n))
 
     rng = np.random.default_rng(0)
-    steps, n = 7, 21
+    steps, n = 27, 21  # G = 32: three blocks of eight steps (two accumulators, one left over) and three more
     w = rng.integers(0, 256, 3 + 32 * steps).astype(np.uint8)
     x = np.frombuffer(rng.integers(-127, 128, 8 + 32 * steps).astype(np.int8).tobytes(), np.uint32)
     sw, sx = rng.random(1 + 8 * steps).astype(np.float32), rng.random(2 + steps).astype(np.float32)
