@@ -178,15 +178,24 @@ def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int
             dots.append(Assign(acc, Var(acc) + Call("dot_f32", Var(mw), rr * nh, Var("xs"), tk * nh, Const(nh))))
         vals.append(Var(acc))
     row = Var("g0") * rows + rr
-    body = (
+    tile_loop = (Let("tk", t0 + Var("t")), For("rr", Const(0), Const(rows), (If(row < n, (*dots, *(
+        # An epilogue (a GLU's activation) runs apart, over the tile's dot products kept in local arrays: a call
+        # into the C library (exp, tanh) inside this loop spilled and reloaded the dot products' vector registers
+        # around each call, ~20 ns a result (docs/benchmarks.md, "Prefill on the CPU: int8 tiles").
+        [Store(f"r{j}", Var("t") * rows + rr, v) for j, v in enumerate(vals)] if epilogue
+        else [Store("y", tk * n + row, vals[0])]))),)))
+    body = [
         Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - t0)),
         # Rows past the last decode the last row (loads stay in bounds); their results are not stored.
         For("rr", Const(0), Const(rows), (Let("rowc", Call("min", row, Const(n - 1))), *decode)),
-        For("t", Const(0), Var("nt"), (Let("tk", t0 + Var("t")), For("rr", Const(0), Const(rows), (
-            If(row < n, (*dots, Store("y", tk * n + row, epilogue(vals) if epilogue else vals[0]))),
-        )))),
-    )
+        For("t", Const(0), Var("nt"), tile_loop),
+    ]
+    if epilogue:
+        local += [LocalArray(f"r{j}", "f32", tokens * rows) for j in range(len(fmts))]
+        at = Var("t") * rows + rr
+        body.append(For("t", Const(0), Var("nt"), (For("rr", Const(0), Const(rows), (If(row < n, (Store(
+            "y", (t0 + Var("t")) * n + row, epilogue([Load(f"r{j}", at) for j in range(len(fmts))])),)),)),)))
     grid = (Const(-(-n // rows)), (Var("T") + (tokens - 1)) // tokens)
-    return Kernel(name, params, grid, body, lanes=1, local=tuple(local),
+    return Kernel(name, params, grid, tuple(body), lanes=1, local=tuple(local),
                   knobs=(("rows", rows), ("tile_q8", tokens)),
                   doc=f"tile matmul int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
