@@ -19,6 +19,10 @@ lanes' sums meet in a group Reduce. Matmuls of one input (q, k, v) are one `stac
 sub, runs (`_matvec.use_runs`) and lanes (group size; "auto" covers the row's units, 32 to 128). xq="inline"
 keeps the one-kernel schedule below (the CPU's, and what `matmul_kernel` builds).
 
+Prompt chunks on the CPU (one lane, plans of more than one token): `tile_matmul.py`'s tile matmuls, each weight row
+decoded once for a tile of tokens; where the host has VNNI (knob tile_q8, the host policy's) the int8 one, after a
+quantize launch that also writes the activations' sums, else the f32 one (knob tile).
+
 Prompt chunks on matrix units (the policy's `matrix_units`, plans of more than one token): `tile_mma.py`'s tile
 products instead, for int8-path formats after the same quantize launch, for F16 weights on the f32 activations
 (knobs mma_rows, mma_tokens, mma_chunk, mma_lanes, mma_min, mma_words); matmuls of one input then launch one by one.
