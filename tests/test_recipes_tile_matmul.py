@@ -146,23 +146,32 @@ def test_dot_i8_blocks_forms(monkeypatch, vnni):
 
 
 def test_cpu_prefill_takes_int8_tiles():
-    """One-lane plans of several tokens take the int8 tile matmul (a quantize launch with sums, then `_tq8`) where
-    knob tile_q8 is on and the format allows; off, or for F16 weights, the f32 tile matmul; no C-family target
-    renders its intrinsics."""
+    """One-lane plans of steps of more than TILES_ABOVE tokens take the int8 tile matmul (a quantize launch with
+    sums, then `_tq8`) where knob tile_q8 is on and the format allows, for those steps only: shorter steps (batched
+    decoding) keep the f32 tiles, the row count picking at run time (a grid of no groups); off, for F16 weights, or
+    in plans of short steps, the f32 tile matmul alone. No C-family target renders the intrinsics."""
     from polystrata.codegen import opencl
+    from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE
     from polystrata.ir.kernel import KernelError
+    from polystrata.runtimes.base import eval_int
 
-    def launches(fmt: str, tile_q8: int) -> list[str]:
+    def launches(fmt: str, tile_q8: int, t_max: int = 256) -> list:
         g = Graph("t")
         x = g.input("x", "f32", ("T", 256))
         g.op("matmul", x, g.weight("w", fmt, (19, 256)), name="y")
         ctx = recipe_context(g, formats={"w": FORMATS[fmt]})
-        ctx.knobs = {"matmul": {"tile_q8": tile_q8}}
-        return [la.kernel.name for la in recipe("matmul").lower(g.nodes, ctx)]
+        ctx.knobs, ctx.t_max = {"matmul": {"tile_q8": tile_q8}}, t_max
+        return recipe("matmul").lower(g.nodes, ctx)
 
-    assert launches("Q4_K", 64) == ["quantize_xs_256", "matmul_q4_k_19x256_tq8"]
-    assert launches("Q4_K", 0) == ["matmul_q4_k_19x256_tile"]
-    assert launches("F16", 64) == ["matmul_f16_19x256_tile"]
+    above = TILES_ABOVE
+    got = launches("Q4_K", 64)
+    assert [la.kernel.name for la in got] == [f"quantize_xs_256_gt{above}", f"matmul_q4_k_19x256_tq8_gt{above}",
+                                              f"matmul_q4_k_19x256_tile_le{above}"]
+    for t, works in ((1, (0, 0, 1)), (above, (0, 0, 1)), (above + 1, (1, 1, 0)), (256, (1, 1, 0))):
+        assert tuple(int(min(eval_int(d, {"T": t}) for d in la.kernel.grid) > 0) for la in got) == works, t
+    assert [la.kernel.name for la in launches("Q4_K", 0)] == ["matmul_q4_k_19x256_tile"]
+    assert [la.kernel.name for la in launches("F16", 64)] == ["matmul_f16_19x256_tile"]
+    assert [la.kernel.name for la in launches("Q4_K", 64, t_max=above)] == ["matmul_q4_k_19x256_tile"]
     kern = tile_matmul_q8_kernel("t_tq8_c", [FORMATS["Q8_0"]], 8, 64, rows=4, tokens=4)
     with pytest.raises(KernelError, match="dot_i8_blocks has no C-family form"):
         opencl.render(kern)

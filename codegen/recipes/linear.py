@@ -67,7 +67,14 @@ from polystrata.codegen.recipes._matvec import (
     use_int8,
     use_runs,
 )
-from polystrata.codegen.recipes.tile_matmul import q8_tile_fits, tile_matmul_kernel, tile_matmul_q8_kernel
+from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE
+from polystrata.codegen.recipes.tile_matmul import (
+    gate_suffix,
+    q8_tile_fits,
+    step_gate,
+    tile_matmul_kernel,
+    tile_matmul_q8_kernel,
+)
 from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, f16_path, tile_mma_kernel, tile_products_apply
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
@@ -294,17 +301,19 @@ def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n:
     return f16_path(fmts) or _int8_kernels(ctx, kn, fmts, k)
 
 
-def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind, sums: bool = False) -> tuple[Launch, str, str]:
+def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind, sums: bool = False,
+                    gate: tuple[int, bool] | None = None) -> tuple[Launch, str, str]:
     """(the launch quantizing activation buffer `x` of rows of `k` into the shared int8 scratch buffers, codes
     buffer, scales buffer): what the GPU path's matmuls read. Identical launches on an unchanged `x` are dropped by
     the compiler, so a producer may compute them ahead (see `Launch.provides`). `sums`: the launch also writes each
-    16 values' sum into scratch buffer xs (`quantize_x_kernel`), for `tile_matmul_q8_kernel`."""
+    16 values' sum into scratch buffer xs (`quantize_x_kernel`), for `tile_matmul_q8_kernel`; `gate`: the steps it
+    runs for (`tile_matmul.step_gate`)."""
     qb = ctx.scratch("xq", "u32", ctx.t_max * k // 4)
     db = ctx.scratch("xd", "f32", ctx.t_max * (k // QB))
     bound = [("xq", qb), ("xd", db)]
     if sums:
         bound.append(("xs", ctx.scratch("xs", "f32", ctx.t_max * (k // (QB // 2)))))
-    kern = quantize_x_kernel(f"quantize_x{'s' if sums else ''}_{k}", k, sums=sums)
+    kern = quantize_x_kernel(f"quantize_x{'s' if sums else ''}_{k}{gate_suffix(gate)}", k, sums=sums, gate=gate)
     return Launch(kern, (("x", x), *bound), (("T", t_bind),)), qb, db
 
 
@@ -372,27 +381,36 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     tile = TILE_TOKENS if kn["tile"] == "auto" else int(kn["tile"])
     if tile and ctx.lanes == 1 and ctx.t_max > 1 and kn["int8"] in ("auto", False, 0) and kn["split"] == "rows" \
             and kn["vert"] in ("auto", True, 1):
-        if int(kn["tile_q8"]) and q8_tile_fits(fmts, k):
-            # ... or (hosts with VNNI) each weight row's levels decoded once for a tile of tokens, int8 activations.
-            ql, _, _ = quantize_launch(ctx, x, k, t_bind, sums=True)
-            kern = tile_matmul_q8_kernel(name + "_tq8", fmts, n, k, rows=kn["rows"], tokens=int(kn["tile_q8"]),
-                                         epilogue=epilogue)
-            return [ql, Launch(kern, (*ql.buffers[1:], *wbind, ("y", y)), (("T", t_bind),))]
+        out = []
+        f32_gate = None
+        if int(kn["tile_q8"]) and q8_tile_fits(fmts, k) and ctx.t_max > TILES_ABOVE:
+            # ... or (hosts with VNNI) each weight row's levels decoded once for a tile of tokens, int8 activations,
+            # in steps of more than TILES_ABOVE tokens; shorter ones (batched decoding, short prompts) keep the f32
+            # tiles, whose rows give what one-token steps give (a sequence decodes to the same bits whichever
+            # sequences share its step). The row count picks at run time.
+            gate = (TILES_ABOVE, True)
+            ql, _, _ = quantize_launch(ctx, x, k, t_bind, sums=True, gate=gate)
+            kern = tile_matmul_q8_kernel(f"{name}_tq8{gate_suffix(gate)}", fmts, n, k, rows=kn["rows"],
+                                         tokens=int(kn["tile_q8"]), epilogue=epilogue, gate=gate)
+            out = [ql, Launch(kern, (*ql.buffers[1:], *wbind, ("y", y)), (("T", t_bind),))]
+            f32_gate = (TILES_ABOVE, False)
         # Steps of several tokens on the CPU: each weight block's scales decoded once for a tile of tokens.
-        kern = tile_matmul_kernel(name + "_tile", fmts, n, k, rows=kn["rows"], tokens=tile, epilogue=epilogue,
-                                  contract=bool(int(kn["contract"])))
-        return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
+        kern = tile_matmul_kernel(f"{name}_tile{gate_suffix(f32_gate)}", fmts, n, k, rows=kn["rows"], tokens=tile,
+                                  epilogue=epilogue, contract=bool(int(kn["contract"])), gate=f32_gate)
+        return [*out, Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
     kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, host_arith=ctx.target().host_arith,
                          **matmul_kernel_knobs(kn))
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
 
 
-def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1, sums: bool = False) -> Kernel:
+def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1, sums: bool = False,
+                      gate: tuple[int, bool] | None = None) -> Kernel:
     """xq[(t*k + e) / 4] packs the int8 codes of x[t, e..e+3] (byte e % 4, little-endian), xd[t*k/32 + b] =
     max|x| / 127 of each 32 values. Grid (T * rows_per_t, k / 32): a group of 32 lanes per 32 values (the max a
     one-warp Reduce, then 8 lanes pack a word each); `rows_per_t` > 1: x has that many rows per token (MoE slots).
     `sums`: also xs[t*k/16 + h] = the sum of each 16 values as their codes give them (xd times the codes' sum), for
-    `tile_matmul_q8_kernel` (weight offsets, levels stored with a bias)."""
+    `tile_matmul_q8_kernel` (weight offsets, levels stored with a bias); `gate`: the steps it runs for
+    (`tile_matmul.step_gate`)."""
     na = k // QB
     xo, inv = Var("xo"), Var("inv")
     body = (
@@ -413,7 +431,8 @@ def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1, sums: bool = False
                      Store("xs", (Var("g0") * na + Var("g1")) * 2 + h,
                            Cast("f32", Var(f"xsum{h}")) * (Var("amax") / 127.0)))
         params = (*params[:3], Buf("xs", "f32", out=True), params[3])
-    return Kernel(name, params, (Var("T") * rows_per_t, Const(na)), body, lanes=QB, doc=f"quantize x to int8 [{k}]")
+    return Kernel(name, params, (step_gate(Var("T") * rows_per_t, gate), Const(na)), body, lanes=QB,
+                  doc=f"quantize x to int8 [{k}]")
 
 
 def staged(j: Expr) -> Expr:

@@ -45,11 +45,28 @@ from polystrata.ir.kernel import Assign, Buf, Call, Decl, For, If, Kernel, Let, 
 HALF = 16  # elements of an activation sum (`quantize_x_kernel`'s sums): the finest weight group taken
 
 
+def step_gate(size: Expr, gate: tuple[int, bool] | None) -> Expr:
+    """Grid extent `size`, kept in steps of more than `gate[0]` tokens (`gate[1]` true) or of at most that many
+    (false), else 0: a launch of no groups is none, so the row count picks at run time which of two kernels runs."""
+    if gate is None:
+        return size
+    above, over = gate
+    on = Var("T") - above if over else Const(above + 1) - Var("T")
+    return size * Call("min", Const(1), Call("max", Const(0), on))
+
+
+def gate_suffix(gate: tuple[int, bool] | None) -> str:
+    """A kernel name's suffix for `step_gate`'s `gate`: "_gtN" or "_leN" ("" for none)."""
+    return "" if gate is None else f"_{'gt' if gate[1] else 'le'}{gate[0]}"
+
+
 def tile_matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int,
-                       epilogue: Callable[[list[Expr]], Expr] | None = None, contract: bool = False) -> Kernel:
+                       epilogue: Callable[[list[Expr]], Expr] | None = None, contract: bool = False,
+                       gate: tuple[int, bool] | None = None) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of formats `fmts`; grid
     (ceil(n / rows), ceil(T / tokens)), one lane: a group takes `rows` rows for a tile of `tokens` tokens, each
-    weight block's lets decoded once for the tile. `contract`: `Kernel.contract`."""
+    weight block's lets decoded once for the tile. `contract`: `Kernel.contract`; `gate`: the steps it runs for
+    (`step_gate`)."""
     rows = max(1, min(rows, n))
     wfs = [fmt_for(f) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
@@ -92,7 +109,7 @@ def tile_matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *
         Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - t0)),
         For("rr", Const(0), Const(rows), (Let("row", Var("g0") * rows + Var("rr")), If(row < n, tuple(per_row)))),
     )
-    grid = (Const(-(-n // rows)), (Var("T") + (tokens - 1)) // tokens)
+    grid = (Const(-(-n // rows)), step_gate((Var("T") + (tokens - 1)) // tokens, gate))
     return Kernel(name, params, grid, body, lanes=1, local=local, knobs=(("rows", rows), ("tokens", tokens),
                                                                          ("tile", 1), ("contract", int(contract))),
                   contract=contract,
@@ -125,13 +142,15 @@ def q8_tile_fits(fmts: Sequence[QuantFormat], k: int) -> bool:
 
 
 def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int,
-                          epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
+                          epilogue: Callable[[list[Expr]], Expr] | None = None,
+                          gate: tuple[int, bool] | None = None) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j) from x quantized by `quantize_x_kernel` with sums
     (xq: int8 codes 4 a word, xd: a scale a 32 values, xs: the codes' sum a 16 values, scaled); grid (ceil(n /
     rows), ceil(T / tokens)), one lane. A group first decodes its `rows` rows: each level plus the format's bias
     (`q8_level_bias`) as a byte, each group's scale S, and for each 16 values M - bias * S (M the group's offset,
     or 0). Then for each token of its tile and each row: one `dot_i8_blocks` of the bytes and the codes, plus the
-    16-value terms times the activations' sums. Formats: those `q8_tile_fits` takes."""
+    16-value terms times the activations' sums. Formats: those `q8_tile_fits` takes. `gate`: the steps it runs for
+    (`step_gate`)."""
     rows = max(1, min(rows, n))
     wfs = [fmt_for(f) for f in fmts]
     na, nh = k // QB, k // HALF
@@ -195,7 +214,7 @@ def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int
         at = Var("t") * rows + rr
         body.append(For("t", Const(0), Var("nt"), (For("rr", Const(0), Const(rows), (If(row < n, (Store(
             "y", (t0 + Var("t")) * n + row, epilogue([Load(f"r{j}", at) for j in range(len(fmts))])),)),)),)))
-    grid = (Const(-(-n // rows)), (Var("T") + (tokens - 1)) // tokens)
+    grid = (Const(-(-n // rows)), step_gate((Var("T") + (tokens - 1)) // tokens, gate))
     return Kernel(name, params, grid, tuple(body), lanes=1, local=tuple(local),
                   knobs=(("rows", rows), ("tile_q8", tokens)),
                   doc=f"tile matmul int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
