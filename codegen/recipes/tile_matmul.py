@@ -216,5 +216,6 @@ def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int
             "y", (t0 + Var("t")) * n + row, epilogue([Load(f"r{j}", at) for j in range(len(fmts))])),)),)),)))
     grid = (Const(-(-n // rows)), step_gate((Var("T") + (tokens - 1)) // tokens, gate))
     return Kernel(name, params, grid, tuple(body), lanes=1, local=tuple(local),
-                  knobs=(("rows", rows), ("tile_q8", tokens)),
+                  # int8: its activations are, so the tuner compares its outputs within its int8 tolerance
+                  knobs=(("rows", rows), ("tile_q8", tokens), ("int8", 1)),
                   doc=f"tile matmul int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
