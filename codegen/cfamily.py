@@ -21,6 +21,7 @@ from polystrata.ir.expr import TABLES, Table
 from polystrata.ir.kernel import (
     INTRINSICS,
     MATH,
+    NUMBA_ONLY_INTRINSICS,
     Assign,
     Bin,
     Buf,
@@ -376,6 +377,8 @@ class CPrinter:
         return name
 
     def call(self, x: Call) -> str:
+        if x.fn in NUMBA_ONLY_INTRINSICS:
+            raise KernelError(f"{self.k.name}: {x.fn} has no C-family form (the CPU target's kernels use it)")
         if x.fn in INTRINSICS:
             if x.fn == "load_u32":
                 if not isinstance(x.args[0], Var) or self.k.dtype_of(x.args[0].name) != "u8":

@@ -167,3 +167,59 @@ def affine(fmt: QuantFormat) -> Affine | None:
 
 def _is_float_load(fmt: QuantFormat, e: Expr) -> bool:
     return isinstance(e, FieldLoad) and fmt.field(e.field).dtype in ("f16", "bf16", "f32")
+
+
+_FIELD_RANGES = {"u8": (0, 255), "i8": (-128, 127), "u16": (0, 65535), "u32": (0, (1 << 32) - 1),
+                 "i32": (-(1 << 31), (1 << 31) - 1)}
+
+
+def level_range(fmt: QuantFormat) -> tuple[int, int] | None:
+    """(least, greatest) value the integer level of `affine(fmt)` can take, by interval arithmetic over its
+    expression (fields by their dtypes, tables by their entries); None where the format has no affine level or
+    the expression holds an operation the analysis does not bound."""
+    a = affine(fmt)
+    if a is None:
+        return None
+    from polystrata.ir.expr import TABLES
+
+    def rng(e: Expr) -> tuple[int, int] | None:
+        if isinstance(e, Const):
+            return (e.value, e.value) if isinstance(e.value, int) else None
+        if isinstance(e, Var):  # the element index, or a let of it
+            return (0, fmt.block_size - 1) if e.name == "i" else rng(fmt.let(e.name).expr)
+        if isinstance(e, FieldLoad):
+            return _FIELD_RANGES.get(fmt.field(e.field).dtype)
+        if isinstance(e, Table):
+            return min(TABLES[e.name]), max(TABLES[e.name])
+        if isinstance(e, Select):
+            x, y = rng(e.a), rng(e.b)
+            return None if x is None or y is None else (min(x[0], y[0]), max(x[1], y[1]))
+        if not isinstance(e, Bin):
+            return None
+        x, y = rng(e.a), rng(e.b)
+        if x is None or y is None:
+            return None
+        if e.op == "+":
+            return x[0] + y[0], x[1] + y[1]
+        if e.op == "-":
+            return x[0] - y[1], x[1] - y[0]
+        if e.op == "*":
+            ends = [p * q for p in x for q in y]
+            return min(ends), max(ends)
+        if e.op == "&" and y[0] == y[1] and y[0] >= 0:  # a mask keeps at most its bits
+            return (0, y[0]) if x[0] < 0 else (0, min(x[1], y[0]))
+        if x[0] < 0 or y[0] < 0:
+            return None
+        if e.op == ">>":
+            return x[0] >> y[1], x[1] >> y[0]
+        if e.op == "<<":
+            return x[0] << y[0], x[1] << y[1]
+        if e.op == "|":
+            return max(x[0], y[0]), (1 << max(x[1], y[1]).bit_length()) - 1
+        if e.op == "//" and y[0] > 0:
+            return x[0] // y[1], x[1] // y[0]
+        if e.op == "%" and y[0] > 0:
+            return 0, min(x[1], y[1] - 1)
+        return None
+
+    return rng(inline_elem_lets(fmt, a.level))

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from llvmlite import binding as llvm
+
 from polystrata.codegen.lanes import MatrixInstr, MatrixUnit
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.layout import split_rows
@@ -32,11 +34,25 @@ SLICED_ON_WIDE_LOADS = ("Q4_K", "Q5_K")
 # "Decode at depth"). Split, the codes are aligned words and the scales one word load. Same bytes a row.
 SPLIT_KV_ON_WIDE_LOADS = ("Q8_0", "q8_g64")
 
+
+
+def host_vnni() -> bool:
+    """Whether this host's CPU has a 256-bit int8 dot product instruction, `vpdpbusd` (AVX-512 VNNI with AVX-512
+    VL, or AVX-VNNI), as LLVM reports the host's features."""
+    features = llvm.get_host_cpu_features()
+    return bool((features.get("avx512vnni") and features.get("avx512vl")) or features.get("avxvnni"))
+
+
+HOST_VNNI = host_vnni()
+
 # The schedules picked by hand for the host CPU (one lane: a lane takes whole rows, per-element partial sums
 # that vectorize, activations quantized inside the kernel if at all, multiply-adds fused in the dot products,
 # which are bound by arithmetic there; no split-K attention) ...
 HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
-    "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1, "contract": 1, "reuse": 0},
+    # tile_q8: steps of several tokens take the int8 tile matmul (`tile_matmul_q8_kernel`), tiles of 64 tokens,
+    # where the host has VNNI (docs/benchmarks.md, "Prefill on the CPU: int8 tiles"); elsewhere (0) the f32 tiles.
+    "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1, "contract": 1, "reuse": 0,
+               "tile_q8": 64 if HOST_VNNI else 0},
     "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1},
     # group_heads: a KV head's query heads in one group (knob heads "auto"), each K and V value decoded once for all,
     # one-token plans keeping at least this many groups a token for the cores (docs/benchmarks.md, "Attention's
@@ -51,7 +67,8 @@ HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
 DEVICE_KNOBS: Mapping[str, Mapping[str, Any]] = {
     # reuse (a token tile's weights decoded once for all its tokens) stays off until measured on a GPU
     # (docs/benchmarks.md, "H200, 2026-12-05, second session"): `bench`/`serve --knob matmul.reuse=1`.
-    "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0, "reuse": 0},
+    "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0, "reuse": 0,
+               "tile_q8": 0},
     "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0},
     "attention": {"split_keys": 1, "group_heads": 0},
     "delta_rule": {"chunked_above": 16},

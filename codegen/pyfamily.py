@@ -19,6 +19,7 @@ from collections import Counter
 from polystrata.codegen.lanes import ONE_LANE, Barrier, LaneAbilities, LaneId, MatrixOp, SubgroupReduce, lower
 from polystrata.ir.expr import TABLES, Table
 from polystrata.ir.kernel import (
+    NUMBA_ONLY_INTRINSICS,
     Assign,
     Bin,
     Buf,
@@ -29,6 +30,7 @@ from polystrata.ir.kernel import (
     For,
     If,
     Kernel,
+    KernelError,
     Let,
     Load,
     Select,
@@ -283,6 +285,8 @@ class PyPrinter:
             if x.fn in _MATH:
                 call = f"{_MATH[x.fn]}({args})"
                 return f"np.float32({call})" if x.fn in _FLOAT_RESULT else call
+            if x.fn in NUMBA_ONLY_INTRINSICS and x.fn not in self.native_intrinsics:
+                raise KernelError(f"{self.k.name}: {x.fn} has no form on this target (the CPU's kernels use it)")
             return f"{self.native_intrinsics.get(x.fn, x.fn)}({args})"
         raise TypeError(f"cannot render {x!r}")
 

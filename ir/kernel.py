@@ -74,7 +74,21 @@ INTRINSICS = {
     # constant 1, 2, 4, 8 or 16 the caller promises divides i (buffers start 16-byte aligned): a 4-byte or two
     # 2-byte loads; at 8 or 16 a target may merge it with the words after it into one wide load.
     "load_u32": (3, "u32", "four byte loads, shifted and or-ed"),
+    # Block-scaled int8 dot product: dot_i8_blocks(w, wo, x, xo, sw, swo, sx, sxo, steps, group) = the sum over
+    # s < steps, e < 32 of sw[swo + (32 s + e) / group] * sx[sxo + s] * w_e * x_e, w_e the unsigned byte at byte
+    # offset wo + 32 s + e of buffer or local array w, x_e the signed byte at xo + 32 s + e of x; `group` (a
+    # constant 4, 8, 16 or 32) elements' products summed as integers, then scaled. Numba targets only (the CPU's
+    # prefill matmul, `tile_matmul_q8_kernel`): there a loop in LLVM IR (`codegen/cpu_intrinsics.py`).
+    "dot_i8_blocks": (10, "f32", "integer vector products and sums in LLVM IR"),
+    # dot_f32(a, ao, b, bo, n) = the sum over i < n of a[ao + i] * b[bo + i] (f32 buffers or local arrays), summed in
+    # an order of the target's choosing (a short dot product that a compiler would unroll rather than vectorize).
+    # Numba targets only, as dot_i8_blocks.
+    "dot_f32": (5, "f32", "f32 vector multiply-adds in LLVM IR"),
 }
+# Intrinsics that only the Numba targets render (the others raise a KernelError naming them).
+NUMBA_ONLY_INTRINSICS = ("dot_i8_blocks", "dot_f32")
+# The intrinsics that read buffers or local arrays named by their arguments: name -> the arguments' positions.
+BUFFER_ARGS = {"load_u32": (0,), "dot_i8_blocks": (0, 2, 4, 6), "dot_f32": (0, 2)}
 REDUCE_OPS = ("+", "max")
 
 
@@ -538,7 +552,7 @@ def loads(e: Expr) -> list[Load]:
 
 
 def buffers_read(k: Kernel) -> frozenset[str]:
-    """Names of the buffers and local arrays a kernel reads (`Load`s and `load_u32` word loads)."""
+    """Names of the buffers and local arrays a kernel reads (`Load`s and the intrinsics of `BUFFER_ARGS`)."""
     return k.once("buffers_read", lambda: frozenset(_buffers_read(k)))
 
 
@@ -549,8 +563,8 @@ def _buffers_read(k: Kernel) -> set[str]:
             for n in expr_nodes(e):
                 if isinstance(n, Load):
                     out.add(n.buf)
-                elif isinstance(n, Call) and n.fn == "load_u32" and isinstance(n.args[0], Var):
-                    out.add(n.args[0].name)
+                elif isinstance(n, Call) and n.fn in BUFFER_ARGS:
+                    out.update(n.args[i].name for i in BUFFER_ARGS[n.fn] if isinstance(n.args[i], Var))
     return out
 
 

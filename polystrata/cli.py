@@ -309,6 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--against-kv", default=None, metavar="KV_TYPE",
                    help="compare against this target's own run with that KV cache type (e.g. f16) instead of "
                         "llama.cpp's logits, over each prompt and its greedy continuation")
+    knob_arg(p)
 
     p = sub.add_parser("compile", help="plan the model for a target and write an artifact")
     model_arg(p)
@@ -581,6 +582,7 @@ def _read_fixtures(fixtures: Path, path: Path, need: tuple[str, ...]) -> list:
 def cmd_parity(a) -> int:
     import numpy as np
 
+    from polystrata.bench import parse_knobs
     from polystrata.engine import Engine
     from polystrata.parity import Parity
     from polystrata.targets import resolve_target
@@ -589,10 +591,11 @@ def cmd_parity(a) -> int:
         raise PolystrataError("--against-kv compares KV cache types of a kernel target; the reference keeps f32 K, V")
     path = _resolve(a.model)
     refs = _read_fixtures(Path(a.fixtures), path, ("ids", "top_ids", "top_logits") + (("greedy",) * bool(a.against_kv)))
-    eng = Engine(path, target=a.target, kv_type=a.kv_type, tuning=not a.no_tuning, n_ubatch=a.n_ubatch,
+    knobs = parse_knobs(a.knob)
+    eng = Engine(path, target=a.target, kv_type=a.kv_type, tuning=not a.no_tuning, n_ubatch=a.n_ubatch, knobs=knobs,
                  all_logits=True)
     base = (Engine(path, target=eng.target, kv_type=a.against_kv, tuning=not a.no_tuning, n_ubatch=a.n_ubatch,
-                   all_logits=True) if a.against_kv else None)
+                   knobs=knobs, all_logits=True) if a.against_kv else None)
     par = Parity()
     for ref in refs:
         if base is None:

@@ -1,14 +1,22 @@
 """Recipe conformance, codegen/recipes/tile_matmul.py: the one-lane matmul decoding each weight block once for a
-tile of tokens, against the numpy reference and, bit for bit, against `matmul_kernel`'s f32 path token by token."""
+tile of tokens, against the numpy reference and, bit for bit, against `matmul_kernel`'s f32 path token by token;
+its int8 form (`tile_matmul_q8_kernel`) and the CPU intrinsics it rests on."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from recipe_cases import recipe, recipe_context, run, target_runtimes, weight
+from recipe_cases import int8_bound, recipe, recipe_context, run, target_runtimes, weight
 
-from polystrata.codegen.recipes.linear import matmul_kernel
-from polystrata.codegen.recipes.tile_matmul import tile_matmul_kernel
+from polystrata.codegen.format_analysis import level_range
+from polystrata.codegen.recipes._matvec import fmt_for
+from polystrata.codegen.recipes.linear import matmul_kernel, quantize_x_kernel
+from polystrata.codegen.recipes.tile_matmul import (
+    q8_level_bias,
+    q8_tile_fits,
+    tile_matmul_kernel,
+    tile_matmul_q8_kernel,
+)
 from polystrata.ir.formats import FORMATS
 from polystrata.ir.graph import Graph
 
@@ -33,8 +41,8 @@ def test_tile_matmul_formats(rt, fmt_name):
 
 
 def test_cpu_plans_of_several_tokens_take_it():
-    """One-lane plans of more than one token take the tile matmul, with the fused gate, up and activation as its
-    epilogue; one-token plans and GPU-shaped ones do not."""
+    """One-lane plans of more than one token take the tile matmul (knob tile_q8 off, as on hosts without VNNI),
+    with the fused gate, up and activation as its epilogue; one-token plans and GPU-shaped ones do not."""
     g = Graph("t")
     x = g.input("x", "f32", ("T", 256))
     wg, wu = g.weight("wg", "Q4_1", (19, 256)), g.weight("wu", "Q4_1", (19, 256))
@@ -43,8 +51,127 @@ def test_cpu_plans_of_several_tokens_take_it():
     def kernel(lanes: int, t_max: int) -> str:
         ctx = recipe_context(g, formats={"wg": FORMATS["Q4_1"], "wu": FORMATS["Q4_1"]}, lanes=lanes)
         ctx.t_max = t_max
+        ctx.knobs = {"matmul": {"tile_q8": 0}}
         return recipe("matmul_swiglu").lower(g.nodes, ctx)[-1].kernel.name
 
     assert kernel(1, 16) == "glu_swiglu_q4_1_q4_1_19x256_tile"
     assert kernel(1, 1) == "glu_swiglu_q4_1_q4_1_19x256"
     assert not kernel(128, 16).endswith("_tile")
+
+
+# Formats of `tile_matmul_q8_kernel`, several to a kernel (a kernel a format would cost a compile each): blocks of
+# 32 (offsets, signed levels, a table); the K-quants of the zoo models (groups of 32 with offsets, groups of 16 with
+# signed levels); slow, Q2_K (groups of 16 with offsets): 256-value blocks make long kernels, ~5 s of Numba compile
+# a format, so Q3_K, Q5_K and IQ4_XS (levels as Q6_K's, Q5_1's, IQ4_NL's; checked by hand, docs/benchmarks.md) are
+# not run here.
+Q8_FORMATS = (pytest.param(["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"], id="blocks32"),
+              pytest.param(["Q4_K", "Q6_K"], id="q4k_q6k"),
+              pytest.param(["Q2_K"], id="q2k", marks=pytest.mark.slow))
+
+
+@pytest.mark.parametrize("fmt_names", Q8_FORMATS)
+def test_tile_matmul_q8_formats(rt, fmt_names):
+    """The int8 tile matmul over weights of every format it takes at once (its epilogue sums their dot products):
+    37 rows (groups of 4, the last partial), tiles of 16 tokens, steps of 1, 7 and 33 tokens (33: the last tile
+    partial), after `quantize_x_kernel` with sums. The products are those of the int8 activations' values with the
+    weights' (numpy in float64 on the codes the quantize kernel wrote), within float rounding."""
+    if rt.name != "cpu":
+        pytest.skip("dot_i8_blocks is the CPU target's (Numba)")
+    n, k = 37, 256
+    assert all(q8_tile_fits([FORMATS[f]], k) for f in fmt_names)
+    ws = [weight(f, n, k, seed=j) for j, f in enumerate(fmt_names)]
+    kern = tile_matmul_q8_kernel(f"t_tq8_{len(fmt_names)}_{fmt_names[0].lower()}", [w[0] for w in ws], n, k, rows=4,
+                                 tokens=16, epilogue=lambda v: sum(v[1:], v[0]))
+    quant = quantize_x_kernel(f"t_quantize_xs_{k}", k, sums=True)
+    wsum = sum(w[2].astype(np.float64) for w in ws)
+    x = np.random.default_rng(1).standard_normal((33, k)).astype(np.float32)
+    for t in (1, 7, 33):
+        q = run(rt, quant, {"x": x[:t].reshape(-1)}, {"T": t},
+                {"xq": ((t * k // 4,), "u32"), "xd": ((t * k // 32,), "f32"), "xs": ((t * k // 16,), "f32")})
+        np.testing.assert_allclose(q["xd"], np.abs(x[:t]).reshape(-1, 32).max(axis=1) / 127, rtol=1e-6)
+        codes = q["xq"].view(np.int8).reshape(t, k).astype(np.float64)
+        xhat = codes * np.repeat(q["xd"].reshape(t, -1), 32, axis=1)
+        np.testing.assert_allclose(q["xs"], xhat.reshape(-1, 16).sum(axis=1), rtol=1e-5, atol=1e-5)
+        y = run(rt, kern, {**q, **{f"w{j}": w[1] for j, w in enumerate(ws)}}, {"T": t}, {"y": ((t, n), "f32")})["y"]
+        want = xhat @ wsum.T
+        np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+        np.testing.assert_allclose(y, x[:t] @ wsum.T, atol=sum(int8_bound(x[:t], w[2]) for w in ws).max())
+
+
+def test_q8_tile_level_ranges():
+    """`level_range`, which gives `tile_matmul_q8_kernel` its level biases, bounds each format's levels exactly;
+    float formats have none and stay on the f32 tiles."""
+    want = {"Q4_0": (-8, 7), "Q4_1": (0, 15), "Q5_0": (-16, 15), "Q8_0": (-128, 127), "Q2_K": (0, 3),
+            "Q3_K": (-4, 3), "Q6_K": (-32, 31), "IQ4_NL": (-127, 113)}
+    for name, r in want.items():
+        assert level_range(fmt_for(FORMATS[name])) == r
+        assert q8_level_bias(FORMATS[name]) == max(0, -r[0])
+    assert not q8_tile_fits([FORMATS["F16"]], 256) and not q8_tile_fits([FORMATS["Q4_K"]], 48)
+
+
+@pytest.mark.parametrize("vnni", [False, True], ids=["portable", "vnni"])
+def test_dot_i8_blocks_forms(monkeypatch, vnni):
+    """`dot_i8_blocks` and `dot_f32` against numpy, odd step and element counts, unaligned offsets, groups of 4 to
+    32: the portable LLVM form on any host, the VNNI one where the host has it."""
+    from numba import njit
+
+    from polystrata.codegen import cpu_intrinsics
+    from polystrata.codegen.policy import HOST_VNNI
+
+    if vnni and not HOST_VNNI:
+        pytest.skip("this host has no VNNI")
+    monkeypatch.setattr(cpu_intrinsics, "HOST_VNNI", vnni)  # read at compile time; cache=False: compiled here
+    dot, dotf = cpu_intrinsics.dot_i8_blocks, cpu_intrinsics.dot_f32
+
+    @njit(cache=False)
+    def both(w, x, sw, sx, steps, a, b, n):
+        return (dot(w, 3, x, 5, sw, 1, sx, 2, steps, 4), dot(w, 3, x, 5, sw, 1, sx, 2, steps, 8),
+                dot(w, 3, x, 5, sw, 1, sx, 2, steps, 16), dot(w, 3, x, 5, sw, 1, sx, 2, steps, 32),
+                dotf(a, 1, b, 2, n))
+
+    rng = np.random.default_rng(0)
+    steps, n = 27, 21  # G = 32: three blocks of eight steps (two accumulators, one left over) and three more
+    w = rng.integers(0, 256, 3 + 32 * steps).astype(np.uint8)
+    x = np.frombuffer(rng.integers(-127, 128, 8 + 32 * steps).astype(np.int8).tobytes(), np.uint32)
+    sw, sx = rng.random(1 + 8 * steps).astype(np.float32), rng.random(2 + steps).astype(np.float32)
+    a, b = rng.standard_normal(1 + n).astype(np.float32), rng.standard_normal(2 + n).astype(np.float32)
+    got = both(w, x, sw, sx, steps, a, b, n)
+    wv = w[3:].astype(np.float64)
+    xv = x.view(np.int8)[5:5 + 32 * steps].astype(np.float64)
+    e = np.arange(32 * steps)
+    for g, value in zip((4, 8, 16, 32), got):
+        want = np.sum(sw[1 + e // g] * sx[2 + e // 32] * wv * xv)
+        assert value == pytest.approx(want, rel=1e-5)
+    assert got[4] == pytest.approx(np.dot(a[1:].astype(np.float64), b[2:]), rel=1e-5)
+
+
+def test_cpu_prefill_takes_int8_tiles():
+    """One-lane plans of steps of more than TILES_ABOVE tokens take the int8 tile matmul (a quantize launch with
+    sums, then `_tq8`) where knob tile_q8 is on and the format allows, for those steps only: shorter steps (batched
+    decoding) keep the f32 tiles, the row count picking at run time (a grid of no groups); off, for F16 weights, or
+    in plans of short steps, the f32 tile matmul alone. No C-family target renders the intrinsics."""
+    from polystrata.codegen import opencl
+    from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE
+    from polystrata.ir.kernel import KernelError
+    from polystrata.runtimes.base import eval_int
+
+    def launches(fmt: str, tile_q8: int, t_max: int = 256) -> list:
+        g = Graph("t")
+        x = g.input("x", "f32", ("T", 256))
+        g.op("matmul", x, g.weight("w", fmt, (19, 256)), name="y")
+        ctx = recipe_context(g, formats={"w": FORMATS[fmt]})
+        ctx.knobs, ctx.t_max = {"matmul": {"tile_q8": tile_q8}}, t_max
+        return recipe("matmul").lower(g.nodes, ctx)
+
+    above = TILES_ABOVE
+    got = launches("Q4_K", 64)
+    assert [la.kernel.name for la in got] == [f"quantize_xs_256_gt{above}", f"matmul_q4_k_19x256_tq8_gt{above}",
+                                              f"matmul_q4_k_19x256_tile_le{above}"]
+    for t, works in ((1, (0, 0, 1)), (above, (0, 0, 1)), (above + 1, (1, 1, 0)), (256, (1, 1, 0))):
+        assert tuple(int(min(eval_int(d, {"T": t}) for d in la.kernel.grid) > 0) for la in got) == works, t
+    assert [la.kernel.name for la in launches("Q4_K", 0)] == ["matmul_q4_k_19x256_tile"]
+    assert [la.kernel.name for la in launches("F16", 64)] == ["matmul_f16_19x256_tile"]
+    assert [la.kernel.name for la in launches("Q4_K", 64, t_max=above)] == ["matmul_q4_k_19x256_tile"]
+    kern = tile_matmul_q8_kernel("t_tq8_c", [FORMATS["Q8_0"]], 8, 64, rows=4, tokens=4)
+    with pytest.raises(KernelError, match="dot_i8_blocks has no C-family form"):
+        opencl.render(kern)

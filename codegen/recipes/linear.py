@@ -19,6 +19,10 @@ lanes' sums meet in a group Reduce. Matmuls of one input (q, k, v) are one `stac
 sub, runs (`_matvec.use_runs`) and lanes (group size; "auto" covers the row's units, 32 to 128). xq="inline"
 keeps the one-kernel schedule below (the CPU's, and what `matmul_kernel` builds).
 
+Prompt chunks on the CPU (one lane, plans of more than one token): `tile_matmul.py`'s tile matmuls, each weight row
+decoded once for a tile of tokens; where the host has VNNI (knob tile_q8, the host policy's) the int8 one, after a
+quantize launch that also writes the activations' sums, else the f32 one (knob tile).
+
 Prompt chunks on matrix units (the policy's `matrix_units`, plans of more than one token): `tile_mma.py`'s tile
 products instead, for int8-path formats after the same quantize launch, for F16 weights on the f32 activations
 (knobs mma_rows, mma_tokens, mma_chunk, mma_lanes, mma_min, mma_words); matmuls of one input then launch one by one.
@@ -52,6 +56,7 @@ from polystrata.codegen.recipes._matvec import (
     guarded,
     nonneg_mask,
     quantize_x,
+    round_half_away,
     runs_for_target,
     slot_row,
     split_dots,
@@ -62,7 +67,14 @@ from polystrata.codegen.recipes._matvec import (
     use_int8,
     use_runs,
 )
-from polystrata.codegen.recipes.tile_matmul import tile_matmul_kernel
+from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE
+from polystrata.codegen.recipes.tile_matmul import (
+    gate_suffix,
+    q8_tile_fits,
+    step_gate,
+    tile_matmul_kernel,
+    tile_matmul_q8_kernel,
+)
 from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, f16_path, tile_mma_kernel, tile_products_apply
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
@@ -70,6 +82,7 @@ from polystrata.ir.graph import Node
 from polystrata.ir.kernel import (
     Buf,
     Call,
+    Cast,
     Decl,
     For,
     If,
@@ -90,7 +103,7 @@ MATMUL_KNOBS = (Knob("rows", "auto", (1, 2, 4, 8)), Knob("tokens", 8, (1, 2, 4, 
                 Knob("xq", "auto", ("inline", "kernel")), Knob("sub", "auto", (1, 2, 4, 8)),
                 Knob("runs", "auto", (0, 1)), Knob("lanes", "auto", (32, 64, 128, 256)),
                 Knob("spread", "auto", (0, 1)), Knob("tile", "auto", (0, 8, 16, 32)), Knob("contract", "auto", (0, 1)),
-                Knob("reuse", "auto", (0, 1)), *TILE_MMA_KNOBS)
+                Knob("reuse", "auto", (0, 1)), Knob("tile_q8", "auto", (0, 32, 64, 128, 256)), *TILE_MMA_KNOBS)
 
 
 def _matmul_constraint(kn: dict) -> bool:
@@ -110,13 +123,16 @@ MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, constraint=_matmul_constraint)
 # one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
 # (docs/benchmarks.md, "Serving").
 TILE_TOKENS = 16
+# Knob tile_q8 ("auto": the policy's; 0: off): tokens a tile of `tile_matmul_q8_kernel`, which one-lane plans of
+# more than one token take for the formats it covers, ahead of `tile_matmul_kernel`; its rows' levels are decoded
+# once for a tile.
 # Knobs of the two-launch GPU path only (`_launches`); the rest are `matmul_kernel`'s.
 GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread", "reuse", *(knob.name for knob in TILE_MMA_KNOBS))
 
 
 def matmul_kernel_knobs(kn: dict) -> dict:
     """The knobs of `kn` that `matmul_kernel` takes (those of the GPU path and of `tile_matmul_kernel` removed)."""
-    return {name: v for name, v in kn.items() if name not in GPU_PATH_KNOBS and name != "tile"}
+    return {name: v for name, v in kn.items() if name not in GPU_PATH_KNOBS and name not in ("tile", "tile_q8")}
 
 
 def _exp(x: Expr) -> Expr:
@@ -261,7 +277,7 @@ def _knobs(ctx: RecipeContext, space: KnobSpace, instance: str | None) -> dict:
 
 
 # The matmul knobs whose "auto" is the target policy's value.
-POLICY_KNOBS = ("split", "rows", "xq", "int8", "vert", "contract", "reuse")
+POLICY_KNOBS = ("split", "rows", "xq", "int8", "vert", "contract", "reuse", "tile_q8")
 
 
 def with_policy_defaults(kn: dict, policy: Policy) -> dict:
@@ -286,13 +302,20 @@ def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n:
     return f16_path(fmts) or _int8_kernels(ctx, kn, fmts, k)
 
 
-def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind) -> tuple[Launch, str, str]:
+def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind, sums: bool = False,
+                    gate: tuple[int, bool] | None = None) -> tuple[Launch, str, str]:
     """(the launch quantizing activation buffer `x` of rows of `k` into the shared int8 scratch buffers, codes
     buffer, scales buffer): what the GPU path's matmuls read. Identical launches on an unchanged `x` are dropped by
-    the compiler, so a producer may compute them ahead (see `Launch.provides`)."""
+    the compiler, so a producer may compute them ahead (see `Launch.provides`). `sums`: the launch also writes each
+    16 values' sum into scratch buffer xs (`quantize_x_kernel`), for `tile_matmul_q8_kernel`; `gate`: the steps it
+    runs for (`tile_matmul.step_gate`)."""
     qb = ctx.scratch("xq", "u32", ctx.t_max * k // 4)
     db = ctx.scratch("xd", "f32", ctx.t_max * (k // QB))
-    return Launch(quantize_x_kernel(f"quantize_x_{k}", k), (("x", x), ("xq", qb), ("xd", db)), (("T", t_bind),)), qb, db
+    bound = [("xq", qb), ("xd", db)]
+    if sums:
+        bound.append(("xs", ctx.scratch("xs", "f32", ctx.t_max * (k // (QB // 2)))))
+    kern = quantize_x_kernel(f"quantize_x{'s' if sums else ''}_{k}{gate_suffix(gate)}", k, sums=sums, gate=gate)
+    return Launch(kern, (("x", x), *bound), (("T", t_bind),)), qb, db
 
 
 def quantized_output(ctx: RecipeContext, y: str, k: int, t_bind) -> tuple[tuple, tuple[Launch, ...]]:
@@ -359,20 +382,37 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     tile = TILE_TOKENS if kn["tile"] == "auto" else int(kn["tile"])
     if tile and ctx.lanes == 1 and ctx.t_max > 1 and kn["int8"] in ("auto", False, 0) and kn["split"] == "rows" \
             and kn["vert"] in ("auto", True, 1):
+        out = []
+        f32_gate = None
+        if int(kn["tile_q8"]) and q8_tile_fits(fmts, k) and ctx.t_max > TILES_ABOVE:
+            # ... or (hosts with VNNI) each weight row's levels decoded once for a tile of tokens, int8 activations,
+            # in steps of more than TILES_ABOVE tokens; shorter ones (batched decoding, short prompts) keep the f32
+            # tiles, whose rows give what one-token steps give (a sequence decodes to the same bits whichever
+            # sequences share its step). The row count picks at run time.
+            gate = (TILES_ABOVE, True)
+            ql, _, _ = quantize_launch(ctx, x, k, t_bind, sums=True, gate=gate)
+            kern = tile_matmul_q8_kernel(f"{name}_tq8{gate_suffix(gate)}", fmts, n, k, rows=kn["rows"],
+                                         tokens=int(kn["tile_q8"]), epilogue=epilogue, gate=gate)
+            out = [ql, Launch(kern, (*ql.buffers[1:], *wbind, ("y", y)), (("T", t_bind),))]
+            f32_gate = (TILES_ABOVE, False)
         # Steps of several tokens on the CPU: each weight block's scales decoded once for a tile of tokens.
-        kern = tile_matmul_kernel(name + "_tile", fmts, n, k, rows=kn["rows"], tokens=tile, epilogue=epilogue,
-                                  contract=bool(int(kn["contract"])))
-        return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
+        kern = tile_matmul_kernel(f"{name}_tile{gate_suffix(f32_gate)}", fmts, n, k, rows=kn["rows"], tokens=tile,
+                                  epilogue=epilogue, contract=bool(int(kn["contract"])), gate=f32_gate)
+        return [*out, Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
     kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, host_arith=ctx.target().host_arith,
                          **matmul_kernel_knobs(kn))
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
 
 
 @kernel_builder
-def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1) -> Kernel:
+def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1, sums: bool = False,
+                      gate: tuple[int, bool] | None = None) -> Kernel:
     """xq[(t*k + e) / 4] packs the int8 codes of x[t, e..e+3] (byte e % 4, little-endian), xd[t*k/32 + b] =
     max|x| / 127 of each 32 values. Grid (T * rows_per_t, k / 32): a group of 32 lanes per 32 values (the max a
-    one-warp Reduce, then 8 lanes pack a word each); `rows_per_t` > 1: x has that many rows per token (MoE slots)."""
+    one-warp Reduce, then 8 lanes pack a word each); `rows_per_t` > 1: x has that many rows per token (MoE slots).
+    `sums`: also xs[t*k/16 + h] = the sum of each 16 values as their codes give them (xd times the codes' sum), for
+    `tile_matmul_q8_kernel` (weight offsets, levels stored with a bias); `gate`: the steps it runs for
+    (`tile_matmul.step_gate`)."""
     na = k // QB
     xo, inv = Var("xo"), Var("inv")
     body = (
@@ -386,7 +426,15 @@ def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1) -> Kernel:
         )),
     )
     params = (Buf("x", "f32"), Buf("xq", "u32", out=True), Buf("xd", "f32", out=True), Scalar("T"))
-    return Kernel(name, params, (Var("T") * rows_per_t, Const(na)), body, lanes=QB, doc=f"quantize x to int8 [{k}]")
+    if sums:
+        for h in range(2):  # the same codes as the words': the same expression, rounded the same way
+            body += (Reduce(f"xsum{h}", "+", "e", Const(QB // 2), (),
+                            round_half_away(Load("x", xo + h * (QB // 2) + Var("e")) * inv)),
+                     Store("xs", (Var("g0") * na + Var("g1")) * 2 + h,
+                           Cast("f32", Var(f"xsum{h}")) * (Var("amax") / 127.0)))
+        params = (*params[:3], Buf("xs", "f32", out=True), params[3])
+    return Kernel(name, params, (step_gate(Var("T") * rows_per_t, gate), Const(na)), body, lanes=QB,
+                  doc=f"quantize x to int8 [{k}]")
 
 
 def staged(j: Expr) -> Expr:

@@ -12,6 +12,16 @@ reordering a float sum), added up once per row and token. The products and the o
 
 `linear._launches` takes this kernel for one-lane plans of more than one token on the f32 path (the CPU's
 default; knob tile); one-token plans keep `matmul_kernel`.
+
+`tile_matmul_q8_kernel` is the int8 form (knob tile_q8, its token tile: on by default where the host has VNNI,
+`policy.HOST_VNNI`), for formats whose value factors as `S_g * level + M_g` with byte-sized levels
+(`q8_tile_fits`): the activations quantized to int8 once per step by a launch before it (`linear.quantize_launch`
+with sums); a group decodes its rows' levels (plus a bias making them unsigned) to bytes, with the group scales
+and the 16-value terms (offsets less bias times scale), into local arrays once for its tile of tokens; then each
+token's dot product with a row is one `dot_i8_blocks` (32 byte products a step, `vpdpbusd` with VNNI, summed as
+integers a weight group, scaled by its scale and the activation block's) and one `dot_f32` of the 16-value terms
+with the activations' sums. Its results are those of the int8 activations: each product of the weights'
+values with the codes' values, exactly, but for float rounding.
 """
 
 from __future__ import annotations
@@ -19,20 +29,46 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from polystrata.codegen.dequant import Decoder
-from polystrata.codegen.format_analysis import block_stride, elements_per_row_bytes, weight_dtype
+from polystrata.codegen.format_analysis import (
+    affine,
+    block_stride,
+    elements_per_row_bytes,
+    finest_group,
+    level_range,
+    weight_dtype,
+)
 from polystrata.codegen.recipes import kernel_builder
-from polystrata.codegen.recipes._matvec import NONNEG, fmt_for, nonneg_mask, sum_partials
+from polystrata.codegen.recipes._matvec import NONNEG, QB, fmt_for, nonneg_mask, sum_partials, use_int8
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
-from polystrata.ir.kernel import Buf, Call, Decl, For, If, Kernel, Let, Load, LocalArray, Scalar, Store
+from polystrata.ir.kernel import Assign, Buf, Call, Decl, For, If, Kernel, Let, Load, LocalArray, Scalar, Store
+
+HALF = 16  # elements of an activation sum (`quantize_x_kernel`'s sums): the finest weight group taken
+
+
+def step_gate(size: Expr, gate: tuple[int, bool] | None) -> Expr:
+    """Grid extent `size`, kept in steps of more than `gate[0]` tokens (`gate[1]` true) or of at most that many
+    (false), else 0: a launch of no groups is none, so the row count picks at run time which of two kernels runs."""
+    if gate is None:
+        return size
+    above, over = gate
+    on = Var("T") - above if over else Const(above + 1) - Var("T")
+    return size * Call("min", Const(1), Call("max", Const(0), on))
+
+
+def gate_suffix(gate: tuple[int, bool] | None) -> str:
+    """A kernel name's suffix for `step_gate`'s `gate`: "_gtN" or "_leN" ("" for none)."""
+    return "" if gate is None else f"_{'gt' if gate[1] else 'le'}{gate[0]}"
 
 
 @kernel_builder
 def tile_matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int,
-                       epilogue: Callable[[list[Expr]], Expr] | None = None, contract: bool = False) -> Kernel:
+                       epilogue: Callable[[list[Expr]], Expr] | None = None, contract: bool = False,
+                       gate: tuple[int, bool] | None = None) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of formats `fmts`; grid
     (ceil(n / rows), ceil(T / tokens)), one lane: a group takes `rows` rows for a tile of `tokens` tokens, each
-    weight block's lets decoded once for the tile. `contract`: `Kernel.contract`."""
+    weight block's lets decoded once for the tile. `contract`: `Kernel.contract`; `gate`: the steps it runs for
+    (`step_gate`)."""
     rows = max(1, min(rows, n))
     wfs = [fmt_for(f) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
@@ -75,8 +111,114 @@ def tile_matmul_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *
         Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - t0)),
         For("rr", Const(0), Const(rows), (Let("row", Var("g0") * rows + Var("rr")), If(row < n, tuple(per_row)))),
     )
-    grid = (Const(-(-n // rows)), (Var("T") + (tokens - 1)) // tokens)
+    grid = (Const(-(-n // rows)), step_gate((Var("T") + (tokens - 1)) // tokens, gate))
     return Kernel(name, params, grid, body, lanes=1, local=local, knobs=(("rows", rows), ("tokens", tokens),
                                                                          ("tile", 1), ("contract", int(contract))),
                   contract=contract,
                   doc=f"tile matmul {'+'.join(f.name for f in fmts)} [{n}x{k}]")
+
+
+def q8_level_bias(fmt: QuantFormat) -> int | None:
+    """What `tile_matmul_q8_kernel` adds to each level of `fmt` to store it as an unsigned byte (the negated least
+    level, `format_analysis.level_range`, or 0), or None where the levels do not fit a byte that way."""
+    r = level_range(fmt_for(fmt))
+    if r is None:
+        return None
+    bias = max(0, -r[0])
+    return bias if r[1] + bias <= 255 else None
+
+
+def q8_tile_fits(fmts: Sequence[QuantFormat], k: int) -> bool:
+    """Whether `tile_matmul_q8_kernel` takes weights of `fmts` with rows of `k`: every format on the int8 path
+    (`_matvec.use_int8`), its finest group 16 or 32 elements (`dot_i8_blocks`' groups; the activation sums are per
+    16), its levels bytes (`q8_level_bias`)."""
+    if k % QB:
+        return False
+    for f in fmts:
+        wf = fmt_for(f)
+        if not use_int8(f, True) or weight_dtype(wf) != "u8" or finest_group(wf) not in (16, 32):
+            return False
+        if q8_level_bias(f) is None:
+            return False
+    return True
+
+
+@kernel_builder
+def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int,
+                          epilogue: Callable[[list[Expr]], Expr] | None = None,
+                          gate: tuple[int, bool] | None = None) -> Kernel:
+    """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j) from x quantized by `quantize_x_kernel` with sums
+    (xq: int8 codes 4 a word, xd: a scale a 32 values, xs: the codes' sum a 16 values, scaled); grid (ceil(n /
+    rows), ceil(T / tokens)), one lane. A group first decodes its `rows` rows: each level plus the format's bias
+    (`q8_level_bias`) as a byte, each group's scale S, and for each 16 values M - bias * S (M the group's offset,
+    or 0). Then for each token of its tile and each row: one `dot_i8_blocks` of the bytes and the codes, plus the
+    16-value terms times the activations' sums. Formats: those `q8_tile_fits` takes. `gate`: the steps it runs for
+    (`step_gate`)."""
+    rows = max(1, min(rows, n))
+    wfs = [fmt_for(f) for f in fmts]
+    na, nh = k // QB, k // HALF
+    params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("xs", "f32"),
+              *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)), Buf("y", "f32", out=True), Scalar("T"))
+    rr, b = Var("rr"), Var("b")
+    t0, tk = Var("t0"), Var("tk")
+    local, decode, dots, vals = [], [], [], []
+    for j, (f, wf) in enumerate(zip(fmts, wfs)):
+        bs, g, a, bias = wf.block_size, finest_group(wf), affine(wf), q8_level_bias(f)
+        lv, sw, mw = f"lv{j}", f"sw{j}", f"mw{j}"
+        sums = a.offset is not None or bias != 0  # 16-value terms
+        local += [LocalArray(lv, "u8", rows * k), LocalArray(sw, "f32", rows * (k // g))]
+        if sums:
+            local.append(LocalArray(mw, "f32", rows * nh))
+        rb = elements_per_row_bytes(f, k)
+        dec = Decoder(wf, f"w{j}", Var(f"w{j}_wb"), f"w{j}_")
+
+        def group(start, size, env, inner, dec=dec, a=a, g=g, bs=bs, sw=sw, mw=mw, sums=sums, bias=bias):
+            scale = dec.group_expr(a.scale, start, env)
+            st = [Let(f"{sw}_s{start}", scale),
+                  Store(sw, rr * (k // g) + b * (bs // g) + start // g, Var(f"{sw}_s{start}"))]
+            if sums:
+                m = Const(0.0) if a.offset is None else dec.group_expr(a.offset, start, env)
+                if bias:
+                    m = m - Var(f"{sw}_s{start}") * float(bias)
+                st += [Store(mw, rr * nh + b * (bs // HALF) + (start + h) // HALF, m) for h in range(0, g, HALF)]
+            return [*st, *inner]
+
+        def chunk(c, L, i0, env, lw, a=a, bs=bs, lv=lv, bias=bias):
+            level = lw.expr(a.level)
+            return [Store(lv, rr * k + b * bs + (c + Var(i0)), level + bias if bias else level)]
+
+        decode.append(For("b", Const(0), Const(k // bs), (
+            # Block base addresses masked non-negative, as matmul_kernel's CPU path has them (`_matvec.NONNEG`).
+            Let(f"w{j}_wb", (Var("rowc") * rb + b * block_stride(wf)) & nonneg_mask(n * rb)),
+            *dec.walk(group, chunk),
+        )))
+        acc = f"acc{j}"
+        dots.append(Decl(acc, "f32", Call("dot_i8_blocks", Var(lv), rr * k, Var("xq"), tk * k, Var(sw),
+                                          rr * (k // g), Var("xd"), tk * na, Const(na), Const(g))))
+        if sums:
+            # dot_f32: a loop of this length is unrolled whole and left scalar, reassociation allowed or not.
+            dots.append(Assign(acc, Var(acc) + Call("dot_f32", Var(mw), rr * nh, Var("xs"), tk * nh, Const(nh))))
+        vals.append(Var(acc))
+    row = Var("g0") * rows + rr
+    tile_loop = (Let("tk", t0 + Var("t")), For("rr", Const(0), Const(rows), (If(row < n, (*dots, *(
+        # An epilogue (a GLU's activation) runs apart, over the tile's dot products kept in local arrays: a call
+        # into the C library (exp, tanh) inside this loop spilled and reloaded the dot products' vector registers
+        # around each call, ~20 ns a result (docs/benchmarks.md, "Prefill on the CPU: int8 tiles").
+        [Store(f"r{j}", Var("t") * rows + rr, v) for j, v in enumerate(vals)] if epilogue
+        else [Store("y", tk * n + row, vals[0])]))),)))
+    body = [
+        Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - t0)),
+        # Rows past the last decode the last row (loads stay in bounds); their results are not stored.
+        For("rr", Const(0), Const(rows), (Let("rowc", Call("min", row, Const(n - 1))), *decode)),
+        For("t", Const(0), Var("nt"), tile_loop),
+    ]
+    if epilogue:
+        local += [LocalArray(f"r{j}", "f32", tokens * rows) for j in range(len(fmts))]
+        at = Var("t") * rows + rr
+        body.append(For("t", Const(0), Var("nt"), (For("rr", Const(0), Const(rows), (If(row < n, (Store(
+            "y", (t0 + Var("t")) * n + row, epilogue([Load(f"r{j}", at) for j in range(len(fmts))])),)),)),)))
+    grid = (Const(-(-n // rows)), step_gate((Var("T") + (tokens - 1)) // tokens, gate))
+    return Kernel(name, params, grid, tuple(body), lanes=1, local=tuple(local),
+                  # int8: its activations are, so the tuner compares its outputs within its int8 tolerance
+                  knobs=(("rows", rows), ("tile_q8", tokens), ("int8", 1)),
+                  doc=f"tile matmul int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
