@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from suite_plugin import targets_under_test
 
 from polystrata.gguf import GGUFFile
 from polystrata.gguf_writer import write_gguf
@@ -294,20 +295,39 @@ def test_score_cli_parity_on_fixture(model, request, fixtures_dir, tmp_path):
     assert np.mean(np.abs(lp_got - lp_ref)) < 0.1
 
 
+# (model, target, prompts, largest KL, least top-1) of q8_g64 KV against f16 KV (prompts: the fixtures' names, None:
+# all). The opencl target runs the GPU plans, whose matmuls take int8 activations: a run's small changes flip some
+# of their roundings, so two runs that differ in anything are further apart there (docs/benchmarks.md, "Quantized
+# KV on the GPU plans"). Its case takes smollm2 (where q8 KV moves the most there) on one prompt: a PoCL run costs
+# ~0.12 s a token of CPU time; its f16 plan is test_target_parity_with_llama_cpp's.
+KV_PARITY_CASES = [("smollm2", "cpu", None, 0.003, 0.95), ("gemma3", "cpu", None, 0.003, 0.95),
+                   pytest.param("smollm2", "opencl", ("capital",), 0.01, 0.9, marks=pytest.mark.skipif(
+                       "opencl" not in targets_under_test(), reason="no OpenCL device"))]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["smollm2", "gemma3"])
-def test_quantized_kv_parity_against_f16_kv(model, request, fixtures_dir):
-    """q8_g64 KV against f16 KV on the real models (cpu; the prompts and llama.cpp's greedy continuations), by the
-    parity metric. Measured (docs/benchmarks.md): KL 0.0006 / 0.0012, top-1 0.993 / 0.985; bounds KL <= 0.003
-    (2.5x the worst) and the parity check's top-1 >= 0.95."""
+@pytest.mark.parametrize(("model", "target", "prompts", "kl_max", "top1_min"), KV_PARITY_CASES)
+def test_quantized_kv_parity_against_f16_kv(model, target, prompts, kl_max, top1_min, request, fixtures_dir,
+                                            tmp_path):
+    """q8_g64 KV against f16 KV on the real models (prompts and llama.cpp's greedy continuations), by the parity
+    metric. Measured (docs/benchmarks.md): cpu KL 0.0007 / 0.0018, top-1 0.993 / 0.985 (bounds KL <= 0.003 and the
+    parity check's top-1 >= 0.95); opencl, smollm2's "capital" (37 positions): KL 0.0035, top-1 0.973 (bounds the
+    parity check's KL <= 0.01 and top-1 >= 0.9, 3 flipped near-ties)."""
     path = request.getfixturevalue(f"{model}_path")
-    p = cli("parity", str(path), "--fixtures", str(fixtures_dir / model), "--target", "cpu", "--kv-type", "q8_g64",
-            "--against-kv", "f16")
+    fixtures = fixtures_dir / model
+    if prompts:
+        texts = json.loads((fixtures_dir / "prompts.json").read_text())
+        (tmp_path / "prompts.json").write_text(json.dumps({name: texts[name] for name in prompts}))
+        for name in prompts:
+            shutil.copy(fixtures / f"{name}.npz", tmp_path)
+        fixtures = tmp_path
+    p = cli("parity", str(path), "--fixtures", str(fixtures), "--target", target, "--kv-type", "q8_g64",
+            "--against-kv", "f16", check=False)
     line = p.stdout.strip()
-    assert "q8_g64 KV vs f16 KV" in line, line
+    assert "q8_g64 KV vs f16 KV" in line, (line, p.stderr)
     kl = float(line.split("KL ")[1].split()[0])
     top1 = float(line.split("top-1 ")[1].split()[0])
-    assert kl <= 0.003 and top1 >= 0.95, line
+    assert kl <= kl_max and top1 >= top1_min, line
 
 
 def test_against_kv_needs_a_kernel_target(tiny_llama, fixtures_dir):

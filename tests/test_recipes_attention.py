@@ -175,6 +175,16 @@ def test_wide_load_targets_split_q8_kv_rows_of_whole_words():
         assert [la.kernel.name[:len(k)] for la, k in zip(recipe("attention").lower(g.nodes, ctx), kernels)] == kernels
 
 
+def test_long_one_token_plan_with_few_splits_takes_a_head_a_group():
+    """`--knob attention.splits=1` on a long context: a run's scores too many for GROUP_SCORES with any number of
+    heads, so a group takes one head (it raised a ValueError before); lowering only."""
+    g = _attention_graph(8, 2, 64)
+    ctx = recipe_context(g, n_ctx=8192, lanes=64)
+    ctx.t_max, ctx.knobs = 1, {"attention": {"splits": 1}}
+    attn = recipe("attention").lower(g.nodes, ctx)[1].kernel
+    assert dict(attn.knobs)["splits"] == 1 and "heads" not in dict(attn.knobs)
+
+
 def test_split_kv_store_writes_the_gguf_blocks_repacked(rt):
     """The K/V store into split rows writes exactly the bytes of its GGUF-layout store, repacked (`repack`)."""
     if rt.lanes == 1:

@@ -657,7 +657,7 @@ def _row_launches(ctx: RecipeContext, node: Node, layouts: tuple[QuantFormat, Qu
         if keep:  # a K or V value decoded once for all the group's heads
             heads = max((h for h in group if ctx.t_max > 1 or hq // h >= keep), default=1)
         elif split_keys and ctx.t_max == 1 and span > LONG_CONTEXT:  # long one-token GPU plans: scores in local
-            heads = max(h for h in group if h * run <= GROUP_SCORES)  # memory
+            heads = max((h for h in group if h * run <= GROUP_SCORES), default=1)  # memory (few splits: a head)
     heads = int(heads)
     int8_q = chosen["int8"]
     if int8_q == "auto":  # where the target has an int8 dot product and the K rows' codes are words
