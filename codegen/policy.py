@@ -37,9 +37,16 @@ SPLIT_KV_ON_WIDE_LOADS = ("Q8_0", "q8_g64")
 
 
 def host_vnni() -> bool:
-    """Whether this host's CPU has a 256-bit int8 dot product instruction, `vpdpbusd` (AVX-512 VNNI with AVX-512
-    VL, or AVX-VNNI), as LLVM reports the host's features."""
-    features = llvm.get_host_cpu_features()
+    """Whether the CPU Numba compiles for has a 256-bit int8 dot product instruction, `vpdpbusd` (AVX-512 VNNI with
+    AVX-512 VL, or AVX-VNNI): the host's features as LLVM reports them, unless `NUMBA_CPU_NAME` names another CPU
+    (a portable cache: `generic`), whose `NUMBA_CPU_FEATURES` are then the ones to read (none given: none)."""
+    from numba.core import config
+
+    if config.CPU_NAME and config.CPU_NAME != "host":
+        named = {f[1:] for f in (config.CPU_FEATURES or "").split(",") if f.startswith("+")}
+        features = dict.fromkeys(named, True)
+    else:
+        features = llvm.get_host_cpu_features()
     return bool((features.get("avx512vnni") and features.get("avx512vl")) or features.get("avxvnni"))
 
 

@@ -378,6 +378,9 @@ class Kernel:
             memo[what] = compute()
         return memo[what]
 
+    def __getstate__(self) -> dict:  # memos stay in their process: string hashes are salted per process
+        return {k: v for k, v in self.__dict__.items() if k != "_once"}
+
     def __hash__(self) -> int:  # the generated hash of the fields, computed once
         return self.once("hash", lambda: hash(tuple(getattr(self, f) for f in self.__dataclass_fields__)))
 

@@ -600,11 +600,14 @@ def listen(host: str, port: int) -> socket.socket:
     or not allowed is refused at once rather than after the compile; connections wait in its backlog until
     `Server.start` serves it."""
     try:
-        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                    backlog=128)
+        name = host.strip("[]")  # [::1], as URLs write IPv6 addresses
+        family = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        return socket.create_server((name, port), family=family, backlog=128)
     except OSError as e:
-        # create_server's message adds the address; os.strerror gives the reason alone.
-        raise PolystrataError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}") from None
+        # create_server's message adds the address: the reason alone is os.strerror's (name resolution's errors,
+        # negative numbers, carry theirs in strerror).
+        reason = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or e
+        raise PolystrataError(f"cannot listen on {host}:{port}: {reason}") from None
 
 
 def serve(engine: Engine, n_seq: int, sock: socket.socket, model_id: str, api_key: str | None = None,

@@ -177,3 +177,29 @@ def test_kernel_builders_build_each_kernel_once_and_tell_apart_what_renders_diff
     # A plan's analysis of a shared kernel is its own too: the buffers it reads, walked once.
     k = tile(q4_0, "exp")
     assert buffers_read(k) is buffers_read(tile(q4_0, "exp")) and {"x", "w0", "w1"} <= buffers_read(k)
+
+
+def test_a_kernel_crosses_processes_without_its_memos():
+    """`Kernel.once` keeps a hash and a fingerprint; a pickled kernel (to a compile worker) leaves them behind: a
+    string's hash is salted per process."""
+    import pickle
+
+    from polystrata.codegen.recipes.elementwise import rms_norm_kernel
+
+    k = rms_norm_kernel("n", 64, 1e-6, False, 1)
+    hash(k), k.fingerprint()
+    again = pickle.loads(pickle.dumps(k))
+    assert "_once" not in again.__dict__ and again == k and again.fingerprint() == k.fingerprint()
+
+
+def test_vnni_is_read_from_the_cpu_numba_compiles_for(monkeypatch):
+    """`NUMBA_CPU_NAME` (a portable cache's `generic`) names the CPU: its `NUMBA_CPU_FEATURES`, not the host's."""
+    from numba.core import config
+
+    from polystrata.codegen.policy import host_vnni
+
+    monkeypatch.setattr(config, "CPU_NAME", "generic")
+    monkeypatch.setattr(config, "CPU_FEATURES", "")
+    assert not host_vnni()
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+avxvnni")
+    assert host_vnni()

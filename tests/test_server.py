@@ -10,6 +10,7 @@ import http.client
 import json
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ import polystrata.engine as engine_module
 from polystrata.chat import encode_chat
 from polystrata.cli import main
 from polystrata.engine import Engine
+from polystrata.errors import PolystrataError
 from polystrata.runtimes import memory
 from polystrata.sampling import Sampler, SamplerConfig
 from polystrata.server import MAX_BODY, Scheduler, Server, listen
@@ -326,6 +328,10 @@ def test_serve_cli_refuses_what_it_cannot_do(tmp_path, capsys, monkeypatch):
         port = taken.getsockname()[1]
         assert main([*cmd, "--port", str(port)]) == 1
     assert capsys.readouterr().err == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    with listen("[::1]", 0) as v6:  # an IPv6 address as URLs write it
+        assert v6.family == socket.AF_INET6
+    with pytest.raises(PolystrataError, match=r"^cannot listen on no-such-host\.invalid:0: \S"):  # resolution's reason
+        listen("no-such-host.invalid", 0)
     # A hybrid (one recurrent state per engine): refused once its graph says so, before the plan of the last N
     # rows or anything else is made; `compile -np` likewise, writing nothing.
     hybrid = synth_model("qwen35", tmp_path / "q.gguf", preset="tiny", qtype="Q8_0", seed=7)

@@ -58,14 +58,15 @@ def _arg_key(v: Any) -> Any:
 def kernel_builder(build: Callable[..., Any]) -> Callable[..., Any]:
     """Memoize a kernel builder: a pure function of its arguments, asked by every layer of a model for the same
     kernel (and every plan of an engine), whose lowering of the quantization formats is what planning spends
-    its time on. Arguments `_arg_key` cannot key are built each time."""
+    its time on. Arguments `_arg_key` cannot key are built each time. A function argument is keyed by its code and
+    what it closes over, not by the module globals it reads: a builder's epilogue must not read state that changes."""
     built: dict[Any, Any] = {}
 
     @functools.wraps(build)
     def memoized(*args, **kwargs):
         try:
             key = (_arg_key(args), _arg_key(kwargs))
-        except TypeError:
+        except (TypeError, ValueError, RecursionError):  # unhashable, an empty closure cell, a recursive function
             return build(*args, **kwargs)
         kernel = built.get(key)
         if kernel is None:
