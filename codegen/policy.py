@@ -35,7 +35,6 @@ SLICED_ON_WIDE_LOADS = ("Q4_K", "Q5_K")
 SPLIT_KV_ON_WIDE_LOADS = ("Q8_0", "q8_g64")
 
 
-
 def host_vnni() -> bool:
     """Whether the CPU Numba compiles for has a 256-bit int8 dot product instruction, `vpdpbusd` (AVX-512 VNNI with
     AVX-512 VL, or AVX-VNNI): the host's features as LLVM reports them, unless `NUMBA_CPU_NAME` names another CPU
