@@ -50,7 +50,7 @@ class CUDAPrinter(PyPrinter):
 
     def header(self) -> int:
         k = self.k
-        self.emit(0, "@cuda.jit(cache=True)")
+        self.emit(0, "@cuda.jit")  # compiled to PTX (runtimes/cuda.py), which the kernel cache keeps: no Numba cache
         self.emit(0, f"def {k.name}({', '.join(p.name for p in k.params)}):")
         self.emit(1, f"{self.lane_id} = cuda.threadIdx.x")
         for d in range(len(k.grid)):

@@ -141,7 +141,7 @@ def _has_marker(directory: Path) -> bool:
 def write_artifact(
     model_path: Path, target: str, out: str | os.PathLike, kv_type: str = "f16", arch: str | None = None,
     n_ctx: int | None = None, gpu_mem: str | None = None, expert_slots: int | None = None, tuning: bool = True,
-    n_ubatch: int | None = None, n_seq: int = 1,
+    n_ubatch: int | None = None, n_seq: int = 1, knobs: dict | None = None,
 ) -> tuple[Path, str]:
     """Plan `model_path` for `target` with a KV cache of `n_ctx` tokens (default: the trained context, reduced to what
     the device-memory budget `gpu_mem` holds, as `run` would: see `runtimes.memory.fit_plans`), compile the kernels
@@ -151,7 +151,8 @@ def write_artifact(
     size of the prompt plans (`Engine`'s; the manifest's `memory.n_ubatch`, which `run` plans with). `n_seq`: the
     sequences `serve -np N` decodes at once; above 1 the plan of a step's last N rows' logits
     (`Engine(logit_rows=N)`) is compiled too (the manifest's `memory.n_parallel`), so that `serve ARTIFACT -np N`
-    compiles nothing."""
+    compiles nothing. `knobs`: schedule knobs for every kernel of their spaces (`compile --knob`; the manifest's
+    `knobs`, which `run ARTIFACT` plans with unless given its own)."""
     if n_ubatch is not None:
         check_ubatch(n_ubatch, n_ctx)
     step = n_ubatch or DEFAULT_UBATCH
@@ -190,6 +191,7 @@ def write_artifact(
                 from polystrata.tuning import apply_tuning
 
                 apply_tuning(rt)
+            rt.set_knobs(knobs)
             device, source_ext = rt.device, rt.source_ext
             # As `run`, `chat` and `serve`'s engine plans them: one-token steps, prompt chunks (last logits), and
             # with several sequences the steps of their rows (the last rows' logits). Not scoring's plan (every
@@ -232,6 +234,7 @@ def write_artifact(
         "target": {"name": target, "device": device, **({"arch": arch} if arch else {})},
         "graph": {**decode.summary(), "hparams": meta},
         "kernels": kernels,
+        **({"knobs": knobs} if knobs and target != "reference" else {}),
         "memory": {
             "weights_bytes": int(weight_bytes), "kv_type": kv_type if target != "reference" else "f32",
             "n_ctx": n_ctx, "n_ubatch": step, "n_parallel": n_seq, "kv_bytes_f32": int(kv_bytes), **memory_plan,
@@ -309,6 +312,10 @@ def read_artifact(path: str | os.PathLike) -> dict[str, Any]:
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise PolystrataError(f"{path}: the manifest's memory.{key} is not a positive {what}; compile the "
                                   "model again")
+    knobs = m.get("knobs")
+    if knobs is not None and not (isinstance(knobs, dict) and all(
+            isinstance(space, str) and isinstance(values, dict) for space, values in knobs.items())):
+        raise PolystrataError(f"{path}: the manifest's knobs are not knob spaces of knobs; compile the model again")
     return m
 
 

@@ -85,7 +85,7 @@ def open_engine(a, checked: Callable[[], None] | None = None, all_logits: bool =
     check_parallel(n_seq, n_ubatch or DEFAULT_UBATCH, n_ctx)
     if n_ubatch is not None:
         check_ubatch(n_ubatch, n_ctx)
-    knobs = parse_knobs(a.knob) if getattr(a, "knob", None) else None
+    knobs = parse_knobs(a.knob) if getattr(a, "knob", None) else (manifest or {}).get("knobs")
     if checked is not None:
         checked()
     if manifest is not None:

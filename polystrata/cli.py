@@ -314,7 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("compile", help="plan the model for a target and write an artifact")
     model_arg(p)
     target_arg(p)
-    p.add_argument("--arch", default=None, help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...)")
+    p.add_argument("--arch", default=None,
+                   help="GPU architecture to compile for (hip: gfx1030, gfx90a, ...; cuda: sm_80, sm_90, ...)")
+    knob_arg(p)
     ctx_arg(p, "the model's, reduced to what the memory budget holds")
     ubatch_arg(p)
     p.add_argument("-np", "--parallel", type=_positive_int, default=1, metavar="N",
@@ -638,6 +640,7 @@ def cmd_serve(a) -> int:
 
 def cmd_compile(a) -> int:
     from polystrata.artifact import write_artifact
+    from polystrata.bench import parse_knobs
     from polystrata.compiler import DEFAULT_UBATCH
     from polystrata.engine import check_parallel, gpu_layers_target, tensor_table
     from polystrata.gguf import GGUFFile
@@ -652,7 +655,7 @@ def cmd_compile(a) -> int:
         target = gpu_layers_target(target, resolve_target(target), a.n_gpu_layers, n_layer)
     out, report = write_artifact(path, target, a.output, kv_type=a.kv_type, arch=a.arch, n_ctx=a.ctx,
                                  gpu_mem=a.gpu_mem, expert_slots=a.expert_slots, tuning=not a.no_tuning,
-                                 n_ubatch=a.n_ubatch, n_seq=a.parallel)
+                                 n_ubatch=a.n_ubatch, n_seq=a.parallel, knobs=parse_knobs(a.knob))
     print(f"wrote {out}: {report}", file=sys.stderr)
     return 0
 

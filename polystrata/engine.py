@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -197,8 +197,8 @@ class Engine:
             from polystrata.tuning import apply_tuning
 
             apply_tuning(self.runtime)
-        if self.runtime is not None and knobs:
-            self.runtime.policy = replace(self.runtime.policy, tuned={**self.runtime.policy.tuned, **knobs})
+        if self.runtime is not None:
+            self.runtime.set_knobs(knobs)
         if self.runtime is not None and kernel_store is not None:
             self.runtime.kernel_stores.append(kernel_store)
         self.device = self.runtime.device if self.runtime else "host CPU (numpy float32)"

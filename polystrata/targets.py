@@ -58,12 +58,12 @@ def resolve_target(name: str) -> str:
 
 def make_runtime(name: str, arch: str | None = None) -> Runtime:
     """A fresh runtime of a kernel target; `arch` names the GPU architecture to compile for (targets whose
-    runtime class `takes_arch`: hip)."""
+    runtime class `takes_arch`: hip, cuda)."""
     cls = runtime_class(name)
     if arch is None:
         return cls()
     if not cls.takes_arch:
-        raise UnsupportedError(f"--arch applies to the hip target, not '{name}'")
+        raise UnsupportedError(f"--arch applies to the hip and cuda targets, not '{name}'")
     return cls(arch=arch)
 
 

@@ -23,6 +23,7 @@ import sys
 import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -273,13 +274,14 @@ class _Probed(Exception):
         self.built = built
 
 
-def compile_in_worker(target: str, kernels: list[Kernel]) -> int:
+def compile_in_worker(target: str, kernels: list[Kernel], arch: str | None = None) -> int:
     """A worker process's job: compile `kernels` for `target` into the kernel cache, from which the parent then
-    loads them (`Runtime.compile_all`, the tuner's candidates); returns how many."""
-    from polystrata.targets import make_runtime
+    loads them (`Runtime.compile_all`, the tuner's candidates); returns how many. `arch`: the architecture of a
+    runtime that takes one, whose worker then only compiles (it opens no device)."""
+    from polystrata.targets import make_runtime, runtime_class
 
     os.environ["POLYSTRATA_COMPILE_JOBS"] = "1"  # a worker does not start workers of its own
-    rt = make_runtime(target)
+    rt = make_runtime(target) if arch is None else runtime_class(target)(arch=arch, compile_only=True)
     for k in kernels:
         rt.compile(k)
     return len(kernels)
@@ -316,8 +318,10 @@ class Runtime(ABC):
     host: bool = False
     # File extension of the rendered source (an artifact's `src/` files).
     source_ext: str = "txt"
-    # The constructor takes `arch=`, the GPU architecture to compile for (`--arch`).
+    # The constructor takes `arch=`, the GPU architecture to compile for (`--arch`), and `compile_only=`; `arch`:
+    # the one this runtime compiles for.
     takes_arch: bool = False
+    arch: str | None = None
     # Compiles but cannot launch here (hip without a GPU): `targets.available_kernel_targets` leaves it out.
     compile_only: bool = False
     # `begin_capture` / `end_capture` / `replay` replay a decode step with one call (the executor captures where
@@ -355,6 +359,12 @@ class Runtime(ABC):
         WMMA): prefill matmuls then take `codegen/recipes/tile_mma.py`'s kernels (`policy.matrix_units`)."""
         return self.policy.matrix_units
 
+    def set_knobs(self, knobs: dict | None) -> None:
+        """Schedule knobs (knob space -> knob -> value) for every kernel of their spaces (`--knob`), over the tuning
+        database's choices (`polystrata.tuning.apply_tuning`)."""
+        if knobs:
+            self.policy = replace(self.policy, tuned={**self.policy.tuned, **knobs})
+
     def compiler_version(self) -> str:
         """The compiler (and driver) this runtime's binaries depend on (`compiler`, set by each runtime), for keys
         of caches of measurements such as the tuning database."""
@@ -387,7 +397,7 @@ class Runtime(ABC):
 
             # Spawned, not forked: this process may hold a driver's context and Numba's threads.
             pool = ProcessPoolExecutor(min(workers, len(missing)), mp_context=multiprocessing.get_context("spawn"))
-            futures = {fp: pool.submit(compile_in_worker, self.name, [todo[fp]]) for fp in missing}
+            futures = {fp: pool.submit(compile_in_worker, self.name, [todo[fp]], self.arch) for fp in missing}
         try:
             with Progress("compiling kernels", len(todo)) as bar:
                 for fp, kernel in todo.items():
@@ -405,12 +415,9 @@ class Runtime(ABC):
 
     def compile_workers(self) -> int:
         """Processes `compile_all` compiles in: `POLYSTRATA_COMPILE_JOBS`, else half the usable CPUs, at most 8
-        (1: in this process). 1 also for a runtime that takes an architecture: one made by `make_runtime(name)` in
-        another process would compile for the device's, not necessarily this one's."""
+        (1: in this process)."""
         from polystrata.threads import usable_cpus
 
-        if self.takes_arch:
-            return 1
         env = os.environ.get("POLYSTRATA_COMPILE_JOBS")
         if env is not None:
             try:

@@ -1,20 +1,27 @@
-"""CUDA runtime: kernels rendered to numba-cuda source, compiled by numba-cuda, launched through the driver.
+"""CUDA runtime: kernels rendered to numba-cuda source, compiled to PTX by numba-cuda and NVVM, launched through the
+driver.
 
-Buffers are 1-D numba device arrays holding the IR storage dtypes. Compilation is the Numba targets' source entry
-(`Runtime._compile_python`; numba-cuda keeps its cubins beside the source). Launches bypass numba's dispatcher (tens
-of µs of Python per launch, docs/benchmarks.md): the kernel's CUfunction is called with `cuLaunchKernel`, with
+Buffers are 1-D numba device arrays holding the IR storage dtypes. A kernel's cache entry is its PTX for the GPU's
+architecture (`sm_XY`), which the driver loads (compiling it for the device, with its own cache of the result). The
+PTX needs no GPU to make: with `arch` and no GPU the runtime is compile-only (`polystrata compile --target cuda
+--arch sm_90`), and the artifact it writes spares a GPU machine NVVM's work, the slow part of a cold start. Launches
+bypass numba's dispatcher (tens of µs of Python per launch, docs/benchmarks.md): the kernel's CUfunction is called
+with `cuLaunchKernel`, with
 arguments flattened the way numba-cuda does it (an array is 7 words: meminfo, parent, nitems, itemsize, data,
 shape[0], strides[0]) and packed once per `prepare`. `begin_capture` / `end_capture` record those launches into a
 CUDA graph that `replay` re-runs with one driver call; the graph holds the arguments as they were at capture (buffer
 pointers and scalar values), so new inputs go into the same buffers. With `NUMBA_ENABLE_CUDASIM=1` (set before
-numba.cuda is imported) everything runs in numba-cuda's simulator: launches go through the dispatcher, reductions
-take the shared-memory tree, and a graph is the base class's list of recorded launches.
+numba.cuda is imported) everything runs in numba-cuda's simulator: kernels are the rendered source's dispatchers
+(`Runtime._compile_python`), launches go through them, reductions take the shared-memory tree, and a graph is the
+base class's list of recorded launches.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import re
+import types
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
@@ -28,7 +35,15 @@ from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Buf, Kernel
 from polystrata.runtimes import cuda_driver, numba_ssa
-from polystrata.runtimes.base import CompiledKernel, PackedLaunch, Runtime, cache_key, numba_signature, scalar_value
+from polystrata.runtimes.base import (
+    CompiledKernel,
+    PackedLaunch,
+    Runtime,
+    cache_key,
+    log_head,
+    numba_signature,
+    scalar_value,
+)
 from polystrata.runtimes.cuda_driver import DeviceEvent, Graph, check, device_pointer, driver
 
 
@@ -71,13 +86,15 @@ def _linear_lowering_scan() -> None:
 
 
 class CUDARuntime(Runtime):
-    """One NVIDIA GPU (the current numba-cuda device) with one stream, or numba-cuda's simulator."""
+    """One NVIDIA GPU (the current numba-cuda device) with one stream, compile-only for an `sm_XY` architecture
+    where there is none, or numba-cuda's simulator."""
 
     name = "cuda"
     # 4 warps per group; NVVM merges loads with the alignment the generated loads declare; dp4a.
     policy = device_policy(lanes=128, subgroup=32, wide_loads=True, int8_dot=True)
     source_ext = "py"
     graphs = True
+    takes_arch = True
 
     @classmethod
     def present(cls) -> bool:
@@ -86,8 +103,10 @@ class CUDARuntime(Runtime):
 
         return not config.ENABLE_CUDASIM and cuda.is_available()
 
-    def __init__(self, shuffles: bool | None = None) -> None:
-        """`shuffles`: warp shuffles for Reduce (default: on a GPU yes, in the simulator no, it has none)."""
+    def __init__(self, shuffles: bool | None = None, arch: str | None = None, compile_only: bool = False) -> None:
+        """`shuffles`: warp shuffles for Reduce (default: on a GPU yes, in the simulator no, it has none). `arch`:
+        the `sm_XY` to compile for (default: the GPU's); with it, no GPU (or `compile_only`) makes a runtime that
+        compiles but holds no buffers and launches nothing."""
         super().__init__()
         try:
             import numba_cuda
@@ -97,28 +116,43 @@ class CUDARuntime(Runtime):
         self.cuda = cuda
         self.simulator = bool(config.ENABLE_CUDASIM)
         self.compiler = f"numba-cuda {numba_cuda.__version__}"
+        if arch is not None and not re.fullmatch(r"sm_\d{2,3}[a-z]?", arch):
+            raise PolystrataError(f"unknown CUDA architecture '{arch}': name one as sm_XY, e.g. sm_90")
+        self.arch = arch
         if self.simulator:
             self.device = "numba-cuda simulator"
         else:
             _linear_lowering_scan()
             numba_ssa.install()  # numba-cuda's SSA pass, linear in a kernel's length
-            try:
-                cuda.current_context()  # initialises the driver and the primary context
-                name, arch = cuda_driver.device_name_arch(check(driver.cuCtxGetDevice())[0])
-            except Exception as e:  # CudaSupportError, missing libcuda or cuda-bindings, no device, ...
-                raise PolystrataError(f"no CUDA GPU found: {e}") from None
-            self.device = f"{name} ({arch})"
-            self.policy = replace(self.policy, matrix_units=matrix_unit(arch) is not None)  # mma.sync from sm_80
+            self.compile_only = compile_only or (arch is not None and cuda_driver.gpu_count() == 0)
+            if self.compile_only and arch is None:
+                raise PolystrataError("no CUDA GPU to compile for: give an architecture (--arch sm_90)")
+            if self.compile_only:
+                self.device = f"{arch} (compile only)"
+            else:
+                try:
+                    cuda.current_context()  # initialises the driver and the primary context
+                    name, found = cuda_driver.device_name_arch(check(driver.cuCtxGetDevice())[0])
+                except Exception as e:  # CudaSupportError, missing libcuda or cuda-bindings, no device, ...
+                    raise PolystrataError(f"no CUDA GPU found: {e}") from None
+                self.arch = arch or found
+                self.device = f"{name} ({found})"
+            self.policy = replace(self.policy, matrix_units=matrix_unit(self.arch) is not None)  # mma.sync: sm_80+
         self.shuffles = (not self.simulator) if shuffles is None else shuffles
-        self.fast = not self.simulator  # driver launches; False: numba's dispatcher (for comparisons)
-        self.stream = cuda.stream()  # a real stream: the legacy default stream cannot be captured
+        self.fast = not self.simulator  # driver launches (the simulator's go through numba's dispatcher)
+        self.stream = None if self.compile_only else cuda.stream()  # a real stream: the legacy one can't be captured
         self._copy_stream = None  # the second stream of `copy_async`, made at its first call
 
     def compiler_version(self) -> str:
         """numba-cuda's version and the CUDA version of the driver (a new driver may schedule kernels anew)."""
-        if self.simulator:
+        if self.simulator or self.compile_only:
             return self.compiler
         return f"{self.compiler}, CUDA driver {check(driver.cuDriverGetVersion())[0]}"
+
+    def no_device(self) -> str:
+        """The error of a compile-only runtime asked for buffers or launches."""
+        return f"no CUDA GPU: the cuda target can compile (polystrata compile --target cuda --arch {self.arch}) " \
+               "but not run here"
 
     # --- compilation ----------------------------------------------------------------------------------
 
@@ -130,28 +164,54 @@ class CUDARuntime(Runtime):
                       mma=self.matrix_units)
 
     def compile(self, kernel: Kernel, shuffles: bool | None = None) -> CompiledKernel:
+        """The kernel's PTX from the cache, else from numba-cuda and NVVM (`_ptx`); loaded on a GPU, where
+        `cufunc` is its CUfunction (compile-only: None, and the handle is the PTX). The simulator's kernels are the
+        source's dispatchers."""
         source = self.render(kernel, shuffles)
-        key = cache_key(source, self.name, self.device, self.compiler)
-        # The simulator compiles nothing; on a GPU compile now (or load numba-cuda's cubin), not at a first launch.
-        ck = self._compile_python(kernel, source, key, None if self.simulator else numba_signature(kernel))
-        if not hasattr(ck, "cufunc"):  # first use in this process
-            ck.cufunc = None if self.simulator else self._cufunc(ck.handle, kernel)
+        if self.simulator:
+            ck = self._compile_python(kernel, source, cache_key(source, self.name, self.device, self.compiler), None)
+            ck.cufunc = None
+            return ck
+
+        def load(ptx: bytes) -> Any:  # compile-only: the PTX itself (a handle is never None)
+            if self.compile_only:
+                return ptx
+            entry = re.search(rb"\.entry\s+([\w$]+)\s*\(", ptx)
+            if entry is None:
+                raise PolystrataError(f"the PTX of kernel {kernel.name} has no entry")
+            return cuda_driver.load_function(ptx, entry.group(1).decode())
+
+        def build() -> tuple[bytes, Any]:
+            ptx = self._ptx(kernel, source)
+            return ptx, load(ptx)
+
+        ck = self._compile_code(kernel, source, cache_key(source, self.name, self.arch, self.compiler), "ptx", load,
+                                build)
+        ck.cufunc = None if self.compile_only else ck.handle
         return ck
 
-    def _cufunc(self, disp: Any, kernel: Kernel) -> Any:
-        """The CUfunction of a compiled dispatcher, for launches through the driver."""
-        try:  # compile() of a signature already compiled returns its kernel
-            handle = disp.compile(numba_signature(kernel))._codelibrary.get_cufunc().handle  # a CUkernel (cuda.core)
-        except Exception as e:
-            raise PolystrataError(f"CUDA build of kernel {kernel.name} failed on {self.device}:\n{e}") from None
+    def _ptx(self, kernel: Kernel, source: str) -> bytes:
+        """numba-cuda's PTX of the rendered `source` for `self.arch`: its kernel as its dispatcher would compile it,
+        which needs no GPU."""
+        module = types.ModuleType(f"polystrata_cuda_{kernel.name}")
+        digits = self.arch.removeprefix("sm_").rstrip("abcdefghijklmnopqrstuvwxyz")
         try:
-            return check(driver.cuKernelGetFunction(handle))[0]
-        except (PolystrataError, TypeError):
-            return handle  # already a CUfunction (older cuda.core)
+            exec(compile(source, f"<cuda kernel {kernel.name}>", "exec"), module.__dict__)
+            ptx, _ = self.cuda.compile_ptx(getattr(module, kernel.name).py_func, numba_signature(kernel),
+                                           cc=(int(digits[:-1]), int(digits[-1])))
+        except Exception as e:  # Numba's typing and lowering errors, NVVM's, whatever their class
+            raise PolystrataError(f"cuda build of kernel {kernel.name} failed for {self.arch}:\n"
+                                  f"{log_head(str(e))}") from None
+        return ptx.encode()
 
     # --- buffers --------------------------------------------------------------------------------------
 
+    def _need_gpu(self) -> None:
+        if self.compile_only:
+            raise PolystrataError(self.no_device())
+
     def alloc(self, shape: Sequence[int], dtype: str) -> Any:
+        self._need_gpu()
         n = max(int(np.prod(shape)), 1)  # no empty device arrays: every buffer has a pointer
         if self.simulator:
             return self.cuda.to_device(np.zeros(n, NUMPY_DTYPES[dtype]))
@@ -168,6 +228,7 @@ class CUDARuntime(Runtime):
         self.cuda.current_context().deallocations.clear()
 
     def upload(self, array: np.ndarray) -> Any:
+        self._need_gpu()
         host = np.ascontiguousarray(array).reshape(-1)
         if host.size == 0:
             host = np.zeros(1, host.dtype)
@@ -215,6 +276,7 @@ class CUDARuntime(Runtime):
     # --- launches -------------------------------------------------------------------------------------
 
     def prepare(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> Any:
+        self._need_gpu()
         if not self.fast:
             return super().prepare(ck, args, grid)
         values: list = []
@@ -263,14 +325,15 @@ class CUDARuntime(Runtime):
     # --- device ---------------------------------------------------------------------------------------
 
     def sync(self) -> None:
-        self.stream.synchronize()  # numba's stream: cuStreamSynchronize on a GPU, the simulator's own otherwise
+        if self.stream is not None:  # none in compile-only mode
+            self.stream.synchronize()  # numba's stream: cuStreamSynchronize on a GPU, the simulator's own otherwise
 
     def mark(self) -> DeviceEvent | None:
         """A device event after the work queued so far (None in the simulator, which has no clock)."""
-        return None if self.simulator else DeviceEvent(self.stream.handle)
+        return None if self.simulator or self.compile_only else DeviceEvent(self.stream.handle)
 
     def memory_info(self) -> tuple[int, int] | None:
-        return None if self.simulator else cuda_driver.memory_info()
+        return None if self.simulator or self.compile_only else cuda_driver.memory_info()
 
     def kernel_resources(self, ck: CompiledKernel) -> dict[str, int]:
         return {} if ck.cufunc is None else cuda_driver.function_resources(ck.cufunc, ck.kernel.lanes)

@@ -42,6 +42,13 @@ def device_name_arch(dev: Any) -> tuple[str, str]:
     return name, f"sm_{cc[0]}{cc[1]}"
 
 
+def load_function(code: bytes, name: str) -> Any:
+    """Kernel `name` of a cubin or PTX module (PTX: the driver compiles it for the current device), loaded into
+    the current context, where it stays."""
+    module, = check(driver.cuModuleLoadData(code))
+    return check(driver.cuModuleGetFunction(module, name.encode()))[0]
+
+
 def memory_info() -> tuple[int, int]:
     """(free, total) bytes of the current context's device."""
     free, total = check(driver.cuMemGetInfo())

@@ -95,8 +95,7 @@ class NVRTCRuntime(hip.HIPRuntime):
                 from None
 
     def _load_function(self, code: bytes, name: str) -> Any:
-        module, = check(driver.cuModuleLoadData(code))
-        return check(driver.cuModuleGetFunction(module, name.encode()))[0]
+        return cuda_driver.load_function(code, name)
 
     def _malloc(self, nbytes: int) -> base.DeviceBuffer:  # zeroed, like the CPU target's buffers
         ptr, = check(driver.cuMemAlloc(nbytes))

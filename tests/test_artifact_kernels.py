@@ -216,3 +216,25 @@ def test_device_artifact_on_an_empty_cache_compiles_nothing(target, tiny, tmp_pa
     assert main(["run", str(art), "--model", str(tiny / "tiny.gguf"), "-p", "hi", "-n", "2", "--raw"]) == 0
     k, n, hits = _compiles(capsys.readouterr().err)
     assert k == n == hits > 0
+
+
+def test_compile_knobs_are_the_artifacts_own(bundle, tmp_path, monkeypatch, capsys):
+    """`compile --knob` plans with the knob and records it in the manifest; `serve ARTIFACT` plans with the
+    manifest's knobs unless --knob gives its own; a manifest whose knobs are not knob spaces is refused."""
+    art = tmp_path / "art"
+    compile_ = ["compile", str(bundle / "tiny.gguf"), "--target", "cpu", "--knob", "embed.chunk=4", "-o", str(art)]
+    assert main(compile_) == 0
+    m = yaml.safe_load((art / "manifest.yaml").read_text())
+    assert m["knobs"] == {"embed": {"chunk": 4}}
+    assert {k["knobs"]["chunk"] for k in m["kernels"] if k["name"].startswith("embed")} == {4}
+    served: list = []
+    monkeypatch.setattr(server, "serve", lambda eng, n_seq, sock, *a: (sock.close(), served.append(eng)))
+    assert main(["serve", str(art), "--port", "0"]) == 0
+    assert served[-1].runtime.policy.tuned["embed"] == {"chunk": 4}
+    assert main(["serve", str(art), "--port", "0", "--knob", "embed.chunk=2"]) == 0
+    assert served[-1].runtime.policy.tuned["embed"] == {"chunk": 2}
+    m["knobs"] = {"embed": 4}
+    (art / "manifest.yaml").write_text(yaml.safe_dump(m))
+    capsys.readouterr()
+    assert main(["serve", str(art), "--port", "0"]) == 1
+    assert "the manifest's knobs are not knob spaces of knobs" in capsys.readouterr().err

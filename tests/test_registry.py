@@ -19,7 +19,7 @@ def test_every_target_is_one_registry_entry():
         cls = runtime_class(name)
         assert issubclass(cls, Runtime) and cls.name == name and cls.source_ext != "txt"
     assert {t for t in TARGETS[1:] if is_host(t)} == {"reference", "cpu"}
-    assert [t for t in KERNEL_TARGETS if runtime_class(t).takes_arch] == ["hip"]
+    assert [t for t in KERNEL_TARGETS if runtime_class(t).takes_arch] == ["cuda", "hip"]
     assert artifact._source_suffixes() == {".py", ".hip", ".cl"}
     with pytest.raises(UnsupportedError, match="has no kernel runtime"):
         runtime_class("reference")

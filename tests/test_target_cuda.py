@@ -382,48 +382,59 @@ def test_no_gpu_is_a_clear_error():
 
 
 _PTX_CHILD = r"""
-import json, re, shutil, subprocess, sys, tempfile, importlib.util
+import json, re, shutil, subprocess, sys, tempfile
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 try:
-    from numba import cuda, types
     from numba.cuda.cudadrv.nvvm import NVVM
     NVVM()
 except Exception as e:
     print(json.dumps({"skip": f"no NVVM: {e}"}))
     sys.exit(0)
+import yaml
 from ir_constructs import tile_kernel
-from polystrata.codegen.cuda import render
+from polystrata.cli import main
 from polystrata.codegen.recipes.tile_mma import tile_mma_kernel
 from polystrata.ir.formats import FORMATS
+from polystrata.runtimes.cuda import CUDARuntime
+from polystrata.synth import synth_model
 out, tmp = {}, Path(tempfile.mkdtemp())
+rt = CUDARuntime(arch="sm_80")  # compile-only without a GPU
 kernels = [tile_mma_kernel("t_mma_ptx", [FORMATS["Q8_0"]], 64, 256, rows=32, tokens=16, chunk=64, lanes=64),
            tile_kernel("f16")]
 ptxas = shutil.which("ptxas") or shutil.which("/usr/local/cuda/bin/ptxas")
 for k in kernels:
-    src = render(k, shuffles=True, native=True, mma=True).replace("@cuda.jit(cache=True)", "@cuda.jit")
-    (tmp / f"{k.name}.py").write_text(src)
-    spec = importlib.util.spec_from_file_location(k.name, tmp / f"{k.name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    ty = {"u32": types.uint32, "f32": types.float32, "i32": types.int32, "u8": types.uint8}
-    sig = tuple(types.Array(ty[p.dtype], 1, "C") if hasattr(p, "out") else types.int32 for p in k.params)
-    ptx, _ = cuda.compile_ptx(getattr(mod, k.name).py_func, sig, cc=(8, 0))
-    res = {"mma": sorted(set(re.findall(r"mma\.sync\.aligned\.[\w.]+", ptx)))}
+    ck = rt.compile(k)
+    ptx = ck.entry.path.read_text()
+    res = {"mma": sorted(set(re.findall(r"mma\.sync\.aligned\.[\w.]+", ptx))), "entries": ptx.count(".entry "),
+           "target": re.search(r"^\.target (\w+)", ptx, re.M).group(1), "suffix": ck.entry.path.suffix}
     if ptxas:
-        (tmp / f"{k.name}.ptx").write_text(ptx)
-        p = subprocess.run([ptxas, "-arch=sm_90", str(tmp / f"{k.name}.ptx"), "-o", str(tmp / "k.cubin")],
+        p = subprocess.run([ptxas, "-arch=sm_90", str(ck.entry.path), "-o", str(tmp / "k.cubin")],
                            capture_output=True, text=True)
         res["ptxas"] = p.returncode == 0 or p.stderr
     out[k.name] = res
+# A model compiled for sm_90 with a knob: every kernel of the artifact is PTX for sm_90, the knob in the manifest.
+model = synth_model("llama", tmp / "tiny.gguf", preset="tiny", qtype="Q8_0", seed=0)
+assert main(["compile", str(model), "--target", "cuda", "--arch", "sm_90", "-c", "64", "--knob", "matmul.tokens=4",
+             "-o", str(tmp / "art")]) == 0
+m = yaml.safe_load((tmp / "art" / "manifest.yaml").read_text())
+kept = sorted(f.name for f in (tmp / "art" / "kernels").iterdir())
+out["art"] = {"target": m["target"], "knobs": m["knobs"], "files": len(kept),
+              "ptx": [f for f in kept if f.endswith(".ptx")], "records": [f for f in kept if f.endswith(".json")],
+              "sm_90": all(".target sm_90" in (tmp / "art" / "kernels" / f).read_text() for f in kept
+                           if f.endswith(".ptx")),
+              "tokens": sorted({str(k["knobs"].get("tokens")) for k in m["kernels"]
+                                if k["plan"] == "prefill" and k["name"].startswith(("matmul", "glu"))})}
 print(json.dumps(out))
 """
 
 
-def test_tile_products_compile_to_mma_sync():
-    """With matrix units (sm_80+), tile products become mma.sync in the PTX NVVM makes of the rendered kernel (the
-    recipe's int8 m16n8k32, the conformance f16 m16n8k16), and ptxas assembles it for sm_90 where it is installed.
-    In a child process (numba.cuda stays unimported here); skipped without NVVM (CI: numba-cuda without the CUDA
+def test_kernels_compile_to_ptx_without_a_gpu():
+    """Without a GPU, a cuda runtime given an architecture compiles (NVVM) but runs nothing: each kernel's cache
+    entry is its PTX, one kernel entry for that architecture. Tile products become mma.sync there (the recipe's
+    int8 m16n8k32, the conformance f16 m16n8k16), and ptxas assembles them for sm_90 where it is installed.
+    `compile --target cuda --arch sm_90` writes an artifact of such PTX, with its --knob in the manifest. In a
+    child process (numba.cuda stays unimported here); skipped without NVVM (CI: numba-cuda without the CUDA
     toolkit). The numbers are checked on the GPU: the conformance cases (scripts/cuda_selftest.py)."""
     import json
 
@@ -438,5 +449,12 @@ def test_tile_products_compile_to_mma_sync():
         pytest.skip(res["skip"])
     assert res["t_mma_ptx"]["mma"] == ["mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"]
     assert res["tile_f16"]["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"]
-    assert all(r.get("ptxas", True) is True for r in res.values()), res
+    for r in (res["t_mma_ptx"], res["tile_f16"]):
+        assert r["entries"] == 1 and r["target"] == "sm_80" and r["suffix"] == ".ptx"
+        assert r.get("ptxas", True) is True, r
+    art = res["art"]
+    assert art["target"]["arch"] == "sm_90" and art["target"]["device"] == "sm_90 (compile only)"
+    assert art["knobs"] == {"matmul": {"tokens": 4}} and art["tokens"] == ["4"]
+    assert art["ptx"] and len(art["ptx"]) == len(art["records"]) and art["files"] == 2 * len(art["ptx"])
+    assert art["sm_90"]
     assert "= mma_" not in render(tile_kernel("i8"), shuffles=True, native=True)  # no matrix unit asked for

@@ -409,7 +409,7 @@ class Tuner:
         futures: list[Future | None] = [None] * len(lowered)
         if self.pool is not None:
             for i, (_, launches, _) in enumerate(lowered):
-                futures[i] = self.pool.submit(compile_in_worker, rt.name, [la.kernel for la in launches])
+                futures[i] = self.pool.submit(compile_in_worker, rt.name, [la.kernel for la in launches], rt.arch)
 
         best: tuple[dict, list[BoundLaunch], Timing] | None = None
         for i, (knobs, launches, specs) in enumerate(lowered):
