@@ -18,11 +18,9 @@ base class's list of recorded launches.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import re
 import types
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
@@ -45,44 +43,6 @@ from polystrata.runtimes.base import (
     scalar_value,
 )
 from polystrata.runtimes.cuda_driver import DeviceEvent, Graph, check, device_pointer, driver
-
-
-def _singly_assigned_in_one_pass(lower) -> None:
-    """numba-cuda's `Lower._find_singly_assigned_variable` (the variables defined once, in one block, and used
-    only there, which lowering keeps in registers rather than stack slots), computed with one count of each
-    block's assignments. numba-cuda 0.30 rescans a variable's whole block for each variable, quadratic in the
-    block's length, and generated kernels are long single blocks (unrolled chunks): that scan was most of a K-quant
-    matvec's compile (docs/benchmarks.md). Numba fixed the same scan upstream."""
-    from numba.cuda import lowering as lw
-
-    blocks, found = lower.func_ir.blocks, set()
-    if not lower.func_ir.func_id.is_generator:
-        use_defs = lw.compute_use_defs(blocks)
-        # Kept on the stack, or read in a block before any write there: not block-local.
-        skip = lw.must_use_alloca(blocks).union(*use_defs.usemap.values())
-        blocks_of = Counter(var for names in use_defs.defmap.values() for var in names)
-        for label, names in use_defs.defmap.items():
-            if once := [var for var in names if blocks_of[var] == 1 and var not in skip]:
-                assigned = Counter(st.target.name for st in blocks[label].find_insts(lw.ir.assign_types))
-                found.update(var for var in once if assigned[var] == 1)
-    lower._singly_assigned_vars = found
-    lower._blk_local_varmap = {}
-
-
-_numba_cuda_scan = None  # numba-cuda's own scan, once replaced (tests compare the two)
-
-
-def _linear_lowering_scan() -> None:
-    """Put `_singly_assigned_in_one_pass` in place of numba-cuda's scan (once, where numba-cuda's lowering has the
-    shape it was written for)."""
-    global _numba_cuda_scan
-    with contextlib.suppress(ImportError):  # older numba-cuda
-        from numba.cuda import lowering as lw
-
-        scan = getattr(lw.Lower, "_find_singly_assigned_variable", None)
-        if scan not in (None, _singly_assigned_in_one_pass) and all(
-                hasattr(lw, n) for n in ("compute_use_defs", "must_use_alloca", "ir")):
-            _numba_cuda_scan, lw.Lower._find_singly_assigned_variable = scan, _singly_assigned_in_one_pass
 
 
 class CUDARuntime(Runtime):
@@ -122,7 +82,7 @@ class CUDARuntime(Runtime):
         if self.simulator:
             self.device = "numba-cuda simulator"
         else:
-            _linear_lowering_scan()
+            numba_ssa.linear_lowering_scan()
             numba_ssa.install()  # numba-cuda's SSA pass, linear in a kernel's length
             self.compile_only = compile_only or (arch is not None and cuda_driver.gpu_count() == 0)
             if self.compile_only and arch is None:

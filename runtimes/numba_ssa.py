@@ -17,11 +17,15 @@ gives (including its `stop=-1` default, which leaves a block's last statement un
 the scope in the same order (one variable at a time, its assignments then its phis), so even the names agree; phi
 nodes are prepended to their blocks as numba does, the last variable's first. Why this is exact, step by step, is
 in the comments below; `tests/test_target_cpu.py` checks it against numba's pass on a generated kernel.
+
+Also here, for numba-cuda's lowering: `linear_lowering_scan()` puts a one-pass count of the block-local variables
+(`singly_assigned_in_one_pass`) in place of a scan that was quadratic in a block's length.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+import contextlib
+from collections import Counter, defaultdict
 from types import ModuleType, SimpleNamespace
 from typing import Any
 
@@ -130,3 +134,41 @@ def install() -> None:
 # What `ssa_in_one_sweep` takes from numba's module.
 _USED = ("_run_ssa", "_FixSSAVars", "_FreshVarHandler", "_CacheListVars", "_find_defs_violators",
          "_iterated_domfronts", "_compute_phi_locations", "_make_states", "compute_cfg_from_blocks", "errors", "ir")
+
+
+def singly_assigned_in_one_pass(lower) -> None:
+    """numba-cuda's `Lower._find_singly_assigned_variable` (the variables defined once, in one block, and used
+    only there, which lowering keeps in registers rather than stack slots), computed with one count of each
+    block's assignments. numba-cuda 0.30 rescans a variable's whole block for each variable, quadratic in the
+    block's length, and generated kernels are long single blocks (unrolled chunks): that scan was most of a K-quant
+    matvec's compile (docs/benchmarks.md). Numba fixed the same scan upstream."""
+    from numba.cuda import lowering as lw
+
+    blocks, found = lower.func_ir.blocks, set()
+    if not lower.func_ir.func_id.is_generator:
+        use_defs = lw.compute_use_defs(blocks)
+        # Kept on the stack, or read in a block before any write there: not block-local.
+        skip = lw.must_use_alloca(blocks).union(*use_defs.usemap.values())
+        blocks_of = Counter(var for names in use_defs.defmap.values() for var in names)
+        for label, names in use_defs.defmap.items():
+            if once := [var for var in names if blocks_of[var] == 1 and var not in skip]:
+                assigned = Counter(st.target.name for st in blocks[label].find_insts(lw.ir.assign_types))
+                found.update(var for var in once if assigned[var] == 1)
+    lower._singly_assigned_vars = found
+    lower._blk_local_varmap = {}
+
+
+numba_cuda_scan = None  # numba-cuda's own scan, once replaced (tests compare the two)
+
+
+def linear_lowering_scan() -> None:
+    """Put `singly_assigned_in_one_pass` in place of numba-cuda's scan (once, where numba-cuda's lowering has the
+    shape it was written for): the cuda runtime, before it compiles."""
+    global numba_cuda_scan
+    with contextlib.suppress(ImportError):  # older numba-cuda
+        from numba.cuda import lowering as lw
+
+        scan = getattr(lw.Lower, "_find_singly_assigned_variable", None)
+        if scan not in (None, singly_assigned_in_one_pass) and all(
+                hasattr(lw, n) for n in ("compute_use_defs", "must_use_alloca", "ir")):
+            numba_cuda_scan, lw.Lower._find_singly_assigned_variable = scan, singly_assigned_in_one_pass

@@ -111,11 +111,12 @@ def main() -> None:
         from polystrata.codegen.cuda import CUDAPrinter, render
         from polystrata.codegen.policy import matrix_unit
         from polystrata.runtimes import cuda as cuda_runtime
+        from polystrata.runtimes import numba_ssa as ssa_fixes
 
         mma = matrix_unit(f"sm_{cc[0]}{cc[1]}") is not None
         policy = replace(cuda_runtime.CUDARuntime.policy, matrix_units=mma)
         CUDAPrinter.share_reads = not a.no_shared_reads
-        cuda_runtime._linear_lowering_scan()
+        ssa_fixes.linear_lowering_scan()
         results = {}
         compile_cuda = numba_cuda_compiler.compile_cuda
 

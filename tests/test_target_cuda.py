@@ -275,19 +275,19 @@ def test_one_pass_lowering_scan_matches_numba_cuda(tmp_path):
 
     from polystrata.codegen.recipes.linear import matvec_q8_kernel
     from polystrata.ir.formats import FORMATS
-    from polystrata.runtimes import cuda as runtime
+    from polystrata.runtimes import numba_ssa
     from polystrata.runtimes.base import numba_signature
-    from polystrata.runtimes.cuda import _singly_assigned_in_one_pass
+    from polystrata.runtimes.numba_ssa import singly_assigned_in_one_pass
 
     installed = lowering.Lower._find_singly_assigned_variable
-    theirs = runtime._numba_cuda_scan or installed  # replaced already where a CUDA runtime was made
-    assert theirs is not _singly_assigned_in_one_pass
+    theirs = numba_ssa.numba_cuda_scan or installed  # replaced already where a CUDA runtime was made
+    assert theirs is not singly_assigned_in_one_pass
     agree = []
 
     def both(lower):
         theirs(lower)
         want = set(lower._singly_assigned_vars)
-        _singly_assigned_in_one_pass(lower)
+        singly_assigned_in_one_pass(lower)
         agree.append((len(want), want == lower._singly_assigned_vars))
 
     kern = matvec_q8_kernel("t_scan", [FORMATS["Q4_K"]], 64, 512, tokens=1, lanes=32, runs=1)
