@@ -139,7 +139,7 @@ class CUDARuntime(Runtime):
             entry = re.search(rb"\.entry\s+([\w$]+)\s*\(", ptx)
             if entry is None:
                 raise PolystrataError(f"the PTX of kernel {kernel.name} has no entry")
-            return cuda_driver.load_function(ptx, entry.group(1).decode())
+            return cuda_driver.load_function(ptx + b"\0", entry.group(1).decode())  # PTX ends in a NUL
 
         def build() -> tuple[bytes, Any]:
             ptx = self._ptx(kernel, source)

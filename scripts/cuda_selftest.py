@@ -4,7 +4,7 @@ and the driver launch path, compared with numpy and the CPU target; then launch 
     python scripts/cuda_selftest.py [--scale N] [--no-cpu]
 
 Prints a table of max errors (relative for f32, count of differing values for integers / f16 bits) for the
-shuffle path and the shared-memory path, then µs per launch for numba's dispatcher, `launch` (pack + driver
+shuffle path and the shared-memory path, then µs per launch for `launch` (pack + driver
 launch), `launch_prepared` (driver launch only) and graph replay (100 launches captured, per launch).
 Exits 1 when a case is wrong.
 """
@@ -86,9 +86,6 @@ def timing(rt, nargs: int, reps: int = 2000) -> tuple[float, ...]:
         rt.sync()
         return (time.perf_counter() - t0) / n * 1e6
 
-    rt.fast = False
-    dispatcher = per_launch(lambda: rt.launch(ck, args, (1,)), reps // 4)
-    rt.fast = True
     launch = per_launch(lambda: rt.launch(ck, args, (1,)))
     h = rt.prepare(ck, args, (1,))
     prepared = per_launch(lambda: rt.launch_prepared(h))
@@ -97,7 +94,7 @@ def timing(rt, nargs: int, reps: int = 2000) -> tuple[float, ...]:
         rt.launch_prepared(h)
     graph = rt.end_capture()
     replay = per_launch(lambda: rt.replay(graph), reps // 100) / 100
-    return dispatcher, launch, prepared, replay
+    return launch, prepared, replay
 
 
 def main() -> int:
@@ -117,9 +114,9 @@ def main() -> int:
     copied = t.copy_region_check(rt)
     print(f"copy_async into a region, waited for by a launch: {'ok' if copied else 'FAIL'}")
     ok &= copied
-    print(f"\n{'args':>4s} {'dispatcher':>11s} {'launch':>9s} {'prepared':>9s} {'graph/launch':>13s}   (µs)")
+    print(f"\n{'args':>4s} {'launch':>9s} {'prepared':>9s} {'graph/launch':>13s}   (µs)")
     for nargs in (1, 12):
-        print(f"{nargs:4d} " + " ".join(f"{v:{w}.2f}" for v, w in zip(timing(rt, nargs), (11, 9, 9, 13))))
+        print(f"{nargs:4d} " + " ".join(f"{v:{w}.2f}" for v, w in zip(timing(rt, nargs), (9, 9, 13))))
     print("OK" if ok else "FAILED")
     return 0 if ok else 1
 
