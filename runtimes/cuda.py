@@ -76,7 +76,7 @@ class CUDARuntime(Runtime):
         self.cuda = cuda
         self.simulator = bool(config.ENABLE_CUDASIM)
         self.compiler = f"numba-cuda {numba_cuda.__version__}"
-        if arch is not None and not re.fullmatch(r"sm_\d{2,3}[a-z]?", arch):
+        if arch is not None and not re.fullmatch(r"sm_\d{2,3}", arch):
             raise PolystrataError(f"unknown CUDA architecture '{arch}': name one as sm_XY, e.g. sm_90")
         self.arch = arch
         if self.simulator:
@@ -97,6 +97,8 @@ class CUDARuntime(Runtime):
                     raise PolystrataError(f"no CUDA GPU found: {e}") from None
                 self.arch = arch or found
                 self.device = f"{name} ({found})"
+                # Kernels for another architecture: compiled for it, never loaded on this GPU.
+                self.compile_only = self.arch != found
             self.policy = replace(self.policy, matrix_units=matrix_unit(self.arch) is not None)  # mma.sync: sm_80+
         self.shuffles = (not self.simulator) if shuffles is None else shuffles
         self.fast = not self.simulator  # driver launches (the simulator's go through numba's dispatcher)
@@ -139,7 +141,10 @@ class CUDARuntime(Runtime):
             entry = re.search(rb"\.entry\s+([\w$]+)\s*\(", ptx)
             if entry is None:
                 raise PolystrataError(f"the PTX of kernel {kernel.name} has no entry")
-            return cuda_driver.load_function(ptx + b"\0", entry.group(1).decode())  # PTX ends in a NUL
+            try:
+                return cuda_driver.load_function(ptx + b"\0", entry.group(1).decode())  # PTX ends in a NUL
+            except PolystrataError as e:  # e.g. PTX of a newer CUDA than this driver's
+                raise PolystrataError(f"the CUDA driver refused the PTX of kernel {kernel.name}: {e}") from None
 
         def build() -> tuple[bytes, Any]:
             ptx = self._ptx(kernel, source)
@@ -154,7 +159,11 @@ class CUDARuntime(Runtime):
         """numba-cuda's PTX of the rendered `source` for `self.arch`: its kernel as its dispatcher would compile it,
         which needs no GPU."""
         module = types.ModuleType(f"polystrata_cuda_{kernel.name}")
-        digits = self.arch.removeprefix("sm_").rstrip("abcdefghijklmnopqrstuvwxyz")
+        digits = self.arch.removeprefix("sm_")
+        from numba.cuda.core import config
+
+        # The kernels allocate nothing: numba's runtime (NUMBA_CUDA_ENABLE_NRT) would be symbols PTX alone lacks.
+        nrt, config.CUDA_ENABLE_NRT = getattr(config, "CUDA_ENABLE_NRT", False), False
         try:
             exec(compile(source, f"<cuda kernel {kernel.name}>", "exec"), module.__dict__)
             ptx, _ = self.cuda.compile_ptx(getattr(module, kernel.name).py_func, numba_signature(kernel),
@@ -162,6 +171,8 @@ class CUDARuntime(Runtime):
         except Exception as e:  # Numba's typing and lowering errors, NVVM's, whatever their class
             raise PolystrataError(f"cuda build of kernel {kernel.name} failed for {self.arch}:\n"
                                   f"{log_head(str(e))}") from None
+        finally:
+            config.CUDA_ENABLE_NRT = nrt
         return ptx.encode()
 
     # --- buffers --------------------------------------------------------------------------------------
@@ -216,10 +227,12 @@ class CUDARuntime(Runtime):
 
     def alloc_host(self, nbytes: int) -> np.ndarray:
         """Page-locked host memory: copies from it run at the link's speed (pageable ones several times slower)."""
+        self._need_gpu()
         return np.empty(nbytes, np.uint8) if self.simulator else self.cuda.pinned_array(nbytes, np.uint8)
 
     def copy_async(self, buf: Any, offset: int, host: np.ndarray) -> Any:
         """`cuMemcpyHtoDAsync` on a second stream, then an event (the simulator: a synchronous copy, no event)."""
+        self._need_gpu()
         if self.simulator:
             return super().copy_async(buf, offset, host)
         self._check_fits(buf, offset, host.nbytes, "copy")
