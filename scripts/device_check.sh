@@ -26,6 +26,10 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site . > /dev/null \
     || { echo "project install failed"; exit 1; }
 export PYTHONPATH=/tmp/site
+# Kernels compiled without a GPU (scripts/device_kernels.sh, carried as .kcache): the runs below load their PTX.
+if [ -f .kcache/cuda.tar.xz ]; then
+    mkdir -p "$POLYSTRATA_HOME/kernels" && tar xJf .kcache/cuda.tar.xz --skip-old-files -C "$POLYSTRATA_HOME/kernels"
+fi
 # NVIDIA's OpenCL driver is there but not registered with the ICD loader.
 mkdir -p /etc/OpenCL/vendors && echo libnvidia-opencl.so.1 > /etc/OpenCL/vendors/nvidia.icd
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$LOG"
