@@ -141,6 +141,7 @@ class CUDARuntime(Runtime):
             entry = re.search(rb"\.entry\s+([\w$]+)\s*\(", ptx)
             if entry is None:
                 raise PolystrataError(f"the PTX of kernel {kernel.name} has no entry")
+            self.cuda.current_context()  # the module loads into the calling thread's context: numba's, made current
             try:
                 return cuda_driver.load_function(ptx + b"\0", entry.group(1).decode())  # PTX ends in a NUL
             except PolystrataError as e:  # e.g. PTX of a newer CUDA than this driver's
