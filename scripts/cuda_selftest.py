@@ -97,11 +97,26 @@ def timing(rt, nargs: int, reps: int = 2000) -> tuple[float, ...]:
     return launch, prepared, replay
 
 
+def compile_cases(rt, scale: int) -> int:
+    """Compile what `check` and `graph_check` launch (both Reduce paths), as a GPU run would, without running it."""
+    kernels = [kernel for _, kernel, *_ in t.cases(scale)]
+    for kernel in kernels:
+        rt.compile(kernel, shuffles=True)
+        rt.compile(kernel, shuffles=False)
+    rt.compile(t.reduce_kernel(128))
+    print(f"compiled {2 * len(kernels) + 1} kernels for {rt.arch} ({rt.cache_hits} from the cache)")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=int, default=4, help="grow the test sizes")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU target comparison")
+    ap.add_argument("--compile-only", metavar="ARCH", help="no GPU needed: only compile the cases' kernels for ARCH "
+                    "(e.g. sm_90) into the kernel cache (scripts/device_kernels.sh ships them to the GPU machine)")
     a = ap.parse_args()
+    if a.compile_only:
+        return compile_cases(CUDARuntime(arch=a.compile_only, compile_only=True), a.scale)
     rt = CUDARuntime()
     print(f"device: {rt.device}  {rt.compiler}  memory free/total: {rt.memory_info()}")
     cpu = None

@@ -64,7 +64,7 @@ if [[ " $STAGES " == *" receive "* ]]; then
 fi
 
 if [[ " $STAGES " == *" selftest "* ]]; then
-    python3 scripts/cuda_selftest.py 2>&1 | tee -a "$LOG" | tail -25
+    python3 scripts/cuda_selftest.py ${SELFTEST_ARGS:-} 2>&1 | tee -a "$LOG" | tail -25  # e.g. --no-cpu
     row "cuda selftest" "exit ${PIPESTATUS[0]}"
 fi
 

@@ -38,5 +38,6 @@ llama3-8b-q4km -c 32800 --kv-type q8_g64
 qwen3moe-8l-q4km -c 512
 qwen36-4l-q4km -c 512
 LIST
+"$PY" scripts/cuda_selftest.py --compile-only sm_90  # the selftest's own kernels
 tar cJf .kcache/cuda.tar.xz -C "$POLYSTRATA_HOME/kernels" cuda
 ls -la .kcache/cuda.tar.xz
