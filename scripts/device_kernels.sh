@@ -39,5 +39,14 @@ qwen3moe-8l-q4km -c 512
 qwen36-4l-q4km -c 512
 LIST
 "$PY" scripts/cuda_selftest.py --compile-only sm_90  # the selftest's own kernels
+# The tile-product variants of docs/benchmarks.md's "Why the tile kernel was slow" (matvec_bench on the device).
+mv="$PY scripts/matvec_bench.py --target cuda --arch sm_90 --tokens 512 --knob matmul.mma_min=512"
+for knobs in "" "--knob matmul.mma_words=0" "--knob matmul.mma_chunk=128" "--knob matmul.mma_chunk=256" \
+        "--knob matmul.mma_chunk=128 --knob matmul.mma_tokens=64" \
+        "--knob matmul.mma_chunk=128 --knob matmul.mma_rows=128 --knob matmul.mma_lanes=256"; do
+    $mv --rows 14336 --cols 4096 $knobs
+done
+$mv --rows 4096 --cols 14336 --knob matmul.mma_chunk=128
+"$PY" scripts/matvec_bench.py --target cuda --arch sm_90 --tokens 512 --rows 14336 --cols 4096  # the int8 matvecs
 tar cJf .kcache/cuda.tar.xz -C "$POLYSTRATA_HOME/kernels" cuda
 ls -la .kcache/cuda.tar.xz

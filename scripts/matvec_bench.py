@@ -41,6 +41,8 @@ def main() -> None:
     ap.add_argument("--bandwidth", type=float, default=4.29e12, help="bytes/s to compare with (H200 measured read)")
     ap.add_argument("--knob", action="append", default=[], metavar="RECIPE.NAME=VALUE",
                     help="schedule knob override, e.g. matmul.sub=2 (repeatable)")
+    ap.add_argument("--arch", help="only compile the kernels, for this GPU architecture (e.g. sm_90; no GPU needed), "
+                    "into the kernel cache (scripts/device_kernels.sh)")
     a = ap.parse_args()
     knobs: dict = {}
     for kv in a.knob:
@@ -48,7 +50,7 @@ def main() -> None:
         recipe, name = key.split(".", 1)
         knobs.setdefault(recipe, {})[name] = int(val) if val.lstrip("-").isdigit() else val
     fmt = by_name(a.format)
-    rt = make_runtime(a.target)
+    rt = make_runtime(a.target, arch=a.arch)
     # tokens -> one row of an F32 table (the activation) -> the matmul under test; only the latter is timed.
     g = Graph(arch="bench")
     tok = g.input("tokens", "i32", ("T",))
@@ -59,6 +61,11 @@ def main() -> None:
     nt = a.tokens
     plan = build_plan(g, {"w": fmt, "table": FORMATS["F32"]}, KV_FORMATS["f16"], 16, nt, knobs=knobs,
                       policy=rt.policy)
+    if rt.compile_only:
+        for la in plan.launches:
+            rt.compile(la.kernel)
+        print(f"compiled {len(plan.launches)} kernels for {rt.arch} ({rt.cache_hits} from the cache)")
+        return
     rng = np.random.default_rng(0)
     raw = quantize(fmt, rng.standard_normal((a.rows, a.cols)).astype(np.float32))
     xs = rng.standard_normal(a.cols).astype(np.float32)
