@@ -104,7 +104,8 @@ def compile_cases(rt, scale: int) -> int:
         rt.compile(kernel, shuffles=True)
         rt.compile(kernel, shuffles=False)
     rt.compile(t.reduce_kernel(128))
-    print(f"compiled {2 * len(kernels) + 1} kernels for {rt.arch} ({rt.cache_hits} from the cache)")
+    print(f"{rt.cache_hits + rt.cache_misses} distinct kernels for {rt.arch}: {rt.cache_misses} compiled, "
+          f"{rt.cache_hits} from the cache")
     return 0
 
 

@@ -64,7 +64,8 @@ def main() -> None:
     if rt.compile_only:
         for la in plan.launches:
             rt.compile(la.kernel)
-        print(f"compiled {len(plan.launches)} kernels for {rt.arch} ({rt.cache_hits} from the cache)")
+        print(f"{rt.cache_hits + rt.cache_misses} distinct kernels for {rt.arch}: {rt.cache_misses} compiled, "
+              f"{rt.cache_hits} from the cache")
         return
     rng = np.random.default_rng(0)
     raw = quantize(fmt, rng.standard_normal((a.rows, a.cols)).astype(np.float32))
