@@ -50,6 +50,7 @@ def host_vnni() -> bool:
 
 
 HOST_VNNI = host_vnni()
+MMA_OFF = 1 << 20  # knob mma_min past every matrix: the tile products unused (codegen/recipes/tile_mma.py)
 
 # The schedules picked by hand for the host CPU (one lane: a lane takes whole rows, per-element partial sums
 # that vectorize, activations quantized inside the kernel if at all, multiply-adds fused in the dot products,
@@ -58,8 +59,8 @@ HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
     # tile_q8: steps of several tokens take the int8 tile matmul (`tile_matmul_q8_kernel`), tiles of 64 tokens,
     # where the host has VNNI (docs/benchmarks.md, "Prefill on the CPU: int8 tiles"); elsewhere (0) the f32 tiles.
     "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1, "contract": 1, "reuse": 0,
-               "tile_q8": 64 if HOST_VNNI else 0},
-    "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1},
+               "tile_q8": 64 if HOST_VNNI else 0, "mma_min": MMA_OFF},
+    "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1, "mma_min": MMA_OFF},
     # group_heads: a KV head's query heads in one group (knob heads "auto"), each K and V value decoded once for all,
     # one-token plans keeping at least this many groups a token for the cores (docs/benchmarks.md, "Attention's
     # query heads grouped on the CPU"); 0: the GPUs' rule (attention.py).
@@ -73,9 +74,12 @@ HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
 DEVICE_KNOBS: Mapping[str, Mapping[str, Any]] = {
     # reuse (a token tile's weights decoded once for all its tokens) stays off until measured on a GPU
     # (docs/benchmarks.md, "H200, 2026-12-05, second session"): `bench`/`serve --knob matmul.reuse=1`.
+    # mma_min: the smallest matrix whose prompt steps of more than 64 tokens take tile products, where the device
+    # has matrix units (pp512 3.5x the int8 matvecs on the H200); the MoE experts' stay on their matvecs until
+    # their short steps keep those (docs/benchmarks.md, "H200, 2026-12-05, eighth session").
     "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0, "reuse": 0,
-               "tile_q8": 0},
-    "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0},
+               "tile_q8": 0, "mma_min": 512},
+    "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0, "mma_min": MMA_OFF},
     "attention": {"split_keys": 1, "group_heads": 0},
     "delta_rule": {"chunked_above": 16},
 }

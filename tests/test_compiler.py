@@ -142,14 +142,16 @@ def test_matmul_knob_space_reaches_every_matmul_of_a_prompt_plan(tmp_path):
     cuda = replace(device_policy(lanes=128, subgroup=32, wide_loads=True, int8_dot=True), matrix_units=True)
 
     def matmuls(knobs: dict | None) -> list[str]:
-        plan = build_plan(graph, formats, KV_FORMATS["f16"], 64, 16, knobs=knobs, policy=cuda)
+        plan = build_plan(graph, formats, KV_FORMATS["f16"], 128, 128, knobs=knobs, policy=cuda)
         return [la.kernel.name for la in plan.launches if la.kernel.name.startswith(("matmul", "glu_"))]
 
     on, off = matmuls({"matmul": {"mma_min": 32}}), matmuls({"matmul": {"mma_min": MMA_OFF}})
     assert any(n.startswith("glu_") for n in on) and any(n.startswith("glu_") for n in off), (on, off)
-    assert all(n.endswith("_mma") for n in on), on
-    assert not any(n.endswith("_mma") for n in off), off
-    assert matmuls(None) == off  # tile products are off by default
+    # Each matmul: its tile products for steps of more than 64 tokens, its int8 matvecs for the others.
+    assert [n for n in on if n.endswith("_gt64_mma")] == [n.replace("_le64_q8", "_gt64_mma") for n in on
+                                                          if n.endswith("_le64_q8")] != [], on
+    assert not any("_mma" in n for n in off), off
+    assert matmuls(None) == off  # the tiny model's matrices are under the GPUs' default mma_min (512)
 
 
 def test_kernel_builders_build_each_kernel_once_and_tell_apart_what_renders_differently():

@@ -29,6 +29,7 @@ from polystrata.codegen.recipes.linear import quantize_x_kernel
 from polystrata.codegen.recipes.tile_mma import tile_mma_fits, tile_mma_kernel, tile_products_apply
 from polystrata.ir.formats import FORMATS
 from polystrata.ir.graph import Graph
+from polystrata.runtimes.base import eval_int
 
 rt = target_runtimes()
 N, K = 40, 256  # rows: a full and a partial tile of 32
@@ -86,14 +87,14 @@ def test_tile_products_apply_within_local_memory():
     policy = replace(device_policy(128, 32, wide_loads=True), matrix_units=True)
     q4k = [FORMATS["Q4_K"]]
     kn = {**MATMUL_SPACE.defaults(), "mma_min": 512, "mma_chunk": 256}
-    assert tile_products_apply(policy, 512, kn, q4k, 4096, 4096)  # 31.5 KiB
-    assert not tile_products_apply(policy, 512, {**kn, "mma_rows": 128}, q4k, 4096, 4096)  # 52.5 KiB
-    assert not tile_products_apply(policy, 512, kn, q4k * 2, 4096, 4096)  # the GLU's two weights: 52.5 KiB
-    assert tile_products_apply(policy, 512, {**kn, "mma_chunk": 128}, q4k * 2, 4096, 4096)
+    assert tile_products_apply(policy, "matmul", 512, kn, q4k, 4096, 4096)  # 31.5 KiB
+    assert not tile_products_apply(policy, "matmul", 512, {**kn, "mma_rows": 128}, q4k, 4096, 4096)  # 52.5 KiB
+    assert not tile_products_apply(policy, "matmul", 512, kn, q4k * 2, 4096, 4096)  # the GLU's two weights: 52.5 KiB
+    assert tile_products_apply(policy, "matmul", 512, {**kn, "mma_chunk": 128}, q4k * 2, 4096, 4096)
     tight = replace(policy, local_bytes=20 * 1024)  # chunk 128: 16.5 KiB by words, 24.5 by bytes
-    assert tile_products_apply(tight, 512, {**kn, "mma_chunk": 128}, q4k, 4096, 4096)
-    assert not tile_products_apply(tight, 512, {**kn, "mma_chunk": 128, "mma_words": 0}, q4k, 4096, 4096)
-    assert not tile_products_apply(policy, 1, kn, q4k, 4096, 4096)  # decode
+    assert tile_products_apply(tight, "matmul", 512, {**kn, "mma_chunk": 128}, q4k, 4096, 4096)
+    assert not tile_products_apply(tight, "matmul", 512, {**kn, "mma_chunk": 128, "mma_words": 0}, q4k, 4096, 4096)
+    assert not tile_products_apply(policy, "matmul", 1, kn, q4k, 4096, 4096)  # decode
 
 
 def test_tile_mma_fits():
@@ -113,12 +114,20 @@ def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K", mma_min:
 
 
 def test_taken_for_prefill_on_matrix_units_only():
-    names = [la.kernel.name for la in _matmul_launches(True, 16)]
-    assert names[0].startswith("quantize_x") and names[1].endswith("_mma"), names
-    assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(True, 1)))  # decode
-    assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(False, 16)))
-    assert not any(n.endswith("_mma") for n in (la.kernel.name for la in _matmul_launches(True, 16, "F32")))
-    assert not any(la.kernel.name.endswith("_mma") for la in _matmul_launches(True, 16, mma_min=512))  # too small
+    """Plans of steps of more than TILES_ABOVE tokens on matrix units: the tile products for those steps and the
+    int8 matvecs for shorter ones, after one quantize launch; the row count picks (the other's grid is empty)."""
+    launches = _matmul_launches(True, 70)
+    names = [la.kernel.name for la in launches]
+    assert names[0].startswith("quantize_x") and names[1].endswith("_gt64_mma") and names[2].endswith("_le64_q8"), names
+    grid = lambda la, t: [eval_int(e, {"T": t}) for e in la.kernel.grid]  # noqa: E731
+    assert grid(launches[1], 65)[1] > 0 and grid(launches[2], 65)[1] == 0
+    assert grid(launches[1], 64)[1] == 0 and grid(launches[2], 64)[1] > 0
+    assert launches[1].buffers[:2] == launches[2].buffers[:2]  # the same quantized activations
+    assert not any("_mma" in n for n in (la.kernel.name for la in _matmul_launches(True, 64)))  # short steps only
+    assert not any("_mma" in n for n in (la.kernel.name for la in _matmul_launches(True, 1)))  # decode
+    assert not any("_mma" in n for n in (la.kernel.name for la in _matmul_launches(False, 70)))
+    assert not any("_mma" in n for n in (la.kernel.name for la in _matmul_launches(True, 70, "F32")))
+    assert not any("_mma" in la.kernel.name for la in _matmul_launches(True, 70, mma_min=512))  # too small
     f16 = _matmul_launches(True, 16, "F16")
     assert [la.kernel.name.endswith("_mma") for la in f16] == [True] and f16[0].kernel.param("x")
 
@@ -137,7 +146,7 @@ def test_fused_glu_launches_match_the_reference(rt):
     ctx.t_max, ctx.knobs = 70, {"matmul": {"mma_min": 32}}
     launches = recipe("matmul_swiglu").lower(g.nodes, ctx)
     sb, so = plan_scratch(ctx)
-    assert launches[1].kernel.name.endswith("_mma")
+    assert launches[1].kernel.name.endswith("_gt64_mma") and launches[2].kernel.name.endswith("_le64_q8")
     (_, bg, dg), (_, bu, du) = weight("Q8_0", N, K, 5), weight("Q4_0", N, K, 6)
     for t in (7, 70):
         xv = np.random.default_rng(t).standard_normal((t, K)).astype(np.float32)

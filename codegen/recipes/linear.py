@@ -297,7 +297,7 @@ def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n:
     """Whether matmuls over `fmts` take `tile_mma_kernel`: plans of steps of several tokens on a target with matrix
     units, formats and K it takes (`tile_mma_fits`): F16 weights, or the GPU path's int8 activations
     (`_int8_kernels`)."""
-    if not tile_products_apply(ctx.target(), ctx.t_max, kn, fmts, n, k):
+    if not tile_products_apply(ctx.target(), "matmul", ctx.t_max, kn, fmts, n, k):
         return False
     return f16_path(fmts) or _int8_kernels(ctx, kn, fmts, k)
 
@@ -361,24 +361,32 @@ def _reuse(ctx: RecipeContext, kn: dict) -> bool:
 def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: RecipeContext, kn: dict, x: str,
               ws: Sequence[str], y: str, t_bind, epilogue=None) -> list[Launch]:
     """The matmul launches: on the GPU path (`_int8_kernels`) a quantize kernel writing x as int8 codes + scales
-    into scratch buffers, then `matvec_q8_kernel`; else one `matmul_kernel`."""
+    into scratch buffers, then `matvec_q8_kernel`; else one `matmul_kernel`. On matrix units (`_tile_products`),
+    plans of steps of more than TILES_ABOVE tokens take the tile products for those steps and keep the int8
+    matvecs for shorter ones (batched decoding, short prompts): both kernels read the same quantized activations,
+    and the row count picks at run time (`tile_matmul.step_gate`)."""
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
-    if _tile_products(ctx, kn, fmts, n, k):
-        # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
+    tiles = _tile_products(ctx, kn, fmts, n, k)
+    if tiles and f16_path(fmts):  # F16 weights: the f16 products for every step of several tokens
         mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"], tokens=kn["mma_tokens"],
-                             chunk=kn["mma_chunk"], lanes=kn["mma_lanes"], epilogue=epilogue,
-                             words=bool(int(kn["mma_words"])))
-        if f16_path(fmts):
-            return [Launch(mk, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
-        ql, qb, db = quantize_launch(ctx, x, k, t_bind)
-        return [ql, Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
+                             chunk=kn["mma_chunk"], lanes=kn["mma_lanes"], epilogue=epilogue)
+        return [Launch(mk, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
     if _int8_kernels(ctx, kn, fmts, k):
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)
+        acts = (("xq", qb), ("xd", db))
+        tiled = []
+        gate = None
+        if tiles and ctx.t_max > TILES_ABOVE:
+            # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
+            mk = tile_mma_kernel(f"{name}{gate_suffix((TILES_ABOVE, True))}_mma", fmts, n, k, rows=kn["mma_rows"],
+                                 tokens=kn["mma_tokens"], chunk=kn["mma_chunk"], lanes=kn["mma_lanes"],
+                                 epilogue=epilogue, words=bool(int(kn["mma_words"])), gate=(TILES_ABOVE, True))
+            tiled, gate = [Launch(mk, (*acts, *wbind, ("y", y)), (("T", t_bind),))], (TILES_ABOVE, False)
         rows, spread = q8_rows(kn, ctx, fmts, n, k)
-        mk = matvec_q8_kernel(name + "_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"], runs=kn["runs"],
-                              rows=rows, spread=spread, reuse=_reuse(ctx, kn), epilogue=epilogue,
-                              lanes=_gpu_lanes(kn, ctx, fmts, k))
-        return [ql, Launch(mk, (("xq", qb), ("xd", db), *wbind, ("y", y)), (("T", t_bind),))]
+        mk = matvec_q8_kernel(f"{name}{gate_suffix(gate)}_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"],
+                              runs=kn["runs"], rows=rows, spread=spread, reuse=_reuse(ctx, kn), epilogue=epilogue,
+                              lanes=_gpu_lanes(kn, ctx, fmts, k), gate=gate)
+        return [ql, *tiled, Launch(mk, (*acts, *wbind, ("y", y)), (("T", t_bind),))]
     tile = TILE_TOKENS if kn["tile"] == "auto" else int(kn["tile"])
     if tile and ctx.lanes == 1 and ctx.t_max > 1 and kn["int8"] in ("auto", False, 0) and kn["split"] == "rows" \
             and kn["vert"] in ("auto", True, 1):
@@ -541,8 +549,10 @@ def _q8_knobs(fmts: Sequence[QuantFormat], tokens: int, subs: Sequence[int], run
 @kernel_builder
 def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, tokens: int, lanes: int,
                      sub: int | str = "auto", runs: bool | int | str = "auto", rows: int = 1, spread: bool = False,
-                     reuse: bool = False, epilogue: Callable[[list[Expr]], Expr] | None = None) -> Kernel:
-    """y[t, r] = epilogue(dot(w_j[r], x[t])) from pre-quantized activations (`quantize_x_kernel`).
+                     reuse: bool = False, epilogue: Callable[[list[Expr]], Expr] | None = None,
+                     gate: tuple[int, bool] | None = None) -> Kernel:
+    """y[t, r] = epilogue(dot(w_j[r], x[t])) from pre-quantized activations (`quantize_x_kernel`); `gate`: the
+    steps it runs for (`tile_matmul.step_gate`).
 
     Grid (ceil(n / rows), ceil(T / tokens)): `rows` weight rows per group, their dot products swept together by
     all its lanes (`_matvec.split_dots`: `sub` lanes per block, each taking interleaved words or with `runs` a run
@@ -565,7 +575,7 @@ def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, 
 
     body = (*_token_tile(tokens),
             *_tile_statements(fmts, wnames, first, rows, n, k, subs, runs, spread, tokens, reuse, store))
-    grid = (Const(-(-n // rows)), (Var("T") + (tokens - 1)) // tokens)
+    grid = (Const(-(-n // rows)), step_gate((Var("T") + (tokens - 1)) // tokens, gate))
     return Kernel(name, params, grid, body, lanes=lanes,
                   knobs=_q8_knobs(fmts, tokens, subs, runs, rows, spread, reuse),
                   doc=f"matvec int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")

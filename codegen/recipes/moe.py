@@ -484,7 +484,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     def tiles(fmts: list[QuantFormat], n: int, kd: int) -> bool:
         """Whether the expert matmuls over `fmts` (n x kd) take tile products: as `linear` decides for its matmuls,
         the int8 ones with activations quantized by a kernel."""
-        return (tile_products_apply(policy, t_max, kn, fmts, n, kd)
+        return (tile_products_apply(policy, "moe_ffn", t_max, kn, fmts, n, kd)
                 and (f16_path(fmts) or xq == "kernel"))
 
     if tiles([fg, fu], ff, dm) and tiles([fd], dm, ff):

@@ -40,10 +40,11 @@ from dataclasses import dataclass
 
 from polystrata.codegen.dequant import Decoder, chunk_len
 from polystrata.codegen.format_analysis import affine, block_stride, elements_per_row_bytes, finest_group, weight_dtype
-from polystrata.codegen.policy import Policy
+from polystrata.codegen.policy import MMA_OFF, Policy
 from polystrata.codegen.recipes import Knob, kernel_builder
 from polystrata.codegen.recipes._alignment import ALIGN_MAX, realign
 from polystrata.codegen.recipes._matvec import QB, _vec_level, _wide_levels, fmt_for, use_int8
+from polystrata.codegen.recipes.tile_matmul import step_gate
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.kernel import (
@@ -69,13 +70,13 @@ from polystrata.ir.kernel import (
     ToF32,
 )
 
-MMA_OFF = 1 << 20  # mma_min past every matrix: the tile path unused
 TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", 64), Knob("mma_lanes", 128),
-                  Knob("mma_min", MMA_OFF, (512, 2048)), Knob("mma_words", 1))
-# Knob mma_min: the tile path takes matrices of at least this many rows and columns only. Off by default, as the
-# first H200 measurement found the tile products slower than the int8 matvecs (docs/benchmarks.md, "Prefill on
-# matrix units: first measurement"); `tune` tries 512 and 2048, and `bench --knob matmul.mma_min=512` turns them
-# on. Smaller matrices cost little in a prompt chunk anyway, and each tile kernel is a long compile.
+                  Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1))
+# Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
+# policy's, per knob space: on GPUs 512 for `matmul`, whose word-staged tile products ran pp512 3.5x the int8
+# matvecs on the H200, and off for `moe_ffn` until its steps of a few tokens keep the expert matvecs; docs/
+# benchmarks.md, "H200, 2026-12-05, eighth session"). Smaller matrices cost little in a prompt chunk anyway, and
+# each tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
 # Knob mma_words: 1 stages int8 operands a word at a time (module docstring); 0, the byte-at-a-time staging of the
 # first measurement, is kept for comparison (`--knob matmul.mma_words=0`), not searched by `tune`.
 PAD = 4  # words of padding after each operand row (see the module docstring)
@@ -102,13 +103,16 @@ def f16_path(fmts: Sequence[QuantFormat]) -> bool:
     return all(f.name == "F16" for f in fmts)
 
 
-def tile_products_apply(policy: Policy, t_max: int, kn: dict, fmts: Sequence[QuantFormat], n: int, k: int) -> bool:
+def tile_products_apply(policy: Policy, space: str, t_max: int, kn: dict, fmts: Sequence[QuantFormat], n: int,
+                        k: int) -> bool:
     """The part of the choice of tile products that `linear` and `moe` share: a target with matrix units
-    (`Policy.matrix_units`), a plan of steps of several tokens, a matrix of at least knob mma_min rows and columns,
-    formats and K that `tile_mma_fits` takes (with knob mma_chunk), local arrays within the policy's `local_bytes`
-    (a large tile and chunk may not fit). Each caller adds where its int8 activations come from."""
+    (`Policy.matrix_units`), a plan of steps of several tokens, a matrix of at least knob mma_min rows and columns
+    (knob space `space`'s; "auto": the policy's), formats and K that `tile_mma_fits` takes (with knob mma_chunk),
+    local arrays within the policy's `local_bytes` (a large tile and chunk may not fit). Each caller adds where its
+    int8 activations come from."""
     chunk = int(kn["mma_chunk"])
-    if not (policy.matrix_units and t_max > 1 and min(n, k) >= int(kn["mma_min"]) and tile_mma_fits(fmts, k, chunk)):
+    least = policy.default(space, "mma_min") if kn["mma_min"] == "auto" else int(kn["mma_min"])
+    if not (policy.matrix_units and t_max > 1 and min(n, k) >= least and tile_mma_fits(fmts, k, chunk)):
         return False
     words = bool(int(kn["mma_words"])) and word_staging(fmts)
     arrays = operand_arrays(fmts, int(kn["mma_rows"]), int(kn["mma_tokens"]), chunk, words)
@@ -176,13 +180,13 @@ def operand_arrays(fmts: Sequence[QuantFormat], rows: int, tokens: int, chunk: i
 @kernel_builder
 def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, chunk: int,
                     lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
-                    gather: Gather | None = None, words: bool = True) -> Kernel:
+                    gather: Gather | None = None, words: bool = True, gate: tuple[int, bool] | None = None) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of `fmts` (`tile_mma_fits`), from
     int8 activations `xq` / `xd` (`linear.quantize_x_kernel`'s), or for F16 weights (`f16_path`) from the f32
     activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens)). With `gather`: for each token j the
     list holds, y[out(j), r] from x[row(j)] and weight rows first + r; grid (.., .., gather.groups), a list of at
     most T tokens. `words` (knob mma_words): int8 operands staged a word at a time where every format's levels pack
-    into words (`word_staging`), else a byte at a time."""
+    into words (`word_staging`), else a byte at a time. `gate`: the steps it runs for (`tile_matmul.step_gate`)."""
     half = f16_path(fmts)
     pack_n = 2 if half else 4  # elements a word
     wfs = [fmt_for(f) for f in fmts]
@@ -420,7 +424,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     acts = (Buf("x", "f32"),) if half else (Buf("xq", "u32"), Buf("xd", "f32"))
     params = (*acts, *(gather.params if gather else ()), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
               Buf("y", "f32", out=True), Scalar("T"))
-    grid = (Const(-(-n // rows)), (T + (tokens - 1)) // tokens, *((gather.groups,) if gather else ()))
+    grid = (Const(-(-n // rows)), step_gate((T + (tokens - 1)) // tokens, gate), *((gather.groups,) if gather else ()))
     knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes),
              ("mma_words", int(words)))
     return Kernel(name, params, grid, body, lanes=lanes, local=tuple(local), knobs=knobs, fragments=frags,
