@@ -10,7 +10,7 @@ from recipe_cases import int8_bound, recipe, recipe_context, run, target_runtime
 
 from polystrata.codegen.format_analysis import level_range
 from polystrata.codegen.recipes._matvec import fmt_for
-from polystrata.codegen.recipes.linear import matmul_kernel, quantize_x_kernel
+from polystrata.codegen.recipes.linear import gelu_tanh, matmul_kernel, quantize_x_kernel
 from polystrata.codegen.recipes.tile_matmul import (
     q8_level_bias,
     q8_tile_fits,
@@ -19,6 +19,7 @@ from polystrata.codegen.recipes.tile_matmul import (
 )
 from polystrata.ir.formats import FORMATS
 from polystrata.ir.graph import Graph
+from polystrata.runtimes import reference as R
 
 rt = target_runtimes()
 
@@ -71,17 +72,18 @@ Q8_FORMATS = (pytest.param(["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"], i
 
 @pytest.mark.parametrize("fmt_names", Q8_FORMATS)
 def test_tile_matmul_q8_formats(rt, fmt_names):
-    """The int8 tile matmul over weights of every format it takes at once (its epilogue sums their dot products):
-    37 rows (groups of 4, the last partial), tiles of 16 tokens, steps of 1, 7 and 33 tokens (33: the last tile
-    partial), after `quantize_x_kernel` with sums. The products are those of the int8 activations' values with the
-    weights' (numpy in float64 on the codes the quantize kernel wrote), within float rounding."""
+    """The int8 tile matmul over weights of every format it takes at once (its epilogue: GELU of their dot products'
+    sum, the CPU's tanh in its loop over a tile's results): 37 rows (groups of 4, the last partial), tiles of 16
+    tokens, steps of 1, 7 and 33 tokens (33: the last tile partial), after `quantize_x_kernel` with sums. The
+    products are those of the int8 activations' values with the weights' (numpy in float64 on the codes the
+    quantize kernel wrote), within float rounding."""
     if rt.name != "cpu":
         pytest.skip("dot_i8_blocks is the CPU target's (Numba)")
     n, k = 37, 256
     assert all(q8_tile_fits([FORMATS[f]], k) for f in fmt_names)
     ws = [weight(f, n, k, seed=j) for j, f in enumerate(fmt_names)]
     kern = tile_matmul_q8_kernel(f"t_tq8_{len(fmt_names)}_{fmt_names[0].lower()}", [w[0] for w in ws], n, k, rows=4,
-                                 tokens=16, epilogue=lambda v: sum(v[1:], v[0]))
+                                 tokens=16, epilogue=lambda v: gelu_tanh(sum(v[1:], v[0])))
     quant = quantize_x_kernel(f"t_quantize_xs_{k}", k, sums=True)
     wsum = sum(w[2].astype(np.float64) for w in ws)
     x = np.random.default_rng(1).standard_normal((33, k)).astype(np.float32)
@@ -93,9 +95,11 @@ def test_tile_matmul_q8_formats(rt, fmt_names):
         xhat = codes * np.repeat(q["xd"].reshape(t, -1), 32, axis=1)
         np.testing.assert_allclose(q["xs"], xhat.reshape(-1, 16).sum(axis=1), rtol=1e-5, atol=1e-5)
         y = run(rt, kern, {**q, **{f"w{j}": w[1] for j, w in enumerate(ws)}}, {"T": t}, {"y": ((t, n), "f32")})["y"]
-        want = xhat @ wsum.T
+        want = R.gelu_tanh(xhat @ wsum.T)
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-        np.testing.assert_allclose(y, x[:t] @ wsum.T, atol=sum(int8_bound(x[:t], w[2]) for w in ws).max())
+        # GELU's slope is below 1.13
+        np.testing.assert_allclose(y, R.gelu_tanh(x[:t] @ wsum.T),
+                                   atol=1.13 * sum(int8_bound(x[:t], w[2]) for w in ws).max())
 
 
 def test_q8_tile_level_ranges():
