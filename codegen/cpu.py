@@ -3,7 +3,7 @@
 Each grid point becomes one iteration of a `prange` loop; lanes do not exist on the CPU, so `LaneFor` and
 `Reduce` become ordinary loops (the sequential semantics of the IR, taken literally: `codegen/lanes.py` with
 `ONE_LANE`) and local arrays are per-iteration numpy arrays. The f16 conversions are LLVM casts and
-`dot_i8_blocks` and `dot_f32` loops in LLVM IR (`codegen/cpu_intrinsics.py`). Everything else (expressions with float32
+`dot_i8_pair` and `dot_f32` loops in LLVM IR (`codegen/cpu_intrinsics.py`). Everything else (expressions with float32
 discipline, statements, tables, the other intrinsic helpers) is the shared Numba printer of `codegen/pyfamily.py`.
 """
 
@@ -44,11 +44,11 @@ __all__ = ["NUMPY_DTYPES", "PRELUDE", "render"]
 class CPUPrinter(PyPrinter):
     """`PyPrinter` for the CPU: a `prange` over the flattened grid; lanes are plain loops (the defaults)."""
 
-    imports = _IMPORTS + ("from polystrata.codegen.cpu_intrinsics import dot_f32, dot_i8_blocks, f16_to_f32, "
+    imports = _IMPORTS + ("from polystrata.codegen.cpu_intrinsics import dot_f32, dot_i8_pair, f16_to_f32, "
                           "f32_to_f16\n")
     helper_decorator = _DECORATOR
     native_intrinsics = {"f16_bits_to_f32": "f16_to_f32", "f32_to_f16_bits": "f32_to_f16",
-                         "dot_i8_blocks": "dot_i8_blocks", "dot_f32": "dot_f32"}
+                         "dot_i8_pair": "dot_i8_pair", "dot_f32": "dot_f32"}
     native_math = {"tanh": ("tanh_f32", TANH_F32)}
 
     def header(self) -> int:

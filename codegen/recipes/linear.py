@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from polystrata.codegen.cpu_intrinsics import chunked_byte
 from polystrata.codegen.dequant import Decoder
 from polystrata.codegen.format_analysis import block_stride, elements_per_row_bytes, weight_dtype, widen
 from polystrata.codegen.policy import Policy
@@ -411,7 +412,8 @@ def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1, sums: bool = False
     max|x| / 127 of each 32 values. Grid (T * rows_per_t, k / 32): a group of 32 lanes per 32 values (the max a
     one-warp Reduce, then 8 lanes pack a word each); `rows_per_t` > 1: x has that many rows per token (MoE slots).
     `sums`: also xs[t*k/16 + h] = the sum of each 16 values as their codes give them (xd times the codes' sum), for
-    `tile_matmul_q8_kernel` (weight offsets, levels stored with a bias); `gate`: the steps it runs for
+    `tile_matmul_q8_kernel` (weight offsets, levels stored with a bias), and each row's words in the layout of its
+    `dot_i8_pair` (`cpu_intrinsics.chunked_byte`); `gate`: the steps it runs for
     (`tile_matmul.step_gate`)."""
     na = k // QB
     xo, inv = Var("xo"), Var("inv")
@@ -422,7 +424,9 @@ def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1, sums: bool = False
         Store("xd", Var("g0") * na + Var("g1"), Var("amax") / 127.0),
         LaneFor("q", Const(QB // 4), (
             *code_word(lambda e: Load("x", xo + Var("q") * 4 + e), inv, "word"),
-            Store("xq", xo // 4 + Var("q"), Var("word")),
+            # With sums (`tile_matmul_q8_kernel`), a row's words in `dot_i8_pair`'s layout.
+            Store("xq", Var("g0") * (k // 4) + chunked_byte(Var("g1") * QB + Var("q") * 4, k) // 4
+                  if sums else xo // 4 + Var("q"), Var("word")),
         )),
     )
     params = (Buf("x", "f32"), Buf("xq", "u32", out=True), Buf("xd", "f32", out=True), Scalar("T"))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from polystrata.codegen.cpu_intrinsics import CHUNK, chunked_byte
 from polystrata.codegen.dequant import Decoder
 from polystrata.codegen.format_analysis import (
     affine,
@@ -41,7 +42,7 @@ from polystrata.codegen.recipes import kernel_builder
 from polystrata.codegen.recipes._matvec import NONNEG, QB, fmt_for, nonneg_mask, sum_partials, use_int8
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
-from polystrata.ir.kernel import Assign, Buf, Call, Decl, For, If, Kernel, Let, Load, LocalArray, Scalar, Store
+from polystrata.ir.kernel import Buf, Call, Decl, For, If, Kernel, Let, Load, LocalArray, Scalar, Select, Store
 
 HALF = 16  # elements of an activation sum (`quantize_x_kernel`'s sums): the finest weight group taken
 
@@ -157,11 +158,12 @@ def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int
     rows = max(1, min(rows, n))
     wfs = [fmt_for(f) for f in fmts]
     na, nh = k // QB, k // HALF
+    full = na // CHUNK * CHUNK  # steps of a row in chunks (`chunked_byte`)
     params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("xs", "f32"),
               *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)), Buf("y", "f32", out=True), Scalar("T"))
     rr, b = Var("rr"), Var("b")
-    t0, tk = Var("t0"), Var("tk")
-    local, decode, dots, vals = [], [], [], []
+    t0, t, tk, tk1 = Var("t0"), Var("t"), Var("tk"), Var("tk1")
+    local, decode, dots = [], [], []
     for j, (f, wf) in enumerate(zip(fmts, wfs)):
         bs, g, a, bias = wf.block_size, finest_group(wf), affine(wf), q8_level_bias(f)
         lv, sw, mw = f"lv{j}", f"sw{j}", f"mw{j}"
@@ -174,8 +176,12 @@ def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int
 
         def group(start, size, env, inner, dec=dec, a=a, g=g, bs=bs, sw=sw, mw=mw, sums=sums, bias=bias):
             scale = dec.group_expr(a.scale, start, env)
-            st = [Let(f"{sw}_s{start}", scale),
-                  Store(sw, rr * (k // g) + b * (bs // g) + start // g, Var(f"{sw}_s{start}"))]
+            gi = b * (bs // g) + start // g  # the group's index in its row
+            if g == HALF:  # a chunk's first halves' scales, then its second halves' (`dot_i8_pair`)
+                step = gi // 2
+                inside = step // CHUNK * (2 * CHUNK) + gi % 2 * CHUNK + step % CHUNK
+                gi = inside if full == na else Select(step < full, inside, gi)
+            st = [Let(f"{sw}_s{start}", scale), Store(sw, rr * (k // g) + gi, Var(f"{sw}_s{start}"))]
             if sums:
                 m = Const(0.0) if a.offset is None else dec.group_expr(a.offset, start, env)
                 if bias:
@@ -185,44 +191,46 @@ def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int
 
         def chunk(c, L, i0, env, lw, a=a, bs=bs, lv=lv, bias=bias):
             level = lw.expr(a.level)
-            return [Store(lv, rr * k + b * bs + (c + Var(i0)), level + bias if bias else level)]
+            return [Store(lv, rr * k + chunked_byte(b * bs + (c + Var(i0)), k), level + bias if bias else level)]
 
         decode.append(For("b", Const(0), Const(k // bs), (
             # Block base addresses masked non-negative, as matmul_kernel's CPU path has them (`_matvec.NONNEG`).
             Let(f"w{j}_wb", (Var("rowc") * rb + b * block_stride(wf)) & nonneg_mask(n * rb)),
             *dec.walk(group, chunk),
         )))
-        acc = f"acc{j}"
-        dots.append(Decl(acc, "f32", Call("dot_i8_blocks", Var(lv), rr * k, Var("xq"), tk * k, Var(sw),
-                                          rr * (k // g), Var("xd"), tk * na, Const(na), Const(g))))
+        # Tokens t and t + 1 (the tile's last token again where t is): one call for both, the row's bytes and
+        # scales loaded once for the two.
+        here, next_ = t * rows + rr, (t + 1) * rows + rr
+        dots.append(Store(f"r{j}", here, Call("dot_i8_pair", Var(f"r{j}"), next_, Var(lv), rr * k, Var("xq"),
+                                              tk * k, tk1 * k, Var(sw), rr * (k // g), Var("xd"), tk * na, tk1 * na,
+                                              Const(na), Const(g))))
         if sums:
             # dot_f32: a loop of this length is unrolled whole and left scalar, reassociation allowed or not.
-            dots.append(Assign(acc, Var(acc) + Call("dot_f32", Var(mw), rr * nh, Var("xs"), tk * nh, Const(nh))))
-        vals.append(Var(acc))
+            dots += [Store(f"r{j}", at, Load(f"r{j}", at) + Call("dot_f32", Var(mw), rr * nh, Var("xs"), tok * nh,
+                                                                 Const(nh)))
+                     for at, tok in ((here, tk), (next_, tk1))]
     row = Var("g0") * rows + rr
-    tile_loop = (Let("tk", t0 + Var("t")), For("rr", Const(0), Const(rows), (If(row < n, (*dots, *(
-        # An epilogue (a GLU's activation) runs apart, over the tile's dot products kept in local arrays: a call
-        # into the C library (exp, tanh) inside this loop spilled and reloaded the dot products' vector registers
-        # around each call, ~20 ns a result (docs/benchmarks.md, "Prefill on the CPU: int8 tiles").
-        [Store(f"r{j}", Var("t") * rows + rr, v) for j, v in enumerate(vals)] if epilogue
-        else [Store("y", tk * n + row, vals[0])]))),)))
     body = [
         Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - t0)),
         # Rows past the last decode the last row (loads stay in bounds); their results are not stored.
         For("rr", Const(0), Const(rows), (Let("rowc", Call("min", row, Const(n - 1))), *decode)),
-        For("t", Const(0), Var("nt"), tile_loop),
+        For("tp", Const(0), (Var("nt") + 1) // 2, (
+            Let("t", Var("tp") * 2), Let("tk", t0 + t), Let("tk1", t0 + Call("min", t + 1, Var("nt") - 1)),
+            For("rr", Const(0), Const(rows), tuple(dots)),
+        )),
     ]
+    # The results of a tile (one token more: the last of an odd count is computed twice) in local arrays.
+    local += [LocalArray(f"r{j}", "f32", (tokens + 1) * rows) for j in range(len(fmts))]
     if epilogue:
-        local += [LocalArray(f"r{j}", "f32", tokens * rows) for j in range(len(fmts))]
         i = Var("i")
-        body += [
-            # One loop over the tile's results, in place, then the stores: a loop without branches over consecutive
-            # values, which vectorizes where the activation is plain arithmetic (the CPU's tanh).
-            For("i", Const(0), Var("nt") * rows, (Store("r0", i, epilogue([Load(f"r{j}", i)
-                                                                           for j in range(len(fmts))])),)),
-            For("t", Const(0), Var("nt"), (For("rr", Const(0), Const(rows), (If(row < n, (Store(
-                "y", (t0 + Var("t")) * n + row, Load("r0", Var("t") * rows + rr)),)),)),)),
-        ]
+        # One loop over the tile's results, in place, then the stores: a loop without branches over consecutive
+        # values, which vectorizes where the activation is plain arithmetic (the CPU's tanh). A call into the C
+        # library (exp, tanh) among the dot products spilled and reloaded their vector registers around each
+        # call, ~20 ns a result (docs/benchmarks.md, "Prefill on the CPU: int8 tiles").
+        body.append(For("i", Const(0), Var("nt") * rows, (Store("r0", i, epilogue([Load(f"r{j}", i)
+                                                                                  for j in range(len(fmts))])),)))
+    body.append(For("t", Const(0), Var("nt"), (For("rr", Const(0), Const(rows), (If(row < n, (Store(
+        "y", (t0 + t) * n + row, Load("r0", t * rows + rr)),)),)),)))
     grid = (Const(-(-n // rows)), step_gate((Var("T") + (tokens - 1)) // tokens, gate))
     return Kernel(name, params, grid, tuple(body), lanes=1, local=tuple(local),
                   # int8: its activations are, so the tuner compares its outputs within its int8 tolerance
