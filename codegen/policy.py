@@ -57,9 +57,10 @@ HOST_VNNI = host_vnni()
 HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
     # tile_q8: steps of several tokens take the int8 tile matmul (`tile_matmul_q8_kernel`), tiles of 128 tokens,
     # where the host has VNNI (docs/benchmarks.md, "Prefill on the CPU: int8 tiles" and "... two tokens a call");
-    # elsewhere (0) the f32 tiles.
+    # elsewhere (0) the f32 tiles. tile_q8_rows: its rows a group (8: x1.1 on gemma3's gate+up over 4, which the
+    # one-token matmuls keep).
     "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1, "contract": 1, "reuse": 0,
-               "tile_q8": 128 if HOST_VNNI else 0},
+               "tile_q8": 128 if HOST_VNNI else 0, "tile_q8_rows": 8},
     "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1},
     # group_heads: a KV head's query heads in one group (knob heads "auto"), each K and V value decoded once for all,
     # one-token plans keeping at least this many groups a token for the cores (docs/benchmarks.md, "Attention's
@@ -75,7 +76,7 @@ DEVICE_KNOBS: Mapping[str, Mapping[str, Any]] = {
     # reuse (a token tile's weights decoded once for all its tokens) stays off until measured on a GPU
     # (docs/benchmarks.md, "H200, 2026-12-05, second session"): `bench`/`serve --knob matmul.reuse=1`.
     "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0, "reuse": 0,
-               "tile_q8": 0},
+               "tile_q8": 0, "tile_q8_rows": 4},
     "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0},
     "attention": {"split_keys": 1, "group_heads": 0},
     "delta_rule": {"chunked_above": 16},

@@ -234,5 +234,5 @@ def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int
     grid = (Const(-(-n // rows)), step_gate((Var("T") + (tokens - 1)) // tokens, gate))
     return Kernel(name, params, grid, tuple(body), lanes=1, local=tuple(local),
                   # int8: its activations are, so the tuner compares its outputs within its int8 tolerance
-                  knobs=(("rows", rows), ("tile_q8", tokens), ("int8", 1)),
+                  knobs=(("tile_q8_rows", rows), ("tile_q8", tokens), ("int8", 1)),
                   doc=f"tile matmul int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
