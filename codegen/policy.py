@@ -55,12 +55,12 @@ HOST_VNNI = host_vnni()
 # that vectorize, activations quantized inside the kernel if at all, multiply-adds fused in the dot products,
 # which are bound by arithmetic there; no split-K attention) ...
 HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
-    # tile_q8: steps of several tokens take the int8 tile matmul (`tile_matmul_q8_kernel`), tiles of 128 tokens,
-    # where the host has VNNI (docs/benchmarks.md, "Prefill on the CPU: int8 tiles" and "... two tokens a call");
-    # elsewhere (0) the f32 tiles. tile_q8_rows: its rows a group (8: x1.1 on gemma3's gate+up over 4, which the
-    # one-token matmuls keep).
+    # tile_q8: steps of several tokens take the int8 tile matmul (`tile_matmul_q8_kernel`), tiles of 256 tokens
+    # (a row's levels decoded once for a 256-token step), where the host has VNNI (docs/benchmarks.md, "Prefill on
+    # the CPU: int8 tiles" and "... two tokens a call"); elsewhere (0) the f32 tiles. tile_q8_rows: its rows a
+    # group (8: x1.1 on gemma3's gate+up over 4, which the one-token matmuls keep).
     "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1, "contract": 1, "reuse": 0,
-               "tile_q8": 128 if HOST_VNNI else 0, "tile_q8_rows": 8},
+               "tile_q8": 256 if HOST_VNNI else 0, "tile_q8_rows": 8},
     "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1},
     # group_heads: a KV head's query heads in one group (knob heads "auto"), each K and V value decoded once for all,
     # one-token plans keeping at least this many groups a token for the cores (docs/benchmarks.md, "Attention's
