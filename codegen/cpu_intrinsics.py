@@ -4,13 +4,15 @@ The f16 conversions are LLVM `half` casts (`codegen/numba_intrinsics.py`): one v
 hosts with f16 conversions (F16C on x86-64 since 2012, every AArch64), where the portable helper costs tens of
 scalar instructions a scale in a quantized dot product's block loop.
 
-`dot_i8_blocks` (the block-scaled int8 dot product of the CPU's prefill matmul, `tile_matmul_q8_kernel`) is a
-loop of 32-byte steps written in LLVM IR: Numba's integer arithmetic is 64-bit and LLVM's vectorizer does not
-turn a loop of it back into byte dot products. Each step leaves eight i32 sums of four byte products in a vector,
-converted and scaled into eight f32 sums, added across once at the end. The weights' bytes are unsigned and the
-activations' signed, as x86's `vpdpbusd` takes them: on a host with AVX-512 VNNI or AVX-VNNI (`policy.HOST_VNNI`)
-a step's products are that one instruction; elsewhere plain LLVM integer vectors (widened, multiplied, added in
-fours), which every LLVM target lowers correctly.
+`dot_i8_pair` (the block-scaled int8 dot products of the CPU's prefill matmul, `tile_matmul_q8_kernel`: one
+row against two tokens) is written in LLVM IR: Numba's integer arithmetic is 64-bit and LLVM's vectorizer does
+not turn a loop of it back into byte dot products. The weights' bytes are unsigned and the activations' signed, as
+x86's `vpdpbusd` takes them: on a host with AVX-512 VNNI or AVX-VNNI (`policy.HOST_VNNI`) four byte products a
+lane are that one instruction; elsewhere plain LLVM integer vectors (widened, multiplied, added in fours), which
+every LLVM target lowers correctly. Row and codes lie in chunks of eight 32-byte steps, a 32-byte load holding a
+word of each step (`chunked_byte`), so that a chunk's eight products leave one sum vector, a lane a step, scaled
+by one vector of scales: no adding across lanes per step (each step's eight partial sums were added across by a
+tree of shuffles, about as many instructions as the products).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ f16_to_f32 = intrinsic(numba_intrinsics.f16_to_f32)
 f32_to_f16 = intrinsic(numba_intrinsics.f32_to_f16)
 
 
-# Which form `dot_i8_blocks` takes, read when a kernel is compiled (Numba's cache keys machine code by the host CPU
+# Which form `dot_i8_pair` takes, read when a kernel is compiled (Numba's cache keys machine code by the host CPU
 # and its features): the host policy's finding; a test sets it False to compile the portable form on a VNNI host.
 HOST_VNNI = policy.HOST_VNNI
 STEP = 32  # bytes of a step: one 256-bit vector of codes

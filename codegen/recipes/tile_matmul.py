@@ -16,12 +16,13 @@ default; knob tile); one-token plans keep `matmul_kernel`.
 `tile_matmul_q8_kernel` is the int8 form (knob tile_q8, its token tile: on by default where the host has VNNI,
 `policy.HOST_VNNI`), for formats whose value factors as `S_g * level + M_g` with byte-sized levels
 (`q8_tile_fits`): the activations quantized to int8 once per step by a launch before it (`linear.quantize_launch`
-with sums); a group decodes its rows' levels (plus a bias making them unsigned) to bytes, with the group scales
-and the 16-value terms (offsets less bias times scale), into local arrays once for its tile of tokens; then each
-token's dot product with a row is one `dot_i8_blocks` (32 byte products a step, `vpdpbusd` with VNNI, summed as
-integers a weight group, scaled by its scale and the activation block's) and one `dot_f32` of the 16-value terms
-with the activations' sums. Its results are those of the int8 activations: each product of the weights'
-values with the codes' values, exactly, but for float rounding.
+with sums, its codes in the chunked layout of `cpu_intrinsics.dot_i8_pair`); a group decodes its rows' levels
+(plus a bias making them unsigned) to bytes in that layout, with the group scales and the 16-value terms (offsets
+less bias times scale), into local arrays once for its tile of tokens; then two tokens' dot products with a row
+are one `dot_i8_pair` (32 byte products a step, `vpdpbusd` with VNNI, summed as integers a weight group, scaled by
+its scale and the activation block's; the row's bytes loaded once for both) and for each token one `dot_f32` of
+the 16-value terms with the activations' sums. Its results are those of the int8 activations: each product of
+the weights' values with the codes' values, exactly, but for float rounding.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def q8_level_bias(fmt: QuantFormat) -> int | None:
 
 def q8_tile_fits(fmts: Sequence[QuantFormat], k: int) -> bool:
     """Whether `tile_matmul_q8_kernel` takes weights of `fmts` with rows of `k`: every format on the int8 path
-    (`_matvec.use_int8`), its finest group 16 or 32 elements (`dot_i8_blocks`' groups; the activation sums are per
+    (`_matvec.use_int8`), its finest group 16 or 32 elements (`dot_i8_pair`'s groups; the activation sums are per
     16), its levels bytes (`q8_level_bias`)."""
     if k % QB:
         return False
@@ -152,9 +153,9 @@ def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int
     (xq: int8 codes 4 a word, xd: a scale a 32 values, xs: the codes' sum a 16 values, scaled); grid (ceil(n /
     rows), ceil(T / tokens)), one lane. A group first decodes its `rows` rows: each level plus the format's bias
     (`q8_level_bias`) as a byte, each group's scale S, and for each 16 values M - bias * S (M the group's offset,
-    or 0). Then for each token of its tile and each row: one `dot_i8_blocks` of the bytes and the codes, plus the
-    16-value terms times the activations' sums. Formats: those `q8_tile_fits` takes. `gate`: the steps it runs for
-    (`step_gate`)."""
+    or 0). Then for each pair of tokens of its tile and each row: one `dot_i8_pair` of the bytes and the codes,
+    plus for each token the 16-value terms times the activations' sums. Formats: those `q8_tile_fits` takes.
+    `gate`: the steps it runs for (`step_gate`)."""
     rows = max(1, min(rows, n))
     wfs = [fmt_for(f) for f in fmts]
     na, nh = k // QB, k // HALF
