@@ -4,13 +4,15 @@ The f16 conversions are LLVM `half` casts (`codegen/numba_intrinsics.py`): one v
 hosts with f16 conversions (F16C on x86-64 since 2012, every AArch64), where the portable helper costs tens of
 scalar instructions a scale in a quantized dot product's block loop.
 
-`dot_i8_blocks` (the block-scaled int8 dot product of the CPU's prefill matmul, `tile_matmul_q8_kernel`) is a
-loop of 32-byte steps written in LLVM IR: Numba's integer arithmetic is 64-bit and LLVM's vectorizer does not
-turn a loop of it back into byte dot products. Each step leaves eight i32 sums of four byte products in a vector,
-converted and scaled into eight f32 sums, added across once at the end. The weights' bytes are unsigned and the
-activations' signed, as x86's `vpdpbusd` takes them: on a host with AVX-512 VNNI or AVX-VNNI (`policy.HOST_VNNI`)
-a step's products are that one instruction; elsewhere plain LLVM integer vectors (widened, multiplied, added in
-fours), which every LLVM target lowers correctly.
+`dot_i8_pair` (the block-scaled int8 dot products of the CPU's prefill matmul, `tile_matmul_q8_kernel`: one
+row against two tokens) is written in LLVM IR: Numba's integer arithmetic is 64-bit and LLVM's vectorizer does
+not turn a loop of it back into byte dot products. The weights' bytes are unsigned and the activations' signed, as
+x86's `vpdpbusd` takes them: on a host with AVX-512 VNNI or AVX-VNNI (`policy.HOST_VNNI`) four byte products a
+lane are that one instruction; elsewhere plain LLVM integer vectors (widened, multiplied, added in fours), which
+every LLVM target lowers correctly. Row and codes lie in chunks of eight 32-byte steps, a 32-byte load holding a
+word of each step (`chunked_byte`), so that a chunk's eight products leave one sum vector, a lane a step, scaled
+by one vector of scales: no adding across lanes per step (each step's eight partial sums were added across by a
+tree of shuffles, about as many instructions as the products).
 """
 
 from __future__ import annotations
@@ -26,26 +28,27 @@ f16_to_f32 = intrinsic(numba_intrinsics.f16_to_f32)
 f32_to_f16 = intrinsic(numba_intrinsics.f32_to_f16)
 
 
-# Which form `dot_i8_blocks` takes, read when a kernel is compiled (Numba's cache keys machine code by the host CPU
+# Which form `dot_i8_pair` takes, read when a kernel is compiled (Numba's cache keys machine code by the host CPU
 # and its features): the host policy's finding; a test sets it False to compile the portable form on a VNNI host.
 HOST_VNNI = policy.HOST_VNNI
 STEP = 32  # bytes of a step: one 256-bit vector of codes
 
 
-def _step_sums(builder, w, x, vnni: bool):
+def _step_sums(builder, w, x, vnni: bool, acc=None):
     """<8 x i32>: lane l the sum of the products of bytes 4l..4l+3 of the <32 x i8> vectors `w` (unsigned) and `x`
-    (signed)."""
+    (signed), plus lane l of `acc` (an <8 x i32>, or zero)."""
     i32 = ir.IntType(32)
     v8i32 = ir.VectorType(i32, 8)
+    acc = acc if acc is not None else ir.Constant(v8i32, None)
     if vnni:
         fn = builder.module.declare_intrinsic("llvm.x86.avx512.vpdpbusd.256", (),
                                               ir.FunctionType(v8i32, [v8i32] * 3))
-        return builder.call(fn, [ir.Constant(v8i32, None), builder.bitcast(w, v8i32), builder.bitcast(x, v8i32)])
+        return builder.call(fn, [acc, builder.bitcast(w, v8i32), builder.bitcast(x, v8i32)])
     v32i32 = ir.VectorType(i32, STEP)
     prod = builder.mul(builder.zext(w, v32i32), builder.sext(x, v32i32))
     quads = [builder.shuffle_vector(prod, ir.Constant(v32i32, None),
                                     ir.Constant(v8i32, [4 * lane + j for lane in range(8)])) for j in range(4)]
-    return builder.add(builder.add(quads[0], quads[1]), builder.add(quads[2], quads[3]))
+    return builder.add(acc, builder.add(builder.add(quads[0], quads[1]), builder.add(quads[2], quads[3])))
 
 
 class _Emit:
@@ -74,10 +77,6 @@ class _Emit:
         return self.b.shuffle_vector(v, ir.Constant(v.type, None), ir.Constant(ir.VectorType(ir.IntType(32), len(idx)),
                                                                                idx))
 
-    def pick(self, a, c, idx):
-        """The vector of lanes `idx` of vectors `a` and `c` side by side (lanes of `c` from a's width on)."""
-        return self.b.shuffle_vector(a, c, ir.Constant(ir.VectorType(ir.IntType(32), len(idx)), idx))
-
     def fma(self, a, x, acc):
         t = a.type
         fn = self.b.module.declare_intrinsic(f"llvm.fma.v{t.count}f32", (), ir.FunctionType(t, [t] * 3))
@@ -105,58 +104,101 @@ class _Emit:
         return b.fadd(b.load(accs[0]), b.load(accs[1]))
 
 
+CHUNK = 8  # steps (32-byte blocks) of a chunk of `dot_i8_pair`'s layout
+
+
+def chunked_byte(e, k: int):
+    """Where byte `e` of a row of `k` (`e` an int or an IR expression) lies in `dot_i8_pair`'s layout: the row's
+    first steps (32 bytes), a multiple of CHUNK, in chunks: in chunk c, word v of step 8c + l at bytes 256c + 32v +
+    4l (so that one 32-byte load holds a word of each of the chunk's eight steps); the steps after them as they
+    are."""
+    full = k // STEP // CHUNK * CHUNK
+    s, j = e // STEP, e % STEP
+    inside = s // CHUNK * (CHUNK * STEP) + j // 4 * STEP + s % CHUNK * 4 + j % 4
+    if isinstance(e, int):
+        return inside if s < full else e
+    if full * STEP == k:  # no steps after the chunks (rows of K-quants): no select for the compiler to unroll
+        return inside
+    from polystrata.ir.expr import Select
+
+    return Select(s < full, inside, e)
+
+
 @intrinsic(prefer_literal=True)
-def dot_i8_blocks(typingctx, w, wo, x, xo, sw, swo, sx, sxo, steps, group):
-    """sum over s < steps, e < 32 of sw[swo + (32 s + e) / group] * sx[sxo + s] * w_e * x_e, with w_e the unsigned
-    byte at byte offset wo + 32 s + e of array `w` and x_e the signed byte at xo + 32 s + e of array `x`, each
-    group's byte products summed as integers (exact) and then scaled. `group` a literal 4, 8, 16 or 32."""
+def dot_i8_pair(typingctx, out, oi, w, wo, x, xo0, xo1, sw, swo, sx, sxo0, sxo1, steps, group):
+    """The block-scaled int8 dot products of a row of weights with two tokens' activations: returns token 0's and
+    writes token 1's to out[oi]. Each is the sum over s < steps, e < 32 of sw[swo + (32 s + e) / group] *
+    sx[sxo + s] * w_e * x_e, w_e the unsigned byte e of step s of array `w` from byte wo, x_e the signed byte of
+    array `x` from byte xo (xo0, sxo0 for token 0, xo1, sxo1 for token 1), both in `chunked_byte`'s layout with
+    full = steps // 8 * 8; each group's byte products summed as integers, then scaled. The weight scales of a chunk
+    with `group` 16 lie as its first halves' eight, then its second halves' eight. `group` a literal 16 or 32.
+
+    A chunk is 8 loads of each token's codes against 8 of the row's, one sum vector a token (a lane a step, no
+    adding across) converted and scaled at once: the row's bytes and scales are loaded once for both tokens."""
     if not (isinstance(w, types.Array) and isinstance(x, types.Array) and isinstance(group, types.IntegerLiteral)
-            and group.literal_value in (4, 8, 16, 32)):
+            and group.literal_value in (16, 32)):
         return None
     g = group.literal_value
 
     def codegen(context, builder, signature, args):
         e = _Emit(context, builder, signature, args)
-        f32, i8 = ir.FloatType(), ir.IntType(8)
-        v8f32, code_t = ir.VectorType(f32, 8), ir.VectorType(i8, STEP)
-        per_step = STEP // g  # weight scales a step
-        scales_t = ir.VectorType(f32, per_step)
+        f32, i8, i32 = ir.FloatType(), ir.IntType(8), ir.IntType(32)
+        v8f32, code_t, v8i32 = ir.VectorType(f32, 8), ir.VectorType(i8, STEP), ir.VectorType(i32, 8)
+        n = e.index(12)
+        xo = (e.index(5), e.index(6))
+        sxo = (e.index(10), e.index(11))
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v8f32, None)) for _ in range(2)]
 
-        def step(s, acc):
-            at = builder.mul(s, e.const(STEP))
-            sums = builder.sitofp(_step_sums(builder, e.load(0, i8, at, code_t), e.load(2, i8, at, code_t),
-                                             HOST_VNNI), v8f32)
-            # Lane l holds bytes 4l..4l+3: the weight scale of group 4l / g, times the step's activation scale.
-            w_scales = e.lanes(e.load(4, f32, builder.mul(s, e.const(per_step)), scales_t, 4),
-                               [4 * lane // g for lane in range(8)])
-            x_scale = e.lanes(builder.insert_element(ir.Constant(v8f32, None), e.load(6, f32, s),
-                                                     ir.Constant(ir.IntType(32), 0)), [0] * 8)
-            return e.fma(sums, builder.fmul(w_scales, x_scale), acc)
+        def codes(k, base, at):
+            """The 32 bytes at byte offset `base` + `at` of array argument k."""
+            data = context.make_array(signature.args[k])(context, builder, args[k]).data
+            p = builder.gep(builder.bitcast(data, ir.PointerType(i8)), [builder.add(base, at)])
+            return builder.load(builder.bitcast(p, ir.PointerType(code_t)), align=1)
 
-        n = e.index(8)
-        if g != STEP:
-            return e.across(e.loop2(n, step, v8f32))
+        def f32_at(k, base, at, vec=None):
+            data = context.make_array(signature.args[k])(context, builder, args[k]).data
+            p = builder.gep(builder.bitcast(data, ir.PointerType(f32)), [builder.add(base, at)])
+            return builder.load(builder.bitcast(p, ir.PointerType(vec)) if vec else p, align=4)
 
-        def eight(b, acc):
-            # Steps 8b .. 8b+7 (a scale each): their eight sum vectors added across into one vector of eight sums
-            # (a transposing tree of shuffles and adds), converted and scaled at once.
-            s0 = builder.mul(b, e.const(8))
-            sums = [_step_sums(builder, e.load(0, i8, at, code_t), e.load(2, i8, at, code_t), HOST_VNNI)
-                    for at in (builder.mul(builder.add(s0, e.const(j)), e.const(STEP)) for j in range(8))]
-            for width in (1, 2, 4):  # pairs (a, c): lane i of a run from `a` (i // width even) or `c` (odd)
-                first = [i if i // width % 2 == 0 else i + 8 - width for i in range(8)]
-                second = [i + width if i // width % 2 == 0 else i + 8 for i in range(8)]
-                sums = [builder.add(e.pick(a, c, first), e.pick(a, c, second)) for a, c in zip(sums[::2], sums[1::2])]
-            scales = builder.fmul(e.load(4, f32, s0, v8f32, 4), e.load(6, f32, s0, v8f32, 4))
-            return e.fma(builder.sitofp(sums[0], v8f32), scales, acc)
+        def broadcast(v):
+            return e.lanes(builder.insert_element(ir.Constant(v8f32, None), v, ir.Constant(i32, 0)), [0] * 8)
 
-        whole = builder.mul(builder.sdiv(n, e.const(8)), e.const(8))
-        acc = cgutils.alloca_once_value(builder, e.loop2(builder.sdiv(n, e.const(8)), eight, v8f32))
+        wo, swo = e.index(3), e.index(8)
+        with cgutils.for_range(builder, builder.sdiv(n, e.const(CHUNK)), intp=e.intp) as loop:
+            c = loop.index
+            base = builder.mul(c, e.const(CHUNK * STEP))
+            wv = [codes(2, wo, builder.add(base, e.const(STEP * v))) for v in range(8)]
+            halves = 2 if g == 16 else 1  # sum vectors a token: a half-step's words each
+            ws = [f32_at(7, swo, builder.add(builder.mul(c, e.const(CHUNK * halves)), e.const(CHUNK * h)), v8f32)
+                  for h in range(halves)]
+            for t in range(2):
+                xs_scale = f32_at(9, sxo[t], builder.mul(c, e.const(CHUNK)), v8f32)
+                acc = builder.load(accs[t])
+                for h in range(halves):
+                    sums = ir.Constant(v8i32, None)
+                    for v in range(h * 8 // halves, (h + 1) * 8 // halves):
+                        sums = _step_sums(builder, wv[v], codes(4, xo[t], builder.add(base, e.const(STEP * v))),
+                                          HOST_VNNI, sums)
+                    acc = e.fma(builder.sitofp(sums, v8f32), builder.fmul(ws[h], xs_scale), acc)
+                builder.store(acc, accs[t])
+        whole = builder.mul(builder.sdiv(n, e.const(CHUNK)), e.const(CHUNK))
         with cgutils.for_range(builder, builder.sub(n, whole), intp=e.intp) as loop:
-            builder.store(step(builder.add(whole, loop.index), builder.load(acc)), acc)
-        return e.across(builder.load(acc))
+            # The steps after the chunks: lane l of a step's sums holds bytes 4l..4l+3, of weight group 4l / g.
+            st = builder.add(whole, loop.index)
+            at = builder.mul(st, e.const(STEP))
+            wv = codes(2, wo, at)
+            per = STEP // g
+            ws = e.lanes(f32_at(7, swo, builder.mul(st, e.const(per)), ir.VectorType(f32, per)),
+                         [4 * lane // g for lane in range(8)])
+            for t in range(2):
+                sums = builder.sitofp(_step_sums(builder, wv, codes(4, xo[t], at), HOST_VNNI), v8f32)
+                scale = builder.fmul(ws, broadcast(f32_at(9, sxo[t], st)))
+                builder.store(e.fma(sums, scale, builder.load(accs[t])), accs[t])
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        builder.store(e.across(builder.load(accs[1])), builder.gep(data, [e.index(1)]))
+        return e.across(builder.load(accs[0]))
 
-    return types.float32(w, wo, x, xo, sw, swo, sx, sxo, steps, group), codegen
+    return types.float32(out, oi, w, wo, x, xo0, xo1, sw, swo, sx, sxo0, sxo1, steps, group), codegen
 
 
 @intrinsic

@@ -56,10 +56,12 @@ MMA_OFF = 1 << 20  # knob mma_min past every matrix: the tile products unused (c
 # that vectorize, activations quantized inside the kernel if at all, multiply-adds fused in the dot products,
 # which are bound by arithmetic there; no split-K attention) ...
 HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
-    # tile_q8: steps of several tokens take the int8 tile matmul (`tile_matmul_q8_kernel`), tiles of 64 tokens,
-    # where the host has VNNI (docs/benchmarks.md, "Prefill on the CPU: int8 tiles"); elsewhere (0) the f32 tiles.
+    # tile_q8: steps of several tokens take the int8 tile matmul (`tile_matmul_q8_kernel`), tiles of 256 tokens
+    # (a row's levels decoded once for a 256-token step), where the host has VNNI (docs/benchmarks.md, "Prefill on
+    # the CPU: int8 tiles" and "... two tokens a call"); elsewhere (0) the f32 tiles. tile_q8_rows: its rows a
+    # group (8: x1.1 on gemma3's gate+up over 4, which the one-token matmuls keep).
     "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1, "contract": 1, "reuse": 0,
-               "tile_q8": 64 if HOST_VNNI else 0, "mma_min": MMA_OFF},
+               "tile_q8": 256 if HOST_VNNI else 0, "tile_q8_rows": 8, "mma_min": MMA_OFF},
     "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1, "mma_min": MMA_OFF},
     # group_heads: a KV head's query heads in one group (knob heads "auto"), each K and V value decoded once for all,
     # one-token plans keeping at least this many groups a token for the cores (docs/benchmarks.md, "Attention's
@@ -78,7 +80,7 @@ DEVICE_KNOBS: Mapping[str, Mapping[str, Any]] = {
     # has matrix units (pp512 3.5x the int8 matvecs on the H200); the MoE experts' stay on their matvecs until
     # their short steps keep those (docs/benchmarks.md, "H200, 2026-12-05, eighth session").
     "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0, "reuse": 0,
-               "tile_q8": 0, "mma_min": 512},
+               "tile_q8": 0, "tile_q8_rows": 4, "mma_min": 512},
     "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0, "mma_min": MMA_OFF},
     "attention": {"split_keys": 1, "group_heads": 0},
     "delta_rule": {"chunked_above": 16},

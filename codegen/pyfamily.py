@@ -163,6 +163,9 @@ class PyPrinter:
     helper_decorator = ""
     # Intrinsics a target renders with its own functions (imported in `imports`): IR name -> function name.
     native_intrinsics: dict[str, str] = {}
+    # Math functions a target renders with helpers of its own, written into a kernel's module where it calls them
+    # (so the kernel's source, its cache key, holds them): IR name -> (function name, source with `{dec}`).
+    native_math: dict[str, tuple[str, str]] = {}
     # Loads at a promised alignment through the target's own functions of (buffer, np.uint64 index): `load_u32`
     # by its alignment argument, and 4-byte element loads by the bytes their `align` promises (`promised_bytes`).
     aligned_loads: dict[int, str] = {}
@@ -178,6 +181,7 @@ class PyPrinter:
         self.f16 = {p.name for p in k.params if isinstance(p, Buf) and p.dtype == "f16"}
         self.f16 |= {a.name for a in k.local if a.dtype == "f16"}
         self.tables: set[str] = set()
+        self.math_helpers: set[str] = set()  # `native_math` names called
         # Repeated subexpressions of the straight-line run being rendered, bound to temporaries (`straight`).
         self.shared: dict[tuple, str] | None = None
         self.versions: dict[str, int] = {}  # variable (or "" for memory) -> assignments so far in the run
@@ -282,6 +286,9 @@ class PyPrinter:
             args = ", ".join(self.e(a) for a in x.args)
             if x.fn == "rsqrt":
                 return f"np.float32(np.float32(1.0) / math.sqrt({args}))"
+            if x.fn in self.native_math:
+                self.math_helpers.add(x.fn)
+                return f"{self.native_math[x.fn][0]}({args})"
             if x.fn in _MATH:
                 call = f"{_MATH[x.fn]}({args})"
                 return f"np.float32({call})" if x.fn in _FLOAT_RESULT else call
@@ -432,10 +439,12 @@ class PyPrinter:
     # --- whole module ---------------------------------------------------------------------------------
 
     def render(self) -> str:
-        """The module: prelude, tables, then the kernel function `k.name`."""
+        """The module: prelude, the math helpers it calls, tables, then the kernel function `k.name`."""
         depth = self.header()
         self.body(self.k.body, depth)
+        head = prelude(self.imports, self.helper_decorator)
+        head += "".join("\n" + self.native_math[fn][1].format(dec=self.helper_decorator)
+                        for fn in sorted(self.math_helpers))
         # Module-level arrays are frozen into the compiled code as constants.
         tables = "".join(f"_TABLE_{n} = np.array({list(TABLES[n])}, np.int64)\n" for n in sorted(self.tables))
-        head = prelude(self.imports, self.helper_decorator)
         return head + "\n" + tables + "\n\n" + "\n".join(self.lines) + "\n"

@@ -74,21 +74,23 @@ INTRINSICS = {
     # constant 1, 2, 4, 8 or 16 the caller promises divides i (buffers start 16-byte aligned): a 4-byte or two
     # 2-byte loads; at 8 or 16 a target may merge it with the words after it into one wide load.
     "load_u32": (3, "u32", "four byte loads, shifted and or-ed"),
-    # Block-scaled int8 dot product: dot_i8_blocks(w, wo, x, xo, sw, swo, sx, sxo, steps, group) = the sum over
-    # s < steps, e < 32 of sw[swo + (32 s + e) / group] * sx[sxo + s] * w_e * x_e, w_e the unsigned byte at byte
-    # offset wo + 32 s + e of buffer or local array w, x_e the signed byte at xo + 32 s + e of x; `group` (a
-    # constant 4, 8, 16 or 32) elements' products summed as integers, then scaled. Numba targets only (the CPU's
-    # prefill matmul, `tile_matmul_q8_kernel`): there a loop in LLVM IR (`codegen/cpu_intrinsics.py`).
-    "dot_i8_blocks": (10, "f32", "integer vector products and sums in LLVM IR"),
+    # Block-scaled int8 dot products of one row with two tokens: dot_i8_pair(out, oi, w, wo, x, xo0, xo1, sw, swo, sx,
+    # sxo0, sxo1, steps, group) = token 0's, and token 1's written to local array out[oi]: each the sum over
+    # s < steps, e < 32 of sw[swo + (32 s + e) / group] * sx[sxo + s] * w_e * x_e, w_e the unsigned byte e of step
+    # s of buffer or local array w from byte wo, x_e the signed byte of x from byte xo (xo0 / sxo0, xo1 / sxo1),
+    # both in the chunked layout of `codegen/cpu_intrinsics.chunked_byte`; `group` (a constant 16 or 32) elements'
+    # products summed as integers, then scaled. Numba targets only (the CPU's prefill matmul,
+    # `tile_matmul_q8_kernel`): there a loop in LLVM IR (`codegen/cpu_intrinsics.py`).
+    "dot_i8_pair": (14, "f32", "integer vector products and sums in LLVM IR"),
     # dot_f32(a, ao, b, bo, n) = the sum over i < n of a[ao + i] * b[bo + i] (f32 buffers or local arrays), summed in
     # an order of the target's choosing (a short dot product that a compiler would unroll rather than vectorize).
-    # Numba targets only, as dot_i8_blocks.
+    # Numba targets only, as dot_i8_pair.
     "dot_f32": (5, "f32", "f32 vector multiply-adds in LLVM IR"),
 }
 # Intrinsics that only the Numba targets render (the others raise a KernelError naming them).
-NUMBA_ONLY_INTRINSICS = ("dot_i8_blocks", "dot_f32")
+NUMBA_ONLY_INTRINSICS = ("dot_i8_pair", "dot_f32")
 # The intrinsics that read buffers or local arrays named by their arguments: name -> the arguments' positions.
-BUFFER_ARGS = {"load_u32": (0,), "dot_i8_blocks": (0, 2, 4, 6), "dot_f32": (0, 2)}
+BUFFER_ARGS = {"load_u32": (0,), "dot_i8_pair": (2, 4, 7, 9), "dot_f32": (0, 2)}
 REDUCE_OPS = ("+", "max")
 
 

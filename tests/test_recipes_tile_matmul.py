@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from recipe_cases import int8_bound, recipe, recipe_context, run, target_runtimes, weight
 
+from polystrata.codegen.cpu_intrinsics import chunked_byte
 from polystrata.codegen.format_analysis import level_range
 from polystrata.codegen.recipes._matvec import fmt_for
-from polystrata.codegen.recipes.linear import matmul_kernel, quantize_x_kernel
+from polystrata.codegen.recipes.linear import gelu_tanh, matmul_kernel, quantize_x_kernel
 from polystrata.codegen.recipes.tile_matmul import (
     q8_level_bias,
     q8_tile_fits,
@@ -19,6 +20,7 @@ from polystrata.codegen.recipes.tile_matmul import (
 )
 from polystrata.ir.formats import FORMATS
 from polystrata.ir.graph import Graph
+from polystrata.runtimes import reference as R
 
 rt = target_runtimes()
 
@@ -64,24 +66,32 @@ def test_cpu_plans_of_several_tokens_take_it():
 # signed levels); slow, Q2_K (groups of 16 with offsets): 256-value blocks make long kernels, ~5 s of Numba compile
 # a format, so Q3_K, Q5_K and IQ4_XS (levels as Q6_K's, Q5_1's, IQ4_NL's; checked by hand, docs/benchmarks.md) are
 # not run here.
-Q8_FORMATS = (pytest.param(["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"], id="blocks32"),
-              pytest.param(["Q4_K", "Q6_K"], id="q4k_q6k"),
-              pytest.param(["Q2_K"], id="q2k", marks=pytest.mark.slow))
+# Rows of 320 (two steps after a chunk of `dot_i8_pair`'s layout) and of 256 (a chunk; two in its own test).
+Q8_FORMATS = (pytest.param(["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"], 320, id="blocks32"),
+              pytest.param(["Q4_K", "Q6_K"], 256, id="q4k_q6k"),
+              pytest.param(["Q2_K"], 256, id="q2k", marks=pytest.mark.slow))
 
 
-@pytest.mark.parametrize("fmt_names", Q8_FORMATS)
-def test_tile_matmul_q8_formats(rt, fmt_names):
-    """The int8 tile matmul over weights of every format it takes at once (its epilogue sums their dot products):
-    37 rows (groups of 4, the last partial), tiles of 16 tokens, steps of 1, 7 and 33 tokens (33: the last tile
-    partial), after `quantize_x_kernel` with sums. The products are those of the int8 activations' values with the
-    weights' (numpy in float64 on the codes the quantize kernel wrote), within float rounding."""
+def plain_order(k: int) -> np.ndarray:
+    """Where each byte of a row of k lies in `dot_i8_pair`'s chunked layout."""
+    return np.array([chunked_byte(e, k) for e in range(k)])
+
+
+@pytest.mark.parametrize(("fmt_names", "k"), Q8_FORMATS)
+def test_tile_matmul_q8_formats(rt, fmt_names, k):
+    """The int8 tile matmul over weights of every format it takes at once (its epilogue: GELU of their dot products'
+    sum, the CPU's tanh in its loop over a tile's results): 37 rows (groups of 4, the last partial), tiles of 16
+    tokens (two a `dot_i8_pair`), steps of 1, 7 and 33 tokens (odd: a token computed twice; 33: the last tile
+    partial), after `quantize_x_kernel` with sums. The
+    products are those of the int8 activations' values with the weights' (numpy in float64 on the codes the
+    quantize kernel wrote), within float rounding."""
     if rt.name != "cpu":
-        pytest.skip("dot_i8_blocks is the CPU target's (Numba)")
-    n, k = 37, 256
+        pytest.skip("dot_i8_pair is the CPU target's (Numba)")
+    n = 37
     assert all(q8_tile_fits([FORMATS[f]], k) for f in fmt_names)
     ws = [weight(f, n, k, seed=j) for j, f in enumerate(fmt_names)]
     kern = tile_matmul_q8_kernel(f"t_tq8_{len(fmt_names)}_{fmt_names[0].lower()}", [w[0] for w in ws], n, k, rows=4,
-                                 tokens=16, epilogue=lambda v: sum(v[1:], v[0]))
+                                 tokens=16, epilogue=lambda v: gelu_tanh(sum(v[1:], v[0])))
     quant = quantize_x_kernel(f"t_quantize_xs_{k}", k, sums=True)
     wsum = sum(w[2].astype(np.float64) for w in ws)
     x = np.random.default_rng(1).standard_normal((33, k)).astype(np.float32)
@@ -89,13 +99,15 @@ def test_tile_matmul_q8_formats(rt, fmt_names):
         q = run(rt, quant, {"x": x[:t].reshape(-1)}, {"T": t},
                 {"xq": ((t * k // 4,), "u32"), "xd": ((t * k // 32,), "f32"), "xs": ((t * k // 16,), "f32")})
         np.testing.assert_allclose(q["xd"], np.abs(x[:t]).reshape(-1, 32).max(axis=1) / 127, rtol=1e-6)
-        codes = q["xq"].view(np.int8).reshape(t, k).astype(np.float64)
+        codes = q["xq"].view(np.int8).reshape(t, k)[:, plain_order(k)].astype(np.float64)
         xhat = codes * np.repeat(q["xd"].reshape(t, -1), 32, axis=1)
         np.testing.assert_allclose(q["xs"], xhat.reshape(-1, 16).sum(axis=1), rtol=1e-5, atol=1e-5)
         y = run(rt, kern, {**q, **{f"w{j}": w[1] for j, w in enumerate(ws)}}, {"T": t}, {"y": ((t, n), "f32")})["y"]
-        want = xhat @ wsum.T
+        want = R.gelu_tanh(xhat @ wsum.T)
         np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-        np.testing.assert_allclose(y, x[:t] @ wsum.T, atol=sum(int8_bound(x[:t], w[2]) for w in ws).max())
+        # GELU's slope is below 1.13
+        np.testing.assert_allclose(y, R.gelu_tanh(x[:t] @ wsum.T),
+                                   atol=1.13 * sum(int8_bound(x[:t], w[2]) for w in ws).max())
 
 
 def test_q8_tile_level_ranges():
@@ -110,9 +122,10 @@ def test_q8_tile_level_ranges():
 
 
 @pytest.mark.parametrize("vnni", [False, True], ids=["portable", "vnni"])
-def test_dot_i8_blocks_forms(monkeypatch, vnni):
-    """`dot_i8_blocks` and `dot_f32` against numpy, odd step and element counts, unaligned offsets, groups of 4 to
-    32: the portable LLVM form on any host, the VNNI one where the host has it."""
+def test_dot_i8_pair_forms(monkeypatch, vnni):
+    """`dot_i8_pair` and `dot_f32` against numpy: 19 steps (two chunks and three steps after them), unaligned
+    offsets, groups of 16 and 32, the two tokens' codes and scales apart, the second's result written to its
+    array; the portable LLVM form on any host, the VNNI one where the host has it."""
     from numba import njit
 
     from polystrata.codegen import cpu_intrinsics
@@ -121,28 +134,42 @@ def test_dot_i8_blocks_forms(monkeypatch, vnni):
     if vnni and not HOST_VNNI:
         pytest.skip("this host has no VNNI")
     monkeypatch.setattr(cpu_intrinsics, "HOST_VNNI", vnni)  # read at compile time; cache=False: compiled here
-    dot, dotf = cpu_intrinsics.dot_i8_blocks, cpu_intrinsics.dot_f32
+    dot, dotf = cpu_intrinsics.dot_i8_pair, cpu_intrinsics.dot_f32
 
     @njit(cache=False)
-    def both(w, x, sw, sx, steps, a, b, n):
-        return (dot(w, 3, x, 5, sw, 1, sx, 2, steps, 4), dot(w, 3, x, 5, sw, 1, sx, 2, steps, 8),
-                dot(w, 3, x, 5, sw, 1, sx, 2, steps, 16), dot(w, 3, x, 5, sw, 1, sx, 2, steps, 32),
-                dotf(a, 1, b, 2, n))
+    def both(out, w, x, sw16, sw32, sx, steps, a, b, n):
+        first16 = dot(out, 1, w, 3, x, 5, 5 + 32 * steps + 2, sw16, 1, sx, 2, 2 + steps + 1, steps, 16)
+        first32 = dot(out, 2, w, 3, x, 5, 5 + 32 * steps + 2, sw32, 1, sx, 2, 2 + steps + 1, steps, 32)
+        return first16, first32, dotf(a, 1, b, 2, n)
 
     rng = np.random.default_rng(0)
-    steps, n = 27, 21  # G = 32: three blocks of eight steps (two accumulators, one left over) and three more
-    w = rng.integers(0, 256, 3 + 32 * steps).astype(np.uint8)
-    x = np.frombuffer(rng.integers(-127, 128, 8 + 32 * steps).astype(np.int8).tobytes(), np.uint32)
-    sw, sx = rng.random(1 + 8 * steps).astype(np.float32), rng.random(2 + steps).astype(np.float32)
+    steps, n, full = 19, 21, 16
+    k = 32 * steps
+    at = plain_order(k)
+    wp = rng.integers(0, 256, k).astype(np.uint8)
+    xp = rng.integers(-127, 128, (2, k)).astype(np.int8)
+    w = np.zeros(3 + k, np.uint8)
+    w[3 + at] = wp
+    x = np.zeros(5 + 2 * k + 2 + 3, np.int8)  # token 1's codes 2 bytes after token 0's
+    x[5 + at], x[5 + k + 2 + at] = xp
+    s16, s32 = rng.random(2 * steps).astype(np.float32), rng.random(steps).astype(np.float32)
+    sw16 = np.zeros(1 + 2 * steps, np.float32)  # a chunk's first halves' scales, then its second halves'
+    for gi in range(2 * steps):
+        st = gi // 2
+        sw16[1 + (st // 8 * 16 + gi % 2 * 8 + st % 8 if st < full else gi)] = s16[gi]
+    sxp = rng.random((2, steps)).astype(np.float32)
+    sx = np.concatenate([[0, 0], sxp[0], [0], sxp[1]]).astype(np.float32)
     a, b = rng.standard_normal(1 + n).astype(np.float32), rng.standard_normal(2 + n).astype(np.float32)
-    got = both(w, x, sw, sx, steps, a, b, n)
-    wv = w[3:].astype(np.float64)
-    xv = x.view(np.int8)[5:5 + 32 * steps].astype(np.float64)
-    e = np.arange(32 * steps)
-    for g, value in zip((4, 8, 16, 32), got):
-        want = np.sum(sw[1 + e // g] * sx[2 + e // 32] * wv * xv)
-        assert value == pytest.approx(want, rel=1e-5)
-    assert got[4] == pytest.approx(np.dot(a[1:].astype(np.float64), b[2:]), rel=1e-5)
+    out = np.zeros(3, np.float32)
+    words = np.frombuffer(x.tobytes() + bytes(-x.size % 4), np.uint32)
+    got = both(out, w, words, sw16, np.concatenate([[0], s32]).astype(np.float32), sx, steps, a, b, n)
+    e = np.arange(k)
+    for t in range(2):
+        prod = wp.astype(np.float64) * xp[t] * sxp[t][e // 32]
+        want16, want32 = np.sum(s16[e // 16] * prod), np.sum(s32[e // 32] * prod)
+        assert (got[0] if t == 0 else out[1]) == pytest.approx(want16, rel=1e-5)
+        assert (got[1] if t == 0 else out[2]) == pytest.approx(want32, rel=1e-5)
+    assert got[2] == pytest.approx(np.dot(a[1:].astype(np.float64), b[2:]), rel=1e-5)
 
 
 def test_cpu_prefill_takes_int8_tiles():
@@ -173,5 +200,5 @@ def test_cpu_prefill_takes_int8_tiles():
     assert [la.kernel.name for la in launches("F16", 64)] == ["matmul_f16_19x256_tile"]
     assert [la.kernel.name for la in launches("Q4_K", 64, t_max=above)] == ["matmul_q4_k_19x256_tile"]
     kern = tile_matmul_q8_kernel("t_tq8_c", [FORMATS["Q8_0"]], 8, 64, rows=4, tokens=4)
-    with pytest.raises(KernelError, match="dot_i8_blocks has no C-family form"):
+    with pytest.raises(KernelError, match="dot_i8_pair has no C-family form"):
         opencl.render(kern)

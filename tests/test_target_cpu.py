@@ -98,3 +98,29 @@ def test_ssa_in_one_sweep_matches_numba(module, tmp_path):
     text = str(want)
     assert text.count(" = phi(") >= 2 and text.count(".1 = ") > 30, text[:2000]  # phis, many renamed variables
 
+
+
+def test_tanh_is_a_rational_function_within_a_few_ulp():
+    """The cpu renders `tanh` as its own arithmetic (`cpu.TANH_F32`, which vectorizes in a loop where a C library
+    call does not), written into the modules of kernels that call it only: within 3.5e-7 of tanh (relative) from
+    1e-30 to past its clamp, odd, never past +-1, +-1 at the infinities, NaN for NaN."""
+    from recipe_cases import run
+
+    from polystrata.ir.kernel import Buf, Call, Const, For, Kernel, Load, Scalar, Store, Var
+    from polystrata.runtimes.cpu import CPURuntime
+
+    j = Var("j")
+    kern = Kernel("t_tanh", (Buf("x", "f32"), Buf("y", "f32", out=True), Scalar("n")), (Const(1),),
+                  (For("j", Const(0), Var("n"), (Store("y", j, Call("tanh", Load("x", j))),)),), lanes=1)
+    assert "def tanh_f32" in render(kern) and "math.tanh" not in render(kern)
+    assert "tanh_f32" not in render(matmul_kernel("m", [FORMATS["Q4_1"]], 64, 64, rows=4, tokens=8, int8=False,
+                                                  split="rows", lanes=1))
+    pos = np.concatenate([np.linspace(0, 20, 100_001, dtype=np.float32), np.geomspace(1e-30, 1e-3, 2000,
+                                                                                     dtype=np.float32)])
+    x = np.concatenate([pos, -pos, np.float32([np.inf, -np.inf, np.nan])])
+    y = run(CPURuntime(), kern, {"x": x}, {"n": x.size}, {"y": ((x.size,), "f32")})["y"]
+    ref = np.tanh(x[:-3].astype(np.float64))
+    assert np.all(np.abs(y[:-3] - ref) <= 3.5e-7 * np.abs(ref))
+    np.testing.assert_array_equal(y[pos.size:2 * pos.size], -y[:pos.size])
+    assert np.abs(y[:-3]).max() == 1.0
+    assert list(y[-3:-1]) == [1.0, -1.0] and np.isnan(y[-1])

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from polystrata.codegen.cpu_intrinsics import chunked_byte
 from polystrata.codegen.dequant import Decoder
 from polystrata.codegen.format_analysis import block_stride, elements_per_row_bytes, weight_dtype, widen
 from polystrata.codegen.policy import Policy
@@ -103,7 +104,8 @@ MATMUL_KNOBS = (Knob("rows", "auto", (1, 2, 4, 8)), Knob("tokens", 8, (1, 2, 4, 
                 Knob("xq", "auto", ("inline", "kernel")), Knob("sub", "auto", (1, 2, 4, 8)),
                 Knob("runs", "auto", (0, 1)), Knob("lanes", "auto", (32, 64, 128, 256)),
                 Knob("spread", "auto", (0, 1)), Knob("tile", "auto", (0, 8, 16, 32)), Knob("contract", "auto", (0, 1)),
-                Knob("reuse", "auto", (0, 1)), Knob("tile_q8", "auto", (0, 32, 64, 128, 256)), *TILE_MMA_KNOBS)
+                Knob("reuse", "auto", (0, 1)), Knob("tile_q8", "auto", (0, 32, 64, 128, 256)),
+                Knob("tile_q8_rows", "auto", (2, 4, 8, 16)), *TILE_MMA_KNOBS)
 
 
 def _matmul_constraint(kn: dict) -> bool:
@@ -125,14 +127,15 @@ MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, constraint=_matmul_constraint)
 TILE_TOKENS = 16
 # Knob tile_q8 ("auto": the policy's; 0: off): tokens a tile of `tile_matmul_q8_kernel`, which one-lane plans of
 # more than one token take for the formats it covers, ahead of `tile_matmul_kernel`; its rows' levels are decoded
-# once for a tile.
+# once for a tile. Knob tile_q8_rows ("auto": the policy's): its rows a group.
 # Knobs of the two-launch GPU path only (`_launches`); the rest are `matmul_kernel`'s.
 GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread", "reuse", *(knob.name for knob in TILE_MMA_KNOBS))
 
 
 def matmul_kernel_knobs(kn: dict) -> dict:
     """The knobs of `kn` that `matmul_kernel` takes (those of the GPU path and of `tile_matmul_kernel` removed)."""
-    return {name: v for name, v in kn.items() if name not in GPU_PATH_KNOBS and name not in ("tile", "tile_q8")}
+    tiles = ("tile", "tile_q8", "tile_q8_rows")
+    return {name: v for name, v in kn.items() if name not in GPU_PATH_KNOBS and name not in tiles}
 
 
 def _exp(x: Expr) -> Expr:
@@ -277,7 +280,7 @@ def _knobs(ctx: RecipeContext, space: KnobSpace, instance: str | None) -> dict:
 
 
 # The matmul knobs whose "auto" is the target policy's value.
-POLICY_KNOBS = ("split", "rows", "xq", "int8", "vert", "contract", "reuse", "tile_q8")
+POLICY_KNOBS = ("split", "rows", "xq", "int8", "vert", "contract", "reuse", "tile_q8", "tile_q8_rows")
 
 
 def with_policy_defaults(kn: dict, policy: Policy) -> dict:
@@ -399,7 +402,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
             # sequences share its step). The row count picks at run time.
             gate = (TILES_ABOVE, True)
             ql, _, _ = quantize_launch(ctx, x, k, t_bind, sums=True, gate=gate)
-            kern = tile_matmul_q8_kernel(f"{name}_tq8{gate_suffix(gate)}", fmts, n, k, rows=kn["rows"],
+            kern = tile_matmul_q8_kernel(f"{name}_tq8{gate_suffix(gate)}", fmts, n, k, rows=int(kn["tile_q8_rows"]),
                                          tokens=int(kn["tile_q8"]), epilogue=epilogue, gate=gate)
             out = [ql, Launch(kern, (*ql.buffers[1:], *wbind, ("y", y)), (("T", t_bind),))]
             f32_gate = (TILES_ABOVE, False)
@@ -419,7 +422,8 @@ def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1, sums: bool = False
     max|x| / 127 of each 32 values. Grid (T * rows_per_t, k / 32): a group of 32 lanes per 32 values (the max a
     one-warp Reduce, then 8 lanes pack a word each); `rows_per_t` > 1: x has that many rows per token (MoE slots).
     `sums`: also xs[t*k/16 + h] = the sum of each 16 values as their codes give them (xd times the codes' sum), for
-    `tile_matmul_q8_kernel` (weight offsets, levels stored with a bias); `gate`: the steps it runs for
+    `tile_matmul_q8_kernel` (weight offsets, levels stored with a bias), and each row's words in the layout of its
+    `dot_i8_pair` (`cpu_intrinsics.chunked_byte`); `gate`: the steps it runs for
     (`tile_matmul.step_gate`)."""
     na = k // QB
     xo, inv = Var("xo"), Var("inv")
@@ -430,7 +434,9 @@ def quantize_x_kernel(name: str, k: int, rows_per_t: int = 1, sums: bool = False
         Store("xd", Var("g0") * na + Var("g1"), Var("amax") / 127.0),
         LaneFor("q", Const(QB // 4), (
             *code_word(lambda e: Load("x", xo + Var("q") * 4 + e), inv, "word"),
-            Store("xq", xo // 4 + Var("q"), Var("word")),
+            # With sums (`tile_matmul_q8_kernel`), a row's words in `dot_i8_pair`'s layout.
+            Store("xq", Var("g0") * (k // 4) + chunked_byte(Var("g1") * QB + Var("q") * 4, k) // 4
+                  if sums else xo // 4 + Var("q"), Var("word")),
         )),
     )
     params = (Buf("x", "f32"), Buf("xq", "u32", out=True), Buf("xd", "f32", out=True), Scalar("T"))

@@ -16,18 +16,20 @@ default; knob tile); one-token plans keep `matmul_kernel`.
 `tile_matmul_q8_kernel` is the int8 form (knob tile_q8, its token tile: on by default where the host has VNNI,
 `policy.HOST_VNNI`), for formats whose value factors as `S_g * level + M_g` with byte-sized levels
 (`q8_tile_fits`): the activations quantized to int8 once per step by a launch before it (`linear.quantize_launch`
-with sums); a group decodes its rows' levels (plus a bias making them unsigned) to bytes, with the group scales
-and the 16-value terms (offsets less bias times scale), into local arrays once for its tile of tokens; then each
-token's dot product with a row is one `dot_i8_blocks` (32 byte products a step, `vpdpbusd` with VNNI, summed as
-integers a weight group, scaled by its scale and the activation block's) and one `dot_f32` of the 16-value terms
-with the activations' sums. Its results are those of the int8 activations: each product of the weights'
-values with the codes' values, exactly, but for float rounding.
+with sums, its codes in the chunked layout of `cpu_intrinsics.dot_i8_pair`); a group decodes its rows' levels
+(plus a bias making them unsigned) to bytes in that layout, with the group scales and the 16-value terms (offsets
+less bias times scale), into local arrays once for its tile of tokens; then two tokens' dot products with a row
+are one `dot_i8_pair` (32 byte products a step, `vpdpbusd` with VNNI, summed as integers a weight group, scaled by
+its scale and the activation block's; the row's bytes loaded once for both) and for each token one `dot_f32` of
+the 16-value terms with the activations' sums. Its results are those of the int8 activations: each product of
+the weights' values with the codes' values, exactly, but for float rounding.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from polystrata.codegen.cpu_intrinsics import CHUNK, chunked_byte
 from polystrata.codegen.dequant import Decoder
 from polystrata.codegen.format_analysis import (
     affine,
@@ -41,7 +43,7 @@ from polystrata.codegen.recipes import kernel_builder
 from polystrata.codegen.recipes._matvec import NONNEG, QB, fmt_for, nonneg_mask, sum_partials, use_int8
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
-from polystrata.ir.kernel import Assign, Buf, Call, Decl, For, If, Kernel, Let, Load, LocalArray, Scalar, Store
+from polystrata.ir.kernel import Buf, Call, Decl, For, If, Kernel, Let, Load, LocalArray, Scalar, Select, Store
 
 HALF = 16  # elements of an activation sum (`quantize_x_kernel`'s sums): the finest weight group taken
 
@@ -130,7 +132,7 @@ def q8_level_bias(fmt: QuantFormat) -> int | None:
 
 def q8_tile_fits(fmts: Sequence[QuantFormat], k: int) -> bool:
     """Whether `tile_matmul_q8_kernel` takes weights of `fmts` with rows of `k`: every format on the int8 path
-    (`_matvec.use_int8`), its finest group 16 or 32 elements (`dot_i8_blocks`' groups; the activation sums are per
+    (`_matvec.use_int8`), its finest group 16 or 32 elements (`dot_i8_pair`'s groups; the activation sums are per
     16), its levels bytes (`q8_level_bias`)."""
     if k % QB:
         return False
@@ -151,17 +153,18 @@ def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int
     (xq: int8 codes 4 a word, xd: a scale a 32 values, xs: the codes' sum a 16 values, scaled); grid (ceil(n /
     rows), ceil(T / tokens)), one lane. A group first decodes its `rows` rows: each level plus the format's bias
     (`q8_level_bias`) as a byte, each group's scale S, and for each 16 values M - bias * S (M the group's offset,
-    or 0). Then for each token of its tile and each row: one `dot_i8_blocks` of the bytes and the codes, plus the
-    16-value terms times the activations' sums. Formats: those `q8_tile_fits` takes. `gate`: the steps it runs for
-    (`step_gate`)."""
+    or 0). Then for each pair of tokens of its tile and each row: one `dot_i8_pair` of the bytes and the codes,
+    plus for each token the 16-value terms times the activations' sums. Formats: those `q8_tile_fits` takes.
+    `gate`: the steps it runs for (`step_gate`)."""
     rows = max(1, min(rows, n))
     wfs = [fmt_for(f) for f in fmts]
     na, nh = k // QB, k // HALF
+    full = na // CHUNK * CHUNK  # steps of a row in chunks (`chunked_byte`)
     params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("xs", "f32"),
               *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)), Buf("y", "f32", out=True), Scalar("T"))
     rr, b = Var("rr"), Var("b")
-    t0, tk = Var("t0"), Var("tk")
-    local, decode, dots, vals = [], [], [], []
+    t0, t, tk, tk1 = Var("t0"), Var("t"), Var("tk"), Var("tk1")
+    local, decode, dots = [], [], []
     for j, (f, wf) in enumerate(zip(fmts, wfs)):
         bs, g, a, bias = wf.block_size, finest_group(wf), affine(wf), q8_level_bias(f)
         lv, sw, mw = f"lv{j}", f"sw{j}", f"mw{j}"
@@ -174,8 +177,12 @@ def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int
 
         def group(start, size, env, inner, dec=dec, a=a, g=g, bs=bs, sw=sw, mw=mw, sums=sums, bias=bias):
             scale = dec.group_expr(a.scale, start, env)
-            st = [Let(f"{sw}_s{start}", scale),
-                  Store(sw, rr * (k // g) + b * (bs // g) + start // g, Var(f"{sw}_s{start}"))]
+            gi = b * (bs // g) + start // g  # the group's index in its row
+            if g == HALF:  # a chunk's first halves' scales, then its second halves' (`dot_i8_pair`)
+                step = gi // 2
+                inside = step // CHUNK * (2 * CHUNK) + gi % 2 * CHUNK + step % CHUNK
+                gi = inside if full == na else Select(step < full, inside, gi)
+            st = [Let(f"{sw}_s{start}", scale), Store(sw, rr * (k // g) + gi, Var(f"{sw}_s{start}"))]
             if sums:
                 m = Const(0.0) if a.offset is None else dec.group_expr(a.offset, start, env)
                 if bias:
@@ -185,40 +192,48 @@ def tile_matmul_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int
 
         def chunk(c, L, i0, env, lw, a=a, bs=bs, lv=lv, bias=bias):
             level = lw.expr(a.level)
-            return [Store(lv, rr * k + b * bs + (c + Var(i0)), level + bias if bias else level)]
+            return [Store(lv, rr * k + chunked_byte(b * bs + (c + Var(i0)), k), level + bias if bias else level)]
 
         decode.append(For("b", Const(0), Const(k // bs), (
             # Block base addresses masked non-negative, as matmul_kernel's CPU path has them (`_matvec.NONNEG`).
             Let(f"w{j}_wb", (Var("rowc") * rb + b * block_stride(wf)) & nonneg_mask(n * rb)),
             *dec.walk(group, chunk),
         )))
-        acc = f"acc{j}"
-        dots.append(Decl(acc, "f32", Call("dot_i8_blocks", Var(lv), rr * k, Var("xq"), tk * k, Var(sw),
-                                          rr * (k // g), Var("xd"), tk * na, Const(na), Const(g))))
+        # Tokens t and t + 1 (the tile's last token again where t is): one call for both, the row's bytes and
+        # scales loaded once for the two.
+        here, next_ = t * rows + rr, (t + 1) * rows + rr
+        dots.append(Store(f"r{j}", here, Call("dot_i8_pair", Var(f"r{j}"), next_, Var(lv), rr * k, Var("xq"),
+                                              tk * k, tk1 * k, Var(sw), rr * (k // g), Var("xd"), tk * na, tk1 * na,
+                                              Const(na), Const(g))))
         if sums:
             # dot_f32: a loop of this length is unrolled whole and left scalar, reassociation allowed or not.
-            dots.append(Assign(acc, Var(acc) + Call("dot_f32", Var(mw), rr * nh, Var("xs"), tk * nh, Const(nh))))
-        vals.append(Var(acc))
+            dots += [Store(f"r{j}", at, Load(f"r{j}", at) + Call("dot_f32", Var(mw), rr * nh, Var("xs"), tok * nh,
+                                                                 Const(nh)))
+                     for at, tok in ((here, tk), (next_, tk1))]
     row = Var("g0") * rows + rr
-    tile_loop = (Let("tk", t0 + Var("t")), For("rr", Const(0), Const(rows), (If(row < n, (*dots, *(
-        # An epilogue (a GLU's activation) runs apart, over the tile's dot products kept in local arrays: a call
-        # into the C library (exp, tanh) inside this loop spilled and reloaded the dot products' vector registers
-        # around each call, ~20 ns a result (docs/benchmarks.md, "Prefill on the CPU: int8 tiles").
-        [Store(f"r{j}", Var("t") * rows + rr, v) for j, v in enumerate(vals)] if epilogue
-        else [Store("y", tk * n + row, vals[0])]))),)))
     body = [
         Let("t0", Var("g1") * tokens), Let("nt", Call("min", Const(tokens), Var("T") - t0)),
         # Rows past the last decode the last row (loads stay in bounds); their results are not stored.
         For("rr", Const(0), Const(rows), (Let("rowc", Call("min", row, Const(n - 1))), *decode)),
-        For("t", Const(0), Var("nt"), tile_loop),
+        For("tp", Const(0), (Var("nt") + 1) // 2, (
+            Let("t", Var("tp") * 2), Let("tk", t0 + t), Let("tk1", t0 + Call("min", t + 1, Var("nt") - 1)),
+            For("rr", Const(0), Const(rows), tuple(dots)),
+        )),
     ]
+    # The results of a tile (one token more: the last of an odd count is computed twice) in local arrays.
+    local += [LocalArray(f"r{j}", "f32", (tokens + 1) * rows) for j in range(len(fmts))]
     if epilogue:
-        local += [LocalArray(f"r{j}", "f32", tokens * rows) for j in range(len(fmts))]
-        at = Var("t") * rows + rr
-        body.append(For("t", Const(0), Var("nt"), (For("rr", Const(0), Const(rows), (If(row < n, (Store(
-            "y", (t0 + Var("t")) * n + row, epilogue([Load(f"r{j}", at) for j in range(len(fmts))])),)),)),)))
+        i = Var("i")
+        # One loop over the tile's results, in place, then the stores: a loop without branches over consecutive
+        # values, which vectorizes where the activation is plain arithmetic (the CPU's tanh). A call into the C
+        # library (exp, tanh) among the dot products spilled and reloaded their vector registers around each
+        # call, ~20 ns a result (docs/benchmarks.md, "Prefill on the CPU: int8 tiles").
+        body.append(For("i", Const(0), Var("nt") * rows, (Store("r0", i, epilogue([Load(f"r{j}", i)
+                                                                                  for j in range(len(fmts))])),)))
+    body.append(For("t", Const(0), Var("nt"), (For("rr", Const(0), Const(rows), (If(row < n, (Store(
+        "y", (t0 + t) * n + row, Load("r0", t * rows + rr)),)),)),)))
     grid = (Const(-(-n // rows)), step_gate((Var("T") + (tokens - 1)) // tokens, gate))
     return Kernel(name, params, grid, tuple(body), lanes=1, local=tuple(local),
                   # int8: its activations are, so the tuner compares its outputs within its int8 tolerance
-                  knobs=(("rows", rows), ("tile_q8", tokens), ("int8", 1)),
+                  knobs=(("tile_q8_rows", rows), ("tile_q8", tokens), ("int8", 1)),
                   doc=f"tile matmul int8 {'+'.join(f.name for f in fmts)} [{n}x{k}]")
