@@ -24,7 +24,8 @@ decoded once for a tile of tokens; where the host has VNNI (knob tile_q8, the ho
 quantize launch that also writes the activations' sums, else the f32 one (knob tile).
 
 Prompt chunks on matrix units (the policy's `matrix_units`, plans of more than one token): `tile_mma.py`'s tile
-products instead, for int8-path formats after the same quantize launch, for F16 weights on the f32 activations
+products instead, for int8-path formats after the same quantize launch in steps of more than TILES_ABOVE tokens
+(shorter steps keep the int8 matvecs, the row count picking at run time), for F16 weights on the f32 activations
 (knobs mma_rows, mma_tokens, mma_chunk, mma_lanes, mma_min, mma_words); matmuls of one input then launch one by one.
 
 Knobs (`MATMUL_SPACE`; "auto" of split, rows, xq, int8, vert and contract is what the target's policy says,

@@ -24,7 +24,7 @@ docs/benchmarks.md, "Prefill on matrix units", has the analysis).
 
 The activation codes are those of the GPU matvec path, so prefill and decode see the same rounding. Knobs (recipe
 "matmul", read by `linear._launches`): mma_rows, mma_tokens (the tile), mma_chunk (K per staging round), mma_lanes,
-mma_min (the smallest matrix taken; by default none: see `TILE_MMA_KNOBS`), mma_words (above).
+mma_min (the smallest matrix taken; "auto": the target policy's, see `TILE_MMA_KNOBS`), mma_words (above).
 Targets without a matrix unit render the same kernel as loops (`codegen/lanes.py`); `linear._launches` takes it
 only where the target's policy says it has them (`Policy.matrix_units`) and the plan serves steps of several tokens.
 
