@@ -77,11 +77,11 @@ DEVICE_KNOBS: Mapping[str, Mapping[str, Any]] = {
     # reuse (a token tile's weights decoded once for all its tokens) stays off until measured on a GPU
     # (docs/benchmarks.md, "H200, 2026-12-05, second session"): `bench`/`serve --knob matmul.reuse=1`.
     # mma_min: the smallest matrix whose prompt steps of more than 64 tokens take tile products, where the device
-    # has matrix units (pp512 3.5x the int8 matvecs on the H200); the MoE experts' stay on their matvecs until
-    # their short steps keep those (docs/benchmarks.md, "H200, 2026-12-05, eighth session").
+    # has matrix units (pp512 3.5x the int8 matvecs on the H200, the MoE preset's 2.6x with the experts'; docs/
+    # benchmarks.md, "H200, 2026-12-05, eighth session"); shorter steps keep the int8 matvecs.
     "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0, "reuse": 0,
                "tile_q8": 0, "tile_q8_rows": 4, "mma_min": 512},
-    "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0, "mma_min": MMA_OFF},
+    "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0, "mma_min": 512},
     "attention": {"split_keys": 1, "group_heads": 0},
     "delta_rule": {"chunked_above": 16},
 }

@@ -251,18 +251,22 @@ def test_moe_ffn_tile_products(rt, fmt_name):
     """Prompt chunks on matrix units: each listed expert's tokens through the prefill matmul's tile products
     (`tile_mma`, portable rendering here), gate/up with the GLU as epilogue, then down; Q8_0 on int8 activations,
     F16 weights on f16 ones (the formats' decoding is test_recipes_tile_mma's: each path here in a cheap format).
-    T = 33 with one expert taking every token (two token tiles, the second partial), 7 and 1; experts without
-    tokens store nothing (outputs poisoned)."""
+    Q8_0 takes them in steps of more than 64 tokens and its int8 matvecs in the others (the row count picks; both
+    checked here); F16 in every step. T = 70 and 33 with one expert taking every token (token tiles, the last
+    partial), 7 and 1; experts without tokens store nothing (outputs poisoned)."""
     if rt.lanes == 1:
         pytest.skip("GPU-shaped, never planned on one lane")
     e, dm, k = 8, 256, 2
     knobs = {"mma_min": 32, "mma_rows": 32, "mma_tokens": 16, "mma_lanes": 64}
-    g, ctx, _, ml, weights, deq = _moe_case(rt, fmt_name, 128, t_max=40, knobs=knobs, matrix_units=True)
-    assert [la.kernel.name.endswith("_mma") for la in ml if la.kernel.name.startswith("moe_")] == [
-        False, True, True, False]  # group, gate/up, down, combine
+    g, ctx, _, ml, weights, deq = _moe_case(rt, fmt_name, 128, t_max=80, knobs=knobs, matrix_units=True)
+    moe = [la.kernel.name for la in ml if la.kernel.name.startswith("moe_")]  # group, ..., combine
+    if fmt_name == "F16":
+        assert [n.endswith("_mma") for n in moe] == [False, True, True, False], moe
+    else:
+        assert [n.split("_")[-2:] for n in moe[1:-1]] == [["gt64", "mma"]] * 2 + [["le64", "q8"]] * 2, moe
     rng = np.random.default_rng(17)
     keep: dict = {}
-    for t, skew in ((33, True), (7, False), (1, False)):
+    for t, skew in ((70, True), (33, True), (7, False), (1, False)):
         xv = rng.standard_normal((t, dm)).astype(np.float32)
         ids, w, route = _hand_routes(rng, t, e, k, skew)
         sb, so = plan_scratch(ctx)

@@ -30,9 +30,10 @@ two more launches) and each group sweeps one expert row with `_matvec.split_row_
 block, runs: consecutive words per lane, see `_matvec.use_runs`; spread: rows a group whose lanes spread over
 them, "auto" `_matvec.spread_rows`: 16 Q4_K rows of 768 columns); other formats take a Reduce over each row's
 blocks on f32 activations. Knobs: rows, split, xq, sub, runs, spread. Prompt chunks on matrix units (the
-policy's `matrix_units`, plans of several tokens, matrices of at least mma_min) take `tile_mma.tile_mma_kernel`
-for gate/up and down instead, its tokens gathered through the lists (`expert_gather`, a grid dimension over the
-experts with entries), after the same quantize launches (F16 weights: on the f32 activations); knobs mma_rows,
+policy's `matrix_units`, matrices of at least mma_min) take `tile_mma.tile_mma_kernel` for gate/up and down in
+steps of more than TILES_ABOVE tokens (shorter ones keep the int8 matvecs, the row count picking at run time; F16
+experts: every step of several tokens), its tokens gathered through the lists (`expert_gather`, a grid dimension
+over the experts with entries), after the same quantize launches (F16 weights: on the f32 activations); knobs mma_rows,
 mma_tokens, mma_chunk, mma_lanes, mma_min, mma_words as `linear`'s. In a plan of one-token steps (decode)
 the router writes the lists itself (recipe `router_moe`) and the `group` launch goes. Where the residual add and
 an RMS norm follow (every layer but the last), the norm's kernel sums the experts' outputs (`combine_addend`)
@@ -73,8 +74,10 @@ from polystrata.codegen.recipes._matvec import (
     use_int8,
     use_runs,
 )
+from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE
 from polystrata.codegen.recipes.elementwise import Addend, match_add_rms, norm_launch
 from polystrata.codegen.recipes.linear import quantize_x_kernel, silu
+from polystrata.codegen.recipes.tile_matmul import gate_suffix, step_gate
 from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, Gather, f16_path, tile_mma_kernel, tile_products_apply
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
@@ -191,9 +194,10 @@ def group_kernel(name: str, n_exp: int, k: int, cap: int, lanes: int) -> Kernel:
                   doc=f"moe group {n_exp}x{k}")
 
 
-def _active_grid(n_exp: int, k: int, rest: Expr) -> tuple:
-    """Grid over the experts with entries (at most T*k of them) x `rest`; groups past their number exit."""
-    return (Call("min", Const(n_exp), Var("T") * k), rest)
+def _active_grid(n_exp: int, k: int, rest: Expr, gate: tuple[int, bool] | None = None) -> tuple:
+    """Grid over the experts with entries (at most T*k of them) x `rest`; groups past their number exit. `gate`:
+    the steps it runs for (`tile_matmul.step_gate`)."""
+    return (step_gate(Call("min", Const(n_exp), Var("T") * k), gate), rest)
 
 
 def _active_expert(n_exp: int, cap: int, inner: list, slots: bool = False) -> list:
@@ -318,10 +322,12 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
 @kernel_builder
 def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
                      per_token: bool, sub: int | str, lanes: int, runs: bool | int | str = "auto", spread: int = 1,
-                     epilogue: Callable[[list[Expr]], Expr] | None = None, slots: bool = False) -> Kernel:
+                     epilogue: Callable[[list[Expr]], Expr] | None = None, slots: bool = False,
+                     gate: tuple[int, bool] | None = None) -> Kernel:
     """`expert_kernel` from int8 activations (`linear.quantize_x_kernel`'s buffers; GPU path): grid (experts
     with entries, ceil(n / spread)), `spread` weight rows per group with the lanes spread over them (one row where
-    it has as many units as a subgroup has lanes), their dot products swept together (`_matvec.split_dots`)."""
+    it has as many units as a subgroup has lanes), their dot products swept together (`_matvec.split_dots`).
+    `gate`: the steps it runs for (`tile_matmul.step_gate`)."""
     subs = [sub_lanes(f, sub, runs) for f in fmts]
     wnames = [f"w{j}" for j in range(len(fmts))]
     act = Act("xq", kd, "xq", "xd", packed=True)
@@ -344,7 +350,7 @@ def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int,
     ))]
     params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("lst", "i32"), *_slot_params(slots),
               *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("out", "f32", out=True), Scalar("T"))
-    return Kernel(name, params, _active_grid(n_exp, k, Const(-(-n // spread))),
+    return Kernel(name, params, _active_grid(n_exp, k, Const(-(-n // spread)), gate),
                   tuple(_active_expert(n_exp, cap, body, slots)), lanes=lanes,
                   knobs=(("sub", ",".join(map(str, subs))),
                          ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)), ("xq", "kernel"),
@@ -487,33 +493,43 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
         return (tile_products_apply(policy, "moe_ffn", t_max, kn, fmts, n, kd)
                 and (f16_path(fmts) or xq == "kernel"))
 
-    if tiles([fg, fu], ff, dm) and tiles([fd], dm, ff):
-        # Prompt chunks on matrix units: each listed expert's tokens through the prefill matmul's tile products.
+    q8_path = (xq == "kernel" and ctx.lanes > 1 and all(use_int8(f, True) for f in (fg, fu, fd))
+               and dm % QB == 0 and ff % QB == 0)
+    tiled: list[Launch] = []
+    short = None  # the steps the expert matvecs below run for (all, unless tile products take the long ones)
+    if tiles([fg, fu], ff, dm) and tiles([fd], dm, ff) and (t_max > TILES_ABOVE or not q8_path):
+        # Prompt chunks on matrix units: each listed expert's tokens through the prefill matmul's tile products,
+        # in steps of more than TILES_ABOVE tokens where the int8 expert matvecs take the shorter ones (as
+        # `linear` does; F16 experts: in every step of several tokens).
+        gate = (TILES_ABOVE, True) if q8_path else None
+
         def tile_launch(name: str, fmts: list[QuantFormat], n: int, kd: int, per_token: bool, act: str,
                         quant: tuple, ws: tuple, out: str, epilogue=None) -> list[Launch]:
-            kern = tile_mma_kernel(name, fmts, n, kd, rows=int(kn["mma_rows"]), tokens=int(kn["mma_tokens"]),
-                                   chunk=int(kn["mma_chunk"]), lanes=int(kn["mma_lanes"]), epilogue=epilogue,
+            kern = tile_mma_kernel(name + gate_suffix(gate) + "_mma", fmts, n, kd, rows=int(kn["mma_rows"]),
+                                   tokens=int(kn["mma_tokens"]), chunk=int(kn["mma_chunk"]),
+                                   lanes=int(kn["mma_lanes"]), epilogue=epilogue,
                                    gather=expert_gather(n_exp, n, k, cap, per_token, stream),
-                                   words=bool(int(kn["mma_words"])))
+                                   words=bool(int(kn["mma_words"])), gate=gate)
             wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
             if f16_path(fmts):
                 return [Launch(kern, (("x", act), ("lst", lst), *slot, *wbind, ("y", out)), (("T", tb),))]
-            ql = Launch(quantize_x_kernel(f"quantize_x_{kd}" + (f"_{k}" if not per_token else ""), kd,
-                                          rows_per_t=1 if per_token else k), (("x", act), *quant), (("T", tb),))
+            ql = Launch(quantize_x_kernel(f"quantize_x_{kd}" + (f"_{k}" if not per_token else "") + gate_suffix(gate),
+                                          kd, rows_per_t=1 if per_token else k, gate=gate),
+                        (("x", act), *quant), (("T", tb),))
             return [ql, Launch(kern, (*quant, ("lst", lst), *slot, *wbind, ("y", out)), (("T", tb),))]
 
         qx = (("xq", ctx.scratch("xq", "u32", t_max * dm // 4)), ("xd", ctx.scratch("xd", "f32", t_max * dm // QB)))
         qh = (("xq", ctx.scratch("xq_h" if stream else "xq", "u32", cap * ff // 4)),
               ("xd", ctx.scratch("xd_h" if stream else "xd", "f32", cap * ff // QB)))
-        return [
-            *group,
-            *tile_launch(f"moe_gateup_{fg.name}_{fu.name}_{tag}_mma".lower(), [fg, fu], ff, dm, True, ctx.buf(x), qx,
+        tiled = [
+            *tile_launch(f"moe_gateup_{fg.name}_{fu.name}_{tag}".lower(), [fg, fu], ff, dm, True, ctx.buf(x), qx,
                          (ctx.buf(g), ctx.buf(u)), hb, gateup),
-            *tile_launch(f"moe_down_{fd.name}_{tag}_mma".lower(), [fd], dm, ff, False, hb, qh, (ctx.buf(d),), db),
-            combine,
+            *tile_launch(f"moe_down_{fd.name}_{tag}".lower(), [fd], dm, ff, False, hb, qh, (ctx.buf(d),), db),
         ]
-    if (xq == "kernel" and ctx.lanes > 1 and all(use_int8(f, True) for f in (fg, fu, fd))
-            and dm % QB == 0 and ff % QB == 0):
+        if gate is None:
+            return [*group, *tiled, combine]
+        short = (TILES_ABOVE, False)
+    if q8_path:
         # GPU path: x and then h quantized to int8 once (as `linear` does), each expert row swept by all lanes.
         sub = kn["sub"]
         runs = runs_for_target(kn["runs"], ctx.wide_loads)
@@ -528,20 +544,24 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
         def spread_of(fmts, kd):
             return spread_rows(fmts, kd, ctx.subgroup, sub, runs) if spread == "auto" else int(spread)
 
-        kgu = expert_q8_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}_q8".lower(), [fg, fu], n_exp, ff, dm, k, cap,
-                               per_token=True, sub=sub, runs=runs, spread=spread_of([fg, fu], dm),
+        kgu = expert_q8_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}{gate_suffix(short)}_q8".lower(), [fg, fu],
+                               n_exp, ff, dm, k, cap, gate=short, per_token=True, sub=sub, runs=runs,
+                               spread=spread_of([fg, fu], dm),
                                lanes=split_lanes([fg, fu], dm, ctx.subgroup, sub, runs),
                                epilogue=gateup, slots=stream)
-        kd = expert_q8_kernel(f"moe_down_{fd.name}_{tag}_q8".lower(), [fd], n_exp, dm, ff, k, cap, per_token=False,
+        kd = expert_q8_kernel(f"moe_down_{fd.name}_{tag}{gate_suffix(short)}_q8".lower(), [fd], n_exp, dm, ff, k, cap,
+                              gate=short, per_token=False,
                               sub=sub, runs=runs, spread=spread_of([fd], ff),
                               lanes=split_lanes([fd], ff, ctx.subgroup, sub, runs), slots=stream)
         return [
             *group,
-            Launch(quantize_x_kernel(f"quantize_x_{dm}", dm), (("x", ctx.buf(x)), *qbufs), (("T", tb),)),
+            *tiled,
+            Launch(quantize_x_kernel(f"quantize_x_{dm}{gate_suffix(short)}", dm, gate=short),
+                   (("x", ctx.buf(x)), *qbufs), (("T", tb),)),
             Launch(kgu, (*qbufs, ("lst", lst), *slot, ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)),
                    (("T", tb),)),
-            Launch(quantize_x_kernel(f"quantize_x_{ff}_{k}", ff, rows_per_t=k), (("x", hb), *hq),
-                   (("T", tb),)),
+            Launch(quantize_x_kernel(f"quantize_x_{ff}_{k}{gate_suffix(short)}", ff, rows_per_t=k, gate=short),
+                   (("x", hb), *hq), (("T", tb),)),
             Launch(kd, (*hq, ("lst", lst), *slot, ("w0", ctx.buf(d)), ("out", db)), (("T", tb),)),
             combine,
         ]

@@ -73,8 +73,7 @@ from polystrata.ir.kernel import (
 TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", 64), Knob("mma_lanes", 128),
                   Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
-# policy's, per knob space: on GPUs 512 for `matmul`, whose word-staged tile products ran pp512 3.5x the int8
-# matvecs on the H200, and off for `moe_ffn` until its steps of a few tokens keep the expert matvecs; docs/
+# policy's: on GPUs 512, where the word-staged tile products ran pp512 3.5x the int8 matvecs on the H200; docs/
 # benchmarks.md, "H200, 2026-12-05, eighth session"). Smaller matrices cost little in a prompt chunk anyway, and
 # each tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
 # Knob mma_words: 1 stages int8 operands a word at a time (module docstring); 0, the byte-at-a-time staging of the
