@@ -300,10 +300,11 @@ def _int8_kernels(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], k: 
 def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n: int, k: int) -> bool:
     """Whether matmuls over `fmts` take `tile_mma_kernel`: plans of steps of several tokens on a target with matrix
     units, formats and K it takes (`tile_mma_fits`): F16 weights, or the GPU path's int8 activations
-    (`_int8_kernels`)."""
+    (`_int8_kernels`) in plans of steps of more than TILES_ABOVE tokens."""
     if not tile_products_apply(ctx.target(), "matmul", ctx.t_max, kn, fmts, n, k):
         return False
-    return f16_path(fmts) or _int8_kernels(ctx, kn, fmts, k)
+    # The int8 ones only in plans with steps of more than TILES_ABOVE tokens (the shorter steps keep the matvecs).
+    return f16_path(fmts) or (_int8_kernels(ctx, kn, fmts, k) and ctx.t_max > TILES_ABOVE)
 
 
 def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind, sums: bool = False,
@@ -380,7 +381,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
         acts = (("xq", qb), ("xd", db))
         tiled = []
         gate = None
-        if tiles and ctx.t_max > TILES_ABOVE:
+        if tiles:
             # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
             mk = tile_mma_kernel(f"{name}{gate_suffix((TILES_ABOVE, True))}_mma", fmts, n, k, rows=kn["mma_rows"],
                                  tokens=kn["mma_tokens"], chunk=kn["mma_chunk"], lanes=kn["mma_lanes"],
