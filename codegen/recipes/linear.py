@@ -374,7 +374,8 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     tiles = _tile_products(ctx, kn, fmts, n, k)
     if tiles and f16_path(fmts):  # F16 weights: the f16 products for every step of several tokens
         mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"], tokens=kn["mma_tokens"],
-                             chunk=kn["mma_chunk"], lanes=kn["mma_lanes"], epilogue=epilogue)
+                             chunk=kn["mma_chunk"], lanes=kn["mma_lanes"], epilogue=epilogue,
+                             words=bool(int(kn["mma_words"])))
         return [Launch(mk, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
     if _int8_kernels(ctx, kn, fmts, k):
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)
