@@ -12,7 +12,10 @@ logits' download and a sync). With `--target cuda` (or any target) the same loop
 time is bench's (wall less device time; the whole step on targets without device timing); the profile then shows
 what the driver calls cost. `scripts/device_check.sh hostprof` runs it on the H200.
 
-    python scripts/host_overhead.py [MODEL] [--target null] [-n 2000] [--profile 25]
+    python scripts/host_overhead.py [MODEL] [--target null] [-n 2000] [--rows N] [--profile 25]
+
+With `--rows N` each step is the server's batched step of N sequences' decode rows instead (`BatchDecoder.step`,
+then an argmax per row, as a greedy server samples), with the engine made as `serve -np N` makes it.
 
 MODEL: a zoo name or a GGUF path (default SmolLM2's, vocabulary 49152 as bench's presets). Prints the median host
 microseconds per token over 5 runs of `-n` steps and, with `--profile N`, cProfile's N costliest functions (own
@@ -81,14 +84,15 @@ class NullDevice(Runtime):
         return _Event()
 
 
-def make_engine(model: str, target: str, n_ctx: int) -> Any:
-    """An Engine of `model` (a zoo name or a path) on `target`, "null" for the null device, timing device work."""
+def make_engine(model: str, target: str, n_ctx: int, rows: int = 1) -> Any:
+    """An Engine of `model` (a zoo name or a path) on `target`, "null" for the null device, timing device work;
+    `rows` > 1: made for steps of that many sequences (`serve -np`)."""
     path = zoo.resolve_model(model)
     if target == "null":
         with mock.patch.object(engine_module, "make_runtime", lambda _target: NullDevice()):
-            engine = engine_module.Engine(path, target="cpu", n_ctx=n_ctx, tuning=False)
+            engine = engine_module.Engine(path, target="cpu", n_ctx=n_ctx, tuning=False, logit_rows=rows)
     else:
-        engine = engine_module.Engine(path, target=target, n_ctx=n_ctx, tuning=False)
+        engine = engine_module.Engine(path, target=target, n_ctx=n_ctx, tuning=False, logit_rows=rows)
     engine.executor.time_device = True  # as bench's timed runs
     return engine
 
@@ -106,25 +110,51 @@ def decode(engine: Any, n: int, rng: np.random.Generator) -> list[float]:
     return host
 
 
+def batched(decoder: Any, n: int) -> list[float]:
+    """Host seconds of each of `n` batched steps of one decode row per open sequence (all the decoder's slots):
+    the step's wall time, with an argmax per row, less its device time."""
+    engine, slots = decoder.engine, list(range(decoder.n_seq))
+    for s in slots:  # from empty caches, as `decode` starts
+        decoder.close(s)
+    slots = [decoder.open() for _ in slots]
+    host = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        decoder.step([(s, [1 + (i + s) % 7]) for s in slots]).argmax(axis=1)
+        host.append(time.perf_counter() - t0 - (engine.executor.last_device_s or 0.0))
+    return host
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="smollm2-135m")
     ap.add_argument("--target", default="null", help="null (the default: kernels that do nothing) or a target")
     ap.add_argument("-n", type=int, default=2000, help="decode steps a run (5 runs)")
+    ap.add_argument("--rows", type=int, default=1, help="sequences a step (> 1: the server's batched steps)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="print cProfile's N costliest functions")
     a = ap.parse_args()
-    engine = make_engine(a.model, a.target, a.n + 8)
+    engine = make_engine(a.model, a.target, (a.n + 8) * a.rows, a.rows)
     rng = np.random.default_rng(0)
-    decode(engine, 4, rng)  # the one-token graph captured
-    runs = [statistics.median(decode(engine, a.n, rng)) for _ in range(5)]
+    if a.rows > 1:
+        from polystrata.batch import BatchDecoder
+
+        decoder = BatchDecoder(engine, a.rows)
+        for _ in range(a.rows):
+            decoder.open()  # `batched` reopens them for each run
+        steps = lambda n: batched(decoder, n)  # noqa: E731
+    else:
+        steps = lambda n: decode(engine, n, rng)  # noqa: E731
+    steps(4)  # the graphs captured
+    runs = [statistics.median(steps(a.n)) for _ in range(5)]
     vocab = engine.hparams.n_vocab
-    print(f"host time per decoded token on {engine.device}: {1e6 * statistics.median(runs):.1f} us (median of 5 "
+    what = f"step of {a.rows} rows" if a.rows > 1 else "decoded token"
+    print(f"host time per {what} on {engine.device}: {1e6 * statistics.median(runs):.1f} us (median of 5 "
           f"runs of {a.n} steps; runs {' '.join(f'{1e6 * r:.1f}' for r in runs)}; vocabulary {vocab}, "
           f"logits {vocab * np.dtype(NUMPY_DTYPES['f32']).itemsize} bytes)")
     if a.profile:
         prof = cProfile.Profile()
         prof.enable()
-        decode(engine, a.n, rng)
+        steps(a.n)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(a.profile)
 
