@@ -26,3 +26,19 @@ def test_null_device_replays_the_decode_step(tmp_path):
     # The first step runs launch by launch, the second is captured and replayed, the rest replayed.
     assert len(host) == 10 and rt.replays == 9 and list(ex.graphs) == [(id(engine.graph_step), 1)]
     assert engine.n_past == 10 and ex.last_device_s == 0.0
+
+
+def test_null_device_runs_the_servers_batched_steps(tmp_path):
+    """--rows N: the server's batched step of N decode rows (the last rows' plan), from empty caches each run, the
+    steps after the first replayed from a device graph of that row count."""
+    from polystrata.batch import BatchDecoder
+
+    model = synth_model("llama", tmp_path / "llama.gguf", preset="tiny", qtype="Q8_0", seed=7)
+    engine = host_overhead.make_engine(str(model), "null", 64, rows=4)
+    decoder = BatchDecoder(engine, 4)
+    for _ in range(4):
+        decoder.open()
+    for _ in range(2):  # a second run starts from empty caches again (`batched` reopens the slots)
+        host = host_overhead.batched(decoder, 5)
+        assert len(host) == 5 and decoder.n_past == [5] * 4
+    assert (id(engine.graph_rows), 4) in engine.executor.graphs and engine.runtime.replays >= 8
