@@ -42,3 +42,15 @@ def test_null_device_runs_the_servers_batched_steps(tmp_path):
         host = host_overhead.batched(decoder, 5)
         assert len(host) == 5 and decoder.n_past == [5] * 4
     assert (id(engine.graph_rows), 4) in engine.executor.graphs and engine.runtime.replays >= 8
+
+
+def test_server_on_the_null_device_streams_every_token(tmp_path):
+    """scripts/server_overhead.py: the real server (aiohttp, scheduler thread, SSE) over the null device, each of
+    the concurrent streams getting all its tokens and its last event."""
+    spec = importlib.util.spec_from_file_location(
+        "server_overhead", Path(__file__).resolve().parents[1] / "scripts" / "server_overhead.py")
+    server_overhead = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(server_overhead)
+    model = synth_model("llama", tmp_path / "llama.gguf", preset="tiny", qtype="Q8_0", seed=7)
+    events, seconds = server_overhead.measure(str(model), 3, 6)
+    assert events == 3 * (6 + 1) and seconds > 0
