@@ -380,18 +380,18 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     if _int8_kernels(ctx, kn, fmts, k):
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)
         acts = (("xq", qb), ("xd", db))
-        tiled = []
-        gate = None
+        tiled, short = [], None  # short: the steps the matvecs run for (all, unless tile products take the long)
         if tiles:
             # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
-            mk = tile_mma_kernel(f"{name}{gate_suffix((TILES_ABOVE, True))}_mma", fmts, n, k, rows=kn["mma_rows"],
+            long = (TILES_ABOVE, True)
+            mk = tile_mma_kernel(f"{name}{gate_suffix(long)}_mma", fmts, n, k, rows=kn["mma_rows"],
                                  tokens=kn["mma_tokens"], chunk=kn["mma_chunk"], lanes=kn["mma_lanes"],
-                                 epilogue=epilogue, words=bool(int(kn["mma_words"])), gate=(TILES_ABOVE, True))
-            tiled, gate = [Launch(mk, (*acts, *wbind, ("y", y)), (("T", t_bind),))], (TILES_ABOVE, False)
+                                 epilogue=epilogue, words=bool(int(kn["mma_words"])), gate=long)
+            tiled, short = [Launch(mk, (*acts, *wbind, ("y", y)), (("T", t_bind),))], (TILES_ABOVE, False)
         rows, spread = q8_rows(kn, ctx, fmts, n, k)
-        mk = matvec_q8_kernel(f"{name}{gate_suffix(gate)}_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"],
+        mk = matvec_q8_kernel(f"{name}{gate_suffix(short)}_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"],
                               runs=kn["runs"], rows=rows, spread=spread, reuse=_reuse(ctx, kn), epilogue=epilogue,
-                              lanes=_gpu_lanes(kn, ctx, fmts, k), gate=gate)
+                              lanes=_gpu_lanes(kn, ctx, fmts, k), gate=short)
         return [ql, *tiled, Launch(mk, (*acts, *wbind, ("y", y)), (("T", t_bind),))]
     tile = TILE_TOKENS if kn["tile"] == "auto" else int(kn["tile"])
     if tile and ctx.lanes == 1 and ctx.t_max > 1 and kn["int8"] in ("auto", False, 0) and kn["split"] == "rows" \
