@@ -73,9 +73,8 @@ from polystrata.ir.kernel import (
 TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", 64), Knob("mma_lanes", 128),
                   Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
-# policy's: on GPUs 512, where the word-staged tile products ran pp512 3.5x the int8 matvecs on the H200; docs/
-# benchmarks.md, "H200, 2026-12-05, eighth session"). Smaller matrices cost little in a prompt chunk anyway, and
-# each tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
+# policy's, `codegen/policy.py`, which says why). Smaller matrices cost little in a prompt chunk anyway, and each
+# tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
 # Knob mma_words: 1 stages int8 operands a word at a time (module docstring); 0, the byte-at-a-time staging of the
 # first measurement, is kept for comparison (`--knob matmul.mma_words=0`), not searched by `tune`.
 PAD = 4  # words of padding after each operand row (see the module docstring)
