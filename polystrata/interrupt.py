@@ -8,10 +8,14 @@ returns. So `arm` also lets CPython's C-level signal handler write to a pipe (si
 wakes a watchdog thread at once; if the process is still running GRACE_S later, the watchdog reports and exits
 with os._exit. Such a dropped KeyboardInterrupt is not printed (`_unraisable`): the watchdog ends the command.
 Caches and artifacts are written to a temporary file and renamed, so stopping at any point leaves them valid.
+Compilers are called inside `held_back`: a KeyboardInterrupt raised between two of llvmlite's calls into LLVM
+can leave an object that both LLVM and its Python wrapper free ("double free", death by SIGABRT), so there the
+interrupt waits for the call to return, or for the watchdog.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -66,6 +70,25 @@ def arm() -> None:
     _armed = True
     sys.unraisablehook = _unraisable
     threading.Thread(target=_watch, args=(read_fd,), name="polystrata-ctrl-c", daemon=True).start()
+
+
+@contextlib.contextmanager
+def held_back():
+    """Run the body with Ctrl-C held back: it raises KeyboardInterrupt when the body returns, or the watchdog ends
+    the process GRACE_S after the key if the body is still running. For calls into libraries whose Python
+    wrappers an exception between two of their steps would corrupt (llvmlite under Numba). Does nothing unless
+    armed, or off the main thread (where SIGINT never raises)."""
+    if not _armed or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
 
 
 def _unraisable(unraisable) -> None:

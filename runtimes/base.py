@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from polystrata import interrupt
 from polystrata.codegen.policy import HOST_POLICY, Policy
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
@@ -449,7 +450,7 @@ class Runtime(ABC):
         entry = CacheEntry(cache_dir(self.name) / filename, key)
         if self._probing:  # `_built`: answer before loading or building anything
             raise _Probed(entry.verify() is True or bool(self._copy_from_stores(entry)))
-        with file_lock(entry.lock):
+        with interrupt.held_back(), file_lock(entry.lock):  # a Ctrl-C inside a compiler waits (see interrupt)
             handle, cached = self._load_or_build(entry, load, build)
         if cached:
             self.cache_hits += 1

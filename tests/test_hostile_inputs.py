@@ -385,6 +385,27 @@ def test_a_ctrl_c_python_cannot_raise_is_left_to_the_watchdog(capsys, monkeypatc
     assert "ValueError: kept" in capsys.readouterr().err
 
 
+def test_a_ctrl_c_inside_a_compiler_waits_for_it_to_return(monkeypatch):
+    """Inside `held_back` (around every compile and cache load) a Ctrl-C does not raise, where it could land
+    between two of llvmlite's calls into LLVM and free an object twice; it raises once the body returns, and
+    the handler Python had is back."""
+    from polystrata import interrupt
+
+    monkeypatch.setattr(interrupt, "_armed", True)
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupt.held_back():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # Python runs signal handlers between bytecodes: give it many
+                steps.append(1)
+            steps.append("finished")
+    assert steps[-1] == "finished"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with interrupt.held_back():  # no key, no interrupt
+        steps.append("again")
+    assert steps[-1] == "again"
+
+
 def test_a_ctrl_c_caught_inside_eval_still_exits_130(monkeypatch):
     """CPython 3.11 marks a KeyboardInterrupt that leaves an eval() of a string (namedtuple() runs one while
     modules import) as unhandled even when it is caught, and at exit turns status 130 into death by SIGINT (-2,
