@@ -61,8 +61,8 @@ HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
     # the CPU: int8 tiles" and "... two tokens a call"); elsewhere (0) the f32 tiles. tile_q8_rows: its rows a
     # group (8: x1.1 on gemma3's gate+up over 4, which the one-token matmuls keep).
     "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1, "contract": 1, "reuse": 0,
-               "tile_q8": 256 if HOST_VNNI else 0, "tile_q8_rows": 8, "mma_min": MMA_OFF},
-    "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1, "mma_min": MMA_OFF},
+               "tile_q8": 256 if HOST_VNNI else 0, "tile_q8_rows": 8, "mma_min": MMA_OFF, "mma_chunk": 64},
+    "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1, "mma_min": MMA_OFF, "mma_chunk": 64},
     # group_heads: a KV head's query heads in one group (knob heads "auto"), each K and V value decoded once for all,
     # one-token plans keeping at least this many groups a token for the cores (docs/benchmarks.md, "Attention's
     # query heads grouped on the CPU"); 0: the GPUs' rule (attention.py).
@@ -78,10 +78,11 @@ DEVICE_KNOBS: Mapping[str, Mapping[str, Any]] = {
     # (docs/benchmarks.md, "H200, 2026-12-05, second session"): `bench`/`serve --knob matmul.reuse=1`.
     # mma_min: the smallest matrix whose prompt steps of more than 64 tokens take tile products, where the device
     # has matrix units (pp512 3.5x the int8 matvecs on the H200, the MoE preset's 2.6x with the experts'; docs/
-    # benchmarks.md, "H200, 2026-12-05, eighth session"); shorter steps keep the int8 matvecs.
+    # benchmarks.md, "H200, 2026-12-05, eighth session"); shorter steps keep the int8 matvecs. mma_chunk: their K
+    # a staging round, 128 (the Q4_K 14336 x 4096 x 512 matmul 76.5 TFLOP/s against 69.9 at 64, same place).
     "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0, "reuse": 0,
-               "tile_q8": 0, "tile_q8_rows": 4, "mma_min": 512},
-    "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0, "mma_min": 512},
+               "tile_q8": 0, "tile_q8_rows": 4, "mma_min": 512, "mma_chunk": 128},
+    "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0, "mma_min": 512, "mma_chunk": 128},
     "attention": {"split_keys": 1, "group_heads": 0},
     "delta_rule": {"chunked_above": 16},
 }

@@ -246,8 +246,8 @@ if [[ " $STAGES " == *" prefill "* ]]; then
     # Issue 21 (not among the default stages): prefill on matrix units. The main prefill matmuls alone (llama3-8b's
     # ffn_up / ffn_down shapes, 512 tokens: TFLOP/s of the tile-product kernel), then pp512 / pp4096 against
     # llama.cpp's on both presets, same files; each also without the tile products of attention (attention.mma=0:
-    # its loops), and with the matmuls' and, on the MoE preset, the experts' tile products on (mma_min 512: they are
-    # off by default, slower than the int8 matvecs at the first measurement).
+    # its loops), with K chunks of 64 (the default's 128 halved), and without the matmuls' and, on the MoE preset,
+    # the experts' tile products (mma_min past every matrix: the int8 matvecs).
     # PREFILL_LENGTHS, BENCH_MODELS narrow it; PREFILL_VARIANTS=0 skips the variants but pp512 at -ub 512.
     for shape in "14336 4096" "4096 14336"; do
         set -- $shape
@@ -261,13 +261,11 @@ if [[ " $STAGES " == *" prefill "* ]]; then
             timeout 600 python3 -m polystrata bench "$M/$m.gguf" --target cuda -p "$p" -n 0 -r 3 --json \
                 > "$OUT/prefill_${m}_$p.json" 2>> "$LOG" || { row "$m pp$p" "failed (see the log)"; continue; }
             pp_row "$OUT/prefill_${m}_$p.json" "$m pp$p"
-            # A variant's knobs joined by commas: the int8 matvecs with each token tile's weights decoded once
-            # (matmul.reuse=1), the tile products on (their default K staging, then 128 a round). ub=N: -ub N, the
-            # step size: pp512 in one step of 512 rows (llama.cpp's default micro-batch) against the default's two
-            # of 256, also with the tile products on; the first of them runs with PREFILL_VARIANTS=0 too.
-            variants="attention.mma=0 matmul.reuse=1 matmul.mma_min=512 matmul.mma_min=512,matmul.mma_chunk=128"
-            [[ "$m" == qwen3moe* ]] && variants+=" moe_ffn.mma_min=512"
-            [ "$p" = 512 ] && variants+=" ub=512,matmul.mma_min=512"
+            # A variant's knobs joined by commas. ub=N: -ub N, the step size: pp512 in one step of 512 rows
+            # (llama.cpp's default micro-batch) against the default's two of 256; it runs with PREFILL_VARIANTS=0
+            # too.
+            variants="attention.mma=0 matmul.mma_chunk=64 matmul.mma_min=1048576"
+            [[ "$m" == qwen3moe* ]] && variants+=" moe_ffn.mma_min=1048576"
             [ "${PREFILL_VARIANTS:-1}" = 0 ] && variants=""
             [ "$p" = 512 ] && variants="ub=512 $variants"
             for kn in $variants; do
@@ -319,6 +317,12 @@ if [[ " $STAGES " == *" serve "* ]]; then
     # binary of device_llamacpp.sh). SERVE_ARGS passes options on (e.g. "--streams 1,16 --tokens 64"), SERVE_KNOBS
     # PolyStrata's (e.g. "--knob matmul.reuse=1").
     preset_model llama3-8b-q4km
+    # A batched step's matmul alone, ffn_up's shape at 16 rows: the int8 matvecs against the split-K tile products
+    # (knob matmul.mma_split, off by default; docs/benchmarks.md, "Serving: split-K tile products").
+    for kn in "" "--knob matmul.mma_split=4" "--knob matmul.mma_split=8"; do
+        timeout 300 python3 scripts/matvec_bench.py --target cuda --rows 14336 --cols 4096 --tokens 16 --iters 50 \
+            $kn 2>&1 | tee -a "$LOG" | tail -1 | tee -a "$SUMMARY"
+    done
     lcpp=(); [ -n "${SERVE_KNOBS:-}" ] && lcpp=(--polystrata-args "$SERVE_KNOBS")
     if bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1 && bash scripts/device_llamacpp.sh wait 540 >> "$LOG" \
         && [ -x /tmp/llamacpp-build/bin/llama-server ]; then
@@ -330,7 +334,7 @@ if [[ " $STAGES " == *" serve "* ]]; then
         --json "$OUT/serve.json" 2>&1 | tee -a "$LOG" | tail -10 | tee -a "$SUMMARY"
     # SERVE_VARIANTS: PolyStrata alone again with knobs, one run per space-separated item, a run's knobs joined by
     # commas (as the prefill stage's), at SERVE_VARIANT_STREAMS (default 16) streams: e.g. "matmul.reuse=1
-    # matmul.mma_min=512,matmul.mma_chunk=128" (the batched step's matmuls on the reuse matvecs, on the tile products).
+    # matmul.mma_split=4" (the batched step's matmuls on the reuse matvecs, on the split-K tile products).
     for kn in ${SERVE_VARIANTS:-}; do
         args=""; IFS=, read -ra ks <<< "$kn"; for k in "${ks[@]}"; do args+=" --knob $k"; done
         timeout 600 python3 scripts/serve_bench.py "$M/llama3-8b-q4km.gguf" --target cuda --polystrata-args "$args" \

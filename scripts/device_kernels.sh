@@ -17,7 +17,6 @@ synth llama3-8b-q4km --arch llama --preset llama3-8b --type Q4_K_M
 synth qwen3moe-8l-q4km --arch qwen3moe --preset qwen3-30b-a3b --layers 8 --type Q4_K_M
 # Four layers hold every kernel of the whole model (three Gated DeltaNet layers and one gated attention layer).
 synth qwen36-4l-q4km --arch qwen35moe --preset qwen3.6-35b-a3b --layers 4 --type Q4_K_M
-mma="--knob matmul.mma_min=512 --knob matmul.mma_chunk=128"
 while read -r model args; do
     [ -n "$model" ] || continue
     echo "$model $args"
@@ -27,10 +26,11 @@ while read -r model args; do
 done <<LIST
 llama3-8b-q4km -c 512
 llama3-8b-q4km -c 512 --knob matmul.reuse=1
-llama3-8b-q4km -c 512 $mma
 llama3-8b-q4km -c 8192 -np 16
 llama3-8b-q4km -c 8192 -np 16 --knob matmul.reuse=1
-llama3-8b-q4km -c 8192 -np 16 $mma
+llama3-8b-q4km -c 8192 -np 16 --knob matmul.mma_split=4
+llama3-8b-q4km -c 8192 -np 16 --knob matmul.mma_split=8
+llama3-8b-q4km -c 8192 -np 16 --knob matmul.mma_chunk=64
 llama3-8b-q4km -c 8224
 llama3-8b-q4km -c 8224 --kv-type q8_g64
 llama3-8b-q4km -c 32800
@@ -41,12 +41,14 @@ LIST
 "$PY" scripts/cuda_selftest.py --compile-only sm_90  # the selftest's own kernels
 # The tile-product variants of docs/benchmarks.md's "Why the tile kernel was slow" (matvec_bench on the device).
 mv="$PY scripts/matvec_bench.py --target cuda --arch sm_90 --tokens 512 --knob matmul.mma_min=512"
-for knobs in "" "--knob matmul.mma_words=0" "--knob matmul.mma_chunk=128" "--knob matmul.mma_chunk=256" \
-        "--knob matmul.mma_chunk=128 --knob matmul.mma_tokens=64" \
-        "--knob matmul.mma_chunk=128 --knob matmul.mma_rows=128 --knob matmul.mma_lanes=256"; do
+for knobs in "" "--knob matmul.mma_words=0" "--knob matmul.mma_chunk=64" "--knob matmul.mma_chunk=256" \
+        "--knob matmul.mma_tokens=64" "--knob matmul.mma_rows=128 --knob matmul.mma_lanes=256"; do
     $mv --rows 14336 --cols 4096 $knobs
 done
-$mv --rows 4096 --cols 14336 --knob matmul.mma_chunk=128
+$mv --rows 4096 --cols 14336
 "$PY" scripts/matvec_bench.py --target cuda --arch sm_90 --tokens 512 --rows 14336 --cols 4096  # the int8 matvecs
+for knobs in "" "--knob matmul.mma_split=4" "--knob matmul.mma_split=8"; do  # the serve stage's 16-row matmuls
+    "$PY" scripts/matvec_bench.py --target cuda --arch sm_90 --tokens 16 --rows 14336 --cols 4096 $knobs
+done
 tar cJf .kcache/cuda.tar.xz -C "$POLYSTRATA_HOME/kernels" cuda
 ls -la .kcache/cuda.tar.xz

@@ -26,7 +26,7 @@ from recipe_cases import (
 )
 
 from polystrata.codegen.recipes.linear import quantize_x_kernel
-from polystrata.codegen.recipes.tile_mma import tile_mma_fits, tile_mma_kernel, tile_products_apply
+from polystrata.codegen.recipes.tile_mma import split_sum_kernel, tile_mma_fits, tile_mma_kernel, tile_products_apply
 from polystrata.ir.formats import FORMATS
 from polystrata.ir.graph import Graph
 from polystrata.runtimes.base import eval_int
@@ -76,6 +76,25 @@ def test_tile_mma_f16_weights(rt):
         np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max(), err_msg=f"F16 T={t}")
 
 
+def test_split_k_parts_add_up_to_the_reference(rt):
+    """K in parts (knob mma_split, steps of 2 to 64 tokens), each part a group writing its unscaled sums, added up
+    by `split_sum_kernel`: 3 parts of 4 K steps (Q4_0's blocks of 32, chunks of 64), so the last part takes none
+    and must still write its zeros (the partials are poisoned)."""
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped, never planned on one lane")
+    fmt, wb, wd = weight("Q4_0", N, K)
+    kern = tile_mma_kernel("t_mma_split3", [fmt], N, K, rows=32, tokens=16, chunk=64, lanes=64, split=3)
+    assert kern.knob_dict["mma_split"] == 3 and kern.param("yp")
+    total = split_sum_kernel("t_split_sum3", N, 3)
+    rng = np.random.default_rng(7)
+    for t in (2, 17):
+        x = rng.standard_normal((t, K)).astype(np.float32)
+        yp = run(rt, kern, {**_quantized(rt, x), "w0": wb}, {"T": t}, {"yp": ((3 * t * N,), "f32")})["yp"]
+        y = run(rt, total, {"yp": yp}, {"T": t}, {"y": ((t, N), "f32")})["y"]
+        ref = q8_rounded(x) @ wd.T
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=f"T={t}")
+
+
 def test_tile_products_apply_within_local_memory():
     """A tile and chunk whose local arrays pass the policy's local memory keep the int8 matvecs; words staging needs
     no byte array, so a chunk that does not fit by bytes may fit by words."""
@@ -97,6 +116,18 @@ def test_tile_products_apply_within_local_memory():
     assert not tile_products_apply(policy, "matmul", 1, kn, q4k, 4096, 4096)  # decode
 
 
+def test_mma_chunk_auto_is_the_policys_where_the_matrix_takes_it():
+    from polystrata.codegen.policy import device_policy
+    from polystrata.codegen.recipes.linear import MATMUL_SPACE
+    from polystrata.codegen.recipes.tile_mma import SMALL_CHUNK, mma_chunk
+
+    policy, kn = device_policy(128, 32, wide_loads=True), MATMUL_SPACE.defaults()
+    assert kn["mma_chunk"] == "auto" and policy.default("matmul", "mma_chunk") == 128
+    assert mma_chunk(policy, "matmul", kn, [FORMATS["Q8_0"]], 640) == 128
+    assert mma_chunk(policy, "matmul", kn, [FORMATS["Q8_0"]], 320) == SMALL_CHUNK  # 320 is no multiple of 128
+    assert mma_chunk(policy, "matmul", {**kn, "mma_chunk": 256}, [FORMATS["Q8_0"]], 320) == 256  # as set
+
+
 def test_tile_mma_fits():
     assert tile_mma_fits([FORMATS["Q4_K"], FORMATS["Q8_0"]], 512, 64)
     assert tile_mma_fits([FORMATS["F16"]], 512, 64)  # the f16 path
@@ -105,11 +136,11 @@ def test_tile_mma_fits():
     assert not tile_mma_fits([FORMATS["Q8_0"]], 96, 64)  # K not a multiple of the chunk
 
 
-def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K", mma_min: int = 32) -> list:
+def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K", mma_min: int = 32, split: int = 0) -> list:
     g = Graph("t")
     g.op("matmul", g.input("x", "f32", ("T", K)), g.weight("w", fmt, (N, K)), name="y")
     ctx = recipe_context(g, formats={"w": FORMATS[fmt]}, lanes=128, matrix_units=matrix_units)
-    ctx.t_max, ctx.knobs = t_max, {"matmul": {"mma_min": mma_min}}
+    ctx.t_max, ctx.knobs = t_max, {"matmul": {"mma_min": mma_min, "mma_split": split, "mma_chunk": 64}}
     return recipe("matmul").lower(g.nodes, ctx)
 
 
@@ -132,9 +163,29 @@ def test_taken_for_prefill_on_matrix_units_only():
     assert [la.kernel.name.endswith("_mma") for la in f16] == [True] and f16[0].kernel.param("x")
 
 
+def test_split_k_takes_the_steps_of_2_to_64_tokens():
+    """With knob mma_split the steps of 2 to 64 tokens take the split tile products and their sum, longer ones the
+    whole tiles, one-token steps the int8 matvecs: exactly one of the three has groups for any row count. Parts are
+    at most the K steps (Q4_K's K of 256 is one block: one step, no split)."""
+    grid = lambda la, t: [eval_int(e, {"T": t}) for e in la.kernel.grid]  # noqa: E731
+    launches = _matmul_launches(True, 70, "Q8_0", split=4)
+    names = [la.kernel.name for la in launches]
+    tail = lambda ns: [n.removeprefix("matmul_q8_0_40x256") for n in ns]  # noqa: E731
+    assert tail(names) == ["quantize_x_256", "_gt64_mma", "_gt1_le64_mma_k4", "_gt1_le64_sum4", "_le1_q8"], names
+    for t, on in ((1, {4}), (2, {2, 3}), (64, {2, 3}), (65, {1})):
+        assert {i for i, la in enumerate(launches[1:], 1) if grid(la, t)[0] * grid(la, t)[1] > 0} == on, t
+    assert grid(launches[2], 33)[1] == 3 * 4  # token tiles of 16, times the parts
+    assert launches[2].buffers[-1] == launches[3].buffers[0]  # the partials
+    short = [la.kernel.name for la in _matmul_launches(True, 16, "Q8_0", split=4)]  # no long steps in the plan
+    assert tail(short) == ["quantize_x_256", "_gt1_le64_mma_k4", "_gt1_le64_sum4", "_le1_q8"], short
+    assert not any("_mma_k" in la.kernel.name for la in _matmul_launches(True, 70, "Q4_K", split=4))
+    assert not any("_mma_k" in la.kernel.name for la in _matmul_launches(True, 1, "Q8_0", split=4))  # decode
+
+
 def test_fused_glu_launches_match_the_reference(rt):
-    """The matmul_swiglu recipe's own launches (quantize + one tile kernel of two weights and the activation as
-    its epilogue, default knobs) for T = 7 and 70."""
+    """The matmul_swiglu recipe's own launches for T = 1, 7 and 70 with knob mma_split: quantize, one tile kernel
+    of two weights and the activation as its epilogue (70), the split tile products and their sum, which applies
+    the activation (7), the int8 matvecs (1)."""
     if rt.lanes == 1:
         pytest.skip("GPU-shaped: a Numba compile of its own")
     g = Graph("t")
@@ -143,12 +194,12 @@ def test_fused_glu_launches_match_the_reference(rt):
     b = g.op("matmul", x, g.weight("wu", "Q4_0", (N, K)), name="b")
     g.op("swiglu", a, b, name="o")
     ctx = recipe_context(g, formats={"wg": FORMATS["Q8_0"], "wu": FORMATS["Q4_0"]}, lanes=128, matrix_units=True)
-    ctx.t_max, ctx.knobs = 70, {"matmul": {"mma_min": 32}}
+    ctx.t_max, ctx.knobs = 70, {"matmul": {"mma_min": 32, "mma_split": 4, "mma_chunk": 64}}
     launches = recipe("matmul_swiglu").lower(g.nodes, ctx)
     sb, so = plan_scratch(ctx)
-    assert launches[1].kernel.name.endswith("_gt64_mma") and launches[2].kernel.name.endswith("_le64_q8")
+    assert [la.kernel.name.rsplit("_", 1)[1] for la in launches[1:]] == ["mma", "k4", "sum4", "q8"]
     (_, bg, dg), (_, bu, du) = weight("Q8_0", N, K, 5), weight("Q4_0", N, K, 6)
-    for t in (7, 70):
+    for t in (1, 7, 70):
         xv = np.random.default_rng(t).standard_normal((t, K)).astype(np.float32)
         out = run_launches(rt, launches, {"x": xv.reshape(-1), "wg": bg, "wu": bu, **sb}, {"T": t},
                            {"o": ((t, N), "f32"), **so})

@@ -77,7 +77,14 @@ from polystrata.codegen.recipes.tile_matmul import (
     tile_matmul_kernel,
     tile_matmul_q8_kernel,
 )
-from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, f16_path, tile_mma_kernel, tile_products_apply
+from polystrata.codegen.recipes.tile_mma import (
+    TILE_MMA_KNOBS,
+    f16_path,
+    mma_chunk,
+    split_sum_kernel,
+    tile_mma_kernel,
+    tile_products_apply,
+)
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
@@ -100,13 +107,18 @@ from polystrata.ir.kernel import (
     Store,
 )
 
+# Knob mma_split: steps of 2 to TILES_ABOVE tokens (batched decoding, short prompts) on matrix units take tile
+# products with K split into this many parts (`tile_mma_kernel`'s split, added up by `split_sum_kernel`), in token
+# tiles of mma_split_tokens, instead of the int8 matvecs, which sweep the weights again for each token; 0: off
+# (the matvecs), until measured on a GPU (docs/benchmarks.md, "Serving: split-K tile products").
+SPLIT_KNOBS = (Knob("mma_split", 0, (0, 4, 8)), Knob("mma_split_tokens", 16))
 MATMUL_KNOBS = (Knob("rows", "auto", (1, 2, 4, 8)), Knob("tokens", 8, (1, 2, 4, 8, 16)),
                 Knob("int8", "auto", (0, 1)), Knob("split", "auto", ("rows", "blocks")), Knob("vert", "auto", (0, 1)),
                 Knob("xq", "auto", ("inline", "kernel")), Knob("sub", "auto", (1, 2, 4, 8)),
                 Knob("runs", "auto", (0, 1)), Knob("lanes", "auto", (32, 64, 128, 256)),
                 Knob("spread", "auto", (0, 1)), Knob("tile", "auto", (0, 8, 16, 32)), Knob("contract", "auto", (0, 1)),
                 Knob("reuse", "auto", (0, 1)), Knob("tile_q8", "auto", (0, 32, 64, 128, 256)),
-                Knob("tile_q8_rows", "auto", (2, 4, 8, 16)), *TILE_MMA_KNOBS)
+                Knob("tile_q8_rows", "auto", (2, 4, 8, 16)), *TILE_MMA_KNOBS, *SPLIT_KNOBS)
 
 
 def _matmul_constraint(kn: dict) -> bool:
@@ -121,7 +133,8 @@ def _matmul_constraint(kn: dict) -> bool:
 # reaches all of a model's matmuls. The GLU had a space of its own once, and that knob then left the gate+up
 # matmuls, half of a llama's weights, on the other path (docs/benchmarks.md, "the prefill regression").
 # Instances stay apart: their names (and so their tuning rows) differ.
-MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, constraint=_matmul_constraint)
+# version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64), mma_split added.
+MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, version=2, constraint=_matmul_constraint)
 # Knob tile ("auto": TILE_TOKENS; 0: off): tokens a tile of `tile_matmul_kernel`, which one-lane plans of more than
 # one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
 # (docs/benchmarks.md, "Serving").
@@ -130,7 +143,8 @@ TILE_TOKENS = 16
 # more than one token take for the formats it covers, ahead of `tile_matmul_kernel`; its rows' levels are decoded
 # once for a tile. Knob tile_q8_rows ("auto": the policy's): its rows a group.
 # Knobs of the two-launch GPU path only (`_launches`); the rest are `matmul_kernel`'s.
-GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread", "reuse", *(knob.name for knob in TILE_MMA_KNOBS))
+GPU_PATH_KNOBS = ("xq", "sub", "runs", "lanes", "q8_rows", "spread", "reuse",
+                  *(knob.name for knob in (*TILE_MMA_KNOBS, *SPLIT_KNOBS)))
 
 
 def matmul_kernel_knobs(kn: dict) -> dict:
@@ -307,6 +321,22 @@ def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n:
     return f16_path(fmts) or (_int8_kernels(ctx, kn, fmts, k) and ctx.t_max > TILES_ABOVE)
 
 
+def _split_tiles(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n: int,
+                 k: int) -> tuple[int, int] | None:
+    """(K parts, K chunk) of the tile products that steps of 2 to TILES_ABOVE tokens take (knob mma_split; at most
+    one part a K step), or None where those steps keep the int8 matvecs: off, no matrix units, a plan of one-token
+    steps, F16 weights (which take the tile products in every step), a matrix `tile_products_apply` refuses, or
+    fewer than two K steps."""
+    if int(kn["mma_split"]) < 2 or f16_path(fmts) or not _int8_kernels(ctx, kn, fmts, k):
+        return None
+    kn = {**kn, "mma_tokens": kn["mma_split_tokens"]}
+    if not tile_products_apply(ctx.target(), "matmul", ctx.t_max, kn, fmts, n, k):
+        return None
+    chunk = mma_chunk(ctx.target(), "matmul", kn, fmts, k)
+    parts = min(int(kn["mma_split"]), k // max(chunk, *(fmt_for(f).block_size for f in fmts)))
+    return (parts, chunk) if parts > 1 else None
+
+
 def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind, sums: bool = False,
                     gate: tuple[int, bool] | None = None) -> tuple[Launch, str, str]:
     """(the launch quantizing activation buffer `x` of rows of `k` into the shared int8 scratch buffers, codes
@@ -369,25 +399,41 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     into scratch buffers, then `matvec_q8_kernel`; else one `matmul_kernel`. On matrix units (`_tile_products`),
     plans of steps of more than TILES_ABOVE tokens take the tile products for those steps and keep the int8
     matvecs for shorter ones (batched decoding, short prompts): both kernels read the same quantized activations,
-    and the row count picks at run time (`tile_matmul.step_gate`)."""
+    and the row count picks at run time (`tile_matmul.step_gate`). With knob mma_split, steps of
+    2 to TILES_ABOVE tokens take tile products of split K (`_split_tiles`) and their sum, and only one-token steps
+    the matvecs."""
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
     tiles = _tile_products(ctx, kn, fmts, n, k)
+    chunk = mma_chunk(ctx.target(), "matmul", kn, fmts, k) if tiles else 0
     if tiles and f16_path(fmts):  # F16 weights: the f16 products for every step of several tokens
         mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"], tokens=kn["mma_tokens"],
-                             chunk=kn["mma_chunk"], lanes=kn["mma_lanes"], epilogue=epilogue,
+                             chunk=chunk, lanes=kn["mma_lanes"], epilogue=epilogue,
                              words=bool(int(kn["mma_words"])))
         return [Launch(mk, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
     if _int8_kernels(ctx, kn, fmts, k):
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)
         acts = (("xq", qb), ("xd", db))
-        tiled, short = [], None  # short: the steps the matvecs run for (all, unless tile products take the long)
+        # short: the steps the matvecs run for (all, unless tile products take the long or the split the middle)
+        tiled, short = [], None
         if tiles:
             # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
             long = (TILES_ABOVE, True)
             mk = tile_mma_kernel(f"{name}{gate_suffix(long)}_mma", fmts, n, k, rows=kn["mma_rows"],
-                                 tokens=kn["mma_tokens"], chunk=kn["mma_chunk"], lanes=kn["mma_lanes"],
+                                 tokens=kn["mma_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
                                  epilogue=epilogue, words=bool(int(kn["mma_words"])), gate=long)
             tiled, short = [Launch(mk, (*acts, *wbind, ("y", y)), (("T", t_bind),))], (TILES_ABOVE, False)
+        split = _split_tiles(ctx, kn, fmts, n, k)
+        if split:
+            # Steps of 2 to TILES_ABOVE tokens: tile products with K in parts, each a group, then their sum.
+            (parts, schunk), mid = split, ((1, True), (TILES_ABOVE, False))
+            sk = tile_mma_kernel(f"{name}{gate_suffix(mid)}_mma_k{parts}", fmts, n, k, rows=kn["mma_rows"],
+                                 tokens=kn["mma_split_tokens"], chunk=schunk, lanes=kn["mma_lanes"],
+                                 words=bool(int(kn["mma_words"])), gate=mid, split=parts)
+            yp = ctx.scratch("yp", "f32", parts * len(fmts) * min(ctx.t_max, TILES_ABOVE) * n)
+            ss = split_sum_kernel(f"{name}{gate_suffix(mid)}_sum{parts}", n, parts, len(fmts), epilogue, gate=mid)
+            tiled += [Launch(sk, (*acts, *wbind, ("yp", yp)), (("T", t_bind),)),
+                      Launch(ss, (("yp", yp), ("y", y)), (("T", t_bind),))]
+            short = (1, False)
         rows, spread = q8_rows(kn, ctx, fmts, n, k)
         mk = matvec_q8_kernel(f"{name}{gate_suffix(short)}_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"],
                               runs=kn["runs"], rows=rows, spread=spread, reuse=_reuse(ctx, kn), epilogue=epilogue,
@@ -665,7 +711,8 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
     ns, k = [int(w.type.shape[0]) for w in ws], int(ws[0].type.shape[-1])
     fmts = [_fmt(ctx, w) for w in ws]
     kn = _knobs(ctx, MATMUL_SPACE, None)
-    if not _int8_kernels(ctx, kn, fmts, k) or any(_tile_products(ctx, kn, [f], n, k) for f, n in zip(fmts, ns)):
+    if not _int8_kernels(ctx, kn, fmts, k) or any(_tile_products(ctx, kn, [f], n, k) or _split_tiles(ctx, kn, [f], n, k)
+                                                  for f, n in zip(fmts, ns)):
         return [la for n in nodes for la in _lower_matmul([n], ctx)]
     tag = "_".join(f"{f.name.lower()}{n}" for f, n in zip(fmts, ns))
     kn = _knobs(ctx, MATMUL_SPACE, f"matmul_stack_{tag}x{k}")

@@ -78,7 +78,14 @@ from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE
 from polystrata.codegen.recipes.elementwise import Addend, match_add_rms, norm_launch
 from polystrata.codegen.recipes.linear import quantize_x_kernel, silu
 from polystrata.codegen.recipes.tile_matmul import gate_suffix, step_gate
-from polystrata.codegen.recipes.tile_mma import TILE_MMA_KNOBS, Gather, f16_path, tile_mma_kernel, tile_products_apply
+from polystrata.codegen.recipes.tile_mma import (
+    TILE_MMA_KNOBS,
+    Gather,
+    f16_path,
+    mma_chunk,
+    tile_mma_kernel,
+    tile_products_apply,
+)
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
@@ -150,10 +157,11 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int, lists: int 
                   local=(LocalArray("p", "f32", e),))
 
 
+# version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64).
 MOE_SPACE = KnobSpace("moe_ffn", (
     Knob("rows", 4, (1, 2, 8)), Knob("split", "auto", ("rows", "blocks")), Knob("xq", "auto", ("inline", "kernel")),
     Knob("sub", "auto", (1, 2, 4, 8)), Knob("runs", "auto", (0, 1)), Knob("spread", "auto", (0, 1)),
-    Knob("contract", "auto", (0, 1)), *TILE_MMA_KNOBS),
+    Knob("contract", "auto", (0, 1)), *TILE_MMA_KNOBS), version=2,
     constraint=lambda kn: not (kn["xq"] == "inline" and any(kn[k] != "auto" for k in ("sub", "runs", "spread"))))
 
 
@@ -506,7 +514,8 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
         def tile_launch(name: str, fmts: list[QuantFormat], n: int, kd: int, per_token: bool, act: str,
                         quant: tuple, ws: tuple, out: str, epilogue=None) -> list[Launch]:
             kern = tile_mma_kernel(name + gate_suffix(gate) + "_mma", fmts, n, kd, rows=int(kn["mma_rows"]),
-                                   tokens=int(kn["mma_tokens"]), chunk=int(kn["mma_chunk"]),
+                                   tokens=int(kn["mma_tokens"]),
+                                   chunk=mma_chunk(policy, "moe_ffn", kn, fmts, kd),
                                    lanes=int(kn["mma_lanes"]), epilogue=epilogue,
                                    gather=expert_gather(n_exp, n, k, cap, per_token, stream),
                                    words=bool(int(kn["mma_words"])), gate=gate)

@@ -48,19 +48,31 @@ from polystrata.ir.kernel import Buf, Call, Decl, For, If, Kernel, Let, Load, Lo
 HALF = 16  # elements of an activation sum (`quantize_x_kernel`'s sums): the finest weight group taken
 
 
-def step_gate(size: Expr, gate: tuple[int, bool] | None) -> Expr:
+Gate = tuple[int, bool]  # `step_gate`'s condition on a step's row count T: (n, True) T > n, (n, False) T <= n
+
+
+def step_gate(size: Expr, gate: Gate | tuple[Gate, ...] | None) -> Expr:
     """Grid extent `size`, kept in steps of more than `gate[0]` tokens (`gate[1]` true) or of at most that many
-    (false), else 0: a launch of no groups is none, so the row count picks at run time which of two kernels runs."""
+    (false), else 0: a launch of no groups is none, so the row count picks at run time which of two kernels runs.
+    A tuple of such gates keeps it where all hold (a range of row counts)."""
     if gate is None:
+        return size
+    if isinstance(gate[0], tuple):
+        for g in gate:
+            size = step_gate(size, g)
         return size
     above, over = gate
     on = Var("T") - above if over else Const(above + 1) - Var("T")
     return size * Call("min", Const(1), Call("max", Const(0), on))
 
 
-def gate_suffix(gate: tuple[int, bool] | None) -> str:
-    """A kernel name's suffix for `step_gate`'s `gate`: "_gtN" or "_leN" ("" for none)."""
-    return "" if gate is None else f"_{'gt' if gate[1] else 'le'}{gate[0]}"
+def gate_suffix(gate: Gate | tuple[Gate, ...] | None) -> str:
+    """A kernel name's suffix for `step_gate`'s `gate`: "_gtN", "_leN", "_gtN_leM" ("" for none)."""
+    if gate is None:
+        return ""
+    if isinstance(gate[0], tuple):
+        return "".join(gate_suffix(g) for g in gate)
+    return f"_{'gt' if gate[1] else 'le'}{gate[0]}"
 
 
 @kernel_builder

@@ -44,7 +44,7 @@ from polystrata.codegen.policy import MMA_OFF, Policy
 from polystrata.codegen.recipes import Knob, kernel_builder
 from polystrata.codegen.recipes._alignment import ALIGN_MAX, realign
 from polystrata.codegen.recipes._matvec import QB, _vec_level, _wide_levels, fmt_for, use_int8
-from polystrata.codegen.recipes.tile_matmul import step_gate
+from polystrata.codegen.recipes.tile_matmul import Gate, step_gate
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.kernel import (
@@ -70,14 +70,17 @@ from polystrata.ir.kernel import (
     ToF32,
 )
 
-TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", 64), Knob("mma_lanes", 128),
+TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", "auto", (64, 128, 256)),
+                  Knob("mma_lanes", 128),
                   Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
 # policy's, `codegen/policy.py`, which says why). Smaller matrices cost little in a prompt chunk anyway, and each
 # tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
+# Knob mma_chunk: K a staging round ("auto": the policy's where the matrix takes it, else SMALL_CHUNK; `mma_chunk`).
 # Knob mma_words: 1 stages int8 operands a word at a time (module docstring); 0, the byte-at-a-time staging of the
 # first measurement, is kept for comparison (`--knob matmul.mma_words=0`), not searched by `tune`.
 PAD = 4  # words of padding after each operand row (see the module docstring)
+SMALL_CHUNK = 64  # the K chunk of matrices that the policy's does not fit (two activation blocks)
 
 
 @dataclass(frozen=True)
@@ -105,13 +108,26 @@ def tile_products_apply(policy: Policy, space: str, t_max: int, kn: dict, fmts: 
                         k: int) -> bool:
     """The part of the choice of tile products that `linear` and `moe` share: a target with matrix units
     (`Policy.matrix_units`), a plan of steps of several tokens, a matrix of at least knob mma_min rows and columns
-    (knob space `space`'s; "auto": the policy's), formats and K that `tile_mma_fits` takes (with knob mma_chunk),
-    local arrays within the policy's `local_bytes` (a large tile and chunk may not fit). Each caller adds where its
-    int8 activations come from."""
-    chunk = int(kn["mma_chunk"])
-    least = policy.default(space, "mma_min") if kn["mma_min"] == "auto" else int(kn["mma_min"])
-    if not (policy.matrix_units and t_max > 1 and min(n, k) >= least and tile_mma_fits(fmts, k, chunk)):
+    (knob space `space`'s; "auto": the policy's), formats and K that `tile_mma_fits` takes (with `mma_chunk`'s
+    chunk), local arrays within the policy's `local_bytes` (a large tile and chunk may not fit). Each caller adds
+    where its int8 activations come from."""
+    if not (policy.matrix_units and t_max > 1):
         return False
+    chunk = mma_chunk(policy, space, kn, fmts, k)
+    least = policy.default(space, "mma_min") if kn["mma_min"] == "auto" else int(kn["mma_min"])
+    return min(n, k) >= least and tile_mma_fits(fmts, k, chunk) and _fits_local(policy, kn, fmts, chunk)
+
+
+def mma_chunk(policy: Policy, space: str, kn: dict, fmts: Sequence[QuantFormat], k: int) -> int:
+    """Knob mma_chunk of knob space `space` for weights of `fmts` with rows of k: as set, or ("auto") the policy's
+    where `tile_mma_fits` and the local memory take it, else SMALL_CHUNK."""
+    if kn["mma_chunk"] != "auto":
+        return int(kn["mma_chunk"])
+    chunk = int(policy.default(space, "mma_chunk"))
+    return chunk if tile_mma_fits(fmts, k, chunk) and _fits_local(policy, kn, fmts, chunk) else SMALL_CHUNK
+
+
+def _fits_local(policy: Policy, kn: dict, fmts: Sequence[QuantFormat], chunk: int) -> bool:
     words = bool(int(kn["mma_words"])) and word_staging(fmts)
     arrays = operand_arrays(fmts, int(kn["mma_rows"]), int(kn["mma_tokens"]), chunk, words)
     return sum(a.size * DTYPE_BYTES[a.dtype] for a in arrays) <= policy.local_bytes
@@ -178,13 +194,19 @@ def operand_arrays(fmts: Sequence[QuantFormat], rows: int, tokens: int, chunk: i
 @kernel_builder
 def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, chunk: int,
                     lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
-                    gather: Gather | None = None, words: bool = True, gate: tuple[int, bool] | None = None) -> Kernel:
+                    gather: Gather | None = None, words: bool = True, gate: Gate | tuple[Gate, ...] | None = None,
+                    split: int = 1) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of `fmts` (`tile_mma_fits`), from
     int8 activations `xq` / `xd` (`linear.quantize_x_kernel`'s), or for F16 weights (`f16_path`) from the f32
     activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens)). With `gather`: for each token j the
     list holds, y[out(j), r] from x[row(j)] and weight rows first + r; grid (.., .., gather.groups), a list of at
     most T tokens. `words` (knob mma_words): int8 operands staged a word at a time where every format's levels pack
-    into words (`word_staging`), else a byte at a time. `gate`: the steps it runs for (`tile_matmul.step_gate`)."""
+    into words (`word_staging`), else a byte at a time. `gate`: the steps it runs for (`tile_matmul.step_gate`).
+    `split` > 1 (steps of few tokens, not with `gather` or `epilogue`): K split into that many parts, each a group
+    of its own (grid (.., ceil(T / tokens) * split)), whose unscaled sums go to yp[((j * split + part) * T + t) * n
+    + r] for `split_sum_kernel` to add up; a step of one token tile then still has enough groups to fill the
+    device."""
+    assert split == 1 or (gather is None and epilogue is None), "split K adds its parts up in split_sum_kernel"
     half = f16_path(fmts)
     pack_n = 2 if half else 4  # elements a word
     wfs = [fmt_for(f) for f in fmts]
@@ -194,7 +216,9 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     gx = min(a.group for a in afs) if not half else chunk  # activation sums are kept per gx elements
     offsets = any(a is not None and a.offset is not None for a in afs)
     words = words and word_staging(fmts)
-    row0, t0, u = Var("g0") * rows, Var("g1") * tokens, Var("u")
+    row0, u = Var("g0") * rows, Var("u")
+    t0 = (Var("g1") // split if split > 1 else Var("g1")) * tokens
+    part = Var("g1") % split
     kb, T = Var("kb"), Var("T")
     count = gather.count if gather else T  # the tile's tokens are t0 .. count - 1 of those listed
 
@@ -405,15 +429,20 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     out = epilogue(vals) if epilogue else vals[0]
     row, t = row0 + Var("i"), t0 + Var("jj")
     clear = tuple(FragSet(f"f{j}", Const(0.0)) for j in range(len(fmts)))
-    steps = Const(k // big)
+    first, steps = Const(0), Const(k // big)
     if gather:  # a tile past the list's tokens takes no step (its group still runs: the grid covers T tokens)
         steps = Select(t0 < count, steps, Const(0))
+    if split > 1:  # part p takes K steps [p * per, (p + 1) * per) of the k // big
+        per = -(-(k // big) // split)
+        first, steps = part * per, Call("min", Const(k // big), part * per + per)
+        stores = tuple(Store("yp", ((j * split + part) * T + t) * n + row, vals[j]) for j in range(len(fmts)))
+    else:
+        stores = (Store("y", (gather.out(t) if gather else t) * n + row, out),)
     body = (
         *(gather.lets if gather else ()),
         TileEach("i", "jj", clear if half else (FragSet("iacc", Const(0)), *clear)),
-        For(kb.name, Const(0), steps, tuple(step)),
-        TileEach("i", "jj", (If((row < n) & (t < count), (Store("y", (gather.out(t) if gather else t) * n + row,
-                                                                   out),)),)),
+        For(kb.name, first, steps, tuple(step)),
+        TileEach("i", "jj", (If((row < n) & (t < count), stores),)),
     )
     local = operand_arrays(fmts, rows, tokens, chunk, words)
     frags = tuple(Fragment(f"f{j}", "f32", rows, tokens) for j in range(len(fmts)))
@@ -421,9 +450,34 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         frags = (Fragment("iacc", "i32", rows, tokens), *frags)
     acts = (Buf("x", "f32"),) if half else (Buf("xq", "u32"), Buf("xd", "f32"))
     params = (*acts, *(gather.params if gather else ()), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
-              Buf("y", "f32", out=True), Scalar("T"))
-    grid = (Const(-(-n // rows)), step_gate((T + (tokens - 1)) // tokens, gate), *((gather.groups,) if gather else ()))
+              Buf("yp" if split > 1 else "y", "f32", out=True), Scalar("T"))
+    grid = (Const(-(-n // rows)), step_gate((T + (tokens - 1)) // tokens * split, gate),
+            *((gather.groups,) if gather else ()))
     knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes),
-             ("mma_words", int(words)))
+             ("mma_words", int(words)), *((("mma_split", split),) if split > 1 else ()))
     return Kernel(name, params, grid, body, lanes=lanes, local=tuple(local), knobs=knobs, fragments=frags,
                   doc=f"tile matmul {'f16' if half else 'int8'} {'+'.join(f.name for f in fmts)} [{n}x{k}]")
+
+
+SUM_LANES = 128  # lanes of a `split_sum_kernel` group: a row of outputs each
+
+
+@kernel_builder
+def split_sum_kernel(name: str, n: int, parts: int, weights: int = 1,
+                     epilogue: Callable[[list[Expr]], Expr] | None = None,
+                     gate: Gate | tuple[Gate, ...] | None = None) -> Kernel:
+    """y[t, r] = epilogue(sum over p of yp[((j * parts + p) * T + t) * n + r] for each weight j): the parts of a
+    `tile_mma_kernel` of split K added up (in order of p, so a token's result does not depend on the others in its
+    step). Grid (T, ceil(n / SUM_LANES)); `gate`: the steps it runs for (`tile_matmul.step_gate`)."""
+    t, r = Var("g0"), Var("g1") * SUM_LANES + Var("u")
+    vals = []
+    for j in range(weights):
+        total = Load("yp", (j * parts * Var("T") + t) * n + r)
+        for p in range(1, parts):
+            total = total + Load("yp", ((j * parts + p) * Var("T") + t) * n + r)
+        vals.append(total)
+    out = epilogue(vals) if epilogue else vals[0]
+    body = (LaneFor("u", Const(SUM_LANES), (If(r < n, (Store("y", t * n + r, out),)),)),)
+    params = (Buf("yp", "f32"), Buf("y", "f32", out=True), Scalar("T"))
+    return Kernel(name, params, (step_gate(Var("T"), gate), Const(-(-n // SUM_LANES))), body, lanes=SUM_LANES,
+                  doc=f"sum of {parts} K parts x {weights} [{n}]")
