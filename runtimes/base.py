@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib
 import importlib.util
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -46,8 +48,42 @@ def cache_dir(target: str) -> Path:
 
 
 def cache_key(source: str, target: str, device: str, compiler: str) -> str:
-    """Binary-cache key: a hash of the source, target, device and compiler version."""
-    return stable_digest((source, target, device, compiler), 24)
+    """Binary-cache key: a hash of the source, the intrinsic modules it imports (`intrinsics_digest`), target,
+    device and compiler version."""
+    return stable_digest((source, intrinsics_digest(source), target, device, compiler), 24)
+
+
+_INTRINSICS_IMPORT = re.compile(r"^from polystrata\.codegen(?:\.(\w+))? import ([\w, ]+)", re.M)
+
+
+def intrinsics_digest(source: str) -> str:
+    """A hash of the project's intrinsic modules (`codegen/*_intrinsics.py`) that `source` imports, and those they
+    import: their code is compiled into the kernel, so a change there must miss the cache as a change of the
+    source does. "" for a source that imports none (C family)."""
+    return _modules_digest(frozenset(_intrinsic_imports(source)))
+
+
+def _intrinsic_imports(text: str) -> set[str]:
+    found = set()
+    for module, names in _INTRINSICS_IMPORT.findall(text):
+        found |= {module} if module else {n.strip() for n in names.split(",")}
+    return {m for m in found if m.endswith("_intrinsics")}
+
+
+@functools.cache
+def _modules_digest(modules: frozenset[str]) -> str:
+    if not modules:
+        return ""
+    seen, todo, texts = set(), sorted(modules), []
+    while todo:
+        m = todo.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        text = Path(importlib.util.find_spec(f"polystrata.codegen.{m}").origin).read_text()
+        texts.append((m, text))
+        todo += sorted(_intrinsic_imports(text) - seen)
+    return stable_digest(sorted(texts), 16)
 
 
 class CacheEntry:

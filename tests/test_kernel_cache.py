@@ -262,3 +262,26 @@ def test_compile_all_compiles_what_the_cache_lacks_in_worker_processes(home, mon
     monkeypatch.setenv("POLYSTRATA_COMPILE_JOBS", "many")
     with pytest.raises(PolystrataError, match="POLYSTRATA_COMPILE_JOBS must be a whole number"):
         CPURuntime().compile_workers()
+
+
+def test_an_edit_of_an_imported_intrinsic_module_misses_the_cache(tmp_path, monkeypatch):
+    """Kernels compile the intrinsic modules their source imports (cpu_intrinsics, and through it
+    numba_intrinsics) into their machine code: an edit there gives another key, as an edit of the source does."""
+    import importlib.util
+    from types import SimpleNamespace
+
+    from polystrata.runtimes import base
+
+    source = "from polystrata.codegen.cpu_intrinsics import dot_f32\n"
+    before = base.cache_key(source, "cpu", "dev", "numba")
+    real = importlib.util.find_spec
+    edited = tmp_path / "numba_intrinsics.py"
+    edited.write_text(Path(real("polystrata.codegen.numba_intrinsics").origin).read_text() + "\n# edited\n")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: SimpleNamespace(origin=str(edited))
+                        if name == "polystrata.codegen.numba_intrinsics" else real(name, *a))
+    base._modules_digest.cache_clear()
+    try:
+        assert base.cache_key(source, "cpu", "dev", "numba") != before
+        assert base.intrinsics_digest("__kernel void k() {}") == ""  # a C source imports none
+    finally:
+        base._modules_digest.cache_clear()
