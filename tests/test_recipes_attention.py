@@ -206,15 +206,17 @@ def test_split_kv_store_writes_the_gguf_blocks_repacked(rt):
         np.testing.assert_array_equal(caches[True][name], repack(caches[False][name], fmt, layout))
 
 
-def test_attention_tile_products(rt):
+@pytest.mark.parametrize("q_tile", [16, 32])
+def test_attention_tile_products(rt, q_tile):
     """Prefill attention's products as the kernel IR's tile products (knob mma; the portable rendering here,
     test_target_cuda emulates the matrix units' layouts with f16 K/V): a 512-row prompt (32 row tiles, 16 key
     tiles), then 33, 7 and 1 rows (partial tiles of rows and keys), GQA, a window, a softcap, q8_0 K/V decoded to
     f16 (within the loops' tolerance; q, K and the probabilities rounded to f16 cost f16 K/V 6e-4 at 512 rows, where
     the loops' f32 products are within 1e-6). One case: each is a PoCL compile of seconds; its heads are
-    test_attention_tiles' (their K/V store kernel compiles once)."""
+    test_attention_tiles' (their K/V store kernel compiles once). Tiles of 16 query rows (the default) and of 32
+    (knob q_tile: two 16-row tiles of each fragment)."""
     gpu_shaped(rt, 128, sampled=False)
-    knobs = {"tiles": 1, "tiles_above": 0, "mma": 1, "q_tile": 16, "k_tile": 32}
+    knobs = {"tiles": 1, "tiles_above": 0, "mma": 1, "q_tile": q_tile, "k_tile": 32}
     launches = _check_attention(rt, "q8_0", 3, 10, 30.0, 128, 560, knobs, (512, 33, 7, 1), 3)
     kern = launches[1].kernel
     assert dict(kern.knobs)["mma"] == 1 and len(kern.fragments) == 3  # scores and two 32-column output fragments

@@ -717,7 +717,7 @@ ATTENTION_SPACE = KnobSpace("attention", (Knob("splits", "auto", (1, 2, 4, 8, 16
                                           Knob("min_run", "auto", (1, 4, 16, 64)), Knob("heads", "auto", (1, 2, 4)),
                                           Knob("int8", "auto", (0, 1)),
                                           Knob("tiles", "auto", (0, 1)), Knob("tiles_above", "auto", (0, 16, 256)),
-                                          Knob("q_tile", "auto", (4, 8, 16)), Knob("k_tile", "auto", (8, 16, 32)),
+                                          Knob("q_tile", "auto", (4, 8, 16, 32)), Knob("k_tile", "auto", (8, 16, 32)),
                                           Knob("mma", "auto", (0, 1))),
                             constraint=lambda kn: (kn["min_run"] == "auto" or kn["splits"] not in ("auto", 1))
                             and (kn["tiles"] != 0 or all(kn[t] == "auto" for t in ("tiles_above", "q_tile", "k_tile",
