@@ -319,8 +319,12 @@ if [[ " $STAGES " == *" serve "* ]]; then
     # binary of device_llamacpp.sh). SERVE_ARGS passes options on (e.g. "--streams 1,16 --tokens 64"), SERVE_KNOBS
     # PolyStrata's (e.g. "--knob matmul.reuse=1").
     preset_model llama3-8b-q4km
-    # A batched step's matmul alone, ffn_up's shape at 16 rows: the int8 matvecs against the split-K tile products
-    # (knob matmul.mma_split, off by default; docs/benchmarks.md, "Serving: split-K tile products").
+    # The split-K tile products on this GPU's matrix units against the reference first (a fast wrong kernel would
+    # win the runs below: serve_bench checks no text), then a batched step's matmul alone, ffn_up's shape at 16
+    # rows: the int8 matvecs against them (knob matmul.mma_split, off by default; docs/benchmarks.md, "Serving:
+    # split-K tile products").
+    timeout 600 python3 -m pytest -q -p no:cacheprovider tests/test_recipes_tile_mma.py -k "split or glu" \
+        --target cuda 2>&1 | tail -1 | sed "s/^/split-K kernels on cuda: /" | tee -a "$LOG" "$SUMMARY"
     for kn in "" "--knob matmul.mma_split=4" "--knob matmul.mma_split=8"; do
         timeout 300 python3 scripts/matvec_bench.py --target cuda --rows 14336 --cols 4096 --tokens 16 --iters 50 \
             $kn 2>&1 | tee -a "$LOG" | tail -1 | tee -a "$SUMMARY"
