@@ -82,14 +82,16 @@ def test_case_matches_numpy_and_cpu(rt, cpu, case):
 
 
 @inner
-@pytest.mark.parametrize("unit,kind", [("mma_sync", "i8"), ("mma_sync", "f16"), ("mma_sync", "recipe"), ("mfma", "i8"),
+@pytest.mark.parametrize("unit,kind", [("mma_sync", "i8"), ("mma_sync", "f16"), ("mma_sync", "recipe"),
+                                       ("mma_sync", "recipe_split"), ("mfma", "i8"),
                                        ("mfma", "f16"), ("wmma", "f16"), ("wmma", "recipe"),
                                        ("mma_sync", "attention"), ("mfma", "attention"), ("wmma", "attention")])
 def test_native_tile_lowering_emulated(unit, kind, tmp_path):
     """The native lowering of tile products for cuda's MMA_SYNC unit and hip's gfx90a MFMA and gfx11 WMMA units
     (operand loads, accumulator layout, tiles dealt to subgroups), rendered by this printer with the instructions
     emulated from the vendors' fragment layouts (`matrix_emulation`), against numpy: the conformance cases and the
-    prefill matmul recipe's kernel (int8 m16n8k32 on MMA_SYNC), and prefill attention's (f16 products of scores and
+    prefill matmul recipe's kernel (int8 m16n8k32 on MMA_SYNC; also with K split in 3 parts, the last empty, added
+    up here), and prefill attention's (f16 products of scores and
     of probabilities with V, a window and a softcap, GQA, q8_0 K/V; 7 rows: a partial tile of rows and of keys)."""
     import importlib
 
@@ -113,19 +115,21 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
             PyPrinter.__init__(self, k, LaneAbilities(several=True, matrix=mu))
             self.native = False
 
-    if kind == "recipe":
+    if kind.startswith("recipe"):
         from recipe_cases import q8_rounded, weight
 
         from polystrata.codegen.recipes.tile_mma import tile_mma_kernel
 
         fmt, wb, wd = weight("Q8_0", 30, 256)
-        kernel = tile_mma_kernel("t_mma_emu", [fmt], 30, 256, rows=32, tokens=16, chunk=64, lanes=64)
+        parts = 3 if kind == "recipe_split" else 1
+        kernel = tile_mma_kernel(f"t_mma_emu{parts}", [fmt], 30, 256, rows=32, tokens=16, chunk=64, lanes=64,
+                                 split=parts)
         x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
         codes = np.round(q8_rounded(x) / (np.abs(x).reshape(7, 8, 32).max(-1, keepdims=True).repeat(32, -1)
                                           .reshape(7, 256) / 127)).astype(np.int8)
         inputs = {"xq": codes.view(np.uint32).reshape(-1), "w0": wb,
                   "xd": (np.abs(x).reshape(7, 8, 32).max(-1) / 127).astype(np.float32).reshape(-1)}
-        outputs, scalars, grid = {"y": (7 * 30, "f32")}, {"T": 7}, (1, 1)
+        outputs, scalars, grid = {"yp" if parts > 1 else "y": (parts * 7 * 30, "f32")}, {"T": 7}, (1, parts)
         want = {"y": (q8_rounded(x) @ wd.T).reshape(-1)}
     elif kind == "attention":
         from recipe_cases import attention_prefill_case
@@ -155,6 +159,8 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
         arrays[name] = np.full(size, np.nan, np.float32) if dt == "f32" else np.full(size, -1, np.int32)
     args = [arrays[p.name] if hasattr(p, "out") else scalars[p.name] for p in kernel.params]
     getattr(mod, kernel.name)[grid, kernel.lanes](*args)
+    if kind == "recipe_split":  # the parts added up as split_sum_kernel does
+        arrays["y"], outputs = arrays["yp"].reshape(3, -1).sum(0), {"y": (7 * 30, "f32")}
     if kind == "attention":  # q, K and the probabilities rounded to f16: absolute error (test_recipes_attention's)
         np.testing.assert_allclose(arrays["out"], want["out"], atol=2e-3, rtol=1e-3, err_msg=unit)
     else:
