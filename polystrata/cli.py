@@ -724,14 +724,12 @@ def main(argv: list[str] | None = None) -> int:
     `error: interrupted` and exit code 130 (see polystrata.interrupt).
     """
     warnings.showwarning = _show_warning
+    args = None
     try:  # a Ctrl-C can land while the watchdog thread is starting
         if argv is None:
             interrupt.arm()
         args = build_parser().parse_args(argv)
         _merge_model(args)
-    except KeyboardInterrupt:
-        return interrupt.report()
-    try:
         # Progress bars on stderr, except where the output is for a program (--json, bench -o json|csv), unless
         # POLYSTRATA_PROGRESS=1 asks for them anyway (a log of a long run then shows how far it got).
         machine_output = getattr(args, "json", False) or getattr(args, "output_format", "md") != "md"
@@ -741,25 +739,29 @@ def main(argv: list[str] | None = None) -> int:
 
             threads.configure(args.threads)  # before anything starts Numba's thread pool
         return COMMANDS[args.cmd](args)
-    except PolystrataError as e:
-        if args.debug:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(e, UsageError) else EXIT_ERROR
     except KeyboardInterrupt:
         return interrupt.report()
-    except BrokenPipeError:
+    except Exception as e:
+        if interrupt.received():  # an error after a Ctrl-C is the interrupt's (see polystrata.interrupt)
+            return interrupt.report()
+        return _failed(e, getattr(args, "debug", False))
+
+
+def _failed(e: Exception, debug: bool) -> int:
+    """`main`'s one line and exit status for error `e` of a command; anything but our errors and the system's is
+    re-raised (a traceback: a bug), as is everything with --debug. Call inside the `except` that caught `e`."""
+    if isinstance(e, BrokenPipeError):  # the reader went away (`| head`): nothing to say
         return EXIT_ERROR
-    except MemoryError:
-        if args.debug:
-            raise
+    if debug or not isinstance(e, (PolystrataError, MemoryError, OSError)):
+        raise e
+    if isinstance(e, PolystrataError):
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(e, UsageError) else EXIT_ERROR
+    if isinstance(e, MemoryError):
         print("error: out of memory", file=sys.stderr)
         return EXIT_ERROR
-    except OSError as e:
-        if args.debug:
-            raise
-        print(f"error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
-        return EXIT_ERROR
+    print(f"error: {e.strerror or e}: {e.filename or ''}".rstrip(": "), file=sys.stderr)
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ runs a Python callback from C, or in a callback such as the import system's weak
 returns. So `arm` also lets CPython's C-level signal handler write to a pipe (signal.set_wakeup_fd), which
 wakes a watchdog thread at once; if the process is still running GRACE_S later, the watchdog reports and exits
 with os._exit. Such a dropped KeyboardInterrupt is not printed (`_unraisable`): the watchdog ends the command.
+A library may also turn the KeyboardInterrupt into an error of its own (numpy's import of its C extension raises
+ImportError); `received` tells `main` that an error came after a Ctrl-C, which it then reports as the interrupt.
 Caches and artifacts are written to a temporary file and renamed, so stopping at any point leaves them valid.
 Compilers are called inside `held_back`: a KeyboardInterrupt raised between two of llvmlite's calls into LLVM
 can leave an object that both LLVM and its Python wrapper free ("double free", death by SIGABRT), so there the
@@ -27,6 +29,8 @@ GRACE_S = 0.5
 _lock = threading.Lock()
 _reported = False
 _armed = False
+_received = False  # a Ctrl-C reached the armed process
+_held = False  # inside `held_back`
 
 
 def report() -> int:
@@ -68,24 +72,52 @@ def arm() -> None:
         os.close(write_fd)
         return
     _armed = True
+    signal.signal(signal.SIGINT, _on_sigint)
     sys.unraisablehook = _unraisable
     threading.Thread(target=_watch, args=(read_fd,), name="polystrata-ctrl-c", daemon=True).start()
 
 
+def received() -> bool:
+    """Whether a Ctrl-C reached this (armed) process: an error raised after it is the interrupt's doing, a library
+    having turned the KeyboardInterrupt into an exception of its own, or a compiler's child process killed by the
+    same key."""
+    return _armed and _received
+
+
+def _on_sigint(signum, frame) -> None:
+    """The armed process's SIGINT handler: Python's (KeyboardInterrupt), remembering the key for `received`."""
+    global _received
+    _received = True
+    raise KeyboardInterrupt
+
+
 @contextlib.contextmanager
 def held_back():
-    """Run the body with Ctrl-C held back: it raises KeyboardInterrupt when the body returns, or the watchdog ends
-    the process GRACE_S after the key if the body is still running. For calls into libraries whose Python
-    wrappers an exception between two of their steps would corrupt (llvmlite under Numba). Does nothing unless
-    armed, or off the main thread (where SIGINT never raises)."""
-    if not _armed or threading.current_thread() is not threading.main_thread():
+    """Run the body with Ctrl-C held back: it raises KeyboardInterrupt when the body returns or raises, or the
+    watchdog ends the process GRACE_S after the key if the body is still running. For calls into libraries whose
+    Python wrappers an exception between two of their steps would corrupt (llvmlite under Numba). Does nothing
+    unless armed, off the main thread (where SIGINT never raises) or inside another `held_back`."""
+    global _held
+    if not _armed or _held or threading.current_thread() is not threading.main_thread():
         yield
         return
     pending: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+
+    def hold(signum, frame) -> None:
+        global _received
+        _received = True
+        pending.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    _held = True
     try:
         yield
+    except BaseException as e:
+        if pending:  # whatever the body raised after the key (a compiler child killed by it): the interrupt
+            raise KeyboardInterrupt from e
+        raise
     finally:
+        _held = False
         signal.signal(signal.SIGINT, previous)
     if pending:
         raise KeyboardInterrupt

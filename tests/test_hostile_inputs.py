@@ -392,6 +392,7 @@ def test_a_ctrl_c_inside_a_compiler_waits_for_it_to_return(monkeypatch):
     from polystrata import interrupt
 
     monkeypatch.setattr(interrupt, "_armed", True)
+    monkeypatch.setattr(interrupt, "_received", False)
     steps = []
     with pytest.raises(KeyboardInterrupt):
         with interrupt.held_back():
@@ -404,6 +405,27 @@ def test_a_ctrl_c_inside_a_compiler_waits_for_it_to_return(monkeypatch):
     with interrupt.held_back():  # no key, no interrupt
         steps.append("again")
     assert steps[-1] == "again"
+    with pytest.raises(KeyboardInterrupt):  # what the body raises after the key (a compiler child it killed)
+        with interrupt.held_back():
+            os.kill(os.getpid(), signal.SIGINT)
+            with interrupt.held_back():  # nested: the outer one holds the key
+                raise RuntimeError("build failed: the compiler died of SIGINT")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_error_after_a_ctrl_c_is_the_interrupt(monkeypatch, capsys):
+    """A library may turn the KeyboardInterrupt into an error of its own (numpy's import of its C extension: an
+    ImportError, 1 start-up in ~50): after a Ctrl-C, `main` reports any error as the interrupt."""
+    from polystrata import interrupt
+    from polystrata.cli import main
+
+    monkeypatch.setattr(interrupt, "_reported", False)
+    assert main(["info", "/nonexistent.gguf"]) == 1  # no key: the command's own error
+    assert "no such file" in capsys.readouterr().err
+    monkeypatch.setattr(interrupt, "_armed", True)
+    monkeypatch.setattr(interrupt, "_received", True)
+    assert main(["info", "/nonexistent.gguf"]) == 130
+    assert capsys.readouterr().err == "error: interrupted\n"
 
 
 def test_a_ctrl_c_caught_inside_eval_still_exits_130(monkeypatch):
