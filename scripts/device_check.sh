@@ -327,7 +327,7 @@ if [[ " $STAGES " == *" serve "* ]]; then
         --target cuda 2>&1 | tail -1 | sed "s/^/split-K kernels on cuda: /" | tee -a "$LOG" "$SUMMARY"
     for kn in "" "--knob matmul.mma_split=4" "--knob matmul.mma_split=8"; do
         timeout 300 python3 scripts/matvec_bench.py --target cuda --rows 14336 --cols 4096 --tokens 16 --iters 50 \
-            $kn 2>&1 | tee -a "$LOG" | tail -1 | tee -a "$SUMMARY"
+            $kn 2>&1 | tee -a "$LOG" | tail -2 | tee -a "$SUMMARY"
     done
     lcpp=(); [ -n "${SERVE_KNOBS:-}" ] && lcpp=(--polystrata-args "$SERVE_KNOBS")
     if bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1 && bash scripts/device_llamacpp.sh wait 540 >> "$LOG" \

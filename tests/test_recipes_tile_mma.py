@@ -136,12 +136,18 @@ def test_tile_mma_fits():
     assert not tile_mma_fits([FORMATS["Q8_0"]], 96, 64)  # K not a multiple of the chunk
 
 
-def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K", mma_min: int = 32, split: int = 0) -> list:
+def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K", mma_min: int = 32, split: int = 0,
+                     **knobs) -> list:
     g = Graph("t")
     g.op("matmul", g.input("x", "f32", ("T", K)), g.weight("w", fmt, (N, K)), name="y")
     ctx = recipe_context(g, formats={"w": FORMATS[fmt]}, lanes=128, matrix_units=matrix_units)
-    ctx.t_max, ctx.knobs = t_max, {"matmul": {"mma_min": mma_min, "mma_split": split, "mma_chunk": 64}}
-    return recipe("matmul").lower(g.nodes, ctx)
+    ctx.t_max, ctx.knobs = t_max, {"matmul": {"mma_min": mma_min, "mma_split": split, "mma_chunk": 64, **knobs}}
+    launches = recipe("matmul").lower(g.nodes, ctx)
+    for t in range(1, t_max + 1):  # whatever the knobs, one kernel writes y in each step
+        writers = [la.kernel.name for la in launches if any(p.name == "y" for p in la.kernel.params)
+                   and all(eval_int(e, {"T": t}) > 0 for e in la.kernel.grid)]
+        assert len(writers) == 1, (t, writers)
+    return launches
 
 
 def test_taken_for_prefill_on_matrix_units_only():
@@ -179,6 +185,12 @@ def test_split_k_takes_the_steps_of_2_to_64_tokens():
     short = [la.kernel.name for la in _matmul_launches(True, 16, "Q8_0", split=4)]  # no long steps in the plan
     assert tail(short) == ["quantize_x_256", "_gt1_le64_mma_k4", "_gt1_le64_sum4", "_le1_q8"], short
     assert not any("_mma_k" in la.kernel.name for la in _matmul_launches(True, 70, "Q4_K", split=4))
+    # Long steps refused the tile products (a token tile past the local memory): they keep the matvecs, and so
+    # do the short ones, unless the plan has no long steps.
+    assert not any("_mma" in la.kernel.name for la in _matmul_launches(True, 70, "Q8_0", split=4, mma_tokens=1024))
+    assert any("_mma_k4" in la.kernel.name for la in _matmul_launches(True, 64, "Q8_0", split=4, mma_tokens=1024))
+    # Parts as the kernel deals the K steps: 4 steps in at most 3 parts is 2 parts of 2, no empty one.
+    assert any(la.kernel.name.endswith("_mma_k2") for la in _matmul_launches(True, 16, "Q8_0", split=3))
     assert not any("_mma_k" in la.kernel.name for la in _matmul_launches(True, 1, "Q8_0", split=4))  # decode
 
 

@@ -333,7 +333,9 @@ def _split_tiles(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n: i
     if not tile_products_apply(ctx.target(), "matmul", ctx.t_max, kn, fmts, n, k):
         return None
     chunk = mma_chunk(ctx.target(), "matmul", kn, fmts, k)
-    parts = min(int(kn["mma_split"]), k // max(chunk, *(fmt_for(f).block_size for f in fmts)))
+    steps = k // max(chunk, *(fmt_for(f).block_size for f in fmts))
+    per = -(-steps // int(kn["mma_split"]))  # K steps a part, as the kernel deals them: no part left without
+    parts = -(-steps // per)
     return (parts, chunk) if parts > 1 else None
 
 
@@ -394,14 +396,14 @@ def _reuse(ctx: RecipeContext, kn: dict) -> bool:
 
 
 def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: RecipeContext, kn: dict, x: str,
-              ws: Sequence[str], y: str, t_bind, epilogue=None) -> list[Launch]:
+              ws: Sequence[str], y: str, t_bind, x_rows: int, epilogue=None) -> list[Launch]:
     """The matmul launches: on the GPU path (`_int8_kernels`) a quantize kernel writing x as int8 codes + scales
     into scratch buffers, then `matvec_q8_kernel`; else one `matmul_kernel`. On matrix units (`_tile_products`),
     plans of steps of more than TILES_ABOVE tokens take the tile products for those steps and keep the int8
     matvecs for shorter ones (batched decoding, short prompts): both kernels read the same quantized activations,
     and the row count picks at run time (`tile_matmul.step_gate`). With knob mma_split, steps of
     2 to TILES_ABOVE tokens take tile products of split K (`_split_tiles`) and their sum, and only one-token steps
-    the matvecs."""
+    the matvecs. `x_rows`: the most rows x has in a step (`RecipeContext.max_rows`)."""
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
     tiles = _tile_products(ctx, kn, fmts, n, k)
     chunk = mma_chunk(ctx.target(), "matmul", kn, fmts, k) if tiles else 0
@@ -422,14 +424,15 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
                                  tokens=kn["mma_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
                                  epilogue=epilogue, words=bool(int(kn["mma_words"])), gate=long)
             tiled, short = [Launch(mk, (*acts, *wbind, ("y", y)), (("T", t_bind),))], (TILES_ABOVE, False)
-        split = _split_tiles(ctx, kn, fmts, n, k)
+        # Where longer steps take no tile products, the matvecs must keep them: no split then.
+        split = _split_tiles(ctx, kn, fmts, n, k) if tiles or x_rows <= TILES_ABOVE else None
         if split:
             # Steps of 2 to TILES_ABOVE tokens: tile products with K in parts, each a group, then their sum.
             (parts, schunk), mid = split, ((1, True), (TILES_ABOVE, False))
             sk = tile_mma_kernel(f"{name}{gate_suffix(mid)}_mma_k{parts}", fmts, n, k, rows=kn["mma_rows"],
                                  tokens=kn["mma_split_tokens"], chunk=schunk, lanes=kn["mma_lanes"],
                                  words=bool(int(kn["mma_words"])), gate=mid, split=parts)
-            yp = ctx.scratch("yp", "f32", parts * len(fmts) * min(ctx.t_max, TILES_ABOVE) * n)
+            yp = ctx.scratch("yp", "f32", parts * len(fmts) * min(x_rows, TILES_ABOVE) * n)
             ss = split_sum_kernel(f"{name}{gate_suffix(mid)}_sum{parts}", n, parts, len(fmts), epilogue, gate=mid)
             tiled += [Launch(sk, (*acts, *wbind, ("yp", yp)), (("T", t_bind),)),
                       Launch(ss, (("yp", yp), ("y", y)), (("T", t_bind),))]
@@ -686,7 +689,7 @@ def _lower_matmul(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     name = f"matmul_{_fmt(ctx, w).name.lower()}_{n}x{k}"
     kn = _knobs(ctx, MATMUL_SPACE, name)
     return _launches(name, [_fmt(ctx, w)], n, k, ctx, kn, ctx.buf(x),
-                     [ctx.buf(w)], ctx.buf(node.output), token_binding(x))
+                     [ctx.buf(w)], ctx.buf(node.output), token_binding(x), ctx.max_rows(x))
 
 
 def _lower_glu(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -700,7 +703,7 @@ def _lower_glu(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     kn = _knobs(ctx, MATMUL_SPACE, name)
     return _launches(name, [fg, fu], n, k, ctx, kn,
                      ctx.buf(x), [ctx.buf(wg), ctx.buf(wu)], ctx.buf(act.output), token_binding(x),
-                     epilogue=lambda v: fn(v[0]) * v[1])
+                     ctx.max_rows(x), epilogue=lambda v: fn(v[0]) * v[1])
 
 
 def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
