@@ -266,7 +266,10 @@ if [[ " $STAGES " == *" prefill "* ]]; then
             # too.
             # attention.q_tile=32: prefill attention's tiles of 32 query rows (each K/V tile staged once for twice
             # the rows, half the groups; 43 KiB of shared memory, 127 registers for sm_90 against 16 rows' 35 and 79).
-            variants="attention.mma=0 attention.q_tile=32 matmul.mma_chunk=64 matmul.mma_min=1048576"
+            # matmul.mma_tokens=64: tiles of 64 tokens (99 registers, 22 KiB; each weight tile decoded for twice the
+            # tokens).
+            variants="attention.mma=0 attention.q_tile=32 matmul.mma_tokens=64 matmul.mma_chunk=64"
+            variants+=" matmul.mma_min=1048576"
             [[ "$m" == qwen3moe* ]] && variants+=" moe_ffn.mma_min=1048576"
             [ "${PREFILL_VARIANTS:-1}" = 0 ] && variants=""
             [ "$p" = 512 ] && variants="ub=512 $variants"

@@ -26,6 +26,7 @@ while read -r model args; do
 done <<LIST
 llama3-8b-q4km -c 512
 llama3-8b-q4km -c 512 --knob attention.q_tile=32
+llama3-8b-q4km -c 512 --knob matmul.mma_tokens=64
 llama3-8b-q4km -c 4096
 llama3-8b-q4km -c 4096 --knob attention.q_tile=32
 llama3-8b-q4km -c 512 --knob matmul.reuse=1
