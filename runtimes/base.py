@@ -23,6 +23,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
@@ -311,6 +313,37 @@ class _Probed(Exception):
         self.built = built
 
 
+def compile_pool(workers: int):
+    """A pool of `workers` processes for `compile_in_worker`: spawned, not forked (the parent may hold a driver's
+    context and Numba's threads), each ignoring Ctrl-C, which reaches the whole process group but is the parent's
+    to handle (in a worker it would interrupt LLVM midway and print a traceback), and ending when the parent does
+    (a Ctrl-C ends the parent without waiting for the compiles it started; an orphaned worker waited forever)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_start,
+                               initargs=(os.getpid(),))
+
+
+def stop_pool(pool) -> None:
+    """End a `compile_pool` now (after a Ctrl-C or an error): the compiles not started are dropped and the running
+    ones killed, whose cache entries, written atomically, are then never there."""
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        proc.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _worker_start(parent: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.25)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="polystrata-parent-watch", daemon=True).start()
+
+
 def compile_in_worker(target: str, kernels: list[Kernel], arch: str | None = None) -> int:
     """A worker process's job: compile `kernels` for `target` into the kernel cache, from which the parent then
     loads them (`Runtime.compile_all`, the tuner's candidates); returns how many. `arch`: the architecture of a
@@ -429,11 +462,7 @@ class Runtime(ABC):
         missing = [fp for fp, k in todo.items() if not self._built(k)] if workers > 1 and len(todo) > 1 else []
         pool, futures = None, {}
         if len(missing) > 1:
-            import multiprocessing
-            from concurrent.futures import ProcessPoolExecutor
-
-            # Spawned, not forked: this process may hold a driver's context and Numba's threads.
-            pool = ProcessPoolExecutor(min(workers, len(missing)), mp_context=multiprocessing.get_context("spawn"))
+            pool = compile_pool(min(workers, len(missing)))
             futures = {fp: pool.submit(compile_in_worker, self.name, [todo[fp]], self.arch) for fp in missing}
         try:
             with Progress("compiling kernels", len(todo)) as bar:
@@ -445,9 +474,12 @@ class Runtime(ABC):
                             futures[fp].result()
                     out[fp] = self.compile(kernel)
                     bar.update(note=f"{self.cache_hits - hits} from the cache")
-        finally:
-            if pool is not None:  # an error here (or Ctrl-C) drops the compiles not yet started
-                pool.shutdown(cancel_futures=True)
+        except BaseException:
+            if pool is not None:  # an error here or a Ctrl-C: the workers' compiles are not waited for
+                stop_pool(pool)
+            raise
+        if pool is not None:
+            pool.shutdown()
         return out
 
     def compile_workers(self) -> int:

@@ -299,17 +299,22 @@ def test_hanging_template_through_the_command(template_models):
 # --- item 8: Ctrl-C ---------------------------------------------------------------------------------------------
 
 
-def _interrupt(argv: list[str], home: Path, ready) -> tuple[subprocess.CompletedProcess, float]:
-    """Start `polystrata argv`, send SIGINT once `ready(pid)` holds, and time how long the command takes to end."""
-    env = {**os.environ, "POLYSTRATA_HOME": str(home)}
+def _interrupt(argv: list[str], home: Path, ready, env: dict | None = None,
+               group: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+    """Start `polystrata argv`, send SIGINT once `ready(pid)` holds (`group`: to its whole process group, as a
+    terminal does), and time how long the command takes to end (and every process holding its output)."""
+    env = {**os.environ, "POLYSTRATA_HOME": str(home), **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "polystrata", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=group)
     deadline = time.monotonic() + 120
     while not ready(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert proc.poll() is None, "the command ended before it could be interrupted"
     t0 = time.monotonic()
-    proc.send_signal(signal.SIGINT)
+    if group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0
 
@@ -329,19 +334,24 @@ def test_ctrl_c_at_start_up(base, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
-@pytest.mark.slow  # compiles a few of the tiny model's kernels (the rest come from the run's cache)
-def test_ctrl_c_during_compile_leaves_the_cache_valid(base, tmp_path):
+def _seeded_cache(base, tmp_path, missing: int) -> tuple[Path, Path, int]:
+    """(a home, its cpu kernel cache, the entries there): the tiny model's kernels (compiled once a run), all but
+    `missing` of them, in a fresh cache."""
     from polystrata.artifact import KERNELS, write_artifact
 
     home = tmp_path / "home"
-    # The tiny model's kernels (compiled once a run), all but 3 of them, in a fresh cache: the command compiles 3.
     write_artifact(base["path"], "cpu", tmp_path / "seed")
     (home / "kernels").mkdir(parents=True)
     cached = (tmp_path / "seed" / KERNELS).rename(home / "kernels" / "cpu")
-    for source in sorted(cached.glob("k_*.py"))[:3]:
+    for source in sorted(cached.glob("k_*.py"))[:missing]:
         for f in [*cached.glob(f"{source.stem}.*"), *cached.glob(f"__pycache__/{source.stem}.*")]:
             f.unlink()
-    seeded = len(list(cached.glob("__pycache__/*.nbi")))
+    return home, cached, len(list(cached.glob("__pycache__/*.nbi")))
+
+
+@pytest.mark.slow  # compiles a few of the tiny model's kernels (the rest come from the run's cache)
+def test_ctrl_c_during_compile_leaves_the_cache_valid(base, tmp_path):
+    home, cached, seeded = _seeded_cache(base, tmp_path, 3)  # the command compiles 3
 
     def most_kernels_compiled(pid: int) -> bool:
         # Interrupt while the second of the three is compiling, so the rerun is short.
@@ -359,6 +369,21 @@ def test_ctrl_c_during_compile_leaves_the_cache_valid(base, tmp_path):
                             "-o", str(tmp_path / "a")], capture_output=True, text=True, env=env, timeout=300)
     assert again.returncode == 0, again.stderr
     assert "from the binary cache" in again.stderr and "warning" not in again.stderr
+
+
+@pytest.mark.slow  # starts two compile workers, which compile a few of the tiny model's kernels
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="process groups")
+def test_ctrl_c_at_a_terminal_ends_the_compile_workers_too(base, tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: the compile workers leave it to the command, which
+    ends them and itself at once (an orphaned worker used to wait forever, holding the terminal's output)."""
+    home, cached, seeded = _seeded_cache(base, tmp_path, 6)
+    r, took = _interrupt(["compile", str(base["path"]), "--target", "cpu", "-o", str(tmp_path / "a")], home,
+                         lambda pid: len(list(cached.glob("__pycache__/*.nbi"))) > seeded,
+                         env={"POLYSTRATA_COMPILE_JOBS": "2"}, group=True)
+    *shown, last = r.stderr.splitlines()
+    assert (r.returncode, last) == (130, "error: interrupted")
+    assert all(line.startswith("compiling kernels ") for line in shown), r.stderr  # no worker's traceback
+    assert took < 5  # communicate() returned: no process holds the output any more
 
 
 def test_a_ctrl_c_python_cannot_raise_is_left_to_the_watchdog(capsys, monkeypatch):

@@ -33,7 +33,6 @@ already started finishes.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 import statistics
@@ -53,7 +52,7 @@ from polystrata.compiler.plan import BufferSpec, Plan
 from polystrata.errors import PolystrataError, UsageError
 from polystrata.ir.kernel import DTYPE_BYTES, Kernel, Launch
 from polystrata.progress import Progress
-from polystrata.runtimes.base import compile_in_worker
+from polystrata.runtimes.base import compile_in_worker, compile_pool, stop_pool
 from polystrata.tuning import machine_key
 from polystrata.tuning.db import TuningDB, today
 
@@ -230,8 +229,8 @@ class Tuner:
                  for name, g in self._graphs()}
         total = {name: sum(times.get(sig, 0.0) for sig in sigs) for name, sigs in sites.items()}  # a step's time
         todo.sort(key=lambda job: -times.get(job[2], 0.0))  # the largest share of a step first
-        if self.jobs > 1:  # spawned, not forked: this process runs kernels on threads (Numba's, a driver's)
-            self.pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
+        if self.jobs > 1:
+            self.pool = compile_pool(self.jobs)
         try:
             with Progress("tuning kernels", len(todo)) as bar:
                 for plan_name, graph, sig, space, m in todo:
@@ -245,8 +244,8 @@ class Tuner:
                     left = max(0.0, self.budget_s - self.elapsed())
                     bar.update(note=f"{sig.split(':')[1]}; budget left {left:.0f} s")
         finally:
-            if self.pool is not None:
-                self.pool.shutdown(cancel_futures=True)
+            if self.pool is not None:  # compiles still running are of candidates no longer wanted
+                stop_pool(self.pool)
         return self.results
 
     def _step(self, plan_name: str) -> dict[str, int]:
