@@ -261,9 +261,8 @@ if [[ " $STAGES " == *" prefill "* ]]; then
             timeout 600 python3 -m polystrata bench "$M/$m.gguf" --target cuda -p "$p" -n 0 -r 3 --json \
                 > "$OUT/prefill_${m}_$p.json" 2>> "$LOG" || { row "$m pp$p" "failed (see the log)"; continue; }
             pp_row "$OUT/prefill_${m}_$p.json" "$m pp$p"
-            # A variant's knobs joined by commas. ub=N: -ub N, the step size: pp512 in one step of 512 rows
-            # (llama.cpp's default micro-batch) against the default's two of 256; it runs with PREFILL_VARIANTS=0
-            # too.
+            # A variant's knobs joined by commas. ub=N: -ub N, the step size: steps of 512 rows (llama.cpp's
+            # default micro-batch) against the default's 256; it runs with PREFILL_VARIANTS=0 too.
             # attention.q_tile=32: prefill attention's tiles of 32 query rows (each K/V tile staged once for twice
             # the rows, half the groups; 43 KiB of shared memory, 127 registers for sm_90 against 16 rows' 35 and 79).
             # matmul.mma_tokens=64: tiles of 64 tokens (99 registers, 22 KiB; each weight tile decoded for twice the
@@ -272,7 +271,7 @@ if [[ " $STAGES " == *" prefill "* ]]; then
             variants+=" matmul.mma_min=1048576"
             [[ "$m" == qwen3moe* ]] && variants+=" moe_ffn.mma_min=1048576"
             [ "${PREFILL_VARIANTS:-1}" = 0 ] && variants=""
-            [ "$p" = 512 ] && variants="ub=512 $variants"
+            variants="ub=512 $variants"  # at 4096 too: twice the prefill attention's groups a step
             for kn in $variants; do
                 f="$OUT/prefill_${m}_${p}_${kn//[.=,]/_}.json"
                 args=(); IFS=, read -ra ks <<< "$kn"
