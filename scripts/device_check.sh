@@ -267,8 +267,9 @@ if [[ " $STAGES " == *" prefill "* ]]; then
             # the rows, half the groups; 43 KiB of shared memory, 127 registers for sm_90 against 16 rows' 35 and 79).
             # matmul.mma_tokens=64: tiles of 64 tokens (99 registers, 22 KiB; each weight tile decoded for twice the
             # tokens).
-            variants="attention.mma=0 attention.q_tile=32 matmul.mma_tokens=64 matmul.mma_chunk=64"
-            variants+=" matmul.mma_min=1048576"
+            # attention.tile_splits=4: each q tile's keys in 4 groups (4x the groups of a step; a combine after).
+            variants="attention.mma=0 attention.q_tile=32 attention.tile_splits=4 matmul.mma_tokens=64"
+            variants+=" matmul.mma_chunk=64 matmul.mma_min=1048576"
             [[ "$m" == qwen3moe* ]] && variants+=" moe_ffn.mma_min=1048576"
             [ "${PREFILL_VARIANTS:-1}" = 0 ] && variants=""
             variants="ub=512 $variants"  # at 4096 too: twice the prefill attention's groups a step

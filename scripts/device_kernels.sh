@@ -31,6 +31,8 @@ llama3-8b-q4km -c 512 -ub 512
 llama3-8b-q4km -c 4096
 llama3-8b-q4km -c 4096 --knob attention.q_tile=32
 llama3-8b-q4km -c 4096 -ub 512
+llama3-8b-q4km -c 4096 --knob attention.tile_splits=4
+llama3-8b-q4km -c 512 --knob attention.tile_splits=4
 llama3-8b-q4km -c 512 --knob matmul.reuse=1
 llama3-8b-q4km -c 8192 -np 16
 llama3-8b-q4km -c 8192 -np 16 --knob matmul.reuse=1

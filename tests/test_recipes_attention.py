@@ -38,7 +38,7 @@ def _check_attention(rt, kv: str, gqa: int, window: int, softcap: float, lanes: 
     hq = hkv * gqa
     g = _attention_graph(hq, hkv, d, window, softcap)
     ctx = recipe_context(g, kv=kv, n_ctx=n_ctx, lanes=lanes, split_kv=split_kv)
-    ctx.knobs = {"attention": knobs}
+    ctx.knobs, ctx.t_max = {"attention": knobs}, max(ctx.t_max, *steps)  # scratch for the longest step
     launches = recipe("attention").lower(g.nodes, ctx)
     fmt = KV_FORMATS[kv]
     kvb = n_ctx * row_bytes(fmt, hkv * d)
@@ -122,6 +122,20 @@ def test_attention_tiles(rt, kv, gqa, window, softcap, q_tile, k_tile):
     launches = _check_attention(rt, kv, gqa, window, softcap, 128, 64, knobs, (21, 1, 1, 6, 13), 13)
     tiles = launches[1].kernel
     assert len(launches) == 2 and dict(tiles.knobs) == {"tiles": 1, "q_tile": q_tile, "k_tile": k_tile}
+
+
+@pytest.mark.parametrize("mma", [0, 1])
+def test_attention_tiles_split_keys(rt, mma):
+    """Knob tile_splits: each pass's key tiles dealt to 3 groups (parts without keys for some rows and steps),
+    their partials added up by the split-K combine, against the reference; the loops (f16 K/V: within 1e-4) and
+    the tile products (q8_0 K/V)."""
+    gpu_shaped(rt, 128, sampled=False)
+    q_tile, k_tile = (16, 32) if mma else (8, 16)
+    knobs = {"tiles": 1, "tiles_above": 0, "q_tile": q_tile, "k_tile": k_tile, "mma": mma, "tile_splits": 3}
+    launches = _check_attention(rt, "q8_0" if mma else "f16", 3, 0, 30.0 if mma else 0.0, 128, 128, knobs,
+                                (90, 1, 6, 13), 17)
+    tiles, combine = launches[1].kernel, launches[2].kernel
+    assert dict(tiles.knobs)["tile_splits"] == 3 and len(tiles.grid) == 3 and combine.param("po")
 
 
 # The host's policy never splits KV rows, and its Numba compile of the split rows' kernels costs ~20 s: the split

@@ -85,7 +85,8 @@ def test_case_matches_numpy_and_cpu(rt, cpu, case):
 @pytest.mark.parametrize("unit,kind", [("mma_sync", "i8"), ("mma_sync", "f16"), ("mma_sync", "recipe"),
                                        ("mma_sync", "recipe_split"), ("mfma", "i8"),
                                        ("mfma", "f16"), ("wmma", "f16"), ("wmma", "recipe"),
-                                       ("mma_sync", "attention"), ("mfma", "attention"), ("wmma", "attention")])
+                                       ("mma_sync", "attention"), ("mfma", "attention"), ("wmma", "attention"),
+                                       ("mma_sync", "attention_split")])
 def test_native_tile_lowering_emulated(unit, kind, tmp_path):
     """The native lowering of tile products for cuda's MMA_SYNC unit and hip's gfx90a MFMA and gfx11 WMMA units
     (operand loads, accumulator layout, tiles dealt to subgroups), rendered by this printer with the instructions
@@ -131,7 +132,7 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
                   "xd": (np.abs(x).reshape(7, 8, 32).max(-1) / 127).astype(np.float32).reshape(-1)}
         outputs, scalars, grid = {"yp" if parts > 1 else "y": (parts * 7 * 30, "f32")}, {"T": 7}, (1, parts)
         want = {"y": (q8_rounded(x) @ wd.T).reshape(-1)}
-    elif kind == "attention":
+    elif kind.startswith("attention"):
         from recipe_cases import attention_prefill_case
 
         from polystrata.codegen.format_analysis import widen
@@ -140,10 +141,18 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
         from polystrata.ir.formats import KV_FORMATS
 
         fmt = widen(KV_FORMATS["f16"], 32)  # f16 K/V in blocks of 32, as the recipe decodes them
-        kernel = prefill_attention_kernel("attn_emu", fmt, fmt, 2, 1, 32, 32, lambda x: scaled_score(x, 0.125, 30.0),
-                                          5, 64, 16, 32, mma=True)
-        inputs, ref = attention_prefill_case("f16", 2, 1, 32, 7, 5, 30.0, seed=2)
-        outputs, scalars, grid, want = {"out": (ref.size, "f32")}, {"T": 7}, (1, 2), {"out": ref.reshape(-1)}
+        if kind == "attention":
+            kernel = prefill_attention_kernel("attn_emu", fmt, fmt, 2, 1, 32, 32,
+                                              lambda x: scaled_score(x, 0.125, 30.0), 5, 64, 16, 32, mma=True)
+            inputs, ref = attention_prefill_case("f16", 2, 1, 32, 7, 5, 30.0, seed=2)
+            outputs, scalars, grid, want = {"out": (ref.size, "f32")}, {"T": 7}, (1, 2), {"out": ref.reshape(-1)}
+        else:  # the keys of 40 rows in 2 parts (knob tile_splits), partials added up here as the combine does
+            kernel = prefill_attention_kernel("attn_emu_k2", fmt, fmt, 1, 1, 32, 32,
+                                              lambda x: scaled_score(x, 0.125, 30.0), 0, 64, 16, 32, mma=True,
+                                              splits=2)
+            inputs, ref = attention_prefill_case("f16", 1, 1, 32, 40, 0, 30.0, seed=2)
+            outputs = {"po": (ref.size * 2, "f32"), "pm": (ref.size // 16, "f32"), "pz": (ref.size // 16, "f32")}
+            scalars, grid, want = {"T": 40}, (3, 1, 2), {"out": ref.reshape(-1)}
     else:
         label, kernel, inputs, outputs, scalars, grid, want = tile_case(kind, 20 if kind == "f16" else 50, 10)
     src = Emulated(kernel).render()
@@ -161,7 +170,11 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
     getattr(mod, kernel.name)[grid, kernel.lanes](*args)
     if kind == "recipe_split":  # the parts added up as split_sum_kernel does
         arrays["y"], outputs = arrays["yp"].reshape(3, -1).sum(0), {"y": (7 * 30, "f32")}
-    if kind == "attention":  # q, K and the probabilities rounded to f16: absolute error (test_recipes_attention's)
+    if kind == "attention_split":  # as attention_combine_kernel: weights exp(m_part - max)
+        m, z, o = arrays["pm"].reshape(-1, 2), arrays["pz"].reshape(-1, 2), arrays["po"].reshape(-1, 2, 32)
+        w = np.exp(m - m.max(1, keepdims=True))
+        arrays["out"] = ((o * w[..., None]).sum(1) / (z * w).sum(1, keepdims=True)).reshape(-1)
+    if kind.startswith("attention"):  # q, K, the probabilities rounded to f16: absolute error
         np.testing.assert_allclose(arrays["out"], want["out"], atol=2e-3, rtol=1e-3, err_msg=unit)
     else:
         check_case({name: arrays[name] for name in outputs}, want, outputs, f"{unit} {kind}", tol=1e-4)

@@ -522,17 +522,20 @@ UNROLL = 4
 
 @kernel_builder
 def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int, quant: bool = False,
-                             min_run: int = 1, window: int = 0, active: Expr | None = None) -> Kernel:
+                             min_run: int = 1, window: int = 0, active: Expr | None = None,
+                             every_run: bool = False) -> Kernel:
     """out[t, h] from the split-K partials of `attention_kernel` (its `splits`, `min_run` and `window`): with M the
     largest partial max, out = sum_s po_s * exp(pm_s - M) / sum_s pz_s * exp(pm_s - M) over the runs that hold
     visible keys (`_runs`, from the position read at run time). M and the denominator are reductions over the
     group's lanes; the weights exp(pm_s - M) go to local memory for the lanes' sums over s, one per element.
     `quant`: also write out as the output projection's int8 activations (`linear.quantize_staged`). `active`: as
-    `attention_kernel`'s (in other steps no run holds keys and nothing is stored)."""
+    `attention_kernel`'s (in other steps no run holds keys and nothing is stored). `every_run`: all `splits`
+    partials of a row are read (prefill tiles' key parts, `attention_tiles.prefill_attention_kernel`: an empty
+    part's max is NO_SCORE, which weighs it 0)."""
     r = Var("g0") * hq + Var("g1")
     s, e, runs = Var("s"), Var("e"), Var("runs")
     store = (Store("out", r * dv + e, Var("ov")),) + ((Store("ol", staged(e), Var("ov")),) if quant else ())
-    runs_lets = _runs(Var("pos"), window, splits, min_run)
+    runs_lets = (Let("runs", Const(splits)),) if every_run else _runs(Var("pos"), window, splits, min_run)
     if active is not None:
         runs_lets = (*runs_lets[:-1], Let("runs", Select(active, runs_lets[-1].expr, Const(0))))
         store = (If(runs > 0, store),)
@@ -617,13 +620,25 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     # With `above` > 0, steps of at most `above` rows (short prompts, batched decoding) keep the row kernels: a
     # group a row, and a row's result independent of which rows share its step. The row count picks at run time.
     sel = (Var("T") > above, f"_gt{above}") if above else (None, "")
-    tk = prefill_attention_kernel(f"attn_tiles_{tag}_{qt}x{kt}{'_mma' if mma else ''}{sel[1]}", _kv_fmt(kf, d),
+    # Knob tile_splits: each pass's key tiles dealt to that many groups, whose partials a combine adds up (more
+    # groups at work in a step of few row tiles: a long prompt's steps).
+    parts = int(chosen["tile_splits"])
+    tk = prefill_attention_kernel(f"attn_tiles_{tag}_{qt}x{kt}{'_mma' if mma else ''}"
+                                  f"{f'_k{parts}' if parts > 1 else ''}{sel[1]}", _kv_fmt(kf, d),
                                   _kv_fmt(vf, dv), hq, hkv, d, dv,
                                   lambda x: scaled_score(x, float(a["scale"]), softcap), window, lanes, qt, kt,
-                                  active=sel[0], mma=mma)
+                                  active=sel[0], mma=mma, splits=parts)
     rows = _row_launches(ctx, node, (kf, vf), tag, io, chosen, split_keys, window, softcap, provide=False,
                          active=(Var("T") <= above, f"le{above}")) if above else []
-    return [store, Launch(tk, (*io, ("out", out)), (("T", "T"),)), *rows]
+    if parts == 1:
+        return [store, Launch(tk, (*io, ("out", out)), (("T", "T"),)), *rows]
+    n = ctx.t_max * hq * parts
+    partials = (("po", ctx.scratch("attn_o", "f32", n * dv)), ("pm", ctx.scratch("attn_m", "f32", n)),
+                ("pz", ctx.scratch("attn_z", "f32", n)))
+    comb = attention_combine_kernel(f"attn_tiles_combine_{hq}_{dv}_{parts}{sel[1]}", hq, dv, parts, ctx.lanes,
+                                    active=sel[0], every_run=True)
+    return [store, Launch(tk, (*io, *partials), (("T", "T"),)),
+            Launch(comb, (*partials, ("positions", dict(io)["positions"]), ("out", out)), (("T", "T"),)), *rows]
 
 
 def _row_launches(ctx: RecipeContext, node: Node, layouts: tuple[QuantFormat, QuantFormat], tag: str, io: tuple,
@@ -712,16 +727,17 @@ def _match_norm_rope_attention(nodes: Sequence[Node]) -> bool:
 # Knob heads: query heads of a KV head together (must divide hq / hkv: the recipe rejects others). Knob int8: the
 # one-row kernels' scores take q as int8 against K codes in words ("auto": where the policy has int8_dot; only K
 # rows split into codes and scales take it). Knobs tiles, tiles_above, q_tile, k_tile, mma: prefill attention in
-# tiles (`attention_tiles.py`), mma its tile products.
+# tiles (`attention_tiles.py`), mma its tile products; tile_splits: the tiles' keys in that many parts, each a group,
+# added up by the split-K combine (1, off, until measured on a GPU: docs/benchmarks.md).
 ATTENTION_SPACE = KnobSpace("attention", (Knob("splits", "auto", (1, 2, 4, 8, 16, 32)),
                                           Knob("min_run", "auto", (1, 4, 16, 64)), Knob("heads", "auto", (1, 2, 4)),
                                           Knob("int8", "auto", (0, 1)),
                                           Knob("tiles", "auto", (0, 1)), Knob("tiles_above", "auto", (0, 16, 256)),
                                           Knob("q_tile", "auto", (4, 8, 16, 32)), Knob("k_tile", "auto", (8, 16, 32)),
-                                          Knob("mma", "auto", (0, 1))),
+                                          Knob("mma", "auto", (0, 1)), Knob("tile_splits", 1, (2, 4))),
                             constraint=lambda kn: (kn["min_run"] == "auto" or kn["splits"] not in ("auto", 1))
-                            and (kn["tiles"] != 0 or all(kn[t] == "auto" for t in ("tiles_above", "q_tile", "k_tile",
-                                                                                   "mma"))))
+                            and (kn["tiles"] != 0 or (kn["tile_splits"] == 1 and all(
+                                kn[t] == "auto" for t in ("tiles_above", "q_tile", "k_tile", "mma")))))
 register(Recipe("attention", ("attention",), _lower_attention, None, ATTENTION_SPACE))
 register(Recipe("rope_attention", ("rope", "rope", "attention"), _lower_rope_attention, _match_rope_attention,
                 ATTENTION_SPACE))

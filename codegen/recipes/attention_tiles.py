@@ -101,13 +101,17 @@ def default_tiles(d: int, dv: int, local_bytes: int, mma: bool = False,
 @kernel_builder
 def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: int, d: int, dv: int,
                              scaled: Callable[[Expr], Expr], window: int, lanes: int, q_tile: int,
-                             k_tile: int, active: Expr | None = None, mma: bool = False) -> Kernel:
+                             k_tile: int, active: Expr | None = None, mma: bool = False, splits: int = 1) -> Kernel:
     """out[t, h] = softmax over t's visible keys of scaled(q . k) times v, for every row t of the step; grid
     (ceil(T / q_tile), hq). `kf`, `vf`: the KV cache's block formats for K and V rows; `scaled(x)`: the score of a
     raw dot product (scale, softcap); `window`: keys within that many positions (0: all). Reductions are over f32,
     so the key ranges and starts they take are exact below 2**24. `active` (uniform, of scalars): the steps the
     kernel works for; in others it takes no pass over the keys and stores nothing (no branch around the body: PoCL
-    mishandles barriers inside one). `mma`: the tile products (module docstring; `mma_fits`)."""
+    mishandles barriers inside one). `mma`: the tile products (module docstring; `mma_fits`). `splits` > 1: the key
+    tiles of each pass dealt to that many groups (grid dimension g2, part g2 taking an equal share of the tiles),
+    each writing its rows' unnormalised output, running max and denominator to po / pm / pz at row
+    (t * hq + h) * splits + g2, as `attention.attention_combine_kernel` reads them (a part without keys for a row:
+    max NO_SCORE, the rest 0)."""
     if mma and not mma_fits(d, dv, k_tile):
         raise ValueError(f"tile products take no heads of {d}/{dv} values in key tiles of {k_tile}")
     bq, bk = q_tile, k_tile
@@ -280,10 +284,32 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
                  LocalArray("kh", "f16", bk * max(d, dv)), LocalArray("vt", "u32", dv * vst),
                  LocalArray("pa", "u32", bq * pst))
         frags = tuple(Fragment(f, "f32", bq, bk) for f in ("sf", *outs))
-    key_tiles = For("kt", Const(0), (Var("kmax") + 1 - Var("kmin") + (bk - 1)) // bk, (
+    key_tiles: tuple = (For("kt", Const(0), (Var("kmax") + 1 - Var("kmin") + (bk - 1)) // bk, (
         Let("kb0", Var("kmin") + Var("kt") * bk),
         *per_tile,
-    ))
+    )),)
+    if splits > 1:  # this group's share of the pass's key tiles
+        part = Var("g2")
+        key_tiles = (
+            Let("ntk", (Var("kmax") + 1 - Var("kmin") + (bk - 1)) // bk),
+            Let("kper", (Var("ntk") + (splits - 1)) // splits),
+            For("kt", part * Var("kper"), Call("min", Var("ntk"), part * Var("kper") + Var("kper")), (
+                Let("kb0", Var("kmin") + Var("kt") * bk),
+                *per_tile,
+            )),
+        )
+        prow = (((t0 + r) * hq + h) * splits + part)  # the partials' row of row r
+        if mma:
+            finish = (TileEach("r", "j", (If(stored, tuple(
+                Store("po", prow * dv + c * bk + j, FragElem(o)) for c, o in enumerate(outs)
+            )),)),)
+        else:
+            finish = (LaneFor("u", Const(bq * dv), (
+                Let("r", u // dv), Let("e", u % dv),
+                If(stored, (Store("po", prow * dv + e, Load("o", u)),)),
+            )),)
+        finish += (LaneFor("r", Const(bq), (If(stored, (Store("pm", prow, Load("m", r)),
+                                                          Store("pz", prow, Load("l", r)))),)),)
     body = (
         # One pass where the tile's rows share their sequence's start, else one a row.
         Reduce("smax", "max", "r", rows, (), Cast("f32", Load("starts", t0 + r))),
@@ -297,14 +323,17 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
             Reduce("khi", "max", "r", Const(bq), (), Cast("f32", Load("rhi", r))),
             Let("kmin", Const(0) - Cast("i32", Var("kneg"))),
             Let("kmax", Cast("i32", Var("khi"))),
-            key_tiles,
+            *key_tiles,
         )),
         *finish,
     )
+    outs_params = (Buf("out", "f32", out=True),) if splits == 1 else \
+        (Buf("po", "f32", out=True), Buf("pm", "f32", out=True), Buf("pz", "f32", out=True))
     params = (Buf("q", "f32"), Buf("kc", "u8"), Buf("vc", "u8"), Buf("positions", "i32"), Buf("starts", "i32"),
-              Buf("out", "f32", out=True), Scalar("T"))
+              *outs_params, Scalar("T"))
     local += (LocalArray("s", "f32", bq * s_row), LocalArray("m", "f32", bq), LocalArray("l", "f32", bq),
               LocalArray("c", "f32", bq), LocalArray("rlo", "i32", bq), LocalArray("rhi", "i32", bq))
-    grid = ((Var("T") + (bq - 1)) // bq, Const(hq))
+    grid = ((Var("T") + (bq - 1)) // bq, Const(hq), *((Const(splits),) if splits > 1 else ()))
     return Kernel(name, params, grid, body, lanes=lanes, local=local, fragments=frags,
-                  knobs=(("tiles", 1), ("q_tile", bq), ("k_tile", bk)) + ((("mma", 1),) if mma else ()))
+                  knobs=(("tiles", 1), ("q_tile", bq), ("k_tile", bk)) + ((("mma", 1),) if mma else ())
+                  + ((("tile_splits", splits),) if splits > 1 else ()))
