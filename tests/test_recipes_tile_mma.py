@@ -85,7 +85,7 @@ def test_split_k_parts_add_up_to_the_reference(rt):
     fmt, wb, wd = weight("Q4_0", N, K)
     kern = tile_mma_kernel("t_mma_split3", [fmt], N, K, rows=32, tokens=16, chunk=64, lanes=64, split=3)
     assert kern.knob_dict["mma_split"] == 3 and kern.param("yp")
-    total = split_sum_kernel("t_split_sum3", N, 3)
+    total = split_sum_kernel("t_split_sum3", N, 3, 64)
     rng = np.random.default_rng(7)
     for t in (2, 17):
         x = rng.standard_normal((t, K)).astype(np.float32)

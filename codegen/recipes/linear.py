@@ -433,7 +433,8 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
                                  tokens=kn["mma_split_tokens"], chunk=schunk, lanes=kn["mma_lanes"],
                                  words=bool(int(kn["mma_words"])), gate=mid, split=parts)
             yp = ctx.scratch("yp", "f32", parts * len(fmts) * min(x_rows, TILES_ABOVE) * n)
-            ss = split_sum_kernel(f"{name}{gate_suffix(mid)}_sum{parts}", n, parts, len(fmts), epilogue, gate=mid)
+            ss = split_sum_kernel(f"{name}{gate_suffix(mid)}_sum{parts}", n, parts, ctx.lanes, len(fmts), epilogue,
+                                  gate=mid)
             tiled += [Launch(sk, (*acts, *wbind, ("yp", yp)), (("T", t_bind),)),
                       Launch(ss, (("yp", yp), ("y", y)), (("T", t_bind),))]
             short = (1, False)

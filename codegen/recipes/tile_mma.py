@@ -459,17 +459,14 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
                   doc=f"tile matmul {'f16' if half else 'int8'} {'+'.join(f.name for f in fmts)} [{n}x{k}]")
 
 
-SUM_LANES = 128  # lanes of a `split_sum_kernel` group: a row of outputs each
-
-
 @kernel_builder
-def split_sum_kernel(name: str, n: int, parts: int, weights: int = 1,
+def split_sum_kernel(name: str, n: int, parts: int, lanes: int, weights: int = 1,
                      epilogue: Callable[[list[Expr]], Expr] | None = None,
                      gate: Gate | tuple[Gate, ...] | None = None) -> Kernel:
     """y[t, r] = epilogue(sum over p of yp[((j * parts + p) * T + t) * n + r] for each weight j): the parts of a
     `tile_mma_kernel` of split K added up (in order of p, so a token's result does not depend on the others in its
-    step). Grid (T, ceil(n / SUM_LANES)); `gate`: the steps it runs for (`tile_matmul.step_gate`)."""
-    t, r = Var("g0"), Var("g1") * SUM_LANES + Var("u")
+    step). Grid (T, ceil(n / lanes)), a row a lane; `gate`: the steps it runs for (`tile_matmul.step_gate`)."""
+    t, r = Var("g0"), Var("g1") * lanes + Var("u")
     vals = []
     for j in range(weights):
         total = Load("yp", (j * parts * Var("T") + t) * n + r)
@@ -477,7 +474,7 @@ def split_sum_kernel(name: str, n: int, parts: int, weights: int = 1,
             total = total + Load("yp", ((j * parts + p) * Var("T") + t) * n + r)
         vals.append(total)
     out = epilogue(vals) if epilogue else vals[0]
-    body = (LaneFor("u", Const(SUM_LANES), (If(r < n, (Store("y", t * n + r, out),)),)),)
+    body = (LaneFor("u", Const(lanes), (If(r < n, (Store("y", t * n + r, out),)),)),)
     params = (Buf("yp", "f32"), Buf("y", "f32", out=True), Scalar("T"))
-    return Kernel(name, params, (step_gate(Var("T"), gate), Const(-(-n // SUM_LANES))), body, lanes=SUM_LANES,
+    return Kernel(name, params, (step_gate(Var("T"), gate), Const(-(-n // lanes))), body, lanes=lanes,
                   doc=f"sum of {parts} K parts x {weights} [{n}]")
