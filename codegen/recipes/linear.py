@@ -321,20 +321,20 @@ def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n:
     return f16_path(fmts) or (_int8_kernels(ctx, kn, fmts, k) and ctx.t_max > TILES_ABOVE)
 
 
-def _split_tiles(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n: int,
-                 k: int) -> tuple[int, int] | None:
+def _split_tiles(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n: int, k: int,
+                 x_rows: int) -> tuple[int, int] | None:
     """(K parts, K chunk) of the tile products that steps of 2 to TILES_ABOVE tokens take (knob mma_split; at most
-    one part a K step), or None where those steps keep the int8 matvecs: off, no matrix units, a plan of one-token
-    steps, F16 weights (which take the tile products in every step), a matrix `tile_products_apply` refuses, or
-    fewer than two K steps."""
+    one part a K step), or None where those steps keep the int8 matvecs: off, no matrix units, an input of one
+    row a step (`x_rows`), F16 weights (which take the tile products in every step), a matrix
+    `tile_products_apply` refuses, or fewer than two K steps."""
     if int(kn["mma_split"]) < 2 or f16_path(fmts) or not _int8_kernels(ctx, kn, fmts, k):
         return None
     kn = {**kn, "mma_tokens": kn["mma_split_tokens"]}
-    if not tile_products_apply(ctx.target(), "matmul", ctx.t_max, kn, fmts, n, k):
+    if not tile_products_apply(ctx.target(), "matmul", x_rows, kn, fmts, n, k):
         return None
     chunk = mma_chunk(ctx.target(), "matmul", kn, fmts, k)
     steps = k // max(chunk, *(fmt_for(f).block_size for f in fmts))
-    per = -(-steps // int(kn["mma_split"]))  # K steps a part, as the kernel deals them: no part left without
+    per = -(-steps // int(kn["mma_split"]))  # K steps a part as the kernel deals them: no part left without any
     parts = -(-steps // per)
     return (parts, chunk) if parts > 1 else None
 
@@ -425,7 +425,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
                                  epilogue=epilogue, words=bool(int(kn["mma_words"])), gate=long)
             tiled, short = [Launch(mk, (*acts, *wbind, ("y", y)), (("T", t_bind),))], (TILES_ABOVE, False)
         # Where longer steps take no tile products, the matvecs must keep them: no split then.
-        split = _split_tiles(ctx, kn, fmts, n, k) if tiles or x_rows <= TILES_ABOVE else None
+        split = _split_tiles(ctx, kn, fmts, n, k, x_rows) if tiles or x_rows <= TILES_ABOVE else None
         if split:
             # Steps of 2 to TILES_ABOVE tokens: tile products with K in parts, each a group, then their sum.
             (parts, schunk), mid = split, ((1, True), (TILES_ABOVE, False))
@@ -715,8 +715,10 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
     ns, k = [int(w.type.shape[0]) for w in ws], int(ws[0].type.shape[-1])
     fmts = [_fmt(ctx, w) for w in ws]
     kn = _knobs(ctx, MATMUL_SPACE, None)
-    if not _int8_kernels(ctx, kn, fmts, k) or any(_tile_products(ctx, kn, [f], n, k) or _split_tiles(ctx, kn, [f], n, k)
-                                                  for f, n in zip(fmts, ns)):
+    # Where tile products take some steps, each matmul lowers alone (its own gated kernels).
+    tiled = any(_tile_products(ctx, kn, [f], n, k) or _split_tiles(ctx, kn, [f], n, k, ctx.max_rows(x))
+                for f, n in zip(fmts, ns))
+    if not _int8_kernels(ctx, kn, fmts, k) or tiled:
         return [la for n in nodes for la in _lower_matmul([n], ctx)]
     tag = "_".join(f"{f.name.lower()}{n}" for f, n in zip(fmts, ns))
     kn = _knobs(ctx, MATMUL_SPACE, f"matmul_stack_{tag}x{k}")
