@@ -738,7 +738,10 @@ def main(argv: list[str] | None = None) -> int:
             from polystrata import threads
 
             threads.configure(args.threads)  # before anything starts Numba's thread pool
-        return COMMANDS[args.cmd](args)
+        status = COMMANDS[args.cmd](args)
+        # A Ctrl-C that a library swallowed (or Python dropped in a callback) while the command finished: still
+        # the interrupt's exit.
+        return interrupt.report() if interrupt.received() else status
     except KeyboardInterrupt:
         return interrupt.report()
     except Exception as e:

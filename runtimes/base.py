@@ -314,10 +314,11 @@ class _Probed(Exception):
 
 
 def compile_pool(workers: int):
-    """A pool of `workers` processes for `compile_in_worker`: spawned, not forked (the parent may hold a driver's
-    context and Numba's threads), each ignoring Ctrl-C, which reaches the whole process group but is the parent's
-    to handle (in a worker it would interrupt LLVM midway and print a traceback), and ending when the parent does
-    (a Ctrl-C ends the parent without waiting for the compiles it started; an orphaned worker waited forever)."""
+    """A pool of `workers` processes for `compile_in_worker` (submit through `submit_compile`): spawned, not forked
+    (the parent may hold a driver's context and Numba's threads), each leaving Ctrl-C, which reaches the whole
+    process group, to the parent (in a worker it would interrupt LLVM midway and print a traceback), and ending
+    when the parent does (a Ctrl-C ends the parent without waiting for the compiles it started; an orphaned worker
+    waited forever)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
@@ -325,16 +326,36 @@ def compile_pool(workers: int):
                                initargs=(os.getpid(),))
 
 
+def submit_compile(pool, *args) -> Any:
+    """`pool.submit(compile_in_worker, *args)` with SIGINT blocked meanwhile: a worker the pool starts for it
+    inherits the mask, so a Ctrl-C cannot reach it before `_worker_start` has set the key aside."""
+    if not hasattr(signal, "pthread_sigmask"):
+        return pool.submit(compile_in_worker, *args)
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return pool.submit(compile_in_worker, *args)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def stop_pool(pool) -> None:
     """End a `compile_pool` now (after a Ctrl-C or an error): the compiles not started are dropped and the running
     ones killed, whose cache entries, written atomically, are then never there."""
-    for proc in list((getattr(pool, "_processes", None) or {}).values()):
-        proc.terminate()
+    terminate = getattr(pool, "terminate_workers", None)  # Python 3.14
+    if terminate is not None:
+        terminate()
+    else:
+        for proc in list((getattr(pool, "_processes", None) or {}).values()):
+            proc.terminate()
     pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _worker_start(parent: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A handler that does nothing rather than SIG_IGN: a compiler's child process (hip's) gets the default back at
+    # exec, so a terminal's Ctrl-C still ends it.
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -461,10 +482,10 @@ class Runtime(ABC):
         workers = self.compile_workers()
         missing = [fp for fp, k in todo.items() if not self._built(k)] if workers > 1 and len(todo) > 1 else []
         pool, futures = None, {}
-        if len(missing) > 1:
-            pool = compile_pool(min(workers, len(missing)))
-            futures = {fp: pool.submit(compile_in_worker, self.name, [todo[fp]], self.arch) for fp in missing}
         try:
+            if len(missing) > 1:
+                pool = compile_pool(min(workers, len(missing)))
+                futures = {fp: submit_compile(pool, self.name, [todo[fp]], self.arch) for fp in missing}
             with Progress("compiling kernels", len(todo)) as bar:
                 for fp, kernel in todo.items():
                     if fp in futures:

@@ -270,8 +270,9 @@ def test_attention_tiles_or_rows_by_the_step(rt):
 
 @pytest.mark.parametrize("kv,gqa,window,lanes,knobs", [
     ("f16", 1, 0, 1, {"splits": 1}), ("q8_0", 3, 4, 128, {"splits": 4}),
-    ("q8_0", 3, 4, 128, {"tiles": 1, "tiles_above": 0, "q_tile": 4, "k_tile": 8})],
-    ids=["lanes1", "lanes128-split4", "lanes128-tiles"])
+    ("q8_0", 3, 4, 128, {"tiles": 1, "tiles_above": 0, "q_tile": 4, "k_tile": 8}),
+    ("q8_0", 3, 4, 128, {"tiles": 1, "tiles_above": 0, "q_tile": 4, "k_tile": 8, "tile_splits": 3})],
+    ids=["lanes1", "lanes128-split4", "lanes128-tiles", "lanes128-tiles-split3"])
 def test_attention_batched_sequences(rt, kv, gqa, window, lanes, knobs):
     """Rows of several sequences in one step (batched decoding): each row's K and V go to its sequence's cache
     rows (`starts[t] + positions[t]`) and it attends over those only, as if its sequence ran alone (one reference

@@ -52,7 +52,7 @@ from polystrata.compiler.plan import BufferSpec, Plan
 from polystrata.errors import PolystrataError, UsageError
 from polystrata.ir.kernel import DTYPE_BYTES, Kernel, Launch
 from polystrata.progress import Progress
-from polystrata.runtimes.base import compile_in_worker, compile_pool, stop_pool
+from polystrata.runtimes.base import compile_pool, stop_pool, submit_compile
 from polystrata.tuning import machine_key
 from polystrata.tuning.db import TuningDB, today
 
@@ -408,7 +408,7 @@ class Tuner:
         futures: list[Future | None] = [None] * len(lowered)
         if self.pool is not None:
             for i, (_, launches, _) in enumerate(lowered):
-                futures[i] = self.pool.submit(compile_in_worker, rt.name, [la.kernel for la in launches], rt.arch)
+                futures[i] = submit_compile(self.pool, rt.name, [la.kernel for la in launches], rt.arch)
 
         best: tuple[dict, list[BoundLaunch], Timing] | None = None
         for i, (knobs, launches, specs) in enumerate(lowered):
