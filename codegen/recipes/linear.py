@@ -427,16 +427,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
         # Where longer steps take no tile products, the matvecs must keep them: no split then.
         split = _split_tiles(ctx, kn, fmts, n, k, x_rows) if tiles or x_rows <= TILES_ABOVE else None
         if split:
-            # Steps of 2 to TILES_ABOVE tokens: tile products with K in parts, each a group, then their sum.
-            (parts, schunk), mid = split, ((1, True), (TILES_ABOVE, False))
-            sk = tile_mma_kernel(f"{name}{gate_suffix(mid)}_mma_k{parts}", fmts, n, k, rows=kn["mma_rows"],
-                                 tokens=kn["mma_split_tokens"], chunk=schunk, lanes=kn["mma_lanes"],
-                                 words=bool(int(kn["mma_words"])), gate=mid, split=parts)
-            yp = ctx.scratch("yp", "f32", parts * len(fmts) * min(x_rows, TILES_ABOVE) * n)
-            ss = split_sum_kernel(f"{name}{gate_suffix(mid)}_sum{parts}", n, parts, ctx.lanes, len(fmts), epilogue,
-                                  gate=mid)
-            tiled += [Launch(sk, (*acts, *wbind, ("yp", yp)), (("T", t_bind),)),
-                      Launch(ss, (("yp", yp), ("y", y)), (("T", t_bind),))]
+            tiled += _split_launches(name, fmts, n, k, ctx, kn, split, acts, wbind, y, t_bind, x_rows, epilogue)
             short = (1, False)
         rows, spread = q8_rows(kn, ctx, fmts, n, k)
         mk = matvec_q8_kernel(f"{name}{gate_suffix(short)}_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"],
@@ -466,6 +457,21 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, host_arith=ctx.target().host_arith,
                          **matmul_kernel_knobs(kn))
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
+
+
+def _split_launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: RecipeContext, kn: dict,
+                    split: tuple[int, int], acts: tuple, wbind: tuple, y: str, t_bind, x_rows: int,
+                    epilogue=None) -> list[Launch]:
+    """Steps of 2 to TILES_ABOVE tokens as tile products with K in parts, each a group, then their sum (`split`:
+    `_split_tiles`' parts and chunk; `acts`, `wbind`: the quantized activations' and the weights' bindings)."""
+    (parts, chunk), mid = split, ((1, True), (TILES_ABOVE, False))
+    sk = tile_mma_kernel(f"{name}{gate_suffix(mid)}_mma_k{parts}", fmts, n, k, rows=kn["mma_rows"],
+                         tokens=kn["mma_split_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
+                         words=bool(int(kn["mma_words"])), gate=mid, split=parts)
+    yp = ctx.scratch("yp", "f32", parts * len(fmts) * min(x_rows, TILES_ABOVE) * n)
+    ss = split_sum_kernel(f"{name}{gate_suffix(mid)}_sum{parts}", n, parts, ctx.lanes, len(fmts), epilogue, gate=mid)
+    return [Launch(sk, (*acts, *wbind, ("yp", yp)), (("T", t_bind),)),
+            Launch(ss, (("yp", yp), ("y", y)), (("T", t_bind),))]
 
 
 @kernel_builder
@@ -643,12 +649,13 @@ def matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, 
 @kernel_builder
 def stacked_matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], ns: Sequence[int], k: int, *, tokens: int,
                              lanes: int, sub: int | str = "auto", runs: bool | int | str = "auto",
-                             rows: int = 1, spread: bool = False, reuse: bool = False) -> Kernel:
+                             rows: int = 1, spread: bool = False, reuse: bool = False,
+                             gate: tuple[int, bool] | None = None) -> Kernel:
     """y_j[t, r] = dot(w_j[r], x[t]) for several weights (rows `ns[j]`) reading the same activations, as if stacked
     into one weight: grid (sum(ceil(ns / rows)), ceil(T / tokens)), the first groups on w0, the next on w1, ...
     (a group-uniform branch), `rows` rows a group (`spread`: see `matvec_q8_kernel`). One launch where there were
     several, and small matvecs (attention k and v: 1024 rows) fill the device together. `reuse`: see
-    `matvec_q8_kernel`."""
+    `matvec_q8_kernel`; `gate`: the steps it runs for (`tile_matmul.step_gate`)."""
     subs = [sub_lanes(f, sub, runs) for f in fmts]
     m = len(fmts)
     params = (Buf("xq", "u32"), Buf("xd", "f32"), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
@@ -671,7 +678,7 @@ def stacked_matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], ns: Sequenc
     # Flat Ifs, one a weight (PoCL mishandles the barriers of reductions inside a nested else-if).
     branches = [If((g0 >= starts[j]) & (g0 < starts[j] + groups[j]) if j else g0 < groups[0], part(j))
                 for j in range(m)]
-    grid = (Const(sum(groups)), (Var("T") + (tokens - 1)) // tokens)
+    grid = (Const(sum(groups)), step_gate((Var("T") + (tokens - 1)) // tokens, gate))
     return Kernel(name, params, grid, (*_token_tile(tokens), *branches), lanes=lanes,
                   knobs=_q8_knobs(fmts, tokens, subs, runs, rows, spread, reuse),
                   doc=f"stacked matvecs int8 {'+'.join(f.name for f in fmts)} [{'+'.join(map(str, ns))}x{k}]")
@@ -715,24 +722,33 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
     ns, k = [int(w.type.shape[0]) for w in ws], int(ws[0].type.shape[-1])
     fmts = [_fmt(ctx, w) for w in ws]
     kn = _knobs(ctx, MATMUL_SPACE, None)
-    # Where tile products take some steps, each matmul lowers alone (its own gated kernels).
-    tiled = any(_tile_products(ctx, kn, [f], n, k) or _split_tiles(ctx, kn, [f], n, k, ctx.max_rows(x))
-                for f, n in zip(fmts, ns))
-    if not _int8_kernels(ctx, kn, fmts, k) or tiled:
+    x_rows = ctx.max_rows(x)
+    # Where tile products take the long steps, each matmul lowers alone (its own gated kernels).
+    if not _int8_kernels(ctx, kn, fmts, k) or any(_tile_products(ctx, kn, [f], n, k) for f, n in zip(fmts, ns)):
         return [la for n in nodes for la in _lower_matmul([n], ctx)]
     tag = "_".join(f"{f.name.lower()}{n}" for f, n in zip(fmts, ns))
     kn = _knobs(ctx, MATMUL_SPACE, f"matmul_stack_{tag}x{k}")
-    if not _int8_kernels(ctx, kn, fmts, k):  # this instance's override left the GPU path
+    splits = [_split_tiles(ctx, kn, [f], n, k, x_rows) if x_rows <= TILES_ABOVE else None for f, n in zip(fmts, ns)]
+    # This instance's override left the GPU path, or split K takes the short steps of some matmuls only (the
+    # stacked matvec then has no one gate).
+    if not _int8_kernels(ctx, kn, fmts, k) or (any(splits) and not all(splits)):
         ctx.sites.pop()
         return [la for n in nodes for la in _lower_matmul([n], ctx)]
     ql, qb, db = quantize_launch(ctx, ctx.buf(x), k, token_binding(x))
+    acts, t_bind = (("xq", qb), ("xd", db)), token_binding(x)
+    # With split K (knob mma_split): each matmul's steps of 2 to TILES_ABOVE tokens on its own tile products, the
+    # stacked matvec taking the one-token steps.
+    mid = [la for f, n, w, node, split in zip(fmts, ns, ws, nodes, splits) if split
+           for la in _split_launches(f"matmul_{f.name.lower()}_{n}x{k}", [f], n, k, ctx, kn, split, acts,
+                                     (("w0", ctx.buf(w)),), ctx.buf(node.output), t_bind, x_rows)]
     rows, spread = q8_rows(kn, ctx, fmts, sum(ns), k)
-    mk = stacked_matvec_q8_kernel(f"matmul_stack_{tag}x{k}_q8", fmts, ns, k, tokens=kn["tokens"], sub=kn["sub"],
-                                  runs=kn["runs"], rows=rows, spread=spread, reuse=_reuse(ctx, kn),
-                                  lanes=_gpu_lanes(kn, ctx, fmts, k))
+    gate = (1, False) if mid else None
+    mk = stacked_matvec_q8_kernel(f"matmul_stack_{tag}x{k}{gate_suffix(gate)}_q8", fmts, ns, k, tokens=kn["tokens"],
+                                  sub=kn["sub"], runs=kn["runs"], rows=rows, spread=spread, reuse=_reuse(ctx, kn),
+                                  lanes=_gpu_lanes(kn, ctx, fmts, k), gate=gate)
     outs = tuple((f"y{j}", ctx.buf(n.output)) for j, n in enumerate(nodes))
-    return [ql, Launch(mk, (("xq", qb), ("xd", db), *((f"w{j}", ctx.buf(w)) for j, w in enumerate(ws)), *outs),
-                       (("T", token_binding(x)),))]
+    return [ql, *mid, Launch(mk, (*acts, *((f"w{j}", ctx.buf(w)) for j, w in enumerate(ws)), *outs),
+                             (("T", t_bind),))]
 
 
 def _match_matmul_stack(nodes: Sequence[Node]) -> bool:
