@@ -441,10 +441,11 @@ def test_a_ctrl_c_inside_a_compiler_waits_for_it_to_return(monkeypatch):
 def test_an_error_after_a_ctrl_c_is_the_interrupt(monkeypatch, capsys):
     """A library may turn the KeyboardInterrupt into an error of its own (numpy's import of its C extension: an
     ImportError, 1 start-up in ~50): after a Ctrl-C, `main` reports any error as the interrupt."""
-    from polystrata import interrupt
+    from polystrata import interrupt, progress
     from polystrata.cli import main
 
     monkeypatch.setattr(interrupt, "_reported", False)
+    monkeypatch.setattr(progress, "enabled", progress.enabled)  # main() sets it
     assert main(["info", "/nonexistent.gguf"]) == 1  # no key: the command's own error
     assert "no such file" in capsys.readouterr().err
     monkeypatch.setattr(interrupt, "_armed", True)

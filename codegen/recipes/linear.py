@@ -739,7 +739,7 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
     # With split K (knob mma_split): each matmul's steps of 2 to TILES_ABOVE tokens on its own tile products, the
     # stacked matvec taking the one-token steps.
     mid = [la for f, n, w, node, split in zip(fmts, ns, ws, nodes, splits) if split
-           for la in _split_launches(f"matmul_{f.name.lower()}_{n}x{k}", [f], n, k, ctx, kn, split, acts,
+           for la in _split_launches(f"matmul_stack_{tag}x{k}_{f.name.lower()}{n}", [f], n, k, ctx, kn, split, acts,
                                      (("w0", ctx.buf(w)),), ctx.buf(node.output), t_bind, x_rows)]
     rows, spread = q8_rows(kn, ctx, fmts, sum(ns), k)
     gate = (1, False) if mid else None
