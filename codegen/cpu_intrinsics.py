@@ -65,11 +65,12 @@ class _Emit:
         """Argument k (an integer) as an intp."""
         return self.context.cast(self.b, self.args[k], self.sig.args[k], types.intp)
 
-    def load(self, k: int, elem, index, vec=None, align: int = 1):
-        """A load of `elem` (or of vector type `vec`) at element offset argument k + 1 plus `index` of array
-        argument k."""
+    def load(self, k: int, elem, index, vec=None, align: int = 1, base=None):
+        """A load of `elem` (or of vector type `vec`) at element offset `base` (default: argument k + 1) plus
+        `index` of array argument k."""
         data = self.context.make_array(self.sig.args[k])(self.context, self.b, self.args[k]).data
-        p = self.b.gep(self.b.bitcast(data, ir.PointerType(elem)), [self.b.add(self.index(k + 1), index)])
+        base = self.index(k + 1) if base is None else base
+        p = self.b.gep(self.b.bitcast(data, ir.PointerType(elem)), [self.b.add(base, index)])
         return self.b.load(self.b.bitcast(p, ir.PointerType(vec)) if vec else p, align=align)
 
     def lanes(self, v, idx):
@@ -151,14 +152,10 @@ def dot_i8_pair(typingctx, out, oi, w, wo, x, xo0, xo1, sw, swo, sx, sxo0, sxo1,
 
         def codes(k, base, at):
             """The 32 bytes at byte offset `base` + `at` of array argument k."""
-            data = context.make_array(signature.args[k])(context, builder, args[k]).data
-            p = builder.gep(builder.bitcast(data, ir.PointerType(i8)), [builder.add(base, at)])
-            return builder.load(builder.bitcast(p, ir.PointerType(code_t)), align=1)
+            return e.load(k, i8, at, code_t, base=base)
 
         def f32_at(k, base, at, vec=None):
-            data = context.make_array(signature.args[k])(context, builder, args[k]).data
-            p = builder.gep(builder.bitcast(data, ir.PointerType(f32)), [builder.add(base, at)])
-            return builder.load(builder.bitcast(p, ir.PointerType(vec)) if vec else p, align=4)
+            return e.load(k, f32, at, vec, 4, base)
 
         def broadcast(v):
             return e.lanes(builder.insert_element(ir.Constant(v8f32, None), v, ir.Constant(i32, 0)), [0] * 8)
