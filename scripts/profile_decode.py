@@ -5,6 +5,7 @@ launches between synchronizations; the KV row they write is the same each time) 
 name with their time per token, launch count and share, largest first, then the sum.
 
     python scripts/profile_decode.py MODEL.gguf --target cuda [--prompt 64] [--reps 20] [--top 15] [--trace]
+                                     [--knob SPACE.NAME=VALUE]
     python scripts/profile_decode.py MODEL.gguf --target cuda --tokens 512   # a 512-token prompt step instead
 
 `--trace` (CUDA, needs PyTorch for its CUPTI profiler) instead records the kernels' own device times while whole
@@ -19,6 +20,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from polystrata.bench import parse_knobs
 from polystrata.engine import Engine
 
 
@@ -32,10 +34,12 @@ def main() -> None:
     ap.add_argument("--trace", action="store_true", help="device times of graph-replayed steps (CUPTI via torch)")
     ap.add_argument("--tokens", type=int, default=1, help="profile a prompt step of this many tokens (the plan "
                     "that prefill runs, after --prompt tokens) instead of a decode step")
+    ap.add_argument("--knob", action="append", default=[], metavar="SPACE.NAME=VALUE",
+                    help="schedule knob override, as bench takes it (repeatable)")
     a = ap.parse_args()
     if a.trace and a.tokens > 1:
         ap.error("--trace profiles decode steps only")
-    eng = Engine(a.model, target=a.target, n_ctx=max(512, a.prompt + a.tokens + 8))
+    eng = Engine(a.model, target=a.target, n_ctx=max(512, a.prompt + a.tokens + 8), knobs=parse_knobs(a.knob))
     ids = np.random.default_rng(0).integers(0, eng.hparams.n_vocab, a.prompt + a.tokens)
     eng.forward(ids[:a.prompt])
     ex, rt = eng.executor, eng.runtime

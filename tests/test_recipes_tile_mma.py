@@ -137,11 +137,12 @@ def test_tile_mma_fits():
 
 
 def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K", mma_min: int = 32, split: int = 0,
-                     **knobs) -> list:
+                     above: int = 1, **knobs) -> list:
     g = Graph("t")
     g.op("matmul", g.input("x", "f32", ("T", K)), g.weight("w", fmt, (N, K)), name="y")
     ctx = recipe_context(g, formats={"w": FORMATS[fmt]}, lanes=128, matrix_units=matrix_units)
-    ctx.t_max, ctx.knobs = t_max, {"matmul": {"mma_min": mma_min, "mma_split": split, "mma_chunk": 64, **knobs}}
+    ctx.t_max, ctx.knobs = t_max, {"matmul": {"mma_min": mma_min, "mma_split": split, "mma_split_above": above,
+                                              "mma_chunk": 64, **knobs}}
     launches = recipe("matmul").lower(g.nodes, ctx)
     for t in range(1, t_max + 1):  # whatever the knobs, one kernel writes y in each step
         writers = [la.kernel.name for la in launches if any(p.name == "y" for p in la.kernel.params)
@@ -170,9 +171,9 @@ def test_taken_for_prefill_on_matrix_units_only():
 
 
 def test_split_k_takes_the_steps_of_2_to_64_tokens():
-    """With knob mma_split the steps of 2 to 64 tokens take the split tile products and their sum, longer ones the
-    whole tiles, one-token steps the int8 matvecs: exactly one of the three has groups for any row count. Parts are
-    at most the K steps (Q4_K's K of 256 is one block: one step, no split)."""
+    """With knob mma_split (and mma_split_above 1) the steps of 2 to 64 tokens take the split tile products and
+    their sum, longer ones the whole tiles, one-token steps the int8 matvecs: exactly one of the three has groups
+    for any row count. Parts are at most the K steps (Q4_K's K of 256 is one block: one step, no split)."""
     grid = lambda la, t: [eval_int(e, {"T": t}) for e in la.kernel.grid]  # noqa: E731
     launches = _matmul_launches(True, 70, "Q8_0", split=4)
     names = [la.kernel.name for la in launches]
@@ -192,6 +193,30 @@ def test_split_k_takes_the_steps_of_2_to_64_tokens():
     # Parts as the kernel deals the K steps: 4 steps in at most 3 parts is 2 parts of 2, no empty one.
     assert any(la.kernel.name.endswith("_mma_k2") for la in _matmul_launches(True, 16, "Q8_0", split=3))
     assert not any("_mma_k" in la.kernel.name for la in _matmul_launches(True, 1, "Q8_0", split=4))  # decode
+    # Knob mma_split_above: steps of up to that many rows keep the matvecs, longer ones (to 64) split K; a plan of
+    # no longer steps has no split kernels.
+    launches = _matmul_launches(True, 70, "Q8_0", split=4, above=5)
+    names = [la.kernel.name for la in launches]
+    assert tail(names) == ["quantize_x_256", "_gt64_mma", "_gt5_le64_mma_k4", "_gt5_le64_sum4", "_le5_q8"], names
+    for t, on in ((1, {4}), (5, {4}), (6, {2, 3}), (64, {2, 3}), (65, {1})):
+        assert {i for i, la in enumerate(launches[1:], 1) if grid(la, t)[0] * grid(la, t)[1] > 0} == on, t
+    assert not any("_mma_k" in la.kernel.name for la in _matmul_launches(True, 5, "Q8_0", split=4, above=5))
+
+
+def test_gpu_policy_splits_k_from_six_rows():
+    """The GPUs' policy (matrix units): steps of 6 to 64 rows on split-K tile products in 4 parts, shorter ones on
+    the int8 matvecs; the host's: no split K."""
+    from polystrata.codegen.policy import DEVICE_KNOBS, HOST_KNOBS
+
+    assert (DEVICE_KNOBS["matmul"]["mma_split"], DEVICE_KNOBS["matmul"]["mma_split_above"]) == (4, 5)
+    assert HOST_KNOBS["matmul"]["mma_split"] == 0
+    g = Graph("t")
+    g.op("matmul", g.input("x", "f32", ("T", K)), g.weight("w", "Q8_0", (N, K)), name="y")
+    ctx = recipe_context(g, formats={"w": FORMATS["Q8_0"]}, lanes=128, matrix_units=True)
+    ctx.t_max, ctx.knobs = 16, {"matmul": {"mma_min": 32, "mma_chunk": 64}}  # the policy's mma_split knobs
+    names = [la.kernel.name for la in recipe("matmul").lower(g.nodes, ctx)]
+    assert [n.removeprefix("matmul_q8_0_40x256") for n in names] == [
+        "quantize_x_256", "_gt5_le64_mma_k4", "_gt5_le64_sum4", "_le5_q8"], names
 
 
 def test_fused_glu_launches_match_the_reference(rt):
@@ -221,8 +246,9 @@ def test_fused_glu_launches_match_the_reference(rt):
 
 
 def test_stacked_qkv_keep_their_one_token_matvec_with_split_k(rt):
-    """q, k and v of one input with knob mma_split: each takes its own split-K tile products in steps of 2 to 64
-    tokens, and one-token steps keep the one stacked matvec (gated to them), all after one quantize launch."""
+    """q, k and v of one input with knob mma_split: each takes its own split-K tile products in steps of more than
+    mma_split_above (3) to 64 tokens, and shorter steps keep the one stacked matvec (gated to them), all after one
+    quantize launch."""
     if rt.lanes == 1:
         pytest.skip("GPU-shaped: Numba compiles of their own")
     g = Graph("t")
@@ -234,7 +260,8 @@ def test_stacked_qkv_keep_their_one_token_matvec_with_split_k(rt):
     def lowered(t_max: int, mma_min: int) -> tuple[list, object]:
         ctx = recipe_context(g, formats={nm: FORMATS[f] for nm, (f, _, _) in shapes.items()}, lanes=128,
                              matrix_units=True)
-        ctx.t_max, ctx.knobs = t_max, {"matmul": {"mma_min": mma_min, "mma_split": 2, "mma_chunk": 64}}
+        ctx.t_max, ctx.knobs = t_max, {"matmul": {"mma_min": mma_min, "mma_split": 2, "mma_split_above": 3,
+                                                  "mma_chunk": 64}}
         launches = recipe("matmul_stack3").lower(g.nodes, ctx)
         for t in range(1, t_max + 1):  # one launch writes each output in each step
             for out in (f"y{nm}" for nm in shapes):
@@ -247,11 +274,11 @@ def test_stacked_qkv_keep_their_one_token_matvec_with_split_k(rt):
     assert not any("matmul_stack" in la.kernel.name for la in lowered(16, 32)[0] + lowered(70, 16)[0])
     launches, ctx = lowered(16, 16)
     names = [la.kernel.name for la in launches]
-    assert names[0].startswith("quantize_x") and names[-1].endswith("_le1_q8") and "matmul_stack" in names[-1]
+    assert names[0].startswith("quantize_x") and names[-1].endswith("_le3_q8") and "matmul_stack" in names[-1]
     assert sum(n.endswith("_mma_k2") for n in names) == 3 and sum(n.endswith("_sum2") for n in names) == 3, names
     weights = {nm: weight(f, n, K, seed) for nm, (f, n, seed) in shapes.items()}
     sb, so = plan_scratch(ctx)
-    for t in (1, 7):
+    for t in (1, 3, 7):
         xv = np.random.default_rng(t).standard_normal((t, K)).astype(np.float32)
         out = run_launches(rt, launches, {"x": xv.reshape(-1), **{nm: w[1] for nm, w in weights.items()}, **sb},
                            {"T": t}, {**{f"y{nm}": ((t, n), "f32") for nm, (_, n, _) in shapes.items()}, **so})

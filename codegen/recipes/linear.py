@@ -107,11 +107,12 @@ from polystrata.ir.kernel import (
     Store,
 )
 
-# Knob mma_split: steps of 2 to TILES_ABOVE tokens (batched decoding, short prompts) on matrix units take tile
-# products with K split into this many parts (`tile_mma_kernel`'s split, added up by `split_sum_kernel`), in token
-# tiles of mma_split_tokens, instead of the int8 matvecs, which sweep the weights again for each token; 0: off
-# (the matvecs), until measured on a GPU (docs/benchmarks.md, "Serving: split-K tile products").
-SPLIT_KNOBS = (Knob("mma_split", 0, (0, 4, 8)), Knob("mma_split_tokens", 16))
+# Knob mma_split: steps of more than mma_split_above and at most TILES_ABOVE tokens (batched decoding, short
+# prompts) on matrix units take tile products with K split into this many parts (`tile_mma_kernel`'s split, added
+# up by `split_sum_kernel`), in token tiles of mma_split_tokens, instead of the int8 matvecs, which sweep the
+# weights again for each token (faster at a few rows); 0: off (the matvecs). The GPUs' policy sets both.
+SPLIT_KNOBS = (Knob("mma_split", "auto", (0, 4, 8)), Knob("mma_split_tokens", 16),
+               Knob("mma_split_above", "auto", (1, 3, 5, 8)))
 MATMUL_KNOBS = (Knob("rows", "auto", (1, 2, 4, 8)), Knob("tokens", 8, (1, 2, 4, 8, 16)),
                 Knob("int8", "auto", (0, 1)), Knob("split", "auto", ("rows", "blocks")), Knob("vert", "auto", (0, 1)),
                 Knob("xq", "auto", ("inline", "kernel")), Knob("sub", "auto", (1, 2, 4, 8)),
@@ -133,8 +134,9 @@ def _matmul_constraint(kn: dict) -> bool:
 # reaches all of a model's matmuls. The GLU had a space of its own once, and that knob then left the gate+up
 # matmuls, half of a llama's weights, on the other path (docs/benchmarks.md, "the prefill regression").
 # Instances stay apart: their names (and so their tuning rows) differ.
-# version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64), mma_split added.
-MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, version=2, constraint=_matmul_constraint)
+# version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64), mma_split added; version 3: mma_split_above
+# added, the GPUs' mma_split 4 (was 0).
+MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, version=3, constraint=_matmul_constraint)
 # Knob tile ("auto": TILE_TOKENS; 0: off): tokens a tile of `tile_matmul_kernel`, which one-lane plans of more than
 # one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
 # (docs/benchmarks.md, "Serving").
@@ -295,7 +297,8 @@ def _knobs(ctx: RecipeContext, space: KnobSpace, instance: str | None) -> dict:
 
 
 # The matmul knobs whose "auto" is the target policy's value.
-POLICY_KNOBS = ("split", "rows", "xq", "int8", "vert", "contract", "reuse", "tile_q8", "tile_q8_rows")
+POLICY_KNOBS = ("split", "rows", "xq", "int8", "vert", "contract", "reuse", "tile_q8", "tile_q8_rows", "mma_split",
+                "mma_split_above")
 
 
 def with_policy_defaults(kn: dict, policy: Policy) -> dict:
@@ -323,11 +326,12 @@ def _tile_products(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n:
 
 def _split_tiles(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n: int, k: int,
                  x_rows: int) -> tuple[int, int] | None:
-    """(K parts, K chunk) of the tile products that steps of 2 to TILES_ABOVE tokens take (knob mma_split; at most
-    one part a K step), or None where those steps keep the int8 matvecs: off, no matrix units, an input of one
-    row a step (`x_rows`), F16 weights (which take the tile products in every step), a matrix
-    `tile_products_apply` refuses, or fewer than two K steps."""
-    if int(kn["mma_split"]) < 2 or f16_path(fmts) or not _int8_kernels(ctx, kn, fmts, k):
+    """(K parts, K chunk) of the tile products that steps of more than mma_split_above and at most TILES_ABOVE
+    tokens take (knob mma_split; at most one part a K step), or None where those steps keep the int8 matvecs: off,
+    no matrix units, an input of no more rows a step than mma_split_above (`x_rows`), F16 weights (which take the
+    tile products in every step), a matrix `tile_products_apply` refuses, or fewer than two K steps."""
+    if (int(kn["mma_split"]) < 2 or f16_path(fmts) or not _int8_kernels(ctx, kn, fmts, k)
+            or x_rows <= split_above(kn)):
         return None
     kn = {**kn, "mma_tokens": kn["mma_split_tokens"]}
     if not tile_products_apply(ctx.target(), "matmul", x_rows, kn, fmts, n, k):
@@ -337,6 +341,12 @@ def _split_tiles(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], n: i
     per = -(-steps // int(kn["mma_split"]))  # K steps a part as the kernel deals them: no part left without any
     parts = -(-steps // per)
     return (parts, chunk) if parts > 1 else None
+
+
+def split_above(kn: dict) -> int:
+    """Knob mma_split_above: the most rows a step keeps on the int8 matvecs where split K takes longer ones (at
+    least 1: one-token steps always do), at most TILES_ABOVE."""
+    return max(1, min(int(kn["mma_split_above"]), TILES_ABOVE - 1))
 
 
 def quantize_launch(ctx: RecipeContext, x: str, k: int, t_bind, sums: bool = False,
@@ -401,9 +411,9 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     into scratch buffers, then `matvec_q8_kernel`; else one `matmul_kernel`. On matrix units (`_tile_products`),
     plans of steps of more than TILES_ABOVE tokens take the tile products for those steps and keep the int8
     matvecs for shorter ones (batched decoding, short prompts): both kernels read the same quantized activations,
-    and the row count picks at run time (`tile_matmul.step_gate`). With knob mma_split, steps of
-    2 to TILES_ABOVE tokens take tile products of split K (`_split_tiles`) and their sum, and only one-token steps
-    the matvecs. `x_rows`: the most rows x has in a step (`RecipeContext.max_rows`)."""
+    and the row count picks at run time (`tile_matmul.step_gate`). With knob mma_split, steps of more than
+    mma_split_above to TILES_ABOVE tokens take tile products of split K (`_split_tiles`) and their sum, and only
+    the shorter steps the matvecs. `x_rows`: the most rows x has in a step (`RecipeContext.max_rows`)."""
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
     tiles = _tile_products(ctx, kn, fmts, n, k)
     chunk = mma_chunk(ctx.target(), "matmul", kn, fmts, k) if tiles else 0
@@ -428,7 +438,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
         split = _split_tiles(ctx, kn, fmts, n, k, x_rows) if tiles or x_rows <= TILES_ABOVE else None
         if split:
             tiled += _split_launches(name, fmts, n, k, ctx, kn, split, acts, wbind, y, t_bind, x_rows, epilogue)
-            short = (1, False)
+            short = (split_above(kn), False)
         rows, spread = q8_rows(kn, ctx, fmts, n, k)
         mk = matvec_q8_kernel(f"{name}{gate_suffix(short)}_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"],
                               runs=kn["runs"], rows=rows, spread=spread, reuse=_reuse(ctx, kn), epilogue=epilogue,
@@ -462,9 +472,10 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
 def _split_launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: RecipeContext, kn: dict,
                     split: tuple[int, int], acts: tuple, wbind: tuple, y: str, t_bind, x_rows: int,
                     epilogue=None) -> list[Launch]:
-    """Steps of 2 to TILES_ABOVE tokens as tile products with K in parts, each a group, then their sum (`split`:
-    `_split_tiles`' parts and chunk; `acts`, `wbind`: the quantized activations' and the weights' bindings)."""
-    (parts, chunk), mid = split, ((1, True), (TILES_ABOVE, False))
+    """Steps of more than mma_split_above to TILES_ABOVE tokens as tile products with K in parts, each a group,
+    then their sum (`split`: `_split_tiles`' parts and chunk; `acts`, `wbind`: the quantized activations' and the
+    weights' bindings)."""
+    (parts, chunk), mid = split, ((split_above(kn), True), (TILES_ABOVE, False))
     sk = tile_mma_kernel(f"{name}{gate_suffix(mid)}_mma_k{parts}", fmts, n, k, rows=kn["mma_rows"],
                          tokens=kn["mma_split_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
                          words=bool(int(kn["mma_words"])), gate=mid, split=parts)
@@ -736,13 +747,13 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
         return [la for n in nodes for la in _lower_matmul([n], ctx)]
     ql, qb, db = quantize_launch(ctx, ctx.buf(x), k, token_binding(x))
     acts, t_bind = (("xq", qb), ("xd", db)), token_binding(x)
-    # With split K (knob mma_split): each matmul's steps of 2 to TILES_ABOVE tokens on its own tile products, the
-    # stacked matvec taking the one-token steps.
+    # With split K (knob mma_split): each matmul's steps of more than mma_split_above tokens (up to TILES_ABOVE)
+    # on its own tile products, the stacked matvec taking the shorter steps.
     mid = [la for f, n, w, node, split in zip(fmts, ns, ws, nodes, splits) if split
            for la in _split_launches(f"matmul_stack_{tag}x{k}_{f.name.lower()}{n}", [f], n, k, ctx, kn, split, acts,
                                      (("w0", ctx.buf(w)),), ctx.buf(node.output), t_bind, x_rows)]
     rows, spread = q8_rows(kn, ctx, fmts, sum(ns), k)
-    gate = (1, False) if mid else None
+    gate = (split_above(kn), False) if mid else None
     mk = stacked_matvec_q8_kernel(f"matmul_stack_{tag}x{k}{gate_suffix(gate)}_q8", fmts, ns, k, tokens=kn["tokens"],
                                   sub=kn["sub"], runs=kn["runs"], rows=rows, spread=spread, reuse=_reuse(ctx, kn),
                                   lanes=_gpu_lanes(kn, ctx, fmts, k), gate=gate)
