@@ -9,6 +9,7 @@ from recipe_cases import plan_scratch, recipe, recipe_context, run_launches, tar
 
 from polystrata.codegen.recipes.deltanet import state_buffer
 from polystrata.ir.graph import Graph
+from polystrata.ir.kernel import Launch
 from polystrata.runtimes import reference as R
 
 rt = target_runtimes()
@@ -71,6 +72,53 @@ def test_row_norms(rt, op):
     else:
         g.op(op, x, g.weight("w", "F32", (48,)), g.input("z", "f32", ("T", 3, 48)), eps=1e-6, name="o")
     _check(rt, g)
+
+
+def test_slice_l2_norm_reads_its_rows_in_place(rt):
+    """slice -> reshape into heads -> l2_norm (the q and k of Gated DeltaNet) as one launch: the normalized heads,
+    read from their place in the slice's input, and the slice itself, against numpy."""
+    g = Graph("t")
+    x = g.input("x", "f32", ("T", 80))
+    s = g.op("slice", x, start=16, stop=48, name="s")
+    g.op("l2_norm", g.op("reshape", s, shape=("T", 2, 16), name="h"), eps=1e-6, name="o")
+    ctx = recipe_context(g, lanes=rt.lanes)
+    (launch,) = recipe("slice_l2_norm").lower(g.nodes, ctx)
+    for t in (1, 5):
+        xv = np.random.default_rng(t).standard_normal((t, 80)).astype(np.float32)
+        out = run_launches(rt, [launch], {"x": xv.reshape(-1)}, {"T": t}, {"o": ((t, 2, 16), "f32"),
+                                                                          "s": ((t, 32), "f32")})
+        np.testing.assert_allclose(out["s"], xv[:, 16:48])
+        np.testing.assert_allclose(out["o"], R.l2_normalize(xv[:, 16:48].reshape(t, 2, 16), 1e-6), rtol=1e-5,
+                                   atol=1e-6)
+
+
+def test_gated_norm_writes_the_output_projections_int8_activations(rt):
+    """On the GPU path rms_norm_gated (heads of 64) also writes its output, as rows of a token, in the matmuls' int8
+    activations (the codes and scales `quantize_x_kernel` writes), and provides that launch."""
+    from polystrata.codegen.recipes.linear import quantize_x_kernel
+
+    if rt.lanes == 1:
+        pytest.skip("the int8 activations are the GPU path's")
+    g = Graph("t")
+    x, z = g.input("x", "f32", ("T", 3, 64)), g.input("z", "f32", ("T", 3, 64))
+    g.op("rms_norm_gated", x, g.weight("w", "F32", (64,)), z, eps=1e-6, name="o")
+    ctx = recipe_context(g, lanes=rt.lanes)
+    (launch,) = recipe("rms_norm_gated").lower(g.nodes, ctx)
+    (provided,) = launch.provides
+    assert launch.kernel.name.endswith("_q8") and provided.kernel.name == "quantize_x_192"
+    assert provided.buffers[0] == ("x", "o")
+    t = 3
+    rng = np.random.default_rng(0)
+    vals = {"x": rng.standard_normal((t, 3, 64)), "z": rng.standard_normal((t, 3, 64)), "w": rng.standard_normal(64)}
+    vals = {k: v.astype(np.float32).reshape(-1) for k, v in vals.items()}
+    qn, dn = dict(launch.buffers)["xq"], dict(launch.buffers)["xd"]
+    out = run_launches(rt, [launch], {**vals, qn: np.zeros(t * 48, np.uint32)}, {"T": t},
+                       {"o": ((t, 192), "f32"), qn: ((t * 48,), "u32"), dn: ((t * 6,), "f32")})
+    want = run_launches(rt, [Launch(quantize_x_kernel("quantize_x_192", 192), (("x", "o"), ("xq", "q"), ("xd", "d")),
+                                    (("T", "T"),))], {"o": out["o"].reshape(-1), "q": np.zeros(t * 48, np.uint32)},
+                        {"T": t}, {"q": ((t * 48,), "u32"), "d": ((t * 6,), "f32")})
+    np.testing.assert_array_equal(out[qn], want["q"])
+    np.testing.assert_allclose(out[dn], want["d"], rtol=1e-6)
 
 
 def test_gdn_gates(rt):

@@ -39,6 +39,26 @@ def test_elementwise(rt, op):
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("order", ["experts first", "gated first"])
+def test_sigmoid_mul_then_add_in_one_launch(rt, order):
+    """A shared expert's sigmoid gate, then its sum with the routed experts' (either operand order): one launch,
+    writing the sum and the gated value (which other ops may read), against the reference."""
+    g = Graph("t")
+    s, gate, f = g.input("s", "f32", ("T", 37)), g.input("gate", "f32", ("T", 1)), g.input("f", "f32", ("T", 37))
+    gated = g.op("sigmoid_mul", s, gate, name="gated")
+    g.op("add", *((f, gated) if order == "experts first" else (gated, f)), name="o")
+    (launch,) = recipe("sigmoid_mul_add").lower(g.nodes, recipe_context(g, lanes=rt.lanes))
+    for t in (1, 7):
+        rng = np.random.default_rng(t)
+        vals = {v.name: rng.standard_normal([t if d == "T" else d for d in v.type.shape]).astype(np.float32)
+                for v in g.inputs}
+        want_gated = R._IMPLS["sigmoid_mul"](None, g.nodes[0], [vals["s"], vals["gate"]])
+        out = run_launches(rt, [launch], {k: v.reshape(-1) for k, v in vals.items()}, {"T": t},
+                           {"o": ((t, 37), "f32"), "gated": ((t, 37), "f32")})
+        np.testing.assert_allclose(out["gated"], want_gated, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out["o"], want_gated + vals["f"], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("n", [1, 4])
 def test_last_rows(rt, n):
     """The step's last min(T, n) rows (T_last), at steps of fewer rows than n (all of them), as many, and more;

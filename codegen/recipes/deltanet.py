@@ -20,7 +20,9 @@ import math
 from collections.abc import Sequence
 
 from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register, token_binding
+from polystrata.codegen.recipes._matvec import QB
 from polystrata.codegen.recipes.elementwise import rms_scale
+from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
 from polystrata.ir.graph import Node, Value
 from polystrata.ir.kernel import (  # the expression nodes Const, Expr, Var too, which ir.kernel builds on
     Assign,
@@ -88,28 +90,72 @@ def _lower_slice(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     return [Launch(kern, (("x", ctx.buf(x)), ("y", ctx.buf(node.output))), (("T", tb),))]
 
 
-def _row_norm(name: str, x: Value, d: int, scale: list, value, extra: tuple[Buf, ...], ctx: RecipeContext) -> Kernel:
-    """A group per row of d: `scale` (statements after the row's sum of squares `ss`), then y = value(j)."""
+def _row_norm(name: str, x: Value, d: int, scale: list, value, extra: tuple[Buf, ...], ctx: RecipeContext,
+              src: Expr | None = None, copy: bool = False, quant: bool = False) -> Kernel:
+    """A group per row of d: `scale` (statements after the row's sum of squares `ss`), then y = value(src, j).
+    `src`: where the row starts in x (default: where it starts in y, g0 * d); `copy`: the row as read also stored
+    to y0 (the slice a fused norm reads in place, for its other readers); `quant`: y also written as the next
+    matmuls' int8 activations (`linear.quantize_staged`: xq, xd, rows of d following one another)."""
     row = Var("g0") * d
-    body = (Reduce("ss", "+", "j", Const(d), (Let("xj", Load("x", row + Var("j"))),), Var("xj") * Var("xj")),
+    src = row if src is None else src
+    out = [Store("y", row + Var("j"), Var("yj"))]
+    if copy:
+        out.append(Store("y0", row + Var("j"), Load("x", src + Var("j"))))
+    if quant:
+        out.append(Store("sl", staged(Var("j")), Var("yj")))
+    body = [Reduce("ss", "+", "j", Const(d), (Let("xj", Load("x", src + Var("j"))),), Var("xj") * Var("xj")),
             *scale,
-            LaneFor("j", Const(d), (Store("y", row + Var("j"), value(row, Var("j"))),)))
+            LaneFor("j", Const(d), (Let("yj", value(src, Var("j"))), *out))]
     grid, _ = _rows(x)
-    return Kernel(name, (Buf("x", "f32"), *extra, Buf("y", "f32", out=True), Scalar("T")), (grid,), body,
-                  lanes=ctx.lanes)
+    params = [Buf("x", "f32"), *extra, Buf("y", "f32", out=True)]
+    params += [Buf("y0", "f32", out=True)] if copy else []
+    local: tuple = ()
+    if quant:
+        body += quantize_staged("sl", d, Var("g0") * (d // 4), Var("g0") * (d // QB))
+        params += [Buf("xq", "u32", out=True), Buf("xd", "f32", out=True)]
+        local = staged_locals("sl", d)
+    return Kernel(name, (*params, Scalar("T")), (grid,), tuple(body), lanes=ctx.lanes, local=local)
 
 
 def _lower_l2_norm(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     (x,) = node.inputs
     d, eps = int(x.type.shape[-1]), float(node.attrs["eps"])
-    inv = Let("inv", Const(1.0) / Call("sqrt", Var("ss") + eps))
-    kern = _row_norm(f"l2_norm_{d}_{name_tag(eps)}", x, d, [inv],
+    kern = _row_norm(f"l2_norm_{d}_{name_tag(eps)}", x, d, [_l2_inverse(eps)],
                      lambda row, j: Load("x", row + j) * Var("inv"), (), ctx)
     return [Launch(kern, (("x", ctx.buf(x)), ("y", ctx.buf(node.output))), (("T", token_binding(x)),))]
 
 
+def _l2_inverse(eps: float) -> Let:
+    return Let("inv", Const(1.0) / Call("sqrt", Var("ss") + eps))
+
+
+def _lower_slice_l2_norm(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """slice -> reshape into heads -> l2_norm (Gated DeltaNet's q and k, cut from the convolution's output): one
+    launch, the norm reading its rows where they lie in the slice's input (and storing the slice too)."""
+    sl, heads, node = nodes
+    (x,) = sl.inputs
+    width, start = int(x.type.shape[-1]), int(sl.attrs["start"])
+    _, nh, d = (int(s) if s != "T" else s for s in heads.output.type.shape)
+    eps = float(node.attrs["eps"])
+    g0 = Var("g0")
+    src = g0 // nh * width + start + g0 % nh * d  # row g0 = token * nh + head
+    kern = _row_norm(f"slice_l2_norm_{width}_{start}_{nh}x{d}_{name_tag(eps)}", heads.output, d, [_l2_inverse(eps)],
+                     lambda row, j: Load("x", row + j) * Var("inv"), (), ctx, src=src, copy=True)
+    return [Launch(kern, (("x", ctx.buf(x)), ("y", ctx.buf(node.output)), ("y0", ctx.buf(sl.output))),
+                   (("T", token_binding(x)),))]
+
+
+def _match_slice_l2_norm(nodes: Sequence[Node]) -> bool:
+    sl, heads, node = nodes
+    shape = heads.output.type.shape
+    return (heads.inputs[0] is sl.output and node.inputs[0] is heads.output and len(sl.inputs[0].type.shape) == 2
+            and len(shape) == 3 and sl.output.type.shape[0] == shape[0])
+
+
 def _lower_rms_norm_gated(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """Where the next matmuls read int8 activations of the norm's rows (the output projection's, after a reshape
+    to a row a token), the norm writes them too and `provides` their quantize launch."""
     (node,) = nodes
     x, w, gate = node.inputs
     d, eps = int(x.type.shape[-1]), float(node.attrs["eps"])
@@ -118,10 +164,15 @@ def _lower_rms_norm_gated(nodes: Sequence[Node], ctx: RecipeContext) -> list[Lau
         z = Load("z", row + j)
         return Load("x", row + j) * Var("inv") * Load("w", j) * (z * _sigmoid(z))
 
-    kern = _row_norm(f"rms_norm_gated_{d}_{name_tag(eps)}", x, d, [rms_scale("inv", Var("ss"), d, eps)], value,
-                     (Buf("w", "f32"), Buf("z", "f32")), ctx)
-    bufs = (("x", ctx.buf(x)), ("w", ctx.buf(w)), ("z", ctx.buf(gate)), ("y", ctx.buf(node.output)))
-    return [Launch(kern, bufs, (("T", token_binding(x)),))]
+    per = math.prod(int(s) for s in node.output.type.shape[1:])
+    qbufs, provides = ((), ())
+    if d % QB == 0:
+        qbufs, provides = quantized_output(ctx, ctx.buf(node.output), per, token_binding(x))
+    kern = _row_norm(f"rms_norm_gated_{d}_{name_tag(eps)}{'_q8' if provides else ''}", x, d,
+                     [rms_scale("inv", Var("ss"), d, eps)], value, (Buf("w", "f32"), Buf("z", "f32")), ctx,
+                     quant=bool(provides))
+    bufs = (("x", ctx.buf(x)), ("w", ctx.buf(w)), ("z", ctx.buf(gate)), ("y", ctx.buf(node.output)), *qbufs)
+    return [Launch(kern, bufs, (("T", token_binding(x)),), provides=provides)]
 
 
 def _lower_gdn_gates(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -373,6 +424,7 @@ def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]
     return launches
 
 
+register(Recipe("slice_l2_norm", ("slice", "reshape", "l2_norm"), _lower_slice_l2_norm, _match_slice_l2_norm))
 register(Recipe("slice", ("slice",), _lower_slice))
 register(Recipe("l2_norm", ("l2_norm",), _lower_l2_norm))
 register(Recipe("rms_norm_gated", ("rms_norm_gated",), _lower_rms_norm_gated))

@@ -52,8 +52,9 @@ def _per_token(v: Value) -> int:
 
 @kernel_builder
 def elementwise_kernel(name: str, ins: Sequence[tuple[str, int]], per: int, fn: Callable[[list[Expr]], Expr],
-                       chunk: int, lanes: int) -> Kernel:
-    """out[t, c] = fn(in_j[t, c % size_j ...]); `ins` are (name, elements per token or -size for broadcast)."""
+                       chunk: int, lanes: int, then: Callable[[Expr, list[Expr]], Expr] | None = None) -> Kernel:
+    """out[t, c] = fn(in_j[t, c % size_j ...]); `ins` are (name, elements per token or -size for broadcast).
+    `then`: a second op in the same launch, y = then(fn's value, the inputs' values), fn's value stored as y0."""
     chunk = max(1, min(chunk, per))
     c = Var("g1") * chunk + Var("l")
     vals = []
@@ -62,15 +63,24 @@ def elementwise_kernel(name: str, ins: Sequence[tuple[str, int]], per: int, fn: 
             vals.append(Load(nm, c % (-size)))
         else:  # per token: size elements per token, repeating along the row when smaller than it
             vals.append(Load(nm, Var("g0") * size + (c % size if size != per else c)))
-    body = (LaneFor("l", Const(chunk), (If(c < per, (Store("y", Var("g0") * per + c, fn(vals)),)),)),)
-    params = (*(Buf(nm, "f32") for nm, _ in ins), Buf("y", "f32", out=True), Scalar("T"))
+    out = Var("g0") * per + c
+    if then is None:
+        stores: tuple = (Store("y", out, fn(vals)),)
+        outs: tuple = (Buf("y", "f32", out=True),)
+    else:
+        stores = (Let("v0", fn(vals)), Store("y0", out, Var("v0")), Store("y", out, then(Var("v0"), vals)))
+        outs = (Buf("y0", "f32", out=True), Buf("y", "f32", out=True))
+    body = (LaneFor("l", Const(chunk), (If(c < per, stores),)),)
+    params = (*(Buf(nm, "f32") for nm, _ in ins), *outs, Scalar("T"))
     return Kernel(name, params, (Var("T"), Const((per + chunk - 1) // chunk)), body, lanes=lanes,
                   knobs=(("chunk", chunk),))
 
 
-def _sizes(node: Node) -> list[tuple[str, int]]:
+def _sizes(values: Sequence[Value], first: int = 0) -> list[tuple[str, int]]:
+    """(parameter name in{j}, numbered from `first`; elements per token, or -size for a broadcast vector) of
+    elementwise inputs `values`."""
     out = []
-    for j, v in enumerate(node.inputs):
+    for j, v in enumerate(values, first):
         if v.type.shape and v.type.shape[0] == "T":
             out.append((f"in{j}", _per_token(v)))
         else:
@@ -94,7 +104,7 @@ _FNS: dict[str, Callable[[Node], Callable[[list[Expr]], Expr]]] = {
 
 def _lower_elementwise(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
-    ins = _sizes(node)
+    ins = _sizes(node.inputs)
     per = _per_token(node.output)
     tbind = token_binding(node.output)
     sig = "_".join(str(s) for _, s in ins)
@@ -104,6 +114,33 @@ def _lower_elementwise(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch
                               ctx.lanes)
     bufs = tuple((nm, ctx.buf(v)) for (nm, _), v in zip(ins, node.inputs)) + (("y", ctx.buf(node.output)),)
     return [Launch(kern, bufs, (("T", tbind),))]
+
+
+def _lower_elementwise_pair(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """Two elementwise ops, the second reading the first's output (a shared expert's sigmoid gate, then its sum
+    with the routed experts'): one launch, which writes both outputs (the first's may have other readers)."""
+    first, second = nodes
+    extra = [(j, v) for j, v in enumerate(second.inputs) if v is not first.output]
+    ins = _sizes(first.inputs) + _sizes([v for _, v in extra], len(first.inputs))
+    per = _per_token(second.output)
+    slot = {j: len(first.inputs) + i for i, (j, _) in enumerate(extra)}
+    fn2 = _FNS[second.op](second)
+
+    def then(v0: Expr, vals: list[Expr]) -> Expr:
+        return fn2([vals[slot[j]] if j in slot else v0 for j in range(len(second.inputs))])
+
+    sig = "_".join(str(s) for _, s in ins)
+    name = f"ew_{name_tag(first.op)}_{name_tag(second.op)}_{sig}_{per}".replace("-", "b")
+    kern = elementwise_kernel(name, ins, per, _FNS[first.op](first), ctx.knobs_for(_SPACES[second.op], name)["chunk"],
+                              ctx.lanes, then)
+    bufs = tuple((nm, ctx.buf(v)) for (nm, _), v in zip(ins, [*first.inputs, *(v for _, v in extra)]))
+    return [Launch(kern, (*bufs, ("y0", ctx.buf(first.output)), ("y", ctx.buf(second.output))),
+                   (("T", token_binding(second.output)),))]
+
+
+def _match_pair(nodes: Sequence[Node]) -> bool:
+    first, second = nodes
+    return any(v is first.output for v in second.inputs) and first.output.type.shape == second.output.type.shape
 
 
 def _lower_last_rows(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -328,6 +365,8 @@ register(Recipe("add_rms_norm", ("add", "rms_norm"), _lower_add_rms, match_add_r
 _SPACES = {op: KnobSpace(op, (Knob("chunk", CHUNK, (32, 64, 128, 512, 1024)),)) for op in (*_FNS, "last_rows")}
 for _op in _FNS:
     register(Recipe(_op, (_op,), _lower_elementwise, None, _SPACES[_op]))
+# Chains of two in one launch (qwen2moe / qwen3.5 MoE: the shared expert's gate, then the sum with the experts').
+register(Recipe("sigmoid_mul_add", ("sigmoid_mul", "add"), _lower_elementwise_pair, _match_pair, _SPACES["add"]))
 register(Recipe("last_rows", ("last_rows",), _lower_last_rows, None, _SPACES["last_rows"]))
 register(Recipe("rms_norm", ("rms_norm",), _lower_rms, None))
 register(Recipe("rope", ("rope",), _lower_rope, None))

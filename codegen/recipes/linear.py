@@ -818,6 +818,8 @@ EMBED_SPACE = KnobSpace("embed", (Knob("chunk", 8, (1, 4, 16, 64)),))
 register(Recipe("matmul_swiglu", ("matmul", "matmul", "swiglu"), _lower_glu, _match_glu, MATMUL_SPACE))
 register(Recipe("matmul_geglu", ("matmul", "matmul", "geglu"), _lower_glu, _match_glu, MATMUL_SPACE))
 register(Recipe("matmul", ("matmul",), _lower_matmul, _match_matmul, MATMUL_SPACE))
-# Three matmuls sharing their input (q, k, v): the "matmul" knobs apply.
+# Three or four matmuls sharing their input (q, k, v; Gated DeltaNet's qkv, z, beta and alpha): the "matmul"
+# knobs apply.
+register(Recipe("matmul_stack4", ("matmul",) * 4, _lower_matmul_stack, _match_matmul_stack, MATMUL_SPACE))
 register(Recipe("matmul_stack3", ("matmul",) * 3, _lower_matmul_stack, _match_matmul_stack, MATMUL_SPACE))
 register(Recipe("embed", ("embed",), _lower_embed, None, EMBED_SPACE))

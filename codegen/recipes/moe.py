@@ -528,8 +528,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
             return [ql, Launch(kern, (*quant, ("lst", lst), *slot, *wbind, ("y", out)), (("T", tb),))]
 
         qx = (("xq", ctx.scratch("xq", "u32", t_max * dm // 4)), ("xd", ctx.scratch("xd", "f32", t_max * dm // QB)))
-        qh = (("xq", ctx.scratch("xq_h" if stream else "xq", "u32", cap * ff // 4)),
-              ("xd", ctx.scratch("xd_h" if stream else "xd", "f32", cap * ff // QB)))
+        qh = (("xq", ctx.scratch("xq_h", "u32", cap * ff // 4)), ("xd", ctx.scratch("xd_h", "f32", cap * ff // QB)))
         tiled = [
             *tile_launch(f"moe_gateup_{fg.name}_{fu.name}_{tag}".lower(), [fg, fu], ff, dm, True, ctx.buf(x), qx,
                          (ctx.buf(g), ctx.buf(u)), hb, gateup),
@@ -542,12 +541,10 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
         # GPU path: x and then h quantized to int8 once (as `linear` does), each expert row swept by all lanes.
         sub = kn["sub"]
         runs = runs_for_target(kn["runs"], ctx.wide_loads)
-        qb = ctx.scratch("xq", "u32", max(t_max * dm, cap * ff) // 4)
-        xd = ctx.scratch("xd", "f32", max(t_max * dm, cap * ff) // QB)
-        qbufs = (("xq", qb), ("xd", xd))
-        hq = qbufs
-        if stream:
-            hq = (("xq", ctx.scratch("xq_h", "u32", cap * ff // 4)), ("xd", ctx.scratch("xd_h", "f32", cap * ff // QB)))
+        # h in buffers of its own: x's int8 codes (which the norm before may have written) stay valid for a
+        # shared expert's matmuls after the experts, whose quantize launch is then dropped as a repeat.
+        qbufs = (("xq", ctx.scratch("xq", "u32", t_max * dm // 4)), ("xd", ctx.scratch("xd", "f32", t_max * dm // QB)))
+        hq = (("xq", ctx.scratch("xq_h", "u32", cap * ff // 4)), ("xd", ctx.scratch("xd_h", "f32", cap * ff // QB)))
         spread = kn["spread"]
 
         def spread_of(fmts, kd):

@@ -111,8 +111,9 @@ def build_plan(
         return root.get(id(v), v)
 
     for it in items:
-        if isinstance(it, Node):
-            root[id(it.output)] = rootof(it.inputs[0])
+        for n in [it] if isinstance(it, Node) else it.nodes:
+            if n.op == "reshape":  # bare, or inside a match whose recipe reads through it
+                root[id(n.output)] = rootof(n.inputs[0])
     # Last match index reading each root value; graph outputs live to the end.
     last: dict[int, int] = {}
     for idx, it in enumerate(items):
@@ -184,7 +185,10 @@ def build_plan(
             names[id(it.output)] = names[id(rootof(it.inputs[0]))]
             continue
         for n in it.nodes:
-            assign(n.output)
+            if n.op == "reshape":
+                names[id(n.output)] = names[id(rootof(n.inputs[0]))]
+            else:
+                assign(n.output)
         ctx.sites = []
         made = it.recipe.lower(it.nodes, ctx)
         launches.extend(made)
