@@ -74,22 +74,31 @@ def test_row_norms(rt, op):
     _check(rt, g)
 
 
-def test_slice_l2_norm_reads_its_rows_in_place(rt):
-    """slice -> reshape into heads -> l2_norm (the q and k of Gated DeltaNet) as one launch: the normalized heads,
-    read from their place in the slice's input, and the slice itself, against numpy."""
+@pytest.mark.parametrize("parts", [1, 3])
+def test_slice_heads_read_their_rows_in_place(rt, parts):
+    """slice -> reshape into heads [-> l2_norm] as one launch (Gated DeltaNet's q and k normalized, v not; or one
+    normalized part alone): each part's heads, read from their place in the slices' input, and each slice itself,
+    against numpy."""
     g = Graph("t")
-    x = g.input("x", "f32", ("T", 80))
-    s = g.op("slice", x, start=16, stop=48, name="s")
-    g.op("l2_norm", g.op("reshape", s, shape=("T", 2, 16), name="h"), eps=1e-6, name="o")
+    x = g.input("x", "f32", ("T", 96))
+    cuts = [(16, 48, 2, 16, True), (48, 80, 2, 16, True), (80, 92, 3, 4, False)][:parts]
+    for i, (start, stop, nh, d, norm) in enumerate(cuts):
+        heads = g.op("reshape", g.op("slice", x, start=start, stop=stop, name=f"s{i}"), shape=("T", nh, d),
+                     name=f"h{i}")
+        if norm:
+            g.op("l2_norm", heads, eps=1e-6, name=f"o{i}")
     ctx = recipe_context(g, lanes=rt.lanes)
-    (launch,) = recipe("slice_l2_norm").lower(g.nodes, ctx)
+    (launch,) = recipe("slice_heads3" if parts == 3 else "slice_heads").lower(g.nodes, ctx)
     for t in (1, 5):
-        xv = np.random.default_rng(t).standard_normal((t, 80)).astype(np.float32)
-        out = run_launches(rt, [launch], {"x": xv.reshape(-1)}, {"T": t}, {"o": ((t, 2, 16), "f32"),
-                                                                          "s": ((t, 32), "f32")})
-        np.testing.assert_allclose(out["s"], xv[:, 16:48])
-        np.testing.assert_allclose(out["o"], R.l2_normalize(xv[:, 16:48].reshape(t, 2, 16), 1e-6), rtol=1e-5,
-                                   atol=1e-6)
+        xv = np.random.default_rng(t).standard_normal((t, 96)).astype(np.float32)
+        outs = {f"s{i}": ((t, stop - start), "f32") for i, (start, stop, _, _, _) in enumerate(cuts)}
+        outs |= {f"o{i}": ((t, nh, d), "f32") for i, (_, _, nh, d, norm) in enumerate(cuts) if norm}
+        out = run_launches(rt, [launch], {"x": xv.reshape(-1)}, {"T": t}, outs)
+        for i, (start, stop, nh, d, norm) in enumerate(cuts):
+            np.testing.assert_allclose(out[f"s{i}"], xv[:, start:stop])
+            if norm:
+                np.testing.assert_allclose(out[f"o{i}"], R.l2_normalize(xv[:, start:stop].reshape(t, nh, d), 1e-6),
+                                           rtol=1e-5, atol=1e-6)
 
 
 def test_gated_norm_writes_the_output_projections_int8_activations(rt):

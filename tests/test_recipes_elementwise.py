@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from recipe_cases import gpu_shaped, recipe, recipe_context, run_launches, target_runtimes
+from recipe_cases import gpu_shaped, recipe, recipe_context, run_launches, target_runtimes, weight
 
 from polystrata.ir.graph import Graph
 from polystrata.runtimes import reference as R
@@ -57,6 +57,33 @@ def test_sigmoid_mul_then_add_in_one_launch(rt, order):
                            {"o": ((t, 37), "f32"), "gated": ((t, 37), "f32")})
         np.testing.assert_allclose(out["gated"], want_gated, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(out["o"], want_gated + vals["f"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("gate_format", ["F32", "F16"])
+def test_shared_expert_gate_sigmoid_mul_add_in_one_launch(rt, gate_format):
+    """A shared expert's gate logit (a one-row matmul), its sigmoid times the expert's output, and the sum with the
+    routed experts': one launch where the gate weight is F32 (each group taking its token's dot product), storing
+    the logit, the gated value and the sum; another format lowers as the matmul and the pair. Against numpy."""
+    from polystrata.ir.formats import FORMATS
+
+    g = Graph("t")
+    h, s, f = (g.input(nm, "f32", ("T", 64)) for nm in ("h", "s", "f"))
+    logit = g.op("matmul", h, g.weight("wg", gate_format, (1, 64)), name="logit")
+    g.op("add", f, g.op("sigmoid_mul", s, logit, name="gated"), name="o")
+    launches = recipe("gate_sigmoid_mul_add").lower(g.nodes, recipe_context(g, lanes=rt.lanes,
+                                                                             formats={"wg": FORMATS[gate_format]}))
+    assert len(launches) == (1 if gate_format == "F32" else 2)
+    _, wbytes, wd = weight(gate_format, 1, 64, seed=3)
+    rng = np.random.default_rng(3)
+    for t in (1, 6):
+        vals = {nm: rng.standard_normal((t, 64)).astype(np.float32) for nm in ("h", "s", "f")}
+        out = run_launches(rt, launches, {**{k: v.reshape(-1) for k, v in vals.items()}, "wg": wbytes}, {"T": t},
+                           {"o": ((t, 64), "f32"), "gated": ((t, 64), "f32"), "logit": ((t, 1), "f32")})
+        want_logit = vals["h"] @ wd.T
+        want_gated = vals["s"] / (1 + np.exp(-want_logit))
+        np.testing.assert_allclose(out["logit"], want_logit, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(out["gated"], want_gated, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(out["o"], want_gated + vals["f"], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("n", [1, 4])

@@ -260,3 +260,15 @@ def test_glu_fused(rt):
             ref = (R.silu(ga) if act == "swiglu" else R.gelu_tanh(ga)) * ua
             tol = 0.02 * np.abs(ref).max() if fmt_name != "F32" else 1e-4
             np.testing.assert_allclose(y, ref, atol=tol, rtol=1e-3)
+
+
+@pytest.mark.parametrize("fmt_name", ["F16", "F32"])
+def test_rows_of_part_of_a_block_are_refused(fmt_name):
+    """The matmul kernels walk whole blocks (F16 and F32 in blocks of 32): rows of 40 values would leave 8 out, so
+    they are refused with one line instead of computed wrong."""
+    from polystrata.errors import UnsupportedError
+
+    g = Graph("t")
+    g.op("matmul", g.input("x", "f32", ("T", 40)), g.weight("w", fmt_name, (3, 40)), name="y")
+    with pytest.raises(UnsupportedError, match="rows of 40 .* not whole blocks of 32"):
+        recipe("matmul").lower(g.nodes, recipe_context(g, formats={"w": FORMATS[fmt_name]}))

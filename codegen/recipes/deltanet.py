@@ -91,24 +91,19 @@ def _lower_slice(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
 
 
 def _row_norm(name: str, x: Value, d: int, scale: list, value, extra: tuple[Buf, ...], ctx: RecipeContext,
-              src: Expr | None = None, copy: bool = False, quant: bool = False) -> Kernel:
-    """A group per row of d: `scale` (statements after the row's sum of squares `ss`), then y = value(src, j).
-    `src`: where the row starts in x (default: where it starts in y, g0 * d); `copy`: the row as read also stored
-    to y0 (the slice a fused norm reads in place, for its other readers); `quant`: y also written as the next
-    matmuls' int8 activations (`linear.quantize_staged`: xq, xd, rows of d following one another)."""
+              quant: bool = False) -> Kernel:
+    """A group per row of d: `scale` (statements after the row's sum of squares `ss`), then y = value(row, j).
+    `quant`: y also written as the next matmuls' int8 activations (`linear.quantize_staged`: xq, xd, rows of d
+    following one another)."""
     row = Var("g0") * d
-    src = row if src is None else src
     out = [Store("y", row + Var("j"), Var("yj"))]
-    if copy:
-        out.append(Store("y0", row + Var("j"), Load("x", src + Var("j"))))
     if quant:
         out.append(Store("sl", staged(Var("j")), Var("yj")))
-    body = [Reduce("ss", "+", "j", Const(d), (Let("xj", Load("x", src + Var("j"))),), Var("xj") * Var("xj")),
+    body = [Reduce("ss", "+", "j", Const(d), (Let("xj", Load("x", row + Var("j"))),), Var("xj") * Var("xj")),
             *scale,
-            LaneFor("j", Const(d), (Let("yj", value(src, Var("j"))), *out))]
+            LaneFor("j", Const(d), (Let("yj", value(row, Var("j"))), *out))]
     grid, _ = _rows(x)
     params = [Buf("x", "f32"), *extra, Buf("y", "f32", out=True)]
-    params += [Buf("y0", "f32", out=True)] if copy else []
     local: tuple = ()
     if quant:
         body += quantize_staged("sl", d, Var("g0") * (d // 4), Var("g0") * (d // QB))
@@ -121,36 +116,70 @@ def _lower_l2_norm(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     (x,) = node.inputs
     d, eps = int(x.type.shape[-1]), float(node.attrs["eps"])
-    kern = _row_norm(f"l2_norm_{d}_{name_tag(eps)}", x, d, [_l2_inverse(eps)],
-                     lambda row, j: Load("x", row + j) * Var("inv"), (), ctx)
+    inv = Let("inv", Const(1.0) / Call("sqrt", Var("ss") + eps))
+    kern = _row_norm(f"l2_norm_{d}_{name_tag(eps)}", x, d, [inv], lambda row, j: Load("x", row + j) * Var("inv"), (),
+                     ctx)
     return [Launch(kern, (("x", ctx.buf(x)), ("y", ctx.buf(node.output))), (("T", token_binding(x)),))]
 
 
-def _l2_inverse(eps: float) -> Let:
-    return Let("inv", Const(1.0) / Call("sqrt", Var("ss") + eps))
+def _head_segments(nodes: Sequence[Node]) -> list[tuple[Node, Node, Node | None]]:
+    """(slice, reshape into heads, l2_norm or None) of each part of a `slice_heads` match, in order."""
+    segs, i = [], 0
+    while i < len(nodes):
+        norm = nodes[i + 2] if i + 2 < len(nodes) and nodes[i + 2].op == "l2_norm" else None
+        segs.append((nodes[i], nodes[i + 1], norm))
+        i += 3 if norm is not None else 2
+    return segs
 
 
-def _lower_slice_l2_norm(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
-    """slice -> reshape into heads -> l2_norm (Gated DeltaNet's q and k, cut from the convolution's output): one
-    launch, the norm reading its rows where they lie in the slice's input (and storing the slice too)."""
-    sl, heads, node = nodes
-    (x,) = sl.inputs
-    width, start = int(x.type.shape[-1]), int(sl.attrs["start"])
-    _, nh, d = (int(s) if s != "T" else s for s in heads.output.type.shape)
-    eps = float(node.attrs["eps"])
-    g0 = Var("g0")
-    src = g0 // nh * width + start + g0 % nh * d  # row g0 = token * nh + head
-    kern = _row_norm(f"slice_l2_norm_{width}_{start}_{nh}x{d}_{name_tag(eps)}", heads.output, d, [_l2_inverse(eps)],
-                     lambda row, j: Load("x", row + j) * Var("inv"), (), ctx, src=src, copy=True)
-    return [Launch(kern, (("x", ctx.buf(x)), ("y", ctx.buf(node.output)), ("y0", ctx.buf(sl.output))),
-                   (("T", token_binding(x)),))]
+def _lower_slice_heads(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """Slices of one input, each reshaped into heads, some then L2-normalized (Gated DeltaNet's q, k and v, cut from
+    the convolution's output): one launch, a group per (token, head) row of any part, reading the row where it lies
+    in the input. Each slice is stored as well (the normalized parts' for any other reader of them)."""
+    segs = _head_segments(nodes)
+    x = segs[0][0].inputs[0]
+    width = int(x.type.shape[-1])
+    parts = [(int(sl.attrs["start"]), int(heads.output.type.shape[1]), int(heads.output.type.shape[2]), norm)
+             for sl, heads, norm in segs]
+    total = sum(nh for _, nh, _, _ in parts)
+    t, h = Var("g0") // total, Var("g0") % total
+    body, params, bufs, first, tags = [], [Buf("x", "f32")], [("x", ctx.buf(x))], 0, []
+    for j, ((start, nh, d, norm), (sl, _, _)) in enumerate(zip(parts, segs)):
+        src = t * width + start + (h - first) * d
+        dst = (t * nh + h - first) * d
+        c = Var(f"c{j}")
+        copy = Store(f"s{j}", dst + c, Load("x", src + c))
+        if norm is None:
+            stmts: list = [LaneFor(c.name, Const(d), (copy,))]
+        else:
+            eps = float(norm.attrs["eps"])
+            stmts = [Reduce(f"ss{j}", "+", c.name, Const(d), (Let(f"x{j}", Load("x", src + c)),),
+                            Var(f"x{j}") * Var(f"x{j}")),
+                     Let(f"inv{j}", Const(1.0) / Call("sqrt", Var(f"ss{j}") + eps)),
+                     LaneFor(c.name, Const(d), (Store(f"y{j}", dst + c, Load("x", src + c) * Var(f"inv{j}")), copy))]
+            params.append(Buf(f"y{j}", "f32", out=True))
+            bufs.append((f"y{j}", ctx.buf(norm.output)))
+        params.append(Buf(f"s{j}", "f32", out=True))
+        bufs.append((f"s{j}", ctx.buf(sl.output)))
+        # Flat Ifs on the group's head, one a part (as the stacked matvecs': uniform in the group).
+        body.append(If((h >= first) & (h < first + nh), tuple(stmts)))
+        tags.append(f"{start}_{nh}x{d}{'_l2' + name_tag(float(norm.attrs['eps'])) if norm else ''}")
+        first += nh
+    kern = Kernel(f"slice_heads_{width}_{'_'.join(tags)}", (*params, Scalar("T")), (Var("T") * total,), tuple(body),
+                  lanes=ctx.lanes)
+    return [Launch(kern, tuple(bufs), (("T", token_binding(x)),))]
 
 
-def _match_slice_l2_norm(nodes: Sequence[Node]) -> bool:
-    sl, heads, node = nodes
-    shape = heads.output.type.shape
-    return (heads.inputs[0] is sl.output and node.inputs[0] is heads.output and len(sl.inputs[0].type.shape) == 2
-            and len(shape) == 3 and sl.output.type.shape[0] == shape[0])
+def _match_slice_heads(nodes: Sequence[Node]) -> bool:
+    segs = _head_segments(nodes)
+    x = segs[0][0].inputs[0]
+    for sl, heads, norm in segs:
+        shape = heads.output.type.shape
+        if not (sl.op == "slice" and heads.op == "reshape" and sl.inputs[0] is x and heads.inputs[0] is sl.output
+                and len(x.type.shape) == 2 and len(shape) == 3 and shape[0] == x.type.shape[0]
+                and (norm is None or norm.inputs[0] is heads.output)):
+            return False
+    return True
 
 
 def _lower_rms_norm_gated(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -424,7 +453,10 @@ def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]
     return launches
 
 
-register(Recipe("slice_l2_norm", ("slice", "reshape", "l2_norm"), _lower_slice_l2_norm, _match_slice_l2_norm))
+# q, k and v of Gated DeltaNet in one launch, and any one sliced, L2-normalized part alone.
+register(Recipe("slice_heads3", ("slice", "reshape", "l2_norm") * 2 + ("slice", "reshape"), _lower_slice_heads,
+                _match_slice_heads))
+register(Recipe("slice_heads", ("slice", "reshape", "l2_norm"), _lower_slice_heads, _match_slice_heads))
 register(Recipe("slice", ("slice",), _lower_slice))
 register(Recipe("l2_norm", ("l2_norm",), _lower_l2_norm))
 register(Recipe("rms_norm_gated", ("rms_norm_gated",), _lower_rms_norm_gated))

@@ -12,7 +12,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, kernel_builder, register, token_binding
+from polystrata.codegen.recipes import (
+    RECIPES,
+    Knob,
+    KnobSpace,
+    Recipe,
+    RecipeContext,
+    kernel_builder,
+    register,
+    token_binding,
+)
 from polystrata.codegen.recipes._matvec import QB
 from polystrata.codegen.recipes.linear import (
     ACTIVATIONS,
@@ -22,6 +31,7 @@ from polystrata.codegen.recipes.linear import (
     staged_locals,
 )
 from polystrata.ir.expr import Const, Expr, Var
+from polystrata.ir.formats import F32
 from polystrata.ir.graph import Node, Value
 from polystrata.ir.kernel import (
     Buf,
@@ -141,6 +151,47 @@ def _lower_elementwise_pair(nodes: Sequence[Node], ctx: RecipeContext) -> list[L
 def _match_pair(nodes: Sequence[Node]) -> bool:
     first, second = nodes
     return any(v is first.output for v in second.inputs) and first.output.type.shape == second.output.type.shape
+
+
+def _lower_gate_sigmoid_mul_add(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """A one-row F32 matmul (a shared expert's gate logit), the sigmoid of it times the shared expert's output, then
+    the sum with the routed experts' (qwen2moe, qwen3.5 MoE): one launch. Each group takes its token's dot product
+    itself (a row of the model's width, cheaper than a launch of its own); the logit, the gated value and the sum
+    are all stored, for any other reader. A gate weight in another format lowers as the matmul and the pair."""
+    mm, sm, ad = nodes
+    h, wg = mm.inputs
+    if ctx.weight_formats.get(wg.weight, F32).name != "F32":
+        matmul = next(r for r in RECIPES if r.name == "matmul")
+        return [*matmul.lower([mm], ctx), *_lower_elementwise_pair([sm, ad], ctx)]
+    n, per = int(h.type.shape[-1]), _per_token(ad.output)
+    (f,) = [v for v in ad.inputs if v is not sm.output] or [sm.output]
+    name = f"ew_gate{n}_sigmoid_mul_add_{per}"
+    chunk = max(1, min(ctx.knobs_for(_SPACES["add"], name)["chunk"], per))
+    t, c = Var("g0"), Var("g1") * chunk + Var("l")
+    gated = Load("s", t * per + c) * _sigmoid(Var("logit"))
+    body = (
+        Reduce("logit", "+", "e", Const(n), (), Load("h", t * n + Var("e")) * Load("wg", Var("e"))),
+        LaneFor("l", Const(1), (If(Var("g1").eq(0), (Store("gl", t, Var("logit")),)),)),
+        LaneFor("l", Const(chunk), (If(c < per, (Let("v0", gated), Store("y0", t * per + c, Var("v0")),
+                                                 Store("y", t * per + c, Load("f", t * per + c) + Var("v0")))),)),
+    )
+    params = (Buf("h", "f32"), Buf("wg", "f32"), Buf("s", "f32"), Buf("f", "f32"), Buf("gl", "f32", out=True),
+              Buf("y0", "f32", out=True), Buf("y", "f32", out=True), Scalar("T"))
+    kern = Kernel(name, params, (Var("T"), Const((per + chunk - 1) // chunk)), body, lanes=ctx.lanes,
+                  knobs=(("chunk", chunk),))
+    bufs = (("h", ctx.buf(h)), ("wg", ctx.buf(wg)), ("s", ctx.buf(sm.inputs[0])),
+            ("f", ctx.buf(sm.output if f is sm.output else f)), ("gl", ctx.buf(mm.output)),
+            ("y0", ctx.buf(sm.output)), ("y", ctx.buf(ad.output)))
+    return [Launch(kern, bufs, (("T", token_binding(ad.output)),))]
+
+
+def _match_gate_sigmoid_mul_add(nodes: Sequence[Node]) -> bool:
+    mm, sm, ad = nodes
+    h, wg = mm.inputs
+    return (wg.weight is not None and tuple(wg.type.shape) == (1, int(h.type.shape[-1])) and len(h.type.shape) == 2
+            and sm.inputs[1] is mm.output and sm.inputs[0] is not mm.output
+            and tuple(sm.inputs[0].type.shape) == tuple(ad.output.type.shape) == tuple(h.type.shape)
+            and _match_pair([sm, ad]))
 
 
 def _lower_last_rows(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -367,6 +418,9 @@ for _op in _FNS:
     register(Recipe(_op, (_op,), _lower_elementwise, None, _SPACES[_op]))
 # Chains of two in one launch (qwen2moe / qwen3.5 MoE: the shared expert's gate, then the sum with the experts').
 register(Recipe("sigmoid_mul_add", ("sigmoid_mul", "add"), _lower_elementwise_pair, _match_pair, _SPACES["add"]))
+# ... and with the gate's logit (a one-row F32 matmul) computed in it too.
+register(Recipe("gate_sigmoid_mul_add", ("matmul", "sigmoid_mul", "add"), _lower_gate_sigmoid_mul_add,
+                _match_gate_sigmoid_mul_add, _SPACES["add"]))
 register(Recipe("last_rows", ("last_rows",), _lower_last_rows, None, _SPACES["last_rows"]))
 register(Recipe("rms_norm", ("rms_norm",), _lower_rms, None))
 register(Recipe("rope", ("rope",), _lower_rope, None))

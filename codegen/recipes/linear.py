@@ -85,6 +85,7 @@ from polystrata.codegen.recipes.tile_mma import (
     tile_mma_kernel,
     tile_products_apply,
 )
+from polystrata.errors import UnsupportedError
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
 from polystrata.ir.graph import Node
@@ -414,6 +415,10 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     and the row count picks at run time (`tile_matmul.step_gate`). With knob mma_split, steps of more than
     mma_split_above to TILES_ABOVE tokens take tile products of split K (`_split_tiles`) and their sum, and only
     the shorter steps the matvecs. `x_rows`: the most rows x has in a step (`RecipeContext.max_rows`)."""
+    for f in fmts:  # the kernels walk whole blocks (F16 / F32 in blocks of 32): a remainder would be left out
+        if k % fmt_for(f).block_size:
+            raise UnsupportedError(f"matmul {name}: rows of {k} {f.name} values are not whole blocks of "
+                                   f"{fmt_for(f).block_size}")
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
     tiles = _tile_products(ctx, kn, fmts, n, k)
     chunk = mma_chunk(ctx.target(), "matmul", kn, fmts, k) if tiles else 0

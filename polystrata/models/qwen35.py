@@ -145,13 +145,16 @@ def _gated_attention(b: Builder, h: Value, il: int) -> Value:
     hq, hkv, d = hp.n_head, hp.n_head_kv, hp.head_dim
     if hp.head_dim_v != d:
         raise GGUFError(f"{hp.arch}: keys of {d} and values of {hp.head_dim_v} per head are not supported")
+    # The three projections of h one after another: one stacked launch on the GPU path (`matmul_stack3`).
     qg = b.linear(h, f"{p}.attn_q", 2 * hq * d, hp.n_embd)
+    k = b.linear(h, f"{p}.attn_k", hkv * d, hp.n_embd)
+    v = b.linear(h, f"{p}.attn_v", hkv * d, hp.n_embd)
     qg = b.op("reshape", qg, shape=("T", hq, 2 * d), name=f"{p}.qg_heads")
     q = b.op("slice", qg, start=0, stop=d, name=f"{p}.q_heads")
     gate = b.op("slice", qg, start=d, stop=2 * d, name=f"{p}.gate_heads")
     gate = b.op("reshape", gate, shape=("T", hq * d), name=f"{p}.gate")
-    k = b.op("reshape", b.linear(h, f"{p}.attn_k", hkv * d, hp.n_embd), shape=("T", hkv, d), name=f"{p}.k_heads")
-    v = b.op("reshape", b.linear(h, f"{p}.attn_v", hkv * d, hp.n_embd), shape=("T", hkv, d), name=f"{p}.v_heads")
+    k = b.op("reshape", k, shape=("T", hkv, d), name=f"{p}.k_heads")
+    v = b.op("reshape", v, shape=("T", hkv, d), name=f"{p}.v_heads")
     q = b.op("rms_norm", q, b.w(f"{p}.attn_q_norm.weight", (d,)), eps=hp.rms_eps, name=f"{p}.q_norm")
     k = b.op("rms_norm", k, b.w(f"{p}.attn_k_norm.weight", (d,)), eps=hp.rms_eps, name=f"{p}.k_norm")
     rope = dict(base=hp.rope_base, dims=hp.rope_dims, mode="neox", freq_scale=hp.rope_freq_scale)
