@@ -144,6 +144,37 @@ def test_ssm_conv(rt):
     _check(rt, g, steps=(2, 5, 1))  # a first step shorter than the kernel: the state keeps older rows
 
 
+def test_gates_and_conv_in_one_launch(rt):
+    """gdn_gates then ssm_conv as one launch (the convolution's groups and one for the gates): the same outputs and
+    state, step after step (a first step shorter than the kernel, then more), as each op's own launch."""
+    g = Graph("t")
+    alpha, beta = g.input("alpha", "f32", ("T", 6)), g.input("beta", "f32", ("T", 6))
+    g.op("gdn_gates", alpha, beta, g.weight("dt", "F32", (6,)), g.weight("a", "F32", (6,)), name="gates")
+    x = g.input("x", "f32", ("T", 70))
+    g.op("ssm_conv", x, g.weight("w", "F32", (70, 4)), layer=0, name="o")
+    ctx = recipe_context(g, lanes=rt.lanes)
+    fused = recipe("gdn_gates_ssm_conv").lower(g.nodes, ctx)
+    apart = recipe("gdn_gates").lower(g.nodes[:1], ctx) + recipe("ssm_conv").lower(g.nodes[1:], ctx)
+    assert len(fused) == 1 and len(apart) == 2
+    state, count = state_buffer(g.nodes[1])
+    keeps: dict = {"fused": {}, "apart": {}}
+    for i, t in enumerate((2, 5, 1)):
+        rng = np.random.default_rng(t)
+        vals = {v.name: rng.standard_normal([t if d == "T" else d for d in v.type.shape]).astype(np.float32).reshape(-1)
+                for v in [*g.inputs, *g.weights.values()]}
+        if i == 0:
+            vals[state] = np.zeros(count, np.float32)
+        outs = {"gates": ((t, 6, 2), "f32"), "o": ((t, 70), "f32")}
+        for keep in keeps.values():  # sized for this step
+            keep.pop("gates", None), keep.pop("o", None)
+        got = {how: run_launches(rt, launches, dict(vals), {"T": t}, outs, keeps[how])
+               for how, launches in (("fused", fused), ("apart", apart))}
+        for name in outs:
+            np.testing.assert_allclose(got["fused"][name], got["apart"][name], rtol=1e-6, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(rt.download(keeps["fused"][state], (count,), "f32"),
+                                   rt.download(keeps["apart"][state], (count,), "f32"))
+
+
 # Steps of the delta rule tests: shorter and longer than a chunk of 64, ending inside chunks, one token between.
 DELTA_STEPS = (7, 64, 1, 65, 130)
 

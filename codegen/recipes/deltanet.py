@@ -204,32 +204,40 @@ def _lower_rms_norm_gated(nodes: Sequence[Node], ctx: RecipeContext) -> list[Lau
     return [Launch(kern, bufs, (("T", token_binding(x)),), provides=provides)]
 
 
-def _lower_gdn_gates(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
-    (node,) = nodes
-    alpha, beta, dt_bias, decay = node.inputs
-    h = int(alpha.type.shape[1])
-    i = Var("g0") * h + Var("l")
+def _gates_body(h: int, t: Expr) -> tuple:
+    """Token t's gates: y[t, h, 0] = decay * softplus(alpha + dt) (the log decay), y[t, h, 1] = sigmoid(beta)."""
+    i = t * h + Var("l")
     a = Var("a")
-    body = (LaneFor("l", Const(h), (
+    return (LaneFor("l", Const(h), (
         Let("a", Load("alpha", i) + Load("dt", Var("l"))),
         # softplus(a) = max(a, 0) + log(1 + exp(-|a|)), without overflow
         Let("sp", Call("max", a, Const(0.0)) + Call("log", Const(1.0) + Call("exp", Const(0.0) - Call("abs", a)))),
-        Store("y", i * 2, Load("decay", Var("l")) * Var("sp")),
-        Store("y", i * 2 + 1, _sigmoid(Load("beta", i))),
+        Store("gates", i * 2, Load("decay", Var("l")) * Var("sp")),
+        Store("gates", i * 2 + 1, _sigmoid(Load("beta", i))),
     )),)
-    params = (Buf("alpha", "f32"), Buf("beta", "f32"), Buf("dt", "f32"), Buf("decay", "f32"),
-              Buf("y", "f32", out=True), Scalar("T"))
-    kern = Kernel(f"gdn_gates_{h}", params, (Var("T"),), body, lanes=ctx.lanes)
-    bufs = (("alpha", ctx.buf(alpha)), ("beta", ctx.buf(beta)), ("dt", ctx.buf(dt_bias)), ("decay", ctx.buf(decay)),
-            ("y", ctx.buf(node.output)))
-    return [Launch(kern, bufs, (("T", token_binding(alpha)),))]
 
 
-def _lower_ssm_conv(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+GATES_PARAMS = (Buf("alpha", "f32"), Buf("beta", "f32"), Buf("dt", "f32"), Buf("decay", "f32"),
+                Buf("gates", "f32", out=True))
+
+
+def _gates_bufs(node: Node, ctx: RecipeContext) -> tuple:
+    alpha, beta, dt_bias, decay = node.inputs
+    return (("alpha", ctx.buf(alpha)), ("beta", ctx.buf(beta)), ("dt", ctx.buf(dt_bias)), ("decay", ctx.buf(decay)),
+            ("gates", ctx.buf(node.output)))
+
+
+def _lower_gdn_gates(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
-    x, w = node.inputs
-    c, k = (int(d) for d in w.type.shape)
-    chunk = max(1, min(int(ctx.knobs_for(CONV_SPACE, f"ssm_conv_{c}x{k}")["chunk"]), c))
+    h = int(node.inputs[0].type.shape[1])
+    kern = Kernel(f"gdn_gates_{h}", (*GATES_PARAMS, Scalar("T")), (Var("T"),), _gates_body(h, Var("g0")),
+                  lanes=ctx.lanes)
+    return [Launch(kern, _gates_bufs(node, ctx), (("T", token_binding(node.inputs[0])),))]
+
+
+def _conv_body(c: int, k: int, chunk: int) -> tuple:
+    """The short convolution of group g0's `chunk` channels (a lane each) through the step's tokens, then the new
+    state: y = silu(conv(state ++ x)), the state keeping the last k - 1 rows."""
     ch, t, j, i = Var("ch"), Var("t"), Var("j"), Var("i")
     # Row i of (state ++ x): the state's rows first, then this step's.
     row_term = (Let("i", t + j),
@@ -241,15 +249,46 @@ def _lower_ssm_conv(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     keep = (Let("i", Var("T") + j),
             If(i < k - 1, (Store("s", j * c + ch, Load("s", i * c + ch)),),
                (Store("s", j * c + ch, Load("x", (i - (k - 1)) * c + ch)),)))
-    body = (LaneFor("l", Const(chunk), (
+    return (LaneFor("l", Const(chunk), (
         Let("ch", Var("g0") * chunk + Var("l")),
         If(ch < c, (For("t", Const(0), Var("T"), per_token), For("j", Const(0), Const(k - 1), keep))),
     )),)
-    params = (Buf("x", "f32"), Buf("w", "f32"), Buf("s", "f32", out=True), Buf("y", "f32", out=True), Scalar("T"))
-    kern = Kernel(f"ssm_conv_{c}x{k}", params, (Const((c + chunk - 1) // chunk),), body, lanes=ctx.lanes,
-                  knobs=(("chunk", chunk),))
-    bufs = (("x", ctx.buf(x)), ("w", ctx.buf(w)), ("s", state_buffer(node)[0]), ("y", ctx.buf(node.output)))
-    return [Launch(kern, bufs, (("T", token_binding(x)),))]
+
+
+CONV_PARAMS = (Buf("x", "f32"), Buf("w", "f32"), Buf("s", "f32", out=True), Buf("y", "f32", out=True))
+
+
+def _conv_shape(node: Node, ctx: RecipeContext) -> tuple[int, int, int]:
+    """(channels, kernel width, channels a group: knob chunk) of an ssm_conv node."""
+    c, k = (int(d) for d in node.inputs[1].type.shape)
+    return c, k, max(1, min(int(ctx.knobs_for(CONV_SPACE, f"ssm_conv_{c}x{k}")["chunk"]), c))
+
+
+def _conv_bufs(node: Node, ctx: RecipeContext) -> tuple:
+    x, w = node.inputs
+    return ("x", ctx.buf(x)), ("w", ctx.buf(w)), ("s", state_buffer(node)[0]), ("y", ctx.buf(node.output))
+
+
+def _lower_ssm_conv(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    (node,) = nodes
+    c, k, chunk = _conv_shape(node, ctx)
+    kern = Kernel(f"ssm_conv_{c}x{k}", (*CONV_PARAMS, Scalar("T")), (Const((c + chunk - 1) // chunk),),
+                  _conv_body(c, k, chunk), lanes=ctx.lanes, knobs=(("chunk", chunk),))
+    return [Launch(kern, _conv_bufs(node, ctx), (("T", token_binding(node.inputs[0])),))]
+
+
+def _lower_gates_conv(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """gdn_gates then ssm_conv (independent: the gates of alpha and beta, the convolution of the qkv projection) in
+    one launch: the convolution's groups, then one more group for every token's gates."""
+    gates, conv = nodes
+    h = int(gates.inputs[0].type.shape[1])
+    c, k, chunk = _conv_shape(conv, ctx)
+    groups = (c + chunk - 1) // chunk
+    body = (If(Var("g0") < groups, _conv_body(c, k, chunk)),
+            If(Var("g0").eq(groups), (For("tg", Const(0), Var("T"), _gates_body(h, Var("tg"))),)))
+    kern = Kernel(f"gdn_gates_{h}_ssm_conv_{c}x{k}", (*GATES_PARAMS, *CONV_PARAMS, Scalar("T")), (Const(groups + 1),),
+                  body, lanes=ctx.lanes, knobs=(("chunk", chunk),))
+    return [Launch(kern, (*_gates_bufs(gates, ctx), *_conv_bufs(conv, ctx)), (("T", token_binding(conv.inputs[0])),))]
 
 
 def _delta_heads(node: Node) -> tuple[int, int, int, int, Expr, str]:
@@ -461,5 +500,6 @@ register(Recipe("slice", ("slice",), _lower_slice))
 register(Recipe("l2_norm", ("l2_norm",), _lower_l2_norm))
 register(Recipe("rms_norm_gated", ("rms_norm_gated",), _lower_rms_norm_gated))
 register(Recipe("gdn_gates", ("gdn_gates",), _lower_gdn_gates))
+register(Recipe("gdn_gates_ssm_conv", ("gdn_gates", "ssm_conv"), _lower_gates_conv, None, CONV_SPACE))
 register(Recipe("ssm_conv", ("ssm_conv",), _lower_ssm_conv, None, CONV_SPACE))
 register(Recipe("delta_rule", ("delta_rule",), _lower_delta_rule, None, DELTA_SPACE))
