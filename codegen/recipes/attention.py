@@ -212,7 +212,16 @@ def kv_store_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: i
 
     nq = hq if rope else 0
     k_head, v_head = hd - nq, hd - nq - hkv
-    if rope:
+    local: tuple = ()
+    if rope and kf.scheme is not None and kf.scheme.group > 1:
+        # A quantized K head: roped by all lanes into local memory first, then encoded a scale group a lane from
+        # there (else each of a head's few encoding lanes ropes its whole group, twice: max, then codes).
+        kpre, kval = head("k", hkv, k_head, "kn")
+        i = Var("i")
+        k_store = (*kpre, LaneFor("i", Const(d), (Store("kr", i, roped(kval, i)),)),
+                   *store("kc", kf, d, k_head, lambda j0, e: Load("kr", j0 + e)))
+        local = (LocalArray("kr", "f32", d),)
+    elif rope:
         kpre, kval = head("k", hkv, k_head, "kn")
         k_store = (*kpre, *store("kc", kf, d, k_head, lambda j0, e: roped(kval, j0 + e)))
     else:
@@ -231,7 +240,7 @@ def kv_store_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: i
         if qk_norm_eps is not None:
             params += [Buf("qn", "f32"), Buf("kn", "f32")]
     params += [Buf("kc", "u8", out=True), Buf("vc", "u8", out=True), Scalar("T")]
-    return Kernel(name, tuple(params), (Var("T"), Const(nq + 2 * hkv)), tuple(body), lanes=lanes)
+    return Kernel(name, tuple(params), (Var("T"), Const(nq + 2 * hkv)), tuple(body), lanes=lanes, local=local)
 
 
 def scaled_score(x: Expr, scale: float, softcap: float) -> Expr:
