@@ -433,14 +433,14 @@ def test_a_ctrl_c_inside_a_compiler_waits_for_it_to_return(monkeypatch):
         with interrupt.held_back():  # no key, no interrupt
             steps.append("again")
         assert steps[-1] == "again"
+        with pytest.raises(KeyboardInterrupt):  # what the body raises after the key (a compiler child it killed)
+            with interrupt.held_back():
+                os.kill(os.getpid(), signal.SIGINT)
+                with interrupt.held_back():  # nested: the outer one holds the key
+                    raise RuntimeError("build failed: the compiler died of SIGINT")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGINT, original)
-    with pytest.raises(KeyboardInterrupt):  # what the body raises after the key (a compiler child it killed)
-        with interrupt.held_back():
-            os.kill(os.getpid(), signal.SIGINT)
-            with interrupt.held_back():  # nested: the outer one holds the key
-                raise RuntimeError("build failed: the compiler died of SIGINT")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_an_error_after_a_ctrl_c_is_the_interrupt(monkeypatch, capsys):
