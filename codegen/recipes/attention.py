@@ -213,17 +213,17 @@ def kv_store_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: i
     nq = hq if rope else 0
     k_head, v_head = hd - nq, hd - nq - hkv
     local: tuple = ()
-    if rope and kf.scheme is not None and kf.scheme.group > 1:
-        # A quantized K head: roped by all lanes into local memory first, then encoded a scale group a lane from
-        # there (else each of a head's few encoding lanes ropes its whole group, twice: max, then codes).
+    if rope:
         kpre, kval = head("k", hkv, k_head, "kn")
-        i = Var("i")
-        k_store = (*kpre, LaneFor("i", Const(d), (Store("kr", i, roped(kval, i)),)),
-                   *store("kc", kf, d, k_head, lambda j0, e: Load("kr", j0 + e)))
-        local = (LocalArray("kr", "f32", d),)
-    elif rope:
-        kpre, kval = head("k", hkv, k_head, "kn")
-        k_store = (*kpre, *store("kc", kf, d, k_head, lambda j0, e: roped(kval, j0 + e)))
+        if kf.scheme is not None and kf.scheme.group > 1:
+            # A quantized K head: roped by all lanes into local memory first, then encoded a scale group a lane
+            # from there (else each of a head's few encoding lanes ropes its whole group, twice: max, then codes).
+            i = Var("i")
+            k_store = (*kpre, LaneFor("i", Const(d), (Store("kr", i, roped(kval, i)),)),
+                       *store("kc", kf, d, k_head, lambda j0, e: Load("kr", j0 + e)))
+            local = (LocalArray("kr", "f32", d),)
+        else:
+            k_store = (*kpre, *store("kc", kf, d, k_head, lambda j0, e: roped(kval, j0 + e)))
     else:
         k_store = store("kc", kf, d, k_head, lambda j0, e: Load("k", (t * hkv + k_head) * d + j0 + e))
     v_store = store("vc", vf, dv, v_head, lambda j0, e: Load("v", (t * hkv + v_head) * dv + j0 + e))

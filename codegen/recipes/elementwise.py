@@ -29,9 +29,9 @@ from polystrata.codegen.recipes.linear import (
     quantized_output,
     staged,
     staged_locals,
+    value_format,
 )
 from polystrata.ir.expr import Const, Expr, Var
-from polystrata.ir.formats import F32
 from polystrata.ir.graph import Node, Value
 from polystrata.ir.kernel import (
     Buf,
@@ -160,7 +160,7 @@ def _lower_gate_sigmoid_mul_add(nodes: Sequence[Node], ctx: RecipeContext) -> li
     are all stored, for any other reader. A gate weight in another format lowers as the matmul and the pair."""
     mm, sm, ad = nodes
     h, wg = mm.inputs
-    if ctx.weight_formats.get(wg.weight, F32).name != "F32":
+    if value_format(ctx, wg).name != "F32":
         matmul = next(r for r in RECIPES if r.name == "matmul")
         return [*matmul.lower([mm], ctx), *_lower_elementwise_pair([sm, ad], ctx)]
     n, per = int(h.type.shape[-1]), _per_token(ad.output)
@@ -180,7 +180,7 @@ def _lower_gate_sigmoid_mul_add(nodes: Sequence[Node], ctx: RecipeContext) -> li
     kern = Kernel(name, params, (Var("T"), Const((per + chunk - 1) // chunk)), body, lanes=ctx.lanes,
                   knobs=(("chunk", chunk),))
     bufs = (("h", ctx.buf(h)), ("wg", ctx.buf(wg)), ("s", ctx.buf(sm.inputs[0])),
-            ("f", ctx.buf(sm.output if f is sm.output else f)), ("gl", ctx.buf(mm.output)),
+            ("f", ctx.buf(f)), ("gl", ctx.buf(mm.output)),
             ("y0", ctx.buf(sm.output)), ("y", ctx.buf(ad.output)))
     return [Launch(kern, bufs, (("T", token_binding(ad.output)),))]
 

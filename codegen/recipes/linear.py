@@ -700,7 +700,9 @@ def stacked_matvec_q8_kernel(name: str, fmts: Sequence[QuantFormat], ns: Sequenc
                   doc=f"stacked matvecs int8 {'+'.join(f.name for f in fmts)} [{'+'.join(map(str, ns))}x{k}]")
 
 
-def _fmt(ctx: RecipeContext, v) -> QuantFormat:
+def value_format(ctx: RecipeContext, v) -> QuantFormat:
+    """The format a recipe reads value `v` in: its weight's (F32 for a weight the plan has no format of), F32 for
+    activations."""
     from polystrata.ir.formats import F32
 
     return ctx.weight_formats.get(v.weight, F32) if v.weight is not None else F32
@@ -710,9 +712,9 @@ def _lower_matmul(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     x, w = node.inputs
     n, k = int(w.type.shape[0]), int(w.type.shape[-1])
-    name = f"matmul_{_fmt(ctx, w).name.lower()}_{n}x{k}"
+    name = f"matmul_{value_format(ctx, w).name.lower()}_{n}x{k}"
     kn = _knobs(ctx, MATMUL_SPACE, name)
-    return _launches(name, [_fmt(ctx, w)], n, k, ctx, kn, ctx.buf(x),
+    return _launches(name, [value_format(ctx, w)], n, k, ctx, kn, ctx.buf(x),
                      [ctx.buf(w)], ctx.buf(node.output), token_binding(x), ctx.max_rows(x))
 
 
@@ -722,7 +724,7 @@ def _lower_glu(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     _, wu = u.inputs
     n, k = int(wg.type.shape[0]), int(wg.type.shape[-1])
     fn = ACTIVATIONS[act.op]
-    fg, fu = _fmt(ctx, wg), _fmt(ctx, wu)
+    fg, fu = value_format(ctx, wg), value_format(ctx, wu)
     name = f"glu_{act.op}_{fg.name.lower()}_{fu.name.lower()}_{n}x{k}"
     kn = _knobs(ctx, MATMUL_SPACE, name)
     return _launches(name, [fg, fu], n, k, ctx, kn,
@@ -736,7 +738,7 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
     x = nodes[0].inputs[0]
     ws = [n.inputs[1] for n in nodes]
     ns, k = [int(w.type.shape[0]) for w in ws], int(ws[0].type.shape[-1])
-    fmts = [_fmt(ctx, w) for w in ws]
+    fmts = [value_format(ctx, w) for w in ws]
     kn = _knobs(ctx, MATMUL_SPACE, None)
     x_rows = ctx.max_rows(x)
     # Where tile products take the long steps, each matmul lowers alone (its own gated kernels).
@@ -811,7 +813,7 @@ def _decode_store(wf: QuantFormat, base: Expr, out: Expr) -> list:
 def _lower_embed(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     w, tok = node.inputs
-    fmt = _fmt(ctx, w)
+    fmt = value_format(ctx, w)
     cols = int(w.type.shape[1])
     name = f"embed_{fmt.name.lower()}_{cols}"
     kern = embed_kernel(name, fmt, cols, ctx.knobs_for(EMBED_SPACE, name)["chunk"], ctx.lanes)
