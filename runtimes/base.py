@@ -286,6 +286,8 @@ class PackedLaunch:
         self.grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
         self.ptrs = (ctypes.c_void_p * max(len(values), 1))(*[ctypes.addressof(v) for v in values])
         self.empty = min(self.grid) <= 0
+        self.programmatic = False  # launched early, its kernel waiting for the one before (cuda, sm_90+)
+        self.config = None  # the driver's launch configuration where it needs one, made at the first launch
 
 
 def scalar_value(p: Scalar, value: int | float) -> ctypes.c_float | ctypes.c_int32:

@@ -1,24 +1,24 @@
 """CUDA runtime: kernels rendered to numba-cuda source, compiled to PTX by numba-cuda and NVVM, launched through the
-driver.
-
-Buffers are 1-D numba device arrays holding the IR storage dtypes. A kernel's cache entry is its PTX for the GPU's
-architecture (`sm_XY`), which the driver loads (compiling it for the device, with its own cache of the result). The
-PTX needs no GPU to make: with `arch` and no GPU the runtime is compile-only (`polystrata compile --target cuda
---arch sm_90`), and the artifact it writes spares a GPU machine NVVM's work, the slow part of a cold start. Launches
-bypass numba's dispatcher (tens of µs of Python per launch, docs/benchmarks.md): the kernel's CUfunction is called
-with `cuLaunchKernel`, with
-arguments flattened the way numba-cuda does it (an array is 7 words: meminfo, parent, nitems, itemsize, data,
-shape[0], strides[0]) and packed once per `prepare`. `begin_capture` / `end_capture` record those launches into a
-CUDA graph that `replay` re-runs with one driver call; the graph holds the arguments as they were at capture (buffer
-pointers and scalar values), so new inputs go into the same buffers. With `NUMBA_ENABLE_CUDASIM=1` (set before
-numba.cuda is imported) everything runs in numba-cuda's simulator: kernels are the rendered source's dispatchers
-(`Runtime._compile_python`), launches go through them, reductions take the shared-memory tree, and a graph is the
-base class's list of recorded launches.
+driver. Buffers are 1-D numba device arrays holding the IR storage dtypes. A kernel's cache entry is its PTX for the
+GPU's architecture (`sm_XY`), which the driver loads (compiling it for the device, with its own cache of the
+result). The PTX needs no GPU to make: with `arch` and no GPU the runtime is compile-only (`polystrata compile
+--target cuda --arch sm_90`), and the artifact it writes spares a GPU machine NVVM's work, the slow part of a cold
+start. Launches bypass numba's dispatcher (tens of µs of Python per launch, docs/benchmarks.md): the kernel's
+CUfunction is called with `cuLaunchKernel`, with arguments flattened the way numba-cuda does it (an array is 7
+words: meminfo, parent, nitems, itemsize, data, shape[0], strides[0]) and packed once per `prepare`. `begin_capture`
+/ `end_capture` record those launches into a CUDA graph that `replay` re-runs with one driver call; the graph holds
+the arguments as they were at capture (buffer pointers and scalar values), so new inputs go into the same buffers.
+On sm_90 and later the launches captured into a graph are programmatic (`cuda_driver.launch_programmatic`: each
+kernel's PTX first waits for the kernel before it, which may then hand over early), saving part of the gap between
+the short kernels of a decode step. With `NUMBA_ENABLE_CUDASIM=1` (set before numba.cuda is imported) everything
+runs in numba-cuda's simulator: kernels are the rendered source's dispatchers (`Runtime._compile_python`), launches
+go through them, reductions take the shared-memory tree, and a graph is the base class's list of recorded launches.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import types
 from collections.abc import Sequence
@@ -102,6 +102,11 @@ class CUDARuntime(Runtime):
             self.policy = replace(self.policy, matrix_units=matrix_unit(self.arch) is not None)  # mma.sync: sm_80+
         self.shuffles = (not self.simulator) if shuffles is None else shuffles
         self.fast = not self.simulator  # driver launches (the simulator's go through numba's dispatcher)
+        # Programmatic launches (`cuda_driver.launch_programmatic`) into graphs on sm_90 and later (decode 3 % faster
+        # on an H100, docs/benchmarks.md); POLYSTRATA_NO_PDL=1: off.
+        self.programmatic = (self.fast and not self.compile_only and int(self.arch[3:]) >= 90
+                             and not os.environ.get("POLYSTRATA_NO_PDL"))
+        self._waiting: set[int] = set()  # the CUfunctions loaded with `cuda_driver.with_grid_dependency`
         self.stream = None if self.compile_only else cuda.stream()  # a real stream: the legacy one can't be captured
         self._copy_stream = None  # the second stream of `copy_async`, made at its first call
 
@@ -142,10 +147,14 @@ class CUDARuntime(Runtime):
             if entry is None:
                 raise PolystrataError(f"the PTX of kernel {kernel.name} has no entry")
             self.cuda.current_context()  # the module loads into the calling thread's context: numba's, made current
+            waiting = cuda_driver.with_grid_dependency(ptx) if self.programmatic else None
             try:
-                return cuda_driver.load_function(ptx + b"\0", entry.group(1).decode())  # PTX ends in a NUL
+                fn = cuda_driver.load_function((waiting or ptx) + b"\0", entry.group(1).decode())  # PTX ends in a NUL
             except PolystrataError as e:  # e.g. PTX of a newer CUDA than this driver's
                 raise PolystrataError(f"the CUDA driver refused the PTX of kernel {kernel.name}: {e}") from None
+            if waiting is not None:
+                self._waiting.add(int(fn))
+            return fn
 
         def build() -> tuple[bytes, Any]:
             ptx = self._ptx(kernel, source)
@@ -262,13 +271,18 @@ class CUDARuntime(Runtime):
                 values += [ctypes.c_uint64(device_pointer(a)), ctypes.c_int64(n), ctypes.c_int64(size)]
             else:
                 values.append(scalar_value(p, a))
-        return PackedLaunch(ck.cufunc, grid, ck.kernel.lanes, values)
+        packed = PackedLaunch(ck.cufunc, grid, ck.kernel.lanes, values)
+        # Only a kernel that waits for the one before it may start early.
+        packed.programmatic = int(ck.cufunc) in self._waiting
+        return packed
 
     def launch_prepared(self, h: Any) -> None:  # on the runtime's stream, which captures it while a capture is open
         if not self.fast:
             super().launch_prepared(h)
         elif not h.empty:
-            cuda_driver.launch(h, self.stream.handle)
+            # Programmatic only into a graph (one-token steps): prompt chunks, launched directly, ran 10 % slower.
+            programmatic = h.programmatic and self._recording is not None
+            (cuda_driver.launch_programmatic if programmatic else cuda_driver.launch)(h, self.stream.handle)
 
     def launch(self, ck: CompiledKernel, args: Sequence[Any], grid: Sequence[int]) -> None:
         if self.fast:

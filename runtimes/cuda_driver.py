@@ -4,6 +4,7 @@ and the hip target's NVRTC path on NVIDIA GPUs (runtimes/hip_nvrtc.py). Nothing 
 from __future__ import annotations
 
 import ctypes
+import re
 import weakref
 from typing import Any
 
@@ -67,6 +68,55 @@ def launch(p: PackedLaunch, stream: Any) -> None:
     err, = driver.cuLaunchKernel(p.fn, gx, gy, gz, p.lanes, 1, 1, 0, stream, ctypes.addressof(p.ptrs), 0)
     if err:
         raise PolystrataError(f"CUDA launch failed: {err!r}")
+
+
+def launch_programmatic(p: PackedLaunch, stream: Any) -> None:
+    """`launch` with programmatic stream serialization (sm_90+): the launch may start while the one before it on
+    the stream still runs, its kernel waiting at `griddepcontrol.wait` (`with_grid_dependency`) until that one has
+    finished and its writes are visible. What it saves is the gap between two short kernels, also between the
+    nodes of a graph captured from such launches. The launch's configuration is made once and kept on `p`."""
+    config = p.config
+    if config is None:
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = p.grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = p.lanes, 1, 1
+        config.sharedMemBytes, config.hStream = 0, stream
+        config.attrs, config.numAttrs = [attr], 1
+        p.config = config
+    err, = driver.cuLaunchKernelEx(config, p.fn, ctypes.addressof(p.ptrs), 0)
+    if err:
+        raise PolystrataError(f"CUDA launch failed: {err!r}")
+
+
+# The PTX ISA that has griddepcontrol (7.8, with sm_90).
+_GRID_DEPENDENCY_ISA = (7, 8)
+
+
+def with_grid_dependency(ptx: bytes) -> bytes | None:
+    """The PTX with `griddepcontrol.wait` and then `griddepcontrol.launch_dependents` before the entry's first
+    instruction, or None where its ISA or target lacks them (before PTX 7.8 or sm_90). The wait keeps every kernel
+    from reading or writing anything before the kernel it follows has finished, so launching it early
+    (`launch_programmatic`) changes no result; the trigger after it lets the next launch start while this kernel
+    runs (without it, the next one could start only as this one's groups exit)."""
+    version = re.search(rb"^\s*\.version\s+(\d+)\.(\d+)", ptx, re.M)
+    target = re.search(rb"^\s*\.target\s+sm_(\d+)", ptx, re.M)
+    if not version or not target or (int(version[1]), int(version[2])) < _GRID_DEPENDENCY_ISA \
+            or int(target[1]) < 90:
+        return None
+    entry = re.search(rb"\.entry\s+[\w$]+\s*\([^)]*\)\s*\{[^\n]*\n", ptx)
+    if not entry:
+        return None
+    # The body opens with declarations (.reg, .local, .shared, ...): the first line after them is an instruction.
+    pos = entry.end()
+    for line in ptx[pos:].splitlines(keepends=True):
+        text = line.strip()
+        if text and not text.startswith((b".", b"//")):
+            break
+        pos += len(line)
+    return ptx[:pos] + b"\tgriddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n" + ptx[pos:]
 
 
 def function_resources(fn: Any, lanes: int) -> dict[str, int]:

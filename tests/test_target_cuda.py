@@ -432,6 +432,21 @@ for k in kernels:
                            capture_output=True, text=True)
         res["ptxas"] = p.returncode == 0 or p.stderr
     out[k.name] = res
+# Programmatic launches: sm_90 PTX gets the grid-dependency wait ahead of its first instruction, sm_80 PTX none.
+from polystrata.runtimes.cuda_driver import with_grid_dependency
+ptx90 = CUDARuntime(arch="sm_90").compile(tile_kernel("f16")).entry.path.read_bytes()
+waiting = with_grid_dependency(ptx90)
+body = waiting.split(b")\n{", 1)[1].decode().splitlines()
+first = next(i for i, line in enumerate(body) if line.strip() and not line.strip().startswith((".", "//")))
+pdl = {"sm_80": with_grid_dependency(rt.compile(kernels[1]).entry.path.read_bytes()),
+       "first": body[first].strip(), "next": body[first + 2].strip().split()[0],
+       "rest": waiting.replace(b"\tgriddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;\n", b"") == ptx90}
+if ptxas:
+    (tmp / "w.ptx").write_bytes(waiting)
+    p = subprocess.run([ptxas, "-arch=sm_90", str(tmp / "w.ptx"), "-o", str(tmp / "w.cubin")], capture_output=True,
+                       text=True)
+    pdl["ptxas"] = p.returncode == 0 or p.stderr
+out["pdl"] = pdl
 # A model compiled for sm_90 with a knob: every kernel of the artifact is PTX for sm_90, the knob in the manifest.
 model = synth_model("llama", tmp / "tiny.gguf", preset="tiny", qtype="Q8_0", seed=0)
 assert main(["compile", str(model), "--target", "cuda", "--arch", "sm_90", "-c", "64", "--knob", "matmul.tokens=4",
@@ -452,6 +467,7 @@ def test_kernels_compile_to_ptx_without_a_gpu():
     """Without a GPU, a cuda runtime given an architecture compiles (NVVM) but runs nothing: each kernel's cache
     entry is its PTX, one kernel entry for that architecture. Tile products become mma.sync there (the recipe's
     int8 m16n8k32, the conformance f16 m16n8k16), and ptxas assembles them for sm_90 where it is installed.
+    For programmatic launches, sm_90 PTX gets `griddepcontrol.wait` before its first instruction (sm_80 none).
     `compile --target cuda --arch sm_90` writes an artifact of such PTX, with its --knob in the manifest. In a
     child process (numba.cuda stays unimported here); skipped without NVVM (CI: numba-cuda without the CUDA
     toolkit). The numbers are checked on the GPU: the conformance cases (scripts/cuda_selftest.py)."""
@@ -477,3 +493,6 @@ def test_kernels_compile_to_ptx_without_a_gpu():
     assert art["ptx"] and len(art["ptx"]) == len(art["records"]) and art["files"] == 2 * len(art["ptx"])
     assert art["sm_90"]
     assert "= mma_" not in render(tile_kernel("i8"), shuffles=True, native=True)  # no matrix unit asked for
+    pdl = res["pdl"]
+    assert pdl["sm_80"] is None and pdl["rest"] and pdl.get("ptxas", True) is True, pdl
+    assert (pdl["first"], pdl["next"]) == ("griddepcontrol.wait;", "ld.param.u64"), pdl

@@ -247,6 +247,11 @@ def register(recipe: Recipe) -> Recipe:
     return recipe
 
 
+def recipe_named(name: str) -> Recipe:
+    """The registered recipe `name`: how a fused recipe lowers the parts it does not change."""
+    return next(r for r in RECIPES if r.name == name)
+
+
 def load_all() -> None:
     """Import every recipe module of this package (each registers its recipes once, at import)."""
     import importlib

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from polystrata.codegen.recipes import (
-    RECIPES,
     Knob,
     KnobSpace,
     Recipe,
     RecipeContext,
     kernel_builder,
+    recipe_named,
     register,
     token_binding,
 )
@@ -98,7 +99,8 @@ def _sizes(values: Sequence[Value], first: int = 0) -> list[tuple[str, int]]:
     return out
 
 
-def _sigmoid(g: Expr) -> Expr:
+def sigmoid(g: Expr) -> Expr:
+    """1 / (1 + exp(-g))."""
     return Const(1.0) / (Const(1.0) + Call("exp", Const(0.0) - g))
 
 
@@ -161,14 +163,13 @@ def _lower_gate_sigmoid_mul_add(nodes: Sequence[Node], ctx: RecipeContext) -> li
     mm, sm, ad = nodes
     h, wg = mm.inputs
     if value_format(ctx, wg).name != "F32":
-        matmul = next(r for r in RECIPES if r.name == "matmul")
-        return [*matmul.lower([mm], ctx), *_lower_elementwise_pair([sm, ad], ctx)]
+        return [*recipe_named("matmul").lower([mm], ctx), *_lower_elementwise_pair([sm, ad], ctx)]
     n, per = int(h.type.shape[-1]), _per_token(ad.output)
     (f,) = [v for v in ad.inputs if v is not sm.output] or [sm.output]
     name = f"ew_gate{n}_sigmoid_mul_add_{per}"
     chunk = max(1, min(ctx.knobs_for(_SPACES["add"], name)["chunk"], per))
     t, c = Var("g0"), Var("g1") * chunk + Var("l")
-    gated = Load("s", t * per + c) * _sigmoid(Var("logit"))
+    gated = Load("s", t * per + c) * sigmoid(Var("logit"))
     body = (
         Reduce("logit", "+", "e", Const(n), (), Load("h", t * n + Var("e")) * Load("wg", Var("e"))),
         LaneFor("l", Const(1), (If(Var("g1").eq(0), (Store("gl", t, Var("logit")),)),)),
@@ -185,7 +186,7 @@ def _lower_gate_sigmoid_mul_add(nodes: Sequence[Node], ctx: RecipeContext) -> li
     return [Launch(kern, bufs, (("T", token_binding(ad.output)),))]
 
 
-def _match_gate_sigmoid_mul_add(nodes: Sequence[Node]) -> bool:
+def match_gate_sigmoid_mul_add(nodes: Sequence[Node]) -> bool:
     mm, sm, ad = nodes
     h, wg = mm.inputs
     return (wg.weight is not None and tuple(wg.type.shape) == (1, int(h.type.shape[-1])) and len(h.type.shape) == 2
@@ -223,10 +224,15 @@ def rms_scale(name: str, sum_squares: Expr, d: int, eps: float) -> Let:
     return Let(name, Const(1.0) / Call("sqrt", sum_squares / float(d) + float(eps)))
 
 
-# A norm's second addend computed in the kernel: (the buffers it reads, its value at (row, element index, the
-# alignment in elements that index has)); the expression may use the kernel's scalar R, its row count (tokens).
-# The MoE recipe sums the experts' outputs this way (`moe.combine_addend`).
-Addend = tuple[tuple[Buf, ...], Callable[[Expr, Expr, int], Expr]]
+class Addend(NamedTuple):
+    """A norm's second addend computed in the kernel (the MoE recipes sum the experts' outputs this way:
+    `moe.combine_addend`, `moe.shared_gate_addend`)."""
+
+    bufs: tuple[Buf, ...]  # the buffers it reads
+    # Its value at (row, element index, the alignment in elements that index has); the expression may use the
+    # kernel's scalar R (its row count: tokens) and what `prologue` leaves.
+    value: Callable[[Expr, Expr, int], Expr]
+    prologue: tuple = ()  # group statements before the row's pass (a dot product the value reads)
 
 
 @kernel_builder
@@ -254,7 +260,7 @@ def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, 
     # Every load before any store: a store may alias a later load, and would keep it from being merged or hoisted.
     first = [Let(f"x{e}", load("x", row, e)) for e in range(vw)]
     if addend is not None:
-        first += [Let(f"r{e}", addend[1](Var("g0"), at(e), vw if e == 0 else 1)) for e in range(vw)]
+        first += [Let(f"r{e}", addend.value(Var("g0"), at(e), vw if e == 0 else 1)) for e in range(vw)]
     elif fused_add:
         first += [Let(f"r{e}", load("r", row, e)) for e in range(vw)]
     first += [Let(f"s{e}", Var(f"x{e}") + Var(f"r{e}") if fused_add else Var(f"x{e}")) for e in range(vw)]
@@ -266,7 +272,8 @@ def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, 
     squares = Var("s0") * Var("s0")
     for e in range(1, vw):
         squares = squares + Var(f"s{e}") * Var(f"s{e}")
-    body = [Reduce("ss", "+", q.name, Const(d // vw), tuple(first), squares),
+    body = [*(addend.prologue if addend is not None else ()), Reduce("ss", "+", q.name, Const(d // vw), tuple(first),
+                                                                     squares),
             rms_scale("inv", Var("ss"), d, eps)]
     second = [Let(f"w{e}", load("w", Const(0), e)) for e in range(vw)]
     for e in range(vw):
@@ -285,7 +292,7 @@ def rms_norm_kernel(name: str, d: int, eps: float, fused_add: bool, lanes: int, 
         local = (staged_locals("sl", d)[0],)
     params = [Buf("x", "f32")]
     if fused_add:
-        params += [*(addend[0] if addend else (Buf("r", "f32"),)), Buf("sum", "f32", out=True)]
+        params += [*(addend.bufs if addend else (Buf("r", "f32"),)), Buf("sum", "f32", out=True)]
     params += [Buf("w", "f32"), Buf("y", "f32", out=True)]
     if quant:
         params += [Buf("xq", "u32", out=True), Buf("xd", "f32", out=True)]
@@ -420,7 +427,7 @@ for _op in _FNS:
 register(Recipe("sigmoid_mul_add", ("sigmoid_mul", "add"), _lower_elementwise_pair, _match_pair, _SPACES["add"]))
 # ... and with the gate's logit (a one-row F32 matmul) computed in it too.
 register(Recipe("gate_sigmoid_mul_add", ("matmul", "sigmoid_mul", "add"), _lower_gate_sigmoid_mul_add,
-                _match_gate_sigmoid_mul_add, _SPACES["add"]))
+                match_gate_sigmoid_mul_add, _SPACES["add"]))
 register(Recipe("last_rows", ("last_rows",), _lower_last_rows, None, _SPACES["last_rows"]))
 register(Recipe("rms_norm", ("rms_norm",), _lower_rms, None))
 register(Recipe("rope", ("rope",), _lower_rope, None))

@@ -775,7 +775,7 @@ def _match_matmul_stack(nodes: Sequence[Node]) -> bool:
                and n.inputs[1].type.shape[-1] == nodes[0].inputs[1].type.shape[-1] for n in nodes)
 
 
-def _match_glu(nodes: Sequence[Node]) -> bool:
+def match_glu(nodes: Sequence[Node]) -> bool:
     g, u, act = nodes
     return (g.inputs[0] is u.inputs[0] and act.inputs[0] is g.output and act.inputs[1] is u.output
             and g.inputs[1].weight is not None and u.inputs[1].weight is not None)
@@ -822,8 +822,8 @@ def _lower_embed(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
 
 
 EMBED_SPACE = KnobSpace("embed", (Knob("chunk", 8, (1, 4, 16, 64)),))
-register(Recipe("matmul_swiglu", ("matmul", "matmul", "swiglu"), _lower_glu, _match_glu, MATMUL_SPACE))
-register(Recipe("matmul_geglu", ("matmul", "matmul", "geglu"), _lower_glu, _match_glu, MATMUL_SPACE))
+register(Recipe("matmul_swiglu", ("matmul", "matmul", "swiglu"), _lower_glu, match_glu, MATMUL_SPACE))
+register(Recipe("matmul_geglu", ("matmul", "matmul", "geglu"), _lower_glu, match_glu, MATMUL_SPACE))
 register(Recipe("matmul", ("matmul",), _lower_matmul, _match_matmul, MATMUL_SPACE))
 # Three or four matmuls sharing their input (q, k, v; Gated DeltaNet's qkv, z, beta and alpha): the "matmul"
 # knobs apply.

@@ -53,6 +53,7 @@ from polystrata.codegen.recipes import (
     Recipe,
     RecipeContext,
     kernel_builder,
+    recipe_named,
     register,
     token_binding,
 )
@@ -75,8 +76,14 @@ from polystrata.codegen.recipes._matvec import (
     use_runs,
 )
 from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE
-from polystrata.codegen.recipes.elementwise import Addend, match_add_rms, norm_launch
-from polystrata.codegen.recipes.linear import quantize_x_kernel, silu
+from polystrata.codegen.recipes.elementwise import (
+    Addend,
+    match_add_rms,
+    match_gate_sigmoid_mul_add,
+    norm_launch,
+    sigmoid,
+)
+from polystrata.codegen.recipes.linear import match_glu, quantize_x_kernel, silu, value_format
 from polystrata.codegen.recipes.tile_matmul import gate_suffix, step_gate
 from polystrata.codegen.recipes.tile_mma import (
     TILE_MMA_KNOBS,
@@ -394,7 +401,7 @@ def combine_kernel(name: str, dm: int, k: int, lanes: int) -> Kernel:
 def combine_addend(k: int, dm: int) -> Addend:
     """What `combine_kernel` computes, as the second addend of an add + RMS norm (`elementwise.Addend`): the
     residual add after the experts sums their outputs itself, and the combine launch goes."""
-    return (Buf("route", "i32"), Buf("d", "f32")), _expert_sum(k, dm, Var("R"))
+    return Addend((Buf("route", "i32"), Buf("d", "f32")), _expert_sum(k, dm, Var("R")))
 
 
 def _lower_router(nodes: Sequence[Node], ctx: RecipeContext, lst: tuple[str, int] | None = None) -> list[Launch]:
@@ -445,6 +452,59 @@ def _match_router_moe_add_rms(nodes: Sequence[Node]) -> bool:
     router, moe, add, norm = nodes
     return (_match_router_moe([router, moe]) and any(v is moe.output for v in add.inputs)
             and match_add_rms([add, norm]) and len(moe.output.type.shape) == 2)
+
+
+def shared_gate_addend(k: int, dm: int, n: int) -> Addend:
+    """`combine_addend` plus a shared expert's output s gated by the sigmoid of its logit dot(h[t], wg) (qwen3.5
+    MoE): the group takes its token's logit first (a row of the model's width, cheaper than a launch)."""
+    expert_sum = _expert_sum(k, dm, Var("R"))
+
+    def value(t: Expr, i: Expr, align: int) -> Expr:
+        return expert_sum(t, i, align) + Load("s", t * dm + i, align) * sigmoid(Var("shg_logit"))
+
+    e = Var("shg_e")
+    logit = Reduce("shg_logit", "+", e.name, Const(n), (), Load("h", Var("g0") * n + e) * Load("wg", e))
+    return Addend((Buf("route", "i32"), Buf("d", "f32"), Buf("h", "f32"), Buf("wg", "f32"), Buf("s", "f32")), value,
+                  (logit,))
+
+
+def _lower_moe_shared_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """Router, moe_ffn, a shared expert (gate + up, down), its sigmoid gate (a one-row F32 matmul of the same input),
+    the sum with the routed experts', then the residual add and the next RMS norm (qwen3.5 MoE): the norm kernel
+    sums the routed experts' outputs and the gated shared expert's (`shared_gate_addend`), in place of the
+    combine launch and the gate's, two launches a layer fewer. The experts and the shared expert lower as their
+    own recipes do; a gate weight in another format lowers the chain piece by piece."""
+    router, moe, g, u, act, down, gate, sm, add1, add2, norm = nodes
+    if value_format(ctx, gate.inputs[1]).name != "F32":
+        return [*_lower_router_moe([router, moe], ctx), *recipe_named(f"matmul_{act.op}").lower([g, u, act], ctx),
+                *recipe_named("matmul").lower([down], ctx),
+                *recipe_named("gate_sigmoid_mul_add").lower([gate, sm, add1], ctx),
+                *recipe_named("add_rms_norm").lower([add2, norm], ctx)]
+    *launches, combine = _lower_router_moe([router, moe], ctx)
+    launches += [*recipe_named(f"matmul_{act.op}").lower([g, u, act], ctx), *recipe_named("matmul").lower([down], ctx)]
+    bound = dict(combine.buffers)
+    residual = add2.inputs[1] if add2.inputs[0] is add1.output else add2.inputs[0]
+    k, dm = int(moe.inputs[1].type.shape[1]), int(moe.output.type.shape[-1])
+    h, wg = gate.inputs
+    n = int(h.type.shape[-1])
+    return launches + norm_launch(
+        add2, norm.output, ctx, float(norm.attrs["eps"]), True,
+        [("x", ctx.buf(residual)), ("route", bound["route"]), ("d", bound["d"]), ("h", ctx.buf(h)),
+         ("wg", ctx.buf(wg)), ("s", ctx.buf(down.output)), ("sum", ctx.buf(add2.output)),
+         ("w", ctx.buf(norm.inputs[1])), ("y", ctx.buf(norm.output))],
+        (f"_moe{k}_shgate{n}", shared_gate_addend(k, dm, n)))
+
+
+def _match_moe_shared_add_rms(nodes: Sequence[Node]) -> bool:
+    # The intermediates (the experts' sums, the gate's logit, the gated shared expert) are taken to have no other
+    # reader, as in `_match_router_moe_add_rms`.
+    router, moe, g, u, act, down, gate, sm, add1, add2, norm = nodes
+    x = moe.inputs[0]
+    return (_match_router_moe([router, moe]) and len(moe.output.type.shape) == 2 and g.inputs[0] is x
+            and match_glu([g, u, act]) and down.inputs[0] is act.output and down.inputs[1].weight is not None
+            and gate.inputs[0] is x and match_gate_sigmoid_mul_add([gate, sm, add1]) and sm.inputs[0] is down.output
+            and {id(v) for v in add1.inputs} == {id(moe.output), id(sm.output)}
+            and any(v is add1.output for v in add2.inputs) and match_add_rms([add2, norm]))
 
 
 def _moe_cap(node: Node, ctx: RecipeContext) -> int:
@@ -591,3 +651,6 @@ register(Recipe("router_moe", ("router", "moe_ffn"), _lower_router_moe, _match_r
 register(Recipe("moe_ffn", ("moe_ffn",), _lower_moe, None, MOE_SPACE))
 register(Recipe("router_moe_add_rms_norm", ("router", "moe_ffn", "add", "rms_norm"), _lower_router_moe_add_rms,
                 _match_router_moe_add_rms))
+register(Recipe("router_moe_shared_add_rms_norm", ("router", "moe_ffn", "matmul", "matmul", "swiglu", "matmul",
+                                                   "matmul", "sigmoid_mul", "add", "add", "rms_norm"),
+                _lower_moe_shared_add_rms, _match_moe_shared_add_rms))
