@@ -116,7 +116,8 @@ _HYBRID_TINY = dict(rope_dims=8, extra=dict(
     ssm_conv_kernel=4, ssm_state_size=16, ssm_group_count=2, ssm_time_step_rank=4, ssm_inner_size=4 * 16,
     full_attention_interval=4, nextn_predict_layers=1,
 ))
-_HYBRID_MOE_TINY = dict(n_expert=8, n_expert_used=2, n_ff_expert=64, n_ff_shared=128, **_HYBRID_TINY)
+# The shared expert as wide as a routed one, as in Qwen3.6 and Qwen3-Next (512 each).
+_HYBRID_MOE_TINY = dict(n_expert=8, n_expert_used=2, n_ff_expert=64, n_ff_shared=64, **_HYBRID_TINY)
 # One table: (arch, preset name) -> shapes. Benchmark presets use a 49152-token vocabulary (SmolLM2's size)
 # whatever the original model's, so tokenizer and embedding sizes are comparable across architectures.
 _TABLE: dict[tuple[str, str], HParams] = {

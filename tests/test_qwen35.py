@@ -140,11 +140,15 @@ def test_kernel_target_matches_reference(tiny_hybrid, arch, target):
     e = Engine(path, target=target, n_ctx=128, all_logits=True)
     names = {la.kernel.name for plan in e.executor.plans.values() for la in plan.launches}
     assert any(n.startswith("delta_scan_") for n in names) and any(n.startswith("delta_rule_") for n in names)
-    # The decode plan's fusions: q, k and v cut in one launch, the gates with the convolution.
+    # The decode plan's fusions: q, k and v read by the delta rule where the convolution wrote them, q and k
+    # L2-normed there, the gates with the convolution; prompt plans cut q, k and v in one launch.
     step = sorted(la.kernel.name for la in e.executor.plans[id(e.graph_step)].launches)
-    assert any(n.startswith("slice_heads_") for n in step) and any("_ssm_conv_" in n for n in step), step
+    assert any(n.startswith("slice_heads_") for n in names) and any("_ssm_conv_" in n for n in step), step
+    assert all("_x" in n for n in step if n.startswith("delta_rule_")), step
     alone = [n for n in step if n.startswith(("l2_norm_", "gdn_gates_")) and "ssm_conv" not in n]
     assert alone == [], alone
+    # Gated attention: q and the gate read in place from their projection, the gate applied by the combine.
+    assert not any(n.startswith(("slice_", "ew_sigmoid_mul")) and not n.startswith("slice_heads") for n in step), step
     if arch == "qwen35moe":  # the next layer's norm sums the routed experts and the gated shared expert (the last
         # layer, no norm after it, keeps the combine and the gate's launch)
         fused, alone = (sum(n.startswith(p) for n in step) for p in ("rms_norm_add_moe", ("moe_combine", "ew_gate")))
@@ -157,6 +161,30 @@ def test_kernel_target_matches_reference(tiny_hybrid, arch, target):
         out = [prefill] + [e.forward(ids[i : i + 1], all_logits=True) for i in range(70, 80)]
         np.testing.assert_allclose(np.concatenate(out), ref, rtol=0, atol=5e-3)
         e.rewind(70)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["opencl", "cuda"])
+def test_shared_expert_inside_the_experts_launches(target, tmp_path):
+    """qwen3.5 MoE in Q8_0 (the GPU policies' int8 path): the shared expert's matmuls inside the routed experts'
+    launches (its rows after theirs) give what its own launches give (knob moe_ffn.shared=0), in a prompt and in
+    token-by-token decode."""
+    if target not in available_kernel_targets():
+        pytest.skip(f"no {target} device here")
+    path = synth_model("qwen35moe", tmp_path / "m.gguf", qtype="Q8_0", seed=4)
+    ids = np.random.default_rng(5).integers(0, 1000, 40)
+    logits, steps = [], []
+    for knobs in (None, {"moe_ffn": {"shared": 0}}):
+        e = Engine(path, target=target, n_ctx=128, all_logits=True, knobs=knobs)
+        steps.append([la.kernel.name for la in e.executor.plans[id(e.graph_step)].launches])
+        out = [e.forward(ids[:30], all_logits=True)] + [e.forward(ids[i : i + 1], all_logits=True)
+                                                       for i in range(30, 40)]
+        logits.append(np.concatenate(out))
+    fused, alone = steps
+    n = e.hparams.n_layer - 1  # the last layer, no norm after it, keeps the shared expert's own launches
+    assert sum(x.endswith("_sh_q8") for x in fused) == 2 * n and sum(x.startswith("glu_") for x in fused) == 1
+    assert sum(x.startswith("glu_") for x in alone) == n + 1 and len(alone) - len(fused) == 3 * n
+    np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize(("arch", "preset", "n_delta", "n_full"), [
@@ -176,14 +204,14 @@ def test_real_shape_presets_build(arch, preset, n_delta, n_full):
     assert not any(w.startswith(f"blk.{hp.n_layer}.") for w in g.weights)  # the MTP layer is not run
     if arch == "qwen35moe":
         # Decode on a GPU waits mostly on launches here (a step is ~3 GB of weights a token at most, in hundreds of
-        # small kernels): the fusions keep a step at 677 launches for cuda (1105 before them, 2026-12-05).
+        # small kernels): the fusions keep a step at 607 launches for cuda (1105 before them, 2026-12-05).
         from polystrata.compiler.passes import build_plan
         from polystrata.ir.formats import FORMATS, KV_FORMATS
         from polystrata.runtimes.cuda import CUDARuntime
 
         formats = {name: FORMATS[fmt] for name, (_, fmt) in tensors.items()}
         policy = CUDARuntime(arch="sm_90", compile_only=True).policy
-        assert len(build_plan(g, formats, KV_FORMATS["f16"], 512, 1, policy=policy).launches) <= 680
+        assert len(build_plan(g, formats, KV_FORMATS["f16"], 512, 1, policy=policy).launches) <= 610
 
 
 # --- against transformers' reference models --------------------------------------------------------------

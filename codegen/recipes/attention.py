@@ -54,7 +54,7 @@ from polystrata.codegen.policy import Policy
 from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, kernel_builder, register
 from polystrata.codegen.recipes._matvec import QB, code_word, round_half_away
 from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE, default_tiles, mma_fits, prefill_attention_kernel
-from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value
+from polystrata.codegen.recipes.elementwise import rms_inverse, rope_value, sigmoid
 from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
 from polystrata.ir.expr import Const, Expr, FieldLoad, Var
 from polystrata.ir.formats import QuantFormat
@@ -176,13 +176,16 @@ def kv_encode(fmt: QuantFormat, value, dst: Expr, cache: str, group: Expr | None
 
 @kernel_builder
 def kv_store_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: int, d: int, dv: int, lanes: int,
-                    rope: dict | None = None, qk_norm_eps: float | None = None) -> Kernel:
+                    rope: dict | None = None, qk_norm_eps: float | None = None,
+                    q_layout: tuple[int, int] | None = None) -> Kernel:
     """This step's K and V rows into the caches (layouts `kf`, `vf`: `kv_layouts`) at row `starts[t] +
     positions[t]` (`starts`: where the token's sequence begins in the cache, 0 but in batched decoding), one group
     per (token, head), a lane per scale group; grid (T, 2 * hkv), K heads first. With `rope` (the rope op's
     attributes) the group also ropes its K head on the way in, and hq more groups first rope the q heads into `qo`
     (the launches of both rope ops, fused). With `qk_norm_eps` each q and K head is RMS-normed (weights `qn`,
-    `kn`) before its rope, as qwen3 and gemma3 do."""
+    `kn`) before its rope, as qwen3 and gemma3 do. `q_layout` (stride, offset): q head h of token t starts at
+    element (t * hq + h) * stride + offset of buffer q (a slice of a wider projection read in place; default
+    (d, 0))."""
     t, hd = Var("g0"), Var("g1")
     b = Var("b")
 
@@ -197,9 +200,10 @@ def kv_store_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: i
         enc = kv_encode(fmt, lambda e: value(b * gs, e), dst, cache, b % per if per > 1 else None)
         return (LaneFor("b", Const(width // gs), tuple(enc)),)
 
-    def head(src: str, rows: int, h: Expr, wname: str) -> tuple[tuple, object]:
+    def head(src: str, rows: int, h: Expr, wname: str, layout: tuple[int, int] = (d, 0)) -> tuple[tuple, object]:
         """(statements, element j of head h of src as the rope takes it: RMS-normed with `qk_norm_eps`)."""
-        row = (t * rows + h) * d
+        row = (t * rows + h) * layout[0]
+        row = row + layout[1] if layout[1] else row
         if qk_norm_eps is None:
             return (), lambda j: Load(src, row + j)
         inv = f"{src}_inv"
@@ -231,7 +235,7 @@ def kv_store_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: int, hkv: i
     body = [If((hd >= nq) & (hd < nq + hkv), k_store), If(hd >= nq + hkv, v_store)]
     params = [Buf("k", "f32"), Buf("v", "f32"), Buf("positions", "i32"), Buf("starts", "i32")]
     if rope:
-        qpre, qval = head("q", hq, hd, "qn")
+        qpre, qval = head("q", hq, hd, "qn", q_layout or (d, 0))
         i = Var("i")
         body = [Let("pos", Cast("f32", Load("positions", t))),
                 If(hd < hq, (*qpre, LaneFor("i", Const(d), (Store("qo", (t * hq + hd) * d + i, roped(qval, i)),)))),
@@ -532,7 +536,7 @@ UNROLL = 4
 @kernel_builder
 def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: int, quant: bool = False,
                              min_run: int = 1, window: int = 0, active: Expr | None = None,
-                             every_run: bool = False) -> Kernel:
+                             every_run: bool = False, gate: tuple[int, int] | None = None) -> Kernel:
     """out[t, h] from the split-K partials of `attention_kernel` (its `splits`, `min_run` and `window`): with M the
     largest partial max, out = sum_s po_s * exp(pm_s - M) / sum_s pz_s * exp(pm_s - M) over the runs that hold
     visible keys (`_runs`, from the position read at run time). M and the denominator are reductions over the
@@ -540,7 +544,9 @@ def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: in
     `quant`: also write out as the output projection's int8 activations (`linear.quantize_staged`). `active`: as
     `attention_kernel`'s (in other steps no run holds keys and nothing is stored). `every_run`: all `splits`
     partials of a row are read (prefill tiles' key parts, `attention_tiles.prefill_attention_kernel`: an empty
-    part's max is NO_SCORE, which weighs it 0)."""
+    part's max is NO_SCORE, which weighs it 0). `gate` (stride, offset): out is multiplied by the sigmoid of buffer
+    g's element r * stride + offset + e for row r = t * hq + h (qwen3.5's gated attention, its gate read in place
+    from the q projection: `gate_heads_kernel`'s layout)."""
     r = Var("g0") * hq + Var("g1")
     s, e, runs = Var("s"), Var("e"), Var("runs")
     store = (Store("out", r * dv + e, Var("ov")),) + ((Store("ol", staged(e), Var("ov")),) if quant else ())
@@ -558,12 +564,13 @@ def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: in
             Decl("acc", "f32", Const(0.0)),
             For("s", Const(0), runs, (Assign("acc", Var("acc") + Load("po", (r * splits + s) * dv + e)
                                              * Load("cw", s)),), unroll=2 * UNROLL),
-            Let("ov", Var("acc") / Var("zs")),
+            Let("ov", Var("acc") / Var("zs") * sigmoid(Load("g", r * gate[0] + gate[1] + e)) if gate
+                else Var("acc") / Var("zs")),
             *store,
         )),
     )
     params = (Buf("po", "f32"), Buf("pm", "f32"), Buf("pz", "f32"), Buf("positions", "i32"),
-              Buf("out", "f32", out=True))
+              *((Buf("g", "f32"),) if gate else ()), Buf("out", "f32", out=True))
     local = (LocalArray("cw", "f32", splits),)
     if quant:
         body += tuple(quantize_staged("ol", dv, r * (dv // 4), r * (dv // QB)))
@@ -573,11 +580,39 @@ def attention_combine_kernel(name: str, hq: int, dv: int, splits: int, lanes: in
                   doc=f"attention split-K combine x{splits}")
 
 
+@kernel_builder
+def gate_heads_kernel(name: str, hq: int, dv: int, stride: int, offset: int, lanes: int) -> Kernel:
+    """y[t, h * dv + e] = x[t, h * dv + e] * sigmoid(g[(t * hq + h) * stride + offset + e]): an attention output
+    gated by the sigmoid of a gate read in place from a wider projection; grid (T, hq)."""
+    r, e = Var("g0") * hq + Var("g1"), Var("e")
+    body = (LaneFor("e", Const(dv), (Store("y", r * dv + e, Load("x", r * dv + e)
+                                            * sigmoid(Load("g", r * stride + offset + e))),)),)
+    return Kernel(name, (Buf("x", "f32"), Buf("g", "f32"), Buf("y", "f32", out=True), Scalar("T")),
+                  (Var("T"), Const(hq)), body, lanes=lanes)
+
+
 def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | None = None,
-                        qk_norm: tuple[Node, Node] | None = None) -> list[Launch]:
+                        qk_norm: tuple[Node, Node] | None = None, q_src: tuple[str, int, int] | None = None,
+                        gate: tuple[str, int, int, str] | None = None) -> list[Launch]:
     """The attention op's launches, its q read from buffer `q`: the K/V store (with `rope`, roping q into `q` and
     K on the way, after the per-head RMS norms `qk_norm` when given: see `kv_store_kernel`), the attention kernel
-    and, with split-K, the combine."""
+    and, with split-K, the combine. `q_src` (buffer, stride, offset): with `rope`, the store reads q there in place
+    (`kv_store_kernel`'s q_layout). `gate` (buffer, stride, offset, output buffer): the output times the sigmoid
+    of the gate read in place, written to the output buffer: by the split-K combine where there is one, else by a
+    launch of its own (`gate_heads_kernel`)."""
+    launches = _store_and_attention(node, ctx, q, rope, qk_norm, q_src, gate)
+    if gate is None or any(dict(la.buffers).get("g") == gate[0] for la in launches):
+        return launches
+    hq, dv = (int(x) for x in node.output.type.shape[1:])
+    gk = gate_heads_kernel(f"gate_heads_{hq}_{dv}_{gate[1]}_{gate[2]}", hq, dv, gate[1], gate[2], ctx.lanes)
+    return [*launches, Launch(gk, (("x", ctx.buf(node.output)), ("g", gate[0]), ("y", gate[3])), (("T", "T"),))]
+
+
+def _store_and_attention(node: Node, ctx: RecipeContext, q: str, rope: dict | None,
+                         qk_norm: tuple[Node, Node] | None, q_src: tuple[str, int, int] | None,
+                         gate: tuple[str, int, int, str] | None) -> list[Launch]:
+    """`_attention_launches` without the gate's own launch: the one-row path's combine, where it has one, applies
+    `gate`."""
     qv, k, v, pos = node.inputs
     a = node.attrs
     _, hq, d = qv.type.shape
@@ -593,10 +628,11 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
     if rope:
         eps = float(qk_norm[0].attrs["eps"]) if qk_norm else None
         rtag = f"_{rope['dims']}_{rope['mode']}_{stable_digest((rope['base'], rope['freq_scale'], eps), 8)}"
-        ks = kv_store_kernel(f"rope{'_norm' if qk_norm else ''}_kv_store_{heads}{rtag}", kf, vf, hq, hkv, d, dv,
-                             ctx.lanes, rope, eps)
+        qtag = f"_q{q_src[1]}o{q_src[2]}" if q_src else ""
+        ks = kv_store_kernel(f"rope{'_norm' if qk_norm else ''}_kv_store_{heads}{rtag}{qtag}", kf, vf, hq, hkv, d,
+                             dv, ctx.lanes, rope, eps, q_src[1:] if q_src else None)
         norms = (("qn", ctx.buf(qk_norm[0].inputs[1])), ("kn", ctx.buf(qk_norm[1].inputs[1]))) if qk_norm else ()
-        store = Launch(ks, (("q", ctx.buf(qv)), ("qo", q), *kv_io, *norms), (("T", "T"),))
+        store = Launch(ks, (("q", q_src[0] if q_src else ctx.buf(qv)), ("qo", q), *kv_io, *norms), (("T", "T"),))
     else:
         store = Launch(kv_store_kernel(f"kv_store_{heads}", kf, vf, hq, hkv, d, dv, ctx.lanes), kv_io, (("T", "T"),))
     tag = f"{heads}_{a['window']}_{stable_digest((a['scale'], a['softcap']), 8)}"
@@ -612,7 +648,8 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
         tiles = int(split_keys and ctx.t_max > 1 and chosen["splits"] == "auto")
     above = TILES_ABOVE if chosen["tiles_above"] == "auto" else int(chosen["tiles_above"])
     if not int(tiles) or ctx.t_max <= above:
-        return [store, *_row_launches(ctx, node, (kf, vf), tag, io, chosen, split_keys, window, softcap, provide=True)]
+        return [store, *_row_launches(ctx, node, (kf, vf), tag, io, chosen, split_keys, window, softcap, provide=True,
+                                      gate=gate)]
     # Knob mma ("auto": where the target has matrix units): the tile products (`attention_tiles`), in tiles of
     # MMA_TILE_CHOICES that fit; else (or where none does) the loops.
     policy = ctx.target()
@@ -652,10 +689,12 @@ def _attention_launches(node: Node, ctx: RecipeContext, q: str, rope: dict | Non
 
 def _row_launches(ctx: RecipeContext, node: Node, layouts: tuple[QuantFormat, QuantFormat], tag: str, io: tuple,
                   chosen: dict, split_keys: bool, window: int, softcap: float, provide: bool,
-                  active: tuple[Expr, str] | None = None) -> list[Launch]:
+                  active: tuple[Expr, str] | None = None,
+                  gate: tuple[str, int, int, str] | None = None) -> list[Launch]:
     """The one-row attention kernel (`attention_kernel`, over the K and V row `layouts`) and, with split-K, the
     combine, which writes the output projection's int8 activations too where `provide` and the target's matmuls
-    take them. `chosen`: the knobs; `active`: (the steps they work for, a name suffix saying which)."""
+    take them. `chosen`: the knobs; `active`: (the steps they work for, a name suffix saying which); `gate`: see
+    `_attention_launches` (the combine applies it, and then writes the gated output and its activations)."""
     cond, suffix = active if active else (None, "")
     qv, k, v, _ = node.inputs
     hq, d = (int(x) for x in qv.type.shape[1:])
@@ -697,14 +736,17 @@ def _row_launches(ctx: RecipeContext, node: Node, layouts: tuple[QuantFormat, Qu
     rows = ctx.t_max * hq * splits
     parts = (("po", ctx.scratch("attn_o", "f32", rows * dv)), ("pm", ctx.scratch("attn_m", "f32", rows)),
              ("pz", ctx.scratch("attn_z", "f32", rows)))
+    if gate:
+        out = gate[3]
     # The output projection's int8 activations, which the combine can write too (a block of 32 within a head).
     qbufs, provides = quantized_output(ctx, out, hq * dv, "T") if provide and dv % QB == 0 else ((), ())
+    gtag = f"_g{gate[1]}o{gate[2]}" if gate else ""
     comb = attention_combine_kernel(f"attn_combine{'_q8' if provides else ''}_{hq}_{dv}_{splits}_r{min_run}_{window}"
-                                    + (f"_{suffix}" if suffix else ""), hq, dv, splits, ctx.lanes, bool(provides),
-                                    min_run, window, cond)
+                                    + gtag + (f"_{suffix}" if suffix else ""), hq, dv, splits, ctx.lanes,
+                                    bool(provides), min_run, window, cond, gate=gate[1:3] if gate else None)
     return [Launch(at, (*io, *parts), (("T", "T"),)),
-            Launch(comb, (*parts, ("positions", dict(io)["positions"]), ("out", out), *qbufs), (("T", "T"),),
-                   provides=provides)]
+            Launch(comb, (*parts, ("positions", dict(io)["positions"]), *((("g", gate[0]),) if gate else ()),
+                          ("out", out), *qbufs), (("T", "T"),), provides=provides)]
 
 
 def _lower_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -718,6 +760,33 @@ def _lower_rope_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Lau
     q, k = (norms[0].inputs[0], norms[1].inputs[0]) if norms else (rq.inputs[0], rk.inputs[0])
     node = Node(attn.op, (q, k, *attn.inputs[2:]), attn.attrs, attn.output)
     return _attention_launches(node, ctx, ctx.buf(rq.output), rope=rq.attrs, qk_norm=tuple(norms) or None)
+
+
+def _lower_gated_attention(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """qwen3.5's gated attention: q and a gate cut from one projection (each head [q | gate]), the q and K norms
+    and ropes, the attention, then its output times the sigmoid of the gate. The K/V store reads q in place from
+    the projection and the combine reads the gate there (`_attention_launches`' q_src and gate): the two slices'
+    launches and the gate's go, and the combine writes the output projection's int8 activations of the gated
+    output (its quantize launch goes too)."""
+    sq, sg, _, rk, rv, nq, nk, rq, rkr, attn, _, sm = nodes
+    qg = sq.inputs[0]
+    width = int(qg.type.shape[-1])
+    node = Node(attn.op, (sq.output, nk.inputs[0], *attn.inputs[2:]), attn.attrs, attn.output)
+    return _attention_launches(node, ctx, ctx.buf(rq.output), rope=rq.attrs, qk_norm=(nq, nk),
+                               q_src=(ctx.buf(qg), width, int(sq.attrs["start"])),
+                               gate=(ctx.buf(qg), width, int(sg.attrs["start"]), ctx.buf(sm.output)))
+
+
+def _match_gated_attention(nodes: Sequence[Node]) -> bool:
+    # The intermediates (the slices, the attention's ungated output) are taken to have no other reader, as in the
+    # other fused chains.
+    sq, sg, rg, rk, rv, nq, nk, rq, rkr, attn, flat, sm = nodes
+    qg, d = sq.inputs[0], int(attn.inputs[0].type.shape[-1])
+    return (sg.inputs[0] is qg and len(qg.type.shape) == 3 and sq.attrs["stop"] - sq.attrs["start"] == d
+            and sg.attrs["stop"] - sg.attrs["start"] == int(attn.output.type.shape[-1])
+            and rg.inputs[0] is sg.output and nq.inputs[0] is sq.output and nk.inputs[0] is rk.output
+            and attn.inputs[2] is rv.output and _match_norm_rope_attention((nq, nk, rq, rkr, attn))
+            and flat.inputs[0] is attn.output and sm.inputs[0] is flat.output and sm.inputs[1] is rg.output)
 
 
 def _match_rope_attention(nodes: Sequence[Node]) -> bool:
@@ -752,3 +821,6 @@ register(Recipe("rope_attention", ("rope", "rope", "attention"), _lower_rope_att
                 ATTENTION_SPACE))
 register(Recipe("norm_rope_attention", ("rms_norm", "rms_norm", "rope", "rope", "attention"), _lower_rope_attention,
                 _match_norm_rope_attention, ATTENTION_SPACE))
+register(Recipe("gated_attention", ("slice", "slice", "reshape", "reshape", "reshape", "rms_norm", "rms_norm", "rope",
+                                    "rope", "attention", "reshape", "sigmoid_mul"), _lower_gated_attention,
+                _match_gated_attention, ATTENTION_SPACE))

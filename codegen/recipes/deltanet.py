@@ -303,31 +303,54 @@ def _delta_heads(node: Node) -> tuple[int, int, int, int, Expr, str]:
     return hk, dk, hv, dv, kh, tag
 
 
-def _recurrent_kernel(node: Node, ctx: RecipeContext) -> Kernel:
+def _recurrent_kernel(node: Node, ctx: RecipeContext, raw: tuple[int, int, int, int, float, float] | None = None
+                      ) -> Kernel:
     """The token-by-token form: a group per (value head, column j of its state), whose lanes share the column's Dk
     values, kept adjacent (the state is stored transposed); per token: S *= exp(g); delta = beta (v_j - k . S[:, j]);
     S[:, j] += k delta; out_j = scale q . S[:, j], from one read of the column. It works on steps of at most `above`
-    tokens (a scalar: one kernel whatever the threshold), the chunked form's kernels on the others."""
+    tokens (a scalar: one kernel whatever the threshold), the chunked form's kernels on the others.
+
+    `raw` (width, q start, k start, v start, q's and k's L2-norm eps): q, k and v are read where they lie in the
+    rows of one buffer x (the convolution's output) and q and k L2-normalized on the way: their sums of squares
+    come out of the same Reduce as the dot products, which then take the norms' scales (`_lower_heads_delta_rule`:
+    the slicing launch goes)."""
     hk, dk, hv, dv, kh, tag = _delta_heads(node)
     h, col, t, e = Var("g0"), Var("g1"), Var("t"), Var("e")
     qk = (t * hk + kh) * dk + e  # element e of the token's key (and query) head
     s = (h * dv + col) * dk + e  # S[h, e, col], kept transposed: a column's Dk values are adjacent
     g = (t * hv + h) * 2
     out = (t * hv + h) * dv + col
+    if raw:
+        width, qs0, ks0, vs0, q_eps, k_eps = raw
+        head = t * width + kh * dk + e
+        q_at, k_at, v_at = Load("x", head + qs0), Load("x", head + ks0), Load("x", t * width + vs0 + h * dv + col)
+    else:
+        q_at, k_at, v_at = Load("q", qk), Load("k", qk), Load("v", out)
     # Per token one read of the column gives k . S, q . S and q . k; with the decay d, delta = beta (v - d k.S) and
     # out = scale (d q.S + q.k delta); then S = d S + k delta. Two reads and one write of S per token.
+    more = (("qs", Var("qe") * Var("se")), ("qk", Var("qe") * Var("ke")))
+    ks, qs, qkd, k_scaled = Var("ks"), Var("qs"), Var("qk"), k_at
+    norms: tuple = ()
+    if raw:  # with q's and k's sums of squares: their L2 norms' scales iq, ik
+        more += (("qq", Var("qe") * Var("qe")), ("kk", Var("ke") * Var("ke")))
+        norms = (Let("iq", Const(1.0) / Call("sqrt", Var("qq") + q_eps)),
+                 Let("ik", Const(1.0) / Call("sqrt", Var("kk") + k_eps)))
+        ks, qs, qkd, k_scaled = ks * Var("ik"), qs * Var("iq"), qkd * Var("iq") * Var("ik"), k_at * Var("ik")
     token = (
-        Reduce("ks", "+", "e", Const(dk), (Let("se", Load("s", s)), Let("ke", Load("k", qk)), Let("qe", Load("q", qk))),
-               Var("ke") * Var("se"), more=(("qs", Var("qe") * Var("se")), ("qk", Var("qe") * Var("ke")))),
+        Reduce("ks", "+", "e", Const(dk), (Let("se", Load("s", s)), Let("ke", k_at), Let("qe", q_at)),
+               Var("ke") * Var("se"), more=more),
+        *norms,
         Let("decay", Call("exp", Load("g", g))),
-        Let("delta", (Load("v", out) - Var("decay") * Var("ks")) * Load("g", g + 1)),
-        Store("y", out, (Var("decay") * Var("qs") + Var("qk") * Var("delta")) * float(node.attrs["scale"])),
-        LaneFor("e", Const(dk), (Store("s", s, Load("s", s) * Var("decay") + Load("k", qk) * Var("delta")),)),
+        Let("delta", (v_at - Var("decay") * ks) * Load("g", g + 1)),
+        Store("y", out, (Var("decay") * qs + qkd * Var("delta")) * float(node.attrs["scale"])),
+        LaneFor("e", Const(dk), (Store("s", s, Load("s", s) * Var("decay") + k_scaled * Var("delta")),)),
     )
     body = (If(Var("T") <= Var("above"), (For("t", Const(0), Var("T"), token),)),)
-    params = (Buf("q", "f32"), Buf("k", "f32"), Buf("v", "f32"), Buf("g", "f32"), Buf("s", "f32", out=True),
-              Buf("y", "f32", out=True), Scalar("T"), Scalar("above"))
-    return Kernel(f"delta_rule_{tag}", params, (Const(hv), Const(dv)), body, lanes=ctx.lanes)
+    inputs = (Buf("x", "f32"),) if raw else (Buf("q", "f32"), Buf("k", "f32"), Buf("v", "f32"))
+    params = (*inputs, Buf("g", "f32"), Buf("s", "f32", out=True), Buf("y", "f32", out=True), Scalar("T"),
+              Scalar("above"))
+    rtag = f"_x{raw[0]}_{raw[1]}_{raw[2]}_{raw[3]}_l2{name_tag(raw[4])}_{name_tag(raw[5])}" if raw else ""
+    return Kernel(f"delta_rule_{tag}{rtag}", params, (Const(hv), Const(dv)), body, lanes=ctx.lanes)
 
 
 def _chunk_extent(s0: Expr, c: int) -> Let:
@@ -463,14 +486,20 @@ def _chunk_scan_kernel(node: Node, ctx: RecipeContext) -> Kernel:
     return Kernel(f"delta_scan_{tag}_{c}", params, (Const(hv), Const(dv)), body, lanes=ctx.lanes, local=local)
 
 
+def _chunked_above(node: Node, ctx: RecipeContext) -> int:
+    """Knob chunked_above of a delta_rule node: steps of more tokens take the chunked form."""
+    tag = _delta_heads(node)[5]
+    above = ctx.knobs_for(DELTA_SPACE, f"delta_rule_{tag}")["chunked_above"]
+    return int(ctx.target().default("delta_rule", "chunked_above") if above == "auto" else above)
+
+
 def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     """The recurrent form's kernel, and in plans with steps of more than `chunked_above` tokens the chunked form's
     two as well (the step's length chooses at run time which do the work)."""
     (node,) = nodes
     q, k, v, gates = node.inputs
     _, dk, hv, dv, _, tag = _delta_heads(node)
-    above = ctx.knobs_for(DELTA_SPACE, f"delta_rule_{tag}")["chunked_above"]
-    above = int(ctx.target().default("delta_rule", "chunked_above") if above == "auto" else above)
+    above = _chunked_above(node, ctx)
     tb = token_binding(v)
     t_max = ctx.max_rows(v)
     inputs = (("q", ctx.buf(q)), ("k", ctx.buf(k)))
@@ -492,7 +521,38 @@ def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]
     return launches
 
 
-# q, k and v of Gated DeltaNet in one launch, and any one sliced, L2-normalized part alone.
+def _lower_heads_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+    """q, k and v cut from the convolution's output (q and k L2-normalized) and the delta rule: in plans whose steps
+    all take the recurrent form (decode, batched decoding), its kernel reads them where they lie and normalizes
+    q and k itself (`_recurrent_kernel`'s raw), one launch a layer fewer; other plans as `slice_heads3` and
+    `delta_rule` lower them."""
+    *heads, delta = nodes
+    above = _chunked_above(delta, ctx)
+    (sq, _, nq), (sk, _, nk), (sv, _, _) = _head_segments(heads)
+    x = sq.inputs[0]
+    if ctx.max_rows(x) > above or above < 1:
+        return [*_lower_slice_heads(heads, ctx), *_lower_delta_rule([delta], ctx)]
+    raw = (int(x.type.shape[-1]), int(sq.attrs["start"]), int(sk.attrs["start"]), int(sv.attrs["start"]),
+           float(nq.attrs["eps"]), float(nk.attrs["eps"]))
+    state, out = ("s", state_buffer(delta)[0]), ("y", ctx.buf(delta.output))
+    return [Launch(_recurrent_kernel(delta, ctx, raw), (("x", ctx.buf(x)), ("g", ctx.buf(delta.inputs[3])), state,
+                                                        out), (("T", token_binding(x)), ("above", above)))]
+
+
+def _match_heads_delta_rule(nodes: Sequence[Node]) -> bool:
+    # The slices and normalized heads are taken to have no other reader, as in the other fused chains.
+    *heads, delta = nodes
+    if not _match_slice_heads(heads):
+        return False
+    (_, _, nq), (_, _, nk), (_, hv, norm_v) = _head_segments(heads)
+    return (nq is not None and nk is not None and norm_v is None and delta.inputs[0] is nq.output
+            and delta.inputs[1] is nk.output and delta.inputs[2] is hv.output)
+
+
+# q, k and v of Gated DeltaNet with the delta rule, in one launch, or the three in one launch, and any one sliced,
+# L2-normalized part alone.
+register(Recipe("heads_delta_rule", ("slice", "reshape", "l2_norm") * 2 + ("slice", "reshape", "delta_rule"),
+                _lower_heads_delta_rule, _match_heads_delta_rule, DELTA_SPACE))
 register(Recipe("slice_heads3", ("slice", "reshape", "l2_norm") * 2 + ("slice", "reshape"), _lower_slice_heads,
                 _match_slice_heads))
 register(Recipe("slice_heads", ("slice", "reshape", "l2_norm"), _lower_slice_heads, _match_slice_heads))

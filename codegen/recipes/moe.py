@@ -164,11 +164,13 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int, lists: int 
                   local=(LocalArray("p", "f32", e),))
 
 
-# version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64).
+# version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64). Knob shared: a shared expert of the experts'
+# shape and formats inside their int8 launches (`_lower_moe`); 0: its own launches. Not a candidate for `tune`: it
+# changes which launches a plan has, not a kernel's schedule.
 MOE_SPACE = KnobSpace("moe_ffn", (
     Knob("rows", 4, (1, 2, 8)), Knob("split", "auto", ("rows", "blocks")), Knob("xq", "auto", ("inline", "kernel")),
     Knob("sub", "auto", (1, 2, 4, 8)), Knob("runs", "auto", (0, 1)), Knob("spread", "auto", (0, 1)),
-    Knob("contract", "auto", (0, 1)), *TILE_MMA_KNOBS), version=2,
+    Knob("contract", "auto", (0, 1)), Knob("shared", 1), *TILE_MMA_KNOBS), version=2,
     constraint=lambda kn: not (kn["xq"] == "inline" and any(kn[k] != "auto" for k in ("sub", "runs", "spread"))))
 
 
@@ -338,35 +340,53 @@ def expert_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd
 def expert_q8_kernel(name: str, fmts: Sequence[QuantFormat], n_exp: int, n: int, kd: int, k: int, cap: int, *,
                      per_token: bool, sub: int | str, lanes: int, runs: bool | int | str = "auto", spread: int = 1,
                      epilogue: Callable[[list[Expr]], Expr] | None = None, slots: bool = False,
-                     gate: tuple[int, bool] | None = None) -> Kernel:
+                     gate: tuple[int, bool] | None = None, shared: bool = False) -> Kernel:
     """`expert_kernel` from int8 activations (`linear.quantize_x_kernel`'s buffers; GPU path): grid (experts
     with entries, ceil(n / spread)), `spread` weight rows per group with the lanes spread over them (one row where
     it has as many units as a subgroup has lanes), their dot products swept together (`_matvec.split_dots`).
-    `gate`: the steps it runs for (`tile_matmul.step_gate`)."""
+    `gate`: the steps it runs for (`tile_matmul.step_gate`). `shared`: one more column of groups takes a shared
+    expert of the same shape and formats (weights ws0, ...: one matrix each) for every token of the step, its
+    activation rows t (`per_token`) or T * k + t, its output rows T * k + t (after the routed entries' rows): the
+    shared expert's matmuls in the routed experts' launches (`_lower_moe`)."""
     subs = [sub_lanes(f, sub, runs) for f in fmts]
-    wnames = [f"w{j}" for j in range(len(fmts))]
     act = Act("xq", kd, "xq", "xd", packed=True)
     ex, xw, ent = Var("ex"), weight_index(slots), Var("ent")
     first = Var("g1") * spread if spread > 1 else Var("g1")
     row = slot_row(first, spread, n) if spread > 1 else first
-    red = split_dots([(f"s{j}", f, w, (xw * n + row) * elements_per_row_bytes(f, kd), f"w{j}_", subs[j])
-                      for j, (w, f) in enumerate(zip(wnames, fmts))], act, Var("ta"), runs, spread=spread)
     guards = group_rows(first, spread, n)[1]
-    stores = []
-    for r in range(spread):
-        vals = [Var(f"s{j}_{r}" if spread > 1 else f"s{j}") for j in range(len(fmts))]
-        stores.append(guarded(guards[r], Store("out", ent * n + first + r if r else ent * n + first,
-                                               epilogue(vals) if epilogue else vals[0])))
+
+    def dots(w: str, acc: str, matrix: Expr, ta: Expr, out_row: Expr) -> list:
+        """Weights `{w}{j}`'s rows of matrix `matrix` against activation row `ta` (dot products `{acc}{j}`), stored
+        to row `out_row`."""
+        red = split_dots([(f"{acc}{j}", f, f"{w}{j}", (matrix * n + row) * elements_per_row_bytes(f, kd),
+                           f"{w}{j}_", subs[j]) for j, f in enumerate(fmts)], act, ta, runs, spread=spread)
+        stores = []
+        for r in range(spread):
+            vals = [Var(f"{acc}{j}_{r}" if spread > 1 else f"{acc}{j}") for j in range(len(fmts))]
+            stores.append(guarded(guards[r], Store("out", out_row * n + first + r if r else out_row * n + first,
+                                                   epilogue(vals) if epilogue else vals[0])))
+        return [*red, *stores]
+
     body = [For("j", Const(0), Load("lst", ex), (
         Let("ent", Load("lst", Const(n_exp) + ex * cap + Var("j"))),
         Let("ta", ent // k if per_token else ent),
-        *red,
-        *stores,
+        *dots("w", "s", xw, Var("ta"), ent),
     ))]
-    params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("lst", "i32"), *_slot_params(slots),
-              *(Buf(w, weight_dtype(f)) for w, f in zip(wnames, fmts)), Buf("out", "f32", out=True), Scalar("T"))
-    return Kernel(name, params, _active_grid(n_exp, k, Const(-(-n // spread)), gate),
-                  tuple(_active_expert(n_exp, cap, body, slots)), lanes=lanes,
+    active_grid = _active_grid(n_exp, k, Const(-(-n // spread)), gate)
+    body = _active_expert(n_exp, cap, body, slots)
+    if shared:  # the column after the routed experts' (whose groups past their number do nothing)
+        tk, t = Var("T") * k, Var("t")
+        body.append(If(Var("g0").eq(Call("min", Const(n_exp), tk)), (For("t", Const(0), Var("T"), (
+            Let("tas", t if per_token else tk + t),
+            *dots("ws", "sh", Const(0), Var("tas"), tk + t),
+        )),)))
+        active_grid = (step_gate(Call("min", Const(n_exp), tk) + 1, gate), active_grid[1])
+    wparams = [Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)]
+    if shared:
+        wparams += [Buf(f"ws{j}", weight_dtype(f)) for j, f in enumerate(fmts)]
+    params = (Buf("xq", "u32"), Buf("xd", "f32"), Buf("lst", "i32"), *_slot_params(slots), *wparams,
+              Buf("out", "f32", out=True), Scalar("T"))
+    return Kernel(name, params, active_grid, tuple(body), lanes=lanes,
                   knobs=(("sub", ",".join(map(str, subs))),
                          ("runs", ",".join(str(int(use_runs(f, runs))) for f in fmts)), ("xq", "kernel"),
                          ("spread", spread)),
@@ -416,13 +436,15 @@ def _lower_router(nodes: Sequence[Node], ctx: RecipeContext, lst: tuple[str, int
     return [Launch(kern, bufs, (("T", "T"),))]
 
 
-def _lower_router_moe(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
+def _lower_router_moe(nodes: Sequence[Node], ctx: RecipeContext,
+                      shared: tuple[str, str, str] | None = None) -> list[Launch]:
     """Router then moe_ffn. In a plan of one-token steps the router writes the expert lists and the list launch
-    goes (at decode it was a launch of its own a layer, for a list the router already knows)."""
+    goes (at decode it was a launch of its own a layer, for a list the router already knows). `shared`: see
+    `_lower_moe`."""
     router, moe = nodes
     if ctx.t_max != 1:
-        return _lower_router([router], ctx) + _lower_moe([moe], ctx)
-    launches = _lower_moe([moe], ctx, lists_given=True)
+        return _lower_router([router], ctx) + _lower_moe([moe], ctx, shared=shared)
+    launches = _lower_moe([moe], ctx, lists_given=True, shared=shared)
     cap = _moe_cap(moe, ctx)
     return _lower_router([router], ctx, (_moe_lists(moe, ctx, cap), cap)) + launches
 
@@ -454,18 +476,21 @@ def _match_router_moe_add_rms(nodes: Sequence[Node]) -> bool:
             and match_add_rms([add, norm]) and len(moe.output.type.shape) == 2)
 
 
-def shared_gate_addend(k: int, dm: int, n: int) -> Addend:
+def shared_gate_addend(k: int, dm: int, n: int, in_d: bool = False) -> Addend:
     """`combine_addend` plus a shared expert's output s gated by the sigmoid of its logit dot(h[t], wg) (qwen3.5
-    MoE): the group takes its token's logit first (a row of the model's width, cheaper than a launch)."""
+    MoE): the group takes its token's logit first (a row of the model's width, cheaper than a launch). `in_d`: s is
+    row R * k + t of the experts' outputs d (`expert_q8_kernel`'s shared), not a buffer of its own."""
     expert_sum = _expert_sum(k, dm, Var("R"))
 
     def value(t: Expr, i: Expr, align: int) -> Expr:
-        return expert_sum(t, i, align) + Load("s", t * dm + i, align) * sigmoid(Var("shg_logit"))
+        s = Load("d", (Var("R") * k + t) * dm + i, align) if in_d else Load("s", t * dm + i, align)
+        return expert_sum(t, i, align) + s * sigmoid(Var("shg_logit"))
 
     e = Var("shg_e")
     logit = Reduce("shg_logit", "+", e.name, Const(n), (), Load("h", Var("g0") * n + e) * Load("wg", e))
-    return Addend((Buf("route", "i32"), Buf("d", "f32"), Buf("h", "f32"), Buf("wg", "f32"), Buf("s", "f32")), value,
-                  (logit,))
+    bufs = (Buf("route", "i32"), Buf("d", "f32"), Buf("h", "f32"), Buf("wg", "f32"))
+    bufs += () if in_d else (Buf("s", "f32"),)
+    return Addend(bufs, value, (logit,))
 
 
 def _lower_moe_shared_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -480,8 +505,16 @@ def _lower_moe_shared_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list
                 *recipe_named("matmul").lower([down], ctx),
                 *recipe_named("gate_sigmoid_mul_add").lower([gate, sm, add1], ctx),
                 *recipe_named("add_rms_norm").lower([add2, norm], ctx)]
-    *launches, combine = _lower_router_moe([router, moe], ctx)
-    launches += [*recipe_named(f"matmul_{act.op}").lower([g, u, act], ctx), *recipe_named("matmul").lower([down], ctx)]
+    ws = (g.inputs[1], u.inputs[1], down.inputs[1])
+    routed = moe.inputs[2:]
+    # The shared expert inside the experts' launches where it has their shape and formats (`_lower_moe`).
+    alike = act.op == "swiglu" and all(w.type.shape == r.type.shape[1:] and value_format(ctx, w) == value_format(ctx, r)
+                                       for w, r in zip(ws, routed))
+    *launches, combine = _lower_router_moe([router, moe], ctx, tuple(ctx.buf(w) for w in ws) if alike else None)
+    in_d = any("ws0" in dict(la.buffers) for la in launches)
+    if not in_d:
+        launches += [*recipe_named(f"matmul_{act.op}").lower([g, u, act], ctx),
+                     *recipe_named("matmul").lower([down], ctx)]
     bound = dict(combine.buffers)
     residual = add2.inputs[1] if add2.inputs[0] is add1.output else add2.inputs[0]
     k, dm = int(moe.inputs[1].type.shape[1]), int(moe.output.type.shape[-1])
@@ -490,9 +523,9 @@ def _lower_moe_shared_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list
     return launches + norm_launch(
         add2, norm.output, ctx, float(norm.attrs["eps"]), True,
         [("x", ctx.buf(residual)), ("route", bound["route"]), ("d", bound["d"]), ("h", ctx.buf(h)),
-         ("wg", ctx.buf(wg)), ("s", ctx.buf(down.output)), ("sum", ctx.buf(add2.output)),
+         ("wg", ctx.buf(wg)), *(() if in_d else (("s", ctx.buf(down.output)),)), ("sum", ctx.buf(add2.output)),
          ("w", ctx.buf(norm.inputs[1])), ("y", ctx.buf(norm.output))],
-        (f"_moe{k}_shgate{n}", shared_gate_addend(k, dm, n)))
+        (f"_moe{k}_sh{'d' if in_d else ''}gate{n}", shared_gate_addend(k, dm, n, in_d)))
 
 
 def _match_moe_shared_add_rms(nodes: Sequence[Node]) -> bool:
@@ -518,8 +551,13 @@ def _moe_lists(node: Node, ctx: RecipeContext, cap: int) -> str:
     return ctx.scratch("moe_list", "i32", list_words(n_exp, cap))
 
 
-def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = False) -> list[Launch]:
-    """moe_ffn's launches (the list launch first, unless `lists_given`: the router writes them)."""
+def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = False,
+               shared: tuple[str, str, str] | None = None) -> list[Launch]:
+    """moe_ffn's launches (the list launch first, unless `lists_given`: the router writes them). `shared`: the
+    weight buffers (gate, up, down) of a shared expert of the experts' shape and formats, on the same input: where
+    the int8 expert matvecs take every step and the experts are resident, the expert launches compute it too
+    (`expert_q8_kernel`'s shared), its output after the routed entries' in the down launch's output (rows T * k
+    + t); elsewhere `shared` is left alone (the caller sees no binding of ws0)."""
     (node,) = nodes
     x, route, g, u, d = node.inputs
     n_exp, ff, dm = (int(s) for s in g.type.shape)
@@ -534,8 +572,9 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     split = policy.default("moe_ffn", "split") if kn["split"] == "auto" else kn["split"]
     contract = bool(int(policy.default("moe_ffn", "contract") if kn["contract"] == "auto" else kn["contract"]))
     lst = _moe_lists(node, ctx, cap)
-    hb = ctx.scratch("moe_h", "f32", cap * ff)
-    db = ctx.scratch("moe_d", "f32", cap * dm)
+    rows_out = cap + t_max if shared else cap  # the shared expert's rows after the routed entries'
+    hb = ctx.scratch("moe_h", "f32", rows_out * ff)
+    db = ctx.scratch("moe_d", "f32", rows_out * dm)
     tag = f"{n_exp}_{dm}_{ff}_{k}_{cap}"
     stream = ctx.stream_experts
     slot: tuple = ()
@@ -599,36 +638,41 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
         short = (TILES_ABOVE, False)
     if q8_path:
         # GPU path: x and then h quantized to int8 once (as `linear` does), each expert row swept by all lanes.
+        fuse = shared is not None and short is None and not stream and bool(int(kn["shared"]))
+        sh = "_sh" if fuse else ""
         sub = kn["sub"]
         runs = runs_for_target(kn["runs"], ctx.wide_loads)
         # h in buffers of its own: x's int8 codes (which the norm before may have written) stay valid for a
         # shared expert's matmuls after the experts, whose quantize launch is then dropped as a repeat.
         qbufs = (("xq", ctx.scratch("xq", "u32", t_max * dm // 4)), ("xd", ctx.scratch("xd", "f32", t_max * dm // QB)))
-        hq = (("xq", ctx.scratch("xq_h", "u32", cap * ff // 4)), ("xd", ctx.scratch("xd_h", "f32", cap * ff // QB)))
+        hq = (("xq", ctx.scratch("xq_h", "u32", rows_out * ff // 4)),
+              ("xd", ctx.scratch("xd_h", "f32", rows_out * ff // QB)))
         spread = kn["spread"]
 
         def spread_of(fmts, kd):
             return spread_rows(fmts, kd, ctx.subgroup, sub, runs) if spread == "auto" else int(spread)
 
-        kgu = expert_q8_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}{gate_suffix(short)}_q8".lower(), [fg, fu],
-                               n_exp, ff, dm, k, cap, gate=short, per_token=True, sub=sub, runs=runs,
+        kgu = expert_q8_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}{gate_suffix(short)}{sh}_q8".lower(),
+                               [fg, fu], n_exp, ff, dm, k, cap, gate=short, per_token=True, sub=sub, runs=runs,
                                spread=spread_of([fg, fu], dm),
                                lanes=split_lanes([fg, fu], dm, ctx.subgroup, sub, runs),
-                               epilogue=gateup, slots=stream)
-        kd = expert_q8_kernel(f"moe_down_{fd.name}_{tag}{gate_suffix(short)}_q8".lower(), [fd], n_exp, dm, ff, k, cap,
-                              gate=short, per_token=False,
+                               epilogue=gateup, slots=stream, shared=fuse)
+        kd = expert_q8_kernel(f"moe_down_{fd.name}_{tag}{gate_suffix(short)}{sh}_q8".lower(), [fd], n_exp, dm, ff, k,
+                              cap, gate=short, per_token=False,
                               sub=sub, runs=runs, spread=spread_of([fd], ff),
-                              lanes=split_lanes([fd], ff, ctx.subgroup, sub, runs), slots=stream)
+                              lanes=split_lanes([fd], ff, ctx.subgroup, sub, runs), slots=stream, shared=fuse)
+        wsgu = (("ws0", shared[0]), ("ws1", shared[1])) if fuse else ()
+        wsd = (("ws0", shared[2]),) if fuse else ()
         return [
             *group,
             *tiled,
             Launch(quantize_x_kernel(f"quantize_x_{dm}{gate_suffix(short)}", dm, gate=short),
                    (("x", ctx.buf(x)), *qbufs), (("T", tb),)),
-            Launch(kgu, (*qbufs, ("lst", lst), *slot, ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), ("out", hb)),
+            Launch(kgu, (*qbufs, ("lst", lst), *slot, ("w0", ctx.buf(g)), ("w1", ctx.buf(u)), *wsgu, ("out", hb)),
                    (("T", tb),)),
-            Launch(quantize_x_kernel(f"quantize_x_{ff}_{k}{gate_suffix(short)}", ff, rows_per_t=k, gate=short),
-                   (("x", hb), *hq), (("T", tb),)),
-            Launch(kd, (*hq, ("lst", lst), *slot, ("w0", ctx.buf(d)), ("out", db)), (("T", tb),)),
+            Launch(quantize_x_kernel(f"quantize_x_{ff}_{k + fuse}{gate_suffix(short)}", ff, rows_per_t=k + fuse,
+                                     gate=short), (("x", hb), *hq), (("T", tb),)),
+            Launch(kd, (*hq, ("lst", lst), *slot, ("w0", ctx.buf(d)), *wsd, ("out", db)), (("T", tb),)),
             combine,
         ]
     kgu = expert_kernel(f"moe_gateup_{fg.name}_{fu.name}_{tag}".lower(), [fg, fu], n_exp, ff, dm, k, cap, act="x",
