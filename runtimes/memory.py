@@ -620,6 +620,7 @@ class ExpertStreamer:
         else:
             self.staging = _Staging(rt, max((src.nbytes for la in self.layers for src in la.host), default=1))
         self.tokens = 0  # tokens stepped, for per-token statistics
+        self._waits: list[tuple[Any, Any]] = []  # device marks around the compute queue's waits on uploads
 
     def _pinned(self, src: ExpertSource, n_expert: int) -> np.ndarray:
         out = self.rt.alloc_host(src.nbytes * n_expert).reshape(n_expert, src.nbytes)
@@ -674,22 +675,37 @@ class ExpertStreamer:
 
     def load(self, li: int, experts: list[int]) -> None:
         """Make `experts` of layer `li` resident for the launches that follow on the compute queue: upload the
-        misses, wait for them (the time counts as stall), update the slot table."""
+        misses, have the compute queue wait for them, update the slot table. The host goes on queueing meanwhile;
+        the time the device waits counts as stall (two marks around the wait, read by `settle` after the step).
+        Targets without a device clock wait on the host instead, timed there."""
         layer = self.layers[li]
         loads = layer.cache.request(experts)
         layer.stale |= bool(loads)
         if loads:
             events = self._upload(layer, loads)
-            t0 = time.perf_counter()
-            for ev in events:
-                self.rt.wait_host(ev)
-            self.stats.stall_s += time.perf_counter() - t0
+            before = self.rt.mark()
+            if before is None:
+                t0 = time.perf_counter()
+                for ev in events:
+                    self.rt.wait_host(ev)
+                self.stats.stall_s += time.perf_counter() - t0
+            else:
+                for ev in events:
+                    self.rt.wait_for(ev)
+                self._waits.append((before, self.rt.mark()))
         for ev in layer.pending:  # prefetches into this layer: the kernels must see them complete
             self.rt.wait_for(ev)
         layer.pending = []
         if layer.stale:  # a decode step whose experts all hit writes nothing
             self.rt.write(layer.table_handle, layer.cache.table())
             layer.stale = False
+
+    def settle(self) -> None:
+        """Count the device's waits on uploads since the last call as stall (once the step's work is done: the
+        marks are then read without waiting)."""
+        for before, after in self._waits:
+            self.stats.stall_s += self.rt.elapsed(before, after) or 0.0
+        self._waits = []
 
     def predicts_after(self, li: int) -> int:
         """With a predictive policy, the width of the hidden state layer li+1's router takes (0: no prediction)."""

@@ -219,6 +219,7 @@ class PlanExecutor(OneSequence):
         self.last_device_s = rt.elapsed(start, end) if timed else None
         if self.streamer is not None:
             self.streamer.tokens += t
+            self.streamer.settle()
             if self.guard is not None:
                 self._watch_memory()
         return out
