@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from polystrata.codegen.recipes import Knob, KnobSpace, Recipe, RecipeContext, register, token_binding
 from polystrata.codegen.recipes._matvec import QB
-from polystrata.codegen.recipes.elementwise import rms_scale
+from polystrata.codegen.recipes.elementwise import rms_scale, sigmoid
 from polystrata.codegen.recipes.linear import quantize_staged, quantized_output, staged, staged_locals
 from polystrata.ir.graph import Node, Value
 from polystrata.ir.kernel import (  # the expression nodes Const, Expr, Var too, which ir.kernel builds on
@@ -72,10 +72,6 @@ def _rows(v: Value) -> tuple[Expr, str]:
     """(grid extent, binding of T) of a kernel with a group per row of v's last dim."""
     mid = math.prod(int(d) for d in v.type.shape[1:-1])
     return Var("T") * mid, token_binding(v)
-
-
-def _sigmoid(x: Expr) -> Expr:
-    return Const(1.0) / (Const(1.0) + Call("exp", Const(0.0) - x))
 
 
 def _lower_slice(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
@@ -191,7 +187,7 @@ def _lower_rms_norm_gated(nodes: Sequence[Node], ctx: RecipeContext) -> list[Lau
 
     def value(row: Expr, j: Expr) -> Expr:
         z = Load("z", row + j)
-        return Load("x", row + j) * Var("inv") * Load("w", j) * (z * _sigmoid(z))
+        return Load("x", row + j) * Var("inv") * Load("w", j) * (z * sigmoid(z))
 
     per = math.prod(int(s) for s in node.output.type.shape[1:])
     qbufs, provides = ((), ())
@@ -213,7 +209,7 @@ def _gates_body(h: int, t: Expr) -> tuple:
         # softplus(a) = max(a, 0) + log(1 + exp(-|a|)), without overflow
         Let("sp", Call("max", a, Const(0.0)) + Call("log", Const(1.0) + Call("exp", Const(0.0) - Call("abs", a)))),
         Store("gates", i * 2, Load("decay", Var("l")) * Var("sp")),
-        Store("gates", i * 2 + 1, _sigmoid(Load("beta", i))),
+        Store("gates", i * 2 + 1, sigmoid(Load("beta", i))),
     )),)
 
 
@@ -244,7 +240,7 @@ def _conv_body(c: int, k: int, chunk: int) -> tuple:
                 If(i < k - 1, (Assign("acc", Var("acc") + Load("w", ch * k + j) * Load("s", i * c + ch)),),
                    (Assign("acc", Var("acc") + Load("w", ch * k + j) * Load("x", (i - (k - 1)) * c + ch)),)))
     per_token = (Decl("acc", "f32", Const(0.0)), For("j", Const(0), Const(k), row_term),
-                 Store("y", t * c + ch, Var("acc") * _sigmoid(Var("acc"))))
+                 Store("y", t * c + ch, Var("acc") * sigmoid(Var("acc"))))
     # The new state: rows T .. T+K-2 of (state ++ x), in ascending order, so each read precedes its overwrite.
     keep = (Let("i", Var("T") + j),
             If(i < k - 1, (Store("s", j * c + ch, Load("s", i * c + ch)),),
@@ -544,9 +540,9 @@ def _match_heads_delta_rule(nodes: Sequence[Node]) -> bool:
     *heads, delta = nodes
     if not _match_slice_heads(heads):
         return False
-    (_, _, nq), (_, _, nk), (_, hv, norm_v) = _head_segments(heads)
-    return (nq is not None and nk is not None and norm_v is None and delta.inputs[0] is nq.output
-            and delta.inputs[1] is nk.output and delta.inputs[2] is hv.output)
+    (_, _, nq), (_, _, nk), (_, v_heads, v_norm) = _head_segments(heads)
+    return (nq is not None and nk is not None and v_norm is None and delta.inputs[0] is nq.output
+            and delta.inputs[1] is nk.output and delta.inputs[2] is v_heads.output)
 
 
 # q, k and v of Gated DeltaNet with the delta rule, in one launch, or the three in one launch, and any one sliced,

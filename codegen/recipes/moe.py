@@ -497,8 +497,9 @@ def _lower_moe_shared_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list
     """Router, moe_ffn, a shared expert (gate + up, down), its sigmoid gate (a one-row F32 matmul of the same input),
     the sum with the routed experts', then the residual add and the next RMS norm (qwen3.5 MoE): the norm kernel
     sums the routed experts' outputs and the gated shared expert's (`shared_gate_addend`), in place of the
-    combine launch and the gate's, two launches a layer fewer. The experts and the shared expert lower as their
-    own recipes do; a gate weight in another format lowers the chain piece by piece."""
+    combine launch and the gate's, two launches a layer fewer. A shared expert of the routed experts' shape and
+    formats runs inside their launches where `_lower_moe` can take it (three launches fewer), else as its own
+    recipes lower it; a gate weight in another format lowers the chain piece by piece."""
     router, moe, g, u, act, down, gate, sm, add1, add2, norm = nodes
     if value_format(ctx, gate.inputs[1]).name != "F32":
         return [*_lower_router_moe([router, moe], ctx), *recipe_named(f"matmul_{act.op}").lower([g, u, act], ctx),
