@@ -218,7 +218,8 @@ def test_real_shape_presets_build(arch, preset, n_delta, n_full):
 
 # The bounds: KL over the reference's top 40 in F32, and in Q8_0 (whose rounding the reference lacks).
 # Top-1 in Q8_0: these random models have near-ties that the rounding flips at 2-3 % of the positions (0.976 to
-# 0.979 measured, KL 1.5e-4 to 2.6e-4), so the bound there is the parity metric's own (`parity.TOP1_MIN`).
+# 0.979 measured, KL 1.5e-4 to 2.6e-4; llama.cpp on the same Q8_0 files: 0.974 to 0.979, KL 2.5e-4 to 4.1e-4), so
+# the bound there is the parity metric's own (`parity.TOP1_MIN`).
 KL_MAX = {"F32": 1e-4, "Q8_0": 2e-3}
 TOP1_MIN = {"F32": 0.98, "Q8_0": 0.95}
 
