@@ -219,10 +219,11 @@ def test_gpu_policy_splits_k_from_six_rows():
         "quantize_x_256", "_gt5_le64_mma_k4", "_gt5_le64_sum4", "_le5_q8"], names
 
 
-def test_fused_glu_launches_match_the_reference(rt):
+@pytest.mark.parametrize("each", [1, 0])
+def test_fused_glu_launches_match_the_reference(rt, each):
     """The matmul_swiglu recipe's own launches for T = 1, 7 and 70 with knob mma_split: quantize, one tile kernel
-    of two weights and the activation as its epilogue (70), the split tile products and their sum, which applies
-    the activation (7), the int8 matvecs (1)."""
+    of two weights and the activation as its epilogue (70), the split tile products (a launch a weight, or with
+    knob mma_split_each 0 one of both) and their sum, which applies the activation (7), the int8 matvecs (1)."""
     if rt.lanes == 1:
         pytest.skip("GPU-shaped: a Numba compile of its own")
     g = Graph("t")
@@ -231,10 +232,11 @@ def test_fused_glu_launches_match_the_reference(rt):
     b = g.op("matmul", x, g.weight("wu", "Q4_0", (N, K)), name="b")
     g.op("swiglu", a, b, name="o")
     ctx = recipe_context(g, formats={"wg": FORMATS["Q8_0"], "wu": FORMATS["Q4_0"]}, lanes=128, matrix_units=True)
-    ctx.t_max, ctx.knobs = 70, {"matmul": {"mma_min": 32, "mma_split": 4, "mma_chunk": 64}}
+    ctx.t_max, ctx.knobs = 70, {"matmul": {"mma_min": 32, "mma_split": 4, "mma_chunk": 64, "mma_split_each": each}}
     launches = recipe("matmul_swiglu").lower(g.nodes, ctx)
     sb, so = plan_scratch(ctx)
-    assert [la.kernel.name.rsplit("_", 1)[1] for la in launches[1:]] == ["mma", "k4", "sum4", "q8"]
+    parts = ["w0", "w1"] if each else ["k4"]
+    assert [la.kernel.name.rsplit("_", 1)[1] for la in launches[1:]] == ["mma", *parts, "sum4", "q8"]
     (_, bg, dg), (_, bu, du) = weight("Q8_0", N, K, 5), weight("Q4_0", N, K, 6)
     for t in (1, 7, 70):
         xv = np.random.default_rng(t).standard_normal((t, K)).astype(np.float32)

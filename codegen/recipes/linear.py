@@ -113,7 +113,7 @@ from polystrata.ir.kernel import (
 # up by `split_sum_kernel`), in token tiles of mma_split_tokens, instead of the int8 matvecs, which sweep the
 # weights again for each token (faster at a few rows); 0: off (the matvecs). The GPUs' policy sets both.
 SPLIT_KNOBS = (Knob("mma_split", "auto", (0, 4, 8)), Knob("mma_split_tokens", 16),
-               Knob("mma_split_above", "auto", (1, 3, 5, 8)))
+               Knob("mma_split_above", "auto", (1, 3, 5, 8)), Knob("mma_split_each", 1))
 MATMUL_KNOBS = (Knob("rows", "auto", (1, 2, 4, 8)), Knob("tokens", 8, (1, 2, 4, 8, 16)),
                 Knob("int8", "auto", (0, 1)), Knob("split", "auto", ("rows", "blocks")), Knob("vert", "auto", (0, 1)),
                 Knob("xq", "auto", ("inline", "kernel")), Knob("sub", "auto", (1, 2, 4, 8)),
@@ -136,8 +136,8 @@ def _matmul_constraint(kn: dict) -> bool:
 # matmuls, half of a llama's weights, on the other path (docs/benchmarks.md, "the prefill regression").
 # Instances stay apart: their names (and so their tuning rows) differ.
 # version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64), mma_split added; version 3: mma_split_above
-# added, the GPUs' mma_split 4 (was 0).
-MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, version=3, constraint=_matmul_constraint)
+# added, the GPUs' mma_split 4 (was 0); version 4: mma_split_each added.
+MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, version=4, constraint=_matmul_constraint)
 # Knob tile ("auto": TILE_TOKENS; 0: off): tokens a tile of `tile_matmul_kernel`, which one-lane plans of more than
 # one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
 # (docs/benchmarks.md, "Serving").
@@ -481,13 +481,23 @@ def _split_launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx:
     then their sum (`split`: `_split_tiles`' parts and chunk; `acts`, `wbind`: the quantized activations' and the
     weights' bindings)."""
     (parts, chunk), mid = split, ((split_above(kn), True), (TILES_ABOVE, False))
-    sk = tile_mma_kernel(f"{name}{gate_suffix(mid)}_mma_k{parts}", fmts, n, k, rows=kn["mma_rows"],
-                         tokens=kn["mma_split_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
-                         words=bool(int(kn["mma_words"])), gate=mid, split=parts)
     yp = ctx.scratch("yp", "f32", parts * len(fmts) * min(x_rows, TILES_ABOVE) * n)
+
+    def part_launch(j0: int, fs: Sequence[QuantFormat], ws: tuple, tag: str) -> Launch:
+        sk = tile_mma_kernel(f"{name}{gate_suffix(mid)}_mma_k{parts}{tag}", fs, n, k, rows=kn["mma_rows"],
+                             tokens=kn["mma_split_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
+                             words=bool(int(kn["mma_words"])), gate=mid, split=parts, slot=j0)
+        return Launch(sk, (*acts, *ws, ("yp", yp)), (("T", t_bind),))
+
+    # Knob mma_split_each: several weights (the gate and up of a GLU) a launch each, as a lone matmul's, whose
+    # groups hold one weight's tiles, rather than one launch whose groups hold all of them (half the groups in
+    # flight for the same work: the 16-row GLU took 158 us where its up matmul alone took 49.5, H100).
+    if len(fmts) > 1 and int(kn["mma_split_each"]):
+        parts_l = [part_launch(j, [f], (("w0", w),), f"_w{j}") for j, (f, (_, w)) in enumerate(zip(fmts, wbind))]
+    else:
+        parts_l = [part_launch(0, fmts, wbind, "")]
     ss = split_sum_kernel(f"{name}{gate_suffix(mid)}_sum{parts}", n, parts, ctx.lanes, len(fmts), epilogue, gate=mid)
-    return [Launch(sk, (*acts, *wbind, ("yp", yp)), (("T", t_bind),)),
-            Launch(ss, (("yp", yp), ("y", y)), (("T", t_bind),))]
+    return [*parts_l, Launch(ss, (("yp", yp), ("y", y)), (("T", t_bind),))]
 
 
 @kernel_builder

@@ -195,7 +195,7 @@ def operand_arrays(fmts: Sequence[QuantFormat], rows: int, tokens: int, chunk: i
 def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, chunk: int,
                     lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
                     gather: Gather | None = None, words: bool = True, gate: Gate | tuple[Gate, ...] | None = None,
-                    split: int = 1) -> Kernel:
+                    split: int = 1, slot: int = 0) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of `fmts` (`tile_mma_fits`), from
     int8 activations `xq` / `xd` (`linear.quantize_x_kernel`'s), or for F16 weights (`f16_path`) from the f32
     activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens)). With `gather`: for each token j the
@@ -205,7 +205,8 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     `split` > 1 (steps of few tokens, not with `gather` or `epilogue`): K split into that many parts, each a group
     of its own (grid (.., ceil(T / tokens) * split)), whose unscaled sums go to yp[((j * split + part) * T + t) * n
     + r] for `split_sum_kernel` to add up; a step of one token tile then still has enough groups to fill the
-    device."""
+    device. `slot`: the weights' sums go where weight slot + j's would (several launches, a weight each, filling
+    one `split_sum_kernel`'s parts)."""
     assert split == 1 or (gather is None and epilogue is None), "split K adds its parts up in split_sum_kernel"
     half = f16_path(fmts)
     pack_n = 2 if half else 4  # elements a word
@@ -435,7 +436,8 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     if split > 1:  # part p takes K steps [p * per, (p + 1) * per) of the k // big
         per = -(-(k // big) // split)
         first, steps = part * per, Call("min", Const(k // big), part * per + per)
-        stores = tuple(Store("yp", ((j * split + part) * T + t) * n + row, vals[j]) for j in range(len(fmts)))
+        stores = tuple(Store("yp", (((slot + j) * split + part) * T + t) * n + row, vals[j])
+                       for j in range(len(fmts)))
     else:
         stores = (Store("y", (gather.out(t) if gather else t) * n + row, out),)
     body = (
