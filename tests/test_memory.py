@@ -245,6 +245,34 @@ def test_streaming_matches_resident(moe, resident, policy, slots):
         assert s.prefetches > 0  # layer 1's experts predicted at layer 0 of each decode step
 
 
+class _Mark:
+    """A device mark for a target without a clock (`Runtime.mark`): 1 ms after any earlier one."""
+
+    def seconds_since(self, start) -> float:
+        return 1e-3
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefetch"])
+def test_uploads_waited_for_on_the_device(moe, resident, monkeypatch, policy):
+    """Where the target has device marks (cuda), the compute queue waits for a layer's uploads (`wait_for`) while
+    the host goes on, and the wait's marks count as stall after the step (`ExpertStreamer.settle`): forced here
+    with marks that read 1 ms each (opencl's compute queue then waits on the copies' events), the logits are the
+    resident run's, bit for bit."""
+    _, want = resident
+    eng = _engine(moe, expert_slots=1, expert_policy=policy)
+    marks: list[_Mark] = []
+    monkeypatch.setattr(type(eng.runtime), "mark", lambda rt: marks.append(_Mark()) or marks[-1])
+    waited, host_waits = [], []
+    wait_for, wait_host = type(eng.runtime).wait_for, type(eng.runtime).wait_host
+    monkeypatch.setattr(type(eng.runtime), "wait_for", lambda rt, ev: waited.append(ev) or wait_for(rt, ev))
+    monkeypatch.setattr(type(eng.runtime), "wait_host", lambda rt, ev: host_waits.append(ev) or wait_host(rt, ev))
+    got = _outputs(eng)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    st = eng.executor.streamer
+    assert waited and not host_waits and not st._waits  # every step's marks were read
+    assert marks and st.stats.stall_s == pytest.approx(1e-3 * len(marks) / 2)  # a pair of marks a wait
+
+
 def test_streamed_segments_replay_as_graphs(moe, resident):
     """Where the runtime captures graphs, each segment of a streamed step (between the stops at the routers) is
     captured on its second run and replayed after: the same logits as the resident run, bit for bit, through
