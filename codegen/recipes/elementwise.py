@@ -155,6 +155,13 @@ def _match_pair(nodes: Sequence[Node]) -> bool:
     return any(v is first.output for v in second.inputs) and first.output.type.shape == second.output.type.shape
 
 
+def gate_logit(name: str, n: int, row: Expr) -> Reduce:
+    """`name` = dot(h[row], wg) over rows of n: a shared expert's gate logit (buffers h, wg), one group's Reduce,
+    cheaper than a launch of its own."""
+    e = Var(f"{name}_e")
+    return Reduce(name, "+", e.name, Const(n), (), Load("h", row * n + e) * Load("wg", e))
+
+
 def _lower_gate_sigmoid_mul_add(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     """A one-row F32 matmul (a shared expert's gate logit), the sigmoid of it times the shared expert's output, then
     the sum with the routed experts' (qwen2moe, qwen3.5 MoE): one launch. Each group takes its token's dot product
@@ -171,7 +178,7 @@ def _lower_gate_sigmoid_mul_add(nodes: Sequence[Node], ctx: RecipeContext) -> li
     t, c = Var("g0"), Var("g1") * chunk + Var("l")
     gated = Load("s", t * per + c) * sigmoid(Var("logit"))
     body = (
-        Reduce("logit", "+", "e", Const(n), (), Load("h", t * n + Var("e")) * Load("wg", Var("e"))),
+        gate_logit("logit", n, t),
         LaneFor("l", Const(1), (If(Var("g1").eq(0), (Store("gl", t, Var("logit")),)),)),
         LaneFor("l", Const(chunk), (If(c < per, (Let("v0", gated), Store("y0", t * per + c, Var("v0")),
                                                  Store("y", t * per + c, Load("f", t * per + c) + Var("v0")))),)),

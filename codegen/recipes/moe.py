@@ -78,6 +78,7 @@ from polystrata.codegen.recipes._matvec import (
 from polystrata.codegen.recipes.attention_tiles import TILES_ABOVE
 from polystrata.codegen.recipes.elementwise import (
     Addend,
+    gate_logit,
     match_add_rms,
     match_gate_sigmoid_mul_add,
     norm_launch,
@@ -486,11 +487,9 @@ def shared_gate_addend(k: int, dm: int, n: int, in_d: bool = False) -> Addend:
         s = Load("d", (Var("R") * k + t) * dm + i, align) if in_d else Load("s", t * dm + i, align)
         return expert_sum(t, i, align) + s * sigmoid(Var("shg_logit"))
 
-    e = Var("shg_e")
-    logit = Reduce("shg_logit", "+", e.name, Const(n), (), Load("h", Var("g0") * n + e) * Load("wg", e))
     bufs = (Buf("route", "i32"), Buf("d", "f32"), Buf("h", "f32"), Buf("wg", "f32"))
     bufs += () if in_d else (Buf("s", "f32"),)
-    return Addend(bufs, value, (logit,))
+    return Addend(bufs, value, (gate_logit("shg_logit", n, Var("g0")),))
 
 
 def _lower_moe_shared_add_rms(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
