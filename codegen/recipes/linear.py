@@ -491,7 +491,7 @@ def _split_launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx:
 
     # Knob mma_split_each: several weights (the gate and up of a GLU) a launch each, as a lone matmul's, whose
     # groups hold one weight's tiles, rather than one launch whose groups hold all of them (half the groups in
-    # flight for the same work: the 16-row GLU took 158 us where its up matmul alone took 49.5, H100).
+    # flight for the same work: docs/benchmarks.md, "Serving: the GLU's split-K products a launch a weight").
     if len(fmts) > 1 and int(kn["mma_split_each"]):
         parts_l = [part_launch(j, [f], (("w0", w),), f"_w{j}") for j, (f, (_, w)) in enumerate(zip(fmts, wbind))]
     else:
