@@ -108,13 +108,18 @@ def _row_norm(name: str, x: Value, d: int, scale: list, value, extra: tuple[Buf,
     return Kernel(name, (*params, Scalar("T")), (grid,), tuple(body), lanes=ctx.lanes, local=local)
 
 
+def _l2_scale(name: str, sum_squares: Expr, eps: float) -> Let:
+    """`name` = 1 / sqrt(sum_squares + eps): the L2 norm's scale of a row from the sum of its squares (the l2_norm
+    op's, wherever a kernel takes it: alone, cutting heads, in the delta rule)."""
+    return Let(name, Const(1.0) / Call("sqrt", sum_squares + eps))
+
+
 def _lower_l2_norm(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:
     (node,) = nodes
     (x,) = node.inputs
     d, eps = int(x.type.shape[-1]), float(node.attrs["eps"])
-    inv = Let("inv", Const(1.0) / Call("sqrt", Var("ss") + eps))
-    kern = _row_norm(f"l2_norm_{d}_{name_tag(eps)}", x, d, [inv], lambda row, j: Load("x", row + j) * Var("inv"), (),
-                     ctx)
+    kern = _row_norm(f"l2_norm_{d}_{name_tag(eps)}", x, d, [_l2_scale("inv", Var("ss"), eps)],
+                     lambda row, j: Load("x", row + j) * Var("inv"), (), ctx)
     return [Launch(kern, (("x", ctx.buf(x)), ("y", ctx.buf(node.output))), (("T", token_binding(x)),))]
 
 
@@ -151,7 +156,7 @@ def _lower_slice_heads(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch
             eps = float(norm.attrs["eps"])
             stmts = [Reduce(f"ss{j}", "+", c.name, Const(d), (Let(f"x{j}", Load("x", src + c)),),
                             Var(f"x{j}") * Var(f"x{j}")),
-                     Let(f"inv{j}", Const(1.0) / Call("sqrt", Var(f"ss{j}") + eps)),
+                     _l2_scale(f"inv{j}", Var(f"ss{j}"), eps),
                      LaneFor(c.name, Const(d), (Store(f"y{j}", dst + c, Load("x", src + c) * Var(f"inv{j}")), copy))]
             params.append(Buf(f"y{j}", "f32", out=True))
             bufs.append((f"y{j}", ctx.buf(norm.output)))
@@ -329,8 +334,7 @@ def _recurrent_kernel(node: Node, ctx: RecipeContext, raw: tuple[int, int, int, 
     norms: tuple = ()
     if raw:  # with q's and k's sums of squares: their L2 norms' scales iq, ik
         more += (("qq", Var("qe") * Var("qe")), ("kk", Var("ke") * Var("ke")))
-        norms = (Let("iq", Const(1.0) / Call("sqrt", Var("qq") + q_eps)),
-                 Let("ik", Const(1.0) / Call("sqrt", Var("kk") + k_eps)))
+        norms = (_l2_scale("iq", Var("qq"), q_eps), _l2_scale("ik", Var("kk"), k_eps))
         ks, qs, qkd, k_scaled = ks * Var("ik"), qs * Var("iq"), qkd * Var("iq") * Var("ik"), k_at * Var("ik")
     token = (
         Reduce("ks", "+", "e", Const(dk), (Let("se", Load("s", s)), Let("ke", k_at), Let("qe", q_at)),
