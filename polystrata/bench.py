@@ -371,7 +371,7 @@ def run_bench(
         streamer = getattr(engine.executor, "streamer", None)
         result["experts"] = streamer.summary() if streamer is not None else {
             "policy": "resident", "slots": engine.hparams.n_expert, "hit_rate": 1.0, "link_bytes_per_token": 0.0,
-            "stall_ms_per_token": 0.0}
+            "stall_ms_per_token": 0.0, "device_resolved": 0.0}
     return result
 
 

@@ -783,6 +783,12 @@ class Runtime(ABC):
         such memory (copies from it run at the link's full speed), else an ordinary array."""
         return np.empty(nbytes, np.uint8)
 
+    def device_view(self, host: np.ndarray, dtype: str) -> Any:
+        """A buffer handle through which kernels read `host` (an `alloc_host` array, as IR dtype `dtype`) in place
+        over the host link, or None where the target cannot (the default). `host` must not change afterwards:
+        a target may keep a copy."""
+        return None
+
     def copy_async(self, buf: Any, offset: int, host: np.ndarray) -> Any:
         """Start copying `host`'s bytes into `buf` at byte `offset` on a second queue, beside the compute queue's
         work; returns an event for `wait_for` / `wait_host`, or None when the copy is already complete. `host`

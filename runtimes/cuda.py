@@ -240,6 +240,14 @@ class CUDARuntime(Runtime):
         self._need_gpu()
         return np.empty(nbytes, np.uint8) if self.simulator else self.cuda.pinned_array(nbytes, np.uint8)
 
+    def device_view(self, host: np.ndarray, dtype: str) -> Any:
+        """Pinned host memory read in place by the kernels, at the device address the driver maps it to (none in
+        the simulator)."""
+        if self.simulator or self.compile_only:
+            return None
+        ptr = cuda_driver.host_device_pointer(host)
+        return None if ptr is None else cuda_driver.HostView(host, ptr, np.dtype(NUMPY_DTYPES[dtype]))
+
     def copy_async(self, buf: Any, offset: int, host: np.ndarray) -> Any:
         """`cuMemcpyHtoDAsync` on a second stream, then an event (the simulator: a synchronous copy, no event)."""
         self._need_gpu()

@@ -56,6 +56,26 @@ def memory_info() -> tuple[int, int]:
     return int(free), int(total)
 
 
+class HostView:
+    """Page-locked host memory as the device's kernels address it (`host_device_pointer`), with what a launch
+    reads of an array: its element count, dtype and the CUDA array interface. It keeps `host` alive."""
+
+    def __init__(self, host: Any, ptr: int, dtype: Any):
+        self.host = host
+        self.dtype = dtype
+        self.size = host.nbytes // dtype.itemsize
+        self.nbytes = host.nbytes
+        self.__cuda_array_interface__ = {"shape": (self.size,), "typestr": dtype.str, "data": (ptr, True),
+                                         "version": 3, "strides": None}
+
+
+def host_device_pointer(host: Any) -> int | None:
+    """The device address of page-locked host memory (`cuMemHostAlloc`'s: with unified addressing every such
+    allocation is mapped into the device's address space), or None where it is not mapped."""
+    err, ptr = driver.cuMemHostGetDevicePointer(host.ctypes.data, 0)
+    return None if err else int(ptr)
+
+
 def device_pointer(array: Any) -> int:
     """The device address of an array with the CUDA array interface (numba-cuda's device arrays)."""
     return int(array.__cuda_array_interface__["data"][0])

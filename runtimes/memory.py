@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from polystrata.codegen.recipes import ExpertState
 from polystrata.errors import PolystrataError
 from polystrata.ir.evaluate import dequantize
 from polystrata.ir.graph import Graph
@@ -252,6 +253,7 @@ def plan_memory(
     all_experts = sum(weights[w] for w in expert_names)
     other = sum(b for w, b in weights.items() if w not in expert_names)
     fixed = other + kv_bytes + scratch
+    state_bytes = sum(ExpertState(la.n_expert, la.k).size * 4 for la in layers)
     plan = MemoryPlan(budget, other + all_experts, expert_bytes, len(layers), n_expert, n_expert, kv_bytes, scratch,
                       n_ctx, kv_type)
     if not layers or not stream:
@@ -263,7 +265,7 @@ def plan_memory(
     elif budget is None or fixed + all_experts <= budget:
         slots = n_expert
     else:
-        slots = max(budget - fixed - len(layers) * n_expert * 4, 0) // (expert_bytes * len(layers))
+        slots = max(budget - fixed - state_bytes, 0) // (expert_bytes * len(layers))
         if slots < 1 and not check:
             slots = 1
         elif slots < 1:
@@ -275,7 +277,7 @@ def plan_memory(
     if slots < n_expert:
         plan.weight_bytes = other
         plan.slots = slots
-        plan.scratch_bytes += len(layers) * n_expert * 4  # the slot tables
+        plan.scratch_bytes += state_bytes  # the caches' states (slot tables)
     if check:
         _check_fits(plan, budget_flag)
     return plan
@@ -505,10 +507,36 @@ class ExpertCache:
         self.holds = [-1] * slots
         return kept
 
-    def table(self) -> np.ndarray:
-        """The slot table the expert kernels read: each expert's slot (0 for experts not resident, which no
-        kernel reads: only routed experts are listed, and they are resident)."""
-        return np.maximum(self.slot_of, 0).astype(np.int32)
+    def state(self, k: int) -> np.ndarray:
+        """The cache as the device keeps it (`ExpertState`'s layout, counters zero): the slot table the expert
+        kernels read first (-1: not resident, which no kernel reads), then what the resolve kernel needs to go on
+        exactly as `request` would."""
+        lay = ExpertState(self.n_expert, k)
+        out = np.zeros(lay.size, np.int32)
+        out[lay.table : lay.table + self.n_expert] = self.slot_of
+        out[lay.holds : lay.holds + self.n_expert] = -1
+        out[lay.holds : lay.holds + self.slots] = self.holds
+        out[lay.last : lay.last + self.n_expert] = self.policy.last
+        out[lay.count : lay.count + self.n_expert] = self.policy.count
+        out[lay.header + lay.H_SLOTS] = self.slots
+        out[lay.header + lay.H_CLOCK] = self.policy.clock
+        out[lay.header + lay.H_LFU] = int(self.policy.name == "lfu")
+        return out
+
+    def load_state(self, state: np.ndarray, k: int) -> int:
+        """Take over the cache the device kept (`state`), adding its counters to the statistics; returns the
+        uploads it counted."""
+        lay = ExpertState(self.n_expert, k)
+        self.slot_of[:] = state[lay.table : lay.table + self.n_expert]
+        self.holds = [int(e) for e in state[lay.holds : lay.holds + self.slots]]
+        self.policy.last[:] = state[lay.last : lay.last + self.n_expert]
+        self.policy.count[:] = state[lay.count : lay.count + self.n_expert]
+        self.policy.clock = int(state[lay.header + lay.H_CLOCK])
+        self.stats.requests += int(state[lay.header + lay.H_REQUESTS])
+        self.stats.hits += int(state[lay.header + lay.H_HITS])
+        uploads = int(state[lay.header + lay.H_UPLOADS])
+        self.stats.uploads += uploads
+        return uploads
 
 
 # --- moving experts ----------------------------------------------------------------------------------------------
@@ -573,6 +601,7 @@ class _Layer:
     table_handle: Any
     device: list[Any] = field(default_factory=list)  # per weight: the slot buffer
     pinned: list[np.ndarray] | None = None  # per weight: [n_expert, bytes of one expert] in pinned host memory
+    views: list[Any] | None = None  # per weight: `pinned` as the device's kernels read it (`Runtime.device_view`)
     router: np.ndarray | None = None  # [n_expert, n_embd] f32, for predictive policies
     pending: list[Any] = field(default_factory=list)  # prefetch events the next use must wait for
     stale: bool = True  # the device's slot table differs from the cache's
@@ -605,8 +634,8 @@ class ExpertStreamer:
         for st in streams:
             cache = ExpertCache(st.n_expert, slots, cls(st.n_expert), self.stats)
             router = routers.get(st.weights[0]) if routers and cls.predicts else None
-            layer = _Layer(st, [sources(w) for w in st.weights], cache, rt.alloc((st.n_expert,), "i32"),
-                           router=router)
+            layer = _Layer(st, [sources(w) for w in st.weights], cache,
+                           rt.alloc((ExpertState(st.n_expert, st.k).size,), "i32"), router=router)
             self._alloc_slots(layer, slots)
             self.layers.append(layer)
         total = sum(src.nbytes * la.stream.n_expert for la in self.layers for src in la.host)
@@ -617,9 +646,16 @@ class ExpertStreamer:
         if pin:
             for layer in self.layers:
                 layer.pinned = [self._pinned(src, layer.stream.n_expert) for src in layer.host]
+                if layer.stream.host and not cls.predicts:
+                    views = [rt.device_view(p.reshape(-1), src.dtype) for p, src in zip(layer.pinned, layer.host)]
+                    layer.views = views if all(v is not None for v in views) else None
         else:
             self.staging = _Staging(rt, max((src.nbytes for la in self.layers for src in la.host), default=1))
+        # Which side holds the caches' current state: the host (`ExpertCache`, host-resolved steps) or the device
+        # (the state buffers, after device-resolved steps); `to_host` / `to_device` hand it over.
+        self.on_device = False
         self.tokens = 0  # tokens stepped, for per-token statistics
+        self.device_tokens = 0  # of which resolved on the device
         self._waits: list[tuple[Any, Any]] = []  # device marks around the compute queue's waits on uploads
 
     def _pinned(self, src: ExpertSource, n_expert: int) -> np.ndarray:
@@ -645,12 +681,39 @@ class ExpertStreamer:
         layer.device = []
 
     def handles(self) -> dict[str, Any]:
-        """Plan buffer name -> device handle, for the expert weights (slot buffers) and the slot tables."""
+        """Plan buffer name -> device handle, for the expert weights (slot buffers), the caches' states (slot
+        tables) and, where the device reads them in place, the experts in host memory."""
         out = {}
         for layer in self.layers:
             out[layer.stream.slots] = layer.table_handle
             out.update(zip(layer.stream.weights, layer.device))
+            if layer.views is not None:
+                out.update(zip(layer.stream.host, layer.views))
         return out
+
+    def resolves_on_device(self, t: int) -> bool:
+        """Whether a step of `t` tokens of a plan with resolve kernels can make its experts resident on the device
+        (one-token steps, every layer's experts in host memory the device reads, slots for a token's experts)."""
+        return t == 1 and all(la.views is not None and la.cache.slots >= la.stream.k for la in self.layers)
+
+    def to_device(self) -> None:
+        """Before a device-resolved step: the caches' state into their state buffers, if the host has it."""
+        if not self.on_device:
+            for layer in self.layers:
+                self.rt.write(layer.table_handle, layer.cache.state(layer.stream.k))
+                layer.stale = False
+            self.on_device = True
+
+    def to_host(self) -> None:
+        """Before a host-resolved step, a resize or statistics: the caches' state back from the device, if it has
+        it (its counters added to the statistics)."""
+        if self.on_device:
+            for layer in self.layers:
+                st = layer.stream
+                state = self.rt.download(layer.table_handle, (ExpertState(st.n_expert, st.k).size,), "i32")
+                uploads = layer.cache.load_state(state, st.k)
+                self.stats.link_bytes += uploads * sum(src.nbytes for src in layer.host)
+            self.on_device = False
 
     def layer_of(self, stream: Any) -> int:
         return next(i for i, la in enumerate(self.layers) if la.stream.weights == stream.weights)
@@ -697,7 +760,7 @@ class ExpertStreamer:
             self.rt.wait_for(ev)
         layer.pending = []
         if layer.stale:  # a decode step whose experts all hit writes nothing
-            self.rt.write(layer.table_handle, layer.cache.table())
+            self.rt.write(layer.table_handle, layer.cache.state(layer.stream.k))
             layer.stale = False
 
     def settle(self) -> None:
@@ -733,6 +796,7 @@ class ExpertStreamer:
         returning the new handles to bind. Every old slot buffer is freed before the first new one is allocated,
         so the device never holds both caches (the launches bound to the old buffers run no more: the caller
         rebinds them before the next step)."""
+        self.to_host()
         self.rt.sync()
         for layer in self.layers:
             for ev in layer.pending:  # prefetches still copying into the buffers about to go
@@ -744,23 +808,30 @@ class ExpertStreamer:
             self._alloc_slots(layer, slots)
             for ev in self._upload(layer, layer.cache.prefetch(keep)):
                 self.rt.wait_host(ev)
-            self.rt.write(layer.table_handle, layer.cache.table())
+            self.rt.write(layer.table_handle, layer.cache.state(layer.stream.k))
         return self.handles()
 
     def reset_stats(self) -> None:
         """Start counting afresh (a benchmark's timed runs)."""
+        self.to_host()  # the device's counts so far belong to the old statistics
         self.stats = CacheStats()
         self.tokens = 0
+        self.device_tokens = 0
         for layer in self.layers:
             layer.cache.stats = self.stats
 
     def summary(self) -> dict[str, Any]:
-        """`bench --json`'s "experts" object."""
+        """`bench --json`'s "experts" object. Stall is measured for host-resolved tokens only (a device-resolved
+        step copies its misses inside its own kernels, which its time includes): null when every token was
+        resolved on the device, whose share `device_resolved` gives."""
+        self.to_host()
         n = max(self.tokens, 1)
         hr = self.stats.hit_rate
+        host = self.tokens - self.device_tokens
         return {"policy": self.policy, "slots": self.slots, "hit_rate": None if hr is None else round(hr, 4),
                 "link_bytes_per_token": round(self.stats.link_bytes / n, 1),
-                "stall_ms_per_token": round(1e3 * self.stats.stall_s / n, 4)}
+                "stall_ms_per_token": round(1e3 * self.stats.stall_s / host, 4) if host else None,
+                "device_resolved": round(self.device_tokens / n, 4)}
 
 
 # --- the VRAM guard ----------------------------------------------------------------------------------------------

@@ -186,6 +186,13 @@ class OpenCLRuntime(Runtime):
         self._host_maps.append((buf, host))  # mapped for the runtime's life: staging buffers are made once
         return host[:nbytes]
 
+    def device_view(self, host: np.ndarray, dtype: str) -> Any:
+        """On a device sharing the host's memory (PoCL's CPU device, integrated GPUs): a buffer over `host` itself
+        (USE_HOST_PTR). Elsewhere None: a discrete GPU's driver would copy it into device memory."""
+        if not self.dev.host_unified_memory:
+            return None
+        return cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.USE_HOST_PTR, hostbuf=host)
+
     def copy_async(self, buf: Any, offset: int, host: np.ndarray) -> Any:
         """A non-blocking copy on a second in-order queue (made at the first call); returns its event."""
         if self.copy_queue is None:

@@ -401,7 +401,7 @@ def test_lru_trace():
     assert uploads == [[(0, 0), (1, 1)], [(2, 0)], [(0, 1)], [], [(3, 1)]]
     assert (stats.requests, stats.hits) == (8, 3)
     assert stats.hit_rate == pytest.approx(3 / 8)
-    assert cache.holds == [2, 3] and list(cache.table()[:4]) == [0, 0, 0, 1]
+    assert cache.holds == [2, 3] and list(cache.state(1)[:4]) == [-1, -1, 0, 1]
 
 
 def test_lfu_trace():
@@ -410,6 +410,67 @@ def test_lfu_trace():
     assert uploads == [[(0, 0), (1, 1)], [], [], [(2, 1)], [(3, 1)]]
     assert (stats.requests, stats.hits) == (6, 2)
     assert cache.holds == [0, 3]
+
+
+@pytest.mark.parametrize("policy", [LRUPolicy, LFUPolicy])
+def test_resolve_kernel_keeps_the_hosts_cache(kernel_target, policy):
+    """The device's bookkeeping of one-token steps (`moe.resolve_kernel`) against `ExpertCache`'s on the same
+    random routes (skewed, so that hits, empty slots and evictions all occur): after every step the state buffer
+    equals the host cache's state with its counters, and the uploads it lists are the host's."""
+    from polystrata.codegen.recipes import ExpertState
+    from polystrata.codegen.recipes.moe import resolve_kernel
+    from polystrata.targets import make_runtime
+
+    n, k, slots = 16, 3, 5
+    rt = make_runtime(TARGET)
+    lay = ExpertState(n, k)
+    kern = rt.compile(resolve_kernel("moe_resolve_test", n, k, rt.lanes))
+    cache = ExpertCache(n, slots, policy(n), CacheStats())
+    state = rt.upload(cache.state(k))
+    route = rt.alloc((k,), "i32")
+    rng = np.random.default_rng(7)
+    weights = np.linspace(3, 1, n) / np.linspace(3, 1, n).sum()
+    counted = np.zeros(3, np.int64)
+    for _ in range(40):
+        experts = [int(e) for e in rng.choice(n, size=k, replace=False, p=weights)]
+        rt.write(route, np.asarray(experts, np.int32))
+        rt.launch(kern, rt.args_for(kern.kernel, {"route": route, "state": state}, {}), [1])
+        got = rt.download(state, (lay.size,), "i32")
+        before = (cache.stats.requests, cache.stats.hits)
+        (group,) = cache.passes(experts)
+        uploads = cache.request(group)  # the streamer counts them as it copies
+        want = cache.state(k)
+        counted += (*np.subtract((cache.stats.requests, cache.stats.hits), before), len(uploads))
+        h = lay.header
+        assert np.array_equal(got[: h], want[: h]), "table, slots, uses or clock differ"
+        assert got[h + lay.H_CLOCK] == want[h + lay.H_CLOCK] and got[h + lay.H_LOADS] == len(uploads)
+        assert list(got[h + lay.H_REQUESTS : h + lay.H_UPLOADS + 1]) == list(counted)
+        assert [tuple(got[lay.loads + 2 * i : lay.loads + 2 * i + 2]) for i in range(len(uploads))] == uploads
+    assert 0 < counted[1] < counted[0] and counted[2] > slots  # hits, misses and evictions happened
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_device_resolved_steps_match_host_resolved(moe, resident, monkeypatch, policy):
+    """Decode steps resolved on the device (the misses read from host memory in place, no stop at the routers)
+    give the resident run's logits bit for bit and the same cache statistics as the same run resolved on the host,
+    with a cache larger than a token's experts (so the policy's choice of victim matters); the prefill steps
+    between run on the host, the cache's state handed over each way."""
+    _, want = resident
+    runs = []
+    for device in (True, False):
+        eng = _engine(moe, expert_slots=5, expert_policy=policy)
+        st = eng.executor.streamer
+        if not device:
+            monkeypatch.setattr(st, "resolves_on_device", lambda t: False)
+        for _ in range(2):  # the second prefill takes the state back from the device
+            got = _outputs(eng)
+            assert all(np.array_equal(a, b) for a, b in zip(got, want))
+        share = st.summary()["device_resolved"]  # first: the statistics come back from the device
+        runs.append((st.stats.requests, st.stats.hits, st.stats.uploads, st.stats.link_bytes,
+                     [list(la.cache.holds) for la in st.layers], share))
+    (*dev, dev_share), (*host, host_share) = runs
+    assert dev == host and host_share == 0
+    assert dev_share == pytest.approx(len(DECODE) / (len(PROMPT) + len(DECODE)), abs=1e-4)
 
 
 def test_passes_split_a_step_bigger_than_the_cache():
@@ -549,8 +610,10 @@ def test_bench_json_reports_experts(moe, kernel_target):
 
     r = run_bench(moe, target=TARGET, n_prompt=8, n_gen=3, repetitions=1,
                   memory={"expert_slots": 1, "expert_policy": "lru"})
-    assert set(r["experts"]) == {"policy", "slots", "hit_rate", "link_bytes_per_token", "stall_ms_per_token"}
+    assert set(r["experts"]) == {"policy", "slots", "hit_rate", "link_bytes_per_token", "stall_ms_per_token",
+                                 "device_resolved"}
     assert r["experts"]["slots"] == 1 and r["experts"]["link_bytes_per_token"] > 0
+    assert r["experts"]["device_resolved"] == 0  # one slot holds less than a token's two experts
     assert isinstance(r["gpu_mem"], int) and r["gpu_mem"] > 0
 
 

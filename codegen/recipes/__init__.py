@@ -154,6 +154,56 @@ class ExpertStream:
     k: int
     cap: int  # list capacity per expert
     tokens: str  # the launches' token binding, a step symbol (`token_binding`)
+    # One-token plans resolve misses on the device (`moe.resolve_kernel`, `moe.fill_kernel`): the names of those
+    # kernels (the executor drops their launches where it resolves on the host instead), and per weight the
+    # plan buffer of the experts in host memory that the fill kernel reads in place.
+    resolve: tuple[str, ...] = ()
+    host: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ExpertState:
+    """The expert cache of one streamed MoE layer in one i32 buffer (the `ExpertStream.slots` buffer), laid out
+    so that the host (`runtimes/memory.ExpertCache`) and the device's resolve kernel keep the same cache:
+    the slot table first (expert -> slot, -1: not resident; what the expert kernels read), the expert in each
+    slot (-1: empty), each expert's last use (the policy's clock) and count of uses, a header (`H_*`) and the
+    (expert, slot) uploads of the last resolve, at most k of them (one-token steps)."""
+
+    n_expert: int
+    k: int
+
+    # Header words: slots in use, the policy's clock, requests / hits / uploads counted since the host last read
+    # them, the last resolve's number of uploads, and the policy (0: LRU, 1: LFU).
+    H_SLOTS, H_CLOCK, H_REQUESTS, H_HITS, H_UPLOADS, H_LOADS, H_LFU = range(7)
+    HEADER = 8
+
+    @property
+    def table(self) -> int:
+        return 0
+
+    @property
+    def holds(self) -> int:
+        return self.n_expert
+
+    @property
+    def last(self) -> int:
+        return 2 * self.n_expert
+
+    @property
+    def count(self) -> int:
+        return 3 * self.n_expert
+
+    @property
+    def header(self) -> int:
+        return 4 * self.n_expert
+
+    @property
+    def loads(self) -> int:
+        return 4 * self.n_expert + self.HEADER
+
+    @property
+    def size(self) -> int:
+        return self.loads + 2 * self.k
 
 
 @dataclass

@@ -22,7 +22,10 @@ Expert e's matrix starts at byte e * rows * row_bytes of the 3-D weight tensor; 
 (`RecipeContext.stream_experts`) the weight buffers hold a layer's expert slots and the expert kernels read expert
 e's matrix at slot[e] * rows * row_bytes (`slot`: the layer's slot table, `ExpertStream`), h gets quantization
 buffers of its own (the executor may run the expert launches once per group of experts that fits the cache), and
-the recipe records the layer in `RecipeContext.expert_streams`. With one lane (the CPU) dot
+the recipe records the layer in `RecipeContext.expert_streams`; in a plan of one-token steps two launches before
+the experts' let the device keep the cache itself (`resolve_kernel`: the bookkeeping, in the slot table's buffer
+laid out as `ExpertState`; `fill_kernel`: the misses copied from host memory, read in place), which the executor
+runs where the runtime can map host memory and drops elsewhere. With one lane (the CPU) dot
 products come from `_matvec.block_dot` on f32 activations, lanes taking rows and walking the expert's tokens,
 with per-element partial sums, non-negative index masks and arithmetic f16 decoding as `linear` does. With more
 lanes (GPUs) and int8-path formats (knob xq), x and then h are quantized to int8 once (`linear.quantize_x_kernel`,
@@ -47,6 +50,7 @@ from collections.abc import Callable, Sequence
 
 from polystrata.codegen.format_analysis import elements_per_row_bytes, weight_dtype
 from polystrata.codegen.recipes import (
+    ExpertState,
     ExpertStream,
     Knob,
     KnobSpace,
@@ -405,6 +409,122 @@ def _expert_sum(k: int, dm: int, tokens: Expr) -> Callable[[Expr, Expr, int], Ex
     return value
 
 
+# Groups per upload of `fill_kernel`: each copies a contiguous share of the expert, so enough reads are in flight
+# over the host link at once (a link's latency times its bandwidth is tens of KB).
+FILL_GROUPS = 32
+
+
+@kernel_builder
+def resolve_kernel(name: str, n_exp: int, k: int, lanes: int) -> Kernel:
+    """The expert cache's bookkeeping for a one-token step, on the device (`ExpertState`'s layout in `state`):
+    the token's k routed experts (route words [0, k)) are requested as `runtimes/memory.ExpertCache.request`
+    does, in the same order (resident ones first, then by id), so host and device keep the same cache: a hit is
+    touched; a miss takes the first empty slot, else the slot of the policy's victim among the residents not
+    routed now (the header's H_LFU 0, LRU: the least recently used; 1, LFU: the fewest uses, then LRU), and is
+    listed for `fill_kernel`.
+    The state is staged in local memory by all lanes; one lane does the walk (a few hundred steps at most)."""
+    lay = ExpertState(n_exp, k)
+    e, s, r = Var("e"), Var("s"), Var("r")
+    arrays = (("c_slot", lay.table), ("c_holds", lay.holds), ("c_last", lay.last), ("c_count", lay.count))
+    head = lambda f: Const(lay.header + f)  # noqa: E731
+    pick = Var("pick")
+    old = Load("c_holds", s)
+    lru = Load("c_last", old) < Var("v_last")
+    lfu = (Load("c_count", old) < Var("v_count")) | (Load("c_count", old).eq(Var("v_count")) & lru)
+    better = (Var("lfu").eq(0) & lru) | (Var("lfu").eq(1) & lfu)
+    place = (
+        Decl("slot", "i32", Const(-1)),
+        For("s", Const(0), Var("n_slots"), (If((Var("slot") < 0) & (Load("c_holds", s) < 0), (Assign("slot", s),)),)),
+        If(Var("slot") < 0, (
+            Decl("v_count", "i32", Const(0)), Decl("v_last", "i32", Const(0)),
+            For("s", Const(0), Var("n_slots"), (If(Load("c_mark", old).eq(0) & ((Var("slot") < 0) | better), (
+                Assign("slot", s), Assign("v_count", Load("c_count", old)), Assign("v_last", Load("c_last", old)),
+            )),)),
+            Store("c_slot", Load("c_holds", Var("slot")), Const(-1)),
+        )),
+        Store("c_holds", Var("slot"), pick), Store("c_slot", pick, Var("slot")),
+        Store("state", Const(lay.loads) + 2 * Var("n_loads"), pick),
+        Store("state", Const(lay.loads + 1) + 2 * Var("n_loads"), Var("slot")),
+        Assign("n_loads", Var("n_loads") + 1),
+    )
+    # Stage 0 takes the resident experts, stage 1 the others, each in increasing id (a selection: k is small).
+    walk = For("stage", Const(0), Const(2), (
+        Decl("prev", "i32", Const(-1)),
+        For("j", Const(0), Const(k), (
+            Decl("pick", "i32", Const(n_exp)),
+            For("r", Const(0), Const(k), (
+                Let("cand", Load("route", r)),
+                If(Select(Load("c_slot", Var("cand")) < 0, Const(1), Const(0)).eq(Var("stage"))
+                   & (Var("cand") > Var("prev")) & (Var("cand") < pick), (Assign("pick", Var("cand")),)),
+            )),
+            If(pick < n_exp, (
+                Assign("prev", pick),
+                Assign("n_req", Var("n_req") + 1),
+                If(Var("stage").eq(0), (Assign("n_hit", Var("n_hit") + 1),), place),
+                Assign("clock", Var("clock") + 1),
+                Store("c_last", pick, Var("clock")),
+                Store("c_count", pick, Load("c_count", pick) + 1),
+            )),
+        )),
+    ))
+    body = (
+        LaneFor("e", Const(n_exp), (*(Store(a, e, Load("state", Const(off) + e)) for a, off in arrays),
+                                    Store("c_mark", e, Const(0)))),
+        LaneFor("one", Const(1), (
+            For("r", Const(0), Const(k), (Store("c_mark", Load("route", r), Const(1)),)),
+            Let("n_slots", Load("state", head(ExpertState.H_SLOTS))),
+            Let("lfu", Load("state", head(ExpertState.H_LFU))),
+            Decl("clock", "i32", Load("state", head(ExpertState.H_CLOCK))),
+            Decl("n_req", "i32", Const(0)), Decl("n_hit", "i32", Const(0)), Decl("n_loads", "i32", Const(0)),
+            walk,
+            Store("state", head(ExpertState.H_CLOCK), Var("clock")),
+            Store("state", head(ExpertState.H_REQUESTS), Load("state", head(ExpertState.H_REQUESTS)) + Var("n_req")),
+            Store("state", head(ExpertState.H_HITS), Load("state", head(ExpertState.H_HITS)) + Var("n_hit")),
+            Store("state", head(ExpertState.H_UPLOADS), Load("state", head(ExpertState.H_UPLOADS)) + Var("n_loads")),
+            Store("state", head(ExpertState.H_LOADS), Var("n_loads")),
+        )),
+        LaneFor("e", Const(n_exp), tuple(Store("state", Const(off) + e, Load(a, e)) for a, off in arrays)),
+    )
+    local = (*(LocalArray(a, "i32", n_exp) for a, _ in arrays), LocalArray("c_mark", "i32", n_exp))
+    return Kernel(name, (Buf("route", "i32"), Buf("state", "i32", out=True)), (Const(1),), body, lanes=lanes,
+                  local=local, doc=f"moe resolve {n_exp}x{k}")
+
+
+@kernel_builder
+def fill_kernel(name: str, n_exp: int, k: int, weights: tuple[tuple[str, int], ...], lanes: int) -> Kernel:
+    """Copy the experts `resolve_kernel` listed (at most k) from host memory, read in place over the host link
+    (`h{j}`: weight j's experts), into their slots (`w{j}`); `weights`: per weight its buffer dtype and the bytes
+    of one expert. Grid (k, FILL_GROUPS): group (i, c) copies the c-th share of upload i, 16 bytes a lane at a
+    time where the size allows (4 words at 16-byte aligned offsets: one wide load on targets that merge them)."""
+    lay = ExpertState(n_exp, k)
+    m = Var("m")
+    copies = []
+    for j, (dtype, nb) in enumerate(weights):
+        h, w = f"h{j}", f"w{j}"
+        unit = 1 if dtype == "f32" else 16 if nb % 16 == 0 else 4 if nb % 4 == 0 else 1  # elements a piece
+        n = nb // 4 if dtype == "f32" else nb
+        pieces = n // unit
+        per = -(-pieces // FILL_GROUPS)
+        q = Var("g1") * per + m
+        src, dst = Var("ex") * n + q * unit, Var("sl") * n + q * unit
+        if unit == 1:
+            copy: tuple = (Store(w, dst, Load(h, src)),)
+        else:
+            words = [Call("load_u32", Var(h), src + 4 * i, Const(unit if i == 0 else 4)) for i in range(unit // 4)]
+            copy = (*(Let(f"word{i}", wd) for i, wd in enumerate(words)),
+                    *(Store(w, dst + 4 * i + b, (Var(f"word{i}") >> (8 * b)) & 255)
+                      for i in range(unit // 4) for b in range(4)))
+        copies.append(LaneFor("m", Const(per), (If(q < pieces, copy),)))
+    body = (If(Var("g0") < Load("state", Const(lay.header + ExpertState.H_LOADS)), (
+        Let("ex", Load("state", Const(lay.loads) + 2 * Var("g0"))),
+        Let("sl", Load("state", Const(lay.loads + 1) + 2 * Var("g0"))),
+        *copies,
+    )),)
+    params = (Buf("state", "i32"), *(Buf(f"h{j}", d) for j, (d, _) in enumerate(weights)),
+              *(Buf(f"w{j}", d, out=True) for j, (d, _) in enumerate(weights)))
+    return Kernel(name, params, (Const(k), Const(FILL_GROUPS)), body, lanes=lanes, doc=f"moe fill {n_exp}x{k}")
+
+
 @kernel_builder
 def combine_kernel(name: str, dm: int, k: int, lanes: int) -> Kernel:
     """y[t] = sum_s w(t, s) * d[t*k + s] (slot weights from the route buffer). Grid (T, ceil(dm / lanes)): a
@@ -578,18 +698,33 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     tag = f"{n_exp}_{dm}_{ff}_{k}_{cap}"
     stream = ctx.stream_experts
     slot: tuple = ()
+    resolve: list[Launch] = []
     if stream:
         # The expert launches read the weights through the layer's slot table; the executor may run them in several
         # passes over subsets of the routed experts (a cache smaller than a step's experts), so nothing they read
         # may be overwritten by them: h gets its own quantization buffers below.
         slot = (("slot", f"{g.weight}.slots"),)
+        weights = (g.weight, u.weight, d.weight)
+        if t_max == 1:
+            # One-token steps: the device makes the routed experts resident itself, reading misses from host
+            # memory in place, so the step needs no stop on the host (where the runtime can map host memory).
+            per_expert = tuple((weight_dtype(f), int(w.type.shape[1]) * elements_per_row_bytes(f, int(w.type.shape[2]))
+                                * (4 if weight_dtype(f) == "f32" else 1)) for f, w in zip((fg, fu, fd), (g, u, d)))
+            kres = resolve_kernel(f"moe_resolve_{n_exp}_{k}", n_exp, k, ctx.lanes)
+            kfill = fill_kernel(f"moe_fill_{tag}", n_exp, k, per_expert, ctx.lanes)
+            host = tuple(f"{w}.host" for w in weights)
+            resolve = [Launch(kres, (("route", ctx.buf(route)), ("state", slot[0][1]))),
+                       Launch(kfill, (("state", slot[0][1]), *((f"h{j}", h) for j, h in enumerate(host)),
+                                      *((f"w{j}", w) for j, w in enumerate(weights))))]
         ctx.expert_streams.append(ExpertStream(
-            weights=(g.weight, u.weight, d.weight), slots=slot[0][1], route=ctx.buf(route), lists=lst,
-            x=ctx.buf(x), n_expert=n_exp, k=k, cap=cap, tokens=tb))
+            weights=weights, slots=slot[0][1], route=ctx.buf(route), lists=lst, x=ctx.buf(x), n_expert=n_exp, k=k,
+            cap=cap, tokens=tb, resolve=tuple(la.kernel.name for la in resolve),
+            host=tuple(f"{w}.host" for w in weights) if resolve else ()))
     kg = group_kernel(f"moe_group_{tag}", n_exp, k, cap, ctx.lanes)
     tag += "_slots" if stream else ""  # the expert kernels' names (the group and combine kernels are the same)
     kc = combine_kernel(f"moe_combine_{dm}_{k}", dm, k, ctx.lanes)
     group = [] if lists_given else [Launch(kg, (("route", ctx.buf(route)), ("lst", lst)), (("T", tb),))]
+    group += resolve
     combine = Launch(kc, (("route", ctx.buf(route)), ("d", db), ("y", ctx.buf(node.output))), (("T", tb),))
     gateup = lambda v: silu(v[0]) * v[1]  # noqa: E731
     xq = policy.default("moe_ffn", "xq") if kn["xq"] == "auto" else kn["xq"]

@@ -8,7 +8,11 @@ the router, reads the routed expert ids, has the memory manager (`runtimes/memor
 resident, and continues; when a step routes to more experts than the cache holds, the layer's expert launches
 run once per group of experts that fits. Each segment between two such stops is captured as a device graph as a
 whole step is (`_launch`): the expert kernels read their weights through the slot table, so a segment's graph stays
-valid whatever the cache holds.
+valid whatever the cache holds. One-token steps of plans with resolve kernels need no stop where the runtime lets
+the device read host memory in place (`Runtime.device_view`) and the cache holds a token's experts: the device
+keeps the cache itself (`moe.resolve_kernel`, `moe.fill_kernel`), and the step is one graph as a resident step is;
+the cache's state moves between host and device when the kind of step changes (`ExpertStreamer.to_device`,
+`to_host`).
 """
 
 from __future__ import annotations
@@ -107,7 +111,10 @@ class PlanExecutor(OneSequence):
         scratch = [runtime.alloc((count,), dtype) for dtype, count in pool]
         for pid, plan in plans.items():
             for name, spec in plan.buffers.items():
-                if spec.kind in ("weight", "kv", "state", "input", "slots") and name in self.handles:
+                if spec.kind in ("weight", "kv", "state", "input", "slots", "host") and name in self.handles:
+                    continue
+                if spec.kind == "host":  # experts the device cannot read in place: their launches never run
+                    self.handles[name] = runtime.alloc((1,), spec.dtype)
                     continue
                 if spec.kind == "weight":
                     if spec.dtype == "f32":
@@ -132,14 +139,24 @@ class PlanExecutor(OneSequence):
         self.bound: dict[int, list[BoundLaunch]] = {
             pid: [BoundLaunch(compiled[la.kernel.fingerprint()], self.local[pid], la) for la in plan.launches]
             for pid, plan in plans.items()}
-        # Per plan: (first launch, end, stream, layer) of each streamed MoE layer's expert launches.
+        # Streaming plans: which run device-resolved where they can (`device_resolved`), and for host-resolved
+        # steps their launches without the resolve kernels (`host_bound`) and in them the (first launch, end,
+        # stream, layer) of each streamed MoE layer's expert launches (`sections`).
+        self.device_resolved: set[int] = set()
+        self.host_bound: dict[int, list[BoundLaunch]] = {}
         self.sections: dict[int, list[tuple[int, int, Any, int]]] = {}
         for pid, plan in plans.items():
             if self.streamer is None:
                 break
+            resolve = {name for st in plan.expert_streams for name in st.resolve}
+            if plan.expert_streams and all(st.resolve for st in plan.expert_streams):
+                self.device_resolved.add(pid)
+            keep = [i for i, la in enumerate(plan.launches) if la.kernel.name not in resolve]
+            self.host_bound[pid] = [self.bound[pid][i] for i in keep]
+            launches = [plan.launches[i] for i in keep]
             secs = []
             for st in plan.expert_streams:
-                idx = [i for i, la in enumerate(plan.launches) if {b for _, b in la.buffers} & set(st.weights)]
+                idx = [i for i, la in enumerate(launches) if {b for _, b in la.buffers} & set(st.weights)]
                 secs.append((min(idx), max(idx) + 1, st, self.streamer.layer_of(st)))
             self.sections[pid] = secs
         # Steps of at most GRAPH_ROWS tokens (decode steps, of one sequence or a batch of them) are captured into a
@@ -160,7 +177,8 @@ class PlanExecutor(OneSequence):
         streams, specs = {}, {}
         for plan in self.plans.values():
             for st in plan.expert_streams:
-                streams.setdefault(st.weights, st)
+                if st.weights not in streams or st.host:  # a one-token plan's names the experts' host buffers
+                    streams[st.weights] = st
                 specs.update({w: plan.buffers[w] for w in st.weights})
         if not streams:
             return None
@@ -206,7 +224,12 @@ class PlanExecutor(OneSequence):
         pid = id(graph)
         timed = self.time_device
         start = rt.mark() if timed else None
-        if self.sections.get(pid):
+        if pid in self.device_resolved and self.streamer.resolves_on_device(t):
+            self.streamer.to_device()  # the whole step in one go: its kernels make the experts resident
+            self.streamer.device_tokens += t
+            self._launch((pid, t), self.bound[pid], step)
+        elif self.sections.get(pid):
+            self.streamer.to_host()
             self._run_streamed(pid, step)
         else:
             self._launch((pid, t), self.bound[pid], step)
@@ -259,7 +282,7 @@ class PlanExecutor(OneSequence):
     def _run_streamed(self, pid: int, step: dict[str, int]) -> None:
         """One step of a streaming plan: launches up to each streamed layer's experts, the routed experts made
         resident (in groups of at most the cache's slots), the expert launches once per group, and on."""
-        rt, bound, local, streamer = self.rt, self.bound[pid], self.local[pid], self.streamer
+        rt, bound, local, streamer = self.rt, self.host_bound[pid], self.local[pid], self.streamer
         i = 0
         for n, (start, end, st, li) in enumerate(self.sections[pid]):
             self._launch((pid, step["T"], 2 * n), bound[i:start], step)

@@ -19,7 +19,8 @@ class BufferSpec:
     dtype: str
     count: int
     # "activation", "input", "weight", "kv", "state" (a recurrent op's per-sequence state, `recipes.deltanet`),
-    # "slots" (an expert slot table of a streaming plan)
+    # "slots" (an expert cache's state of a streaming plan, its slot table first: `recipes.ExpertState`), "host" (a
+    # streamed expert weight in host memory, which a one-token plan's fill kernel reads in place)
     kind: str
     fmt: QuantFormat | None = None
 
