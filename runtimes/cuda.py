@@ -236,9 +236,13 @@ class CUDARuntime(Runtime):
             check(driver.cuMemcpyHtoDAsync(ptr, host.ctypes.data, host.size, self.stream.handle))
 
     def alloc_host(self, nbytes: int) -> np.ndarray:
-        """Page-locked host memory: copies from it run at the link's speed (pageable ones several times slower)."""
+        """Page-locked host memory: copies from it run at the link's speed (pageable ones several times slower).
+        Mapped into the device's address space too (`device_view`)."""
         self._need_gpu()
-        return np.empty(nbytes, np.uint8) if self.simulator else self.cuda.pinned_array(nbytes, np.uint8)
+        if self.simulator:
+            return np.empty(nbytes, np.uint8)
+        buffer = self.cuda.current_context().memhostalloc(max(nbytes, 1), mapped=True)
+        return np.ndarray(shape=(nbytes,), dtype=np.uint8, buffer=buffer)
 
     def device_view(self, host: np.ndarray, dtype: str) -> Any:
         """Pinned host memory read in place by the kernels, at the device address the driver maps it to (none in
