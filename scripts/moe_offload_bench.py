@@ -122,11 +122,12 @@ def main() -> int:
                 sd=res["tg"]["tok_s_sd"], device_mib=used, vs_llama=res["tg"]["tok_s_mean"] / tg,
                 slots=ex.get("slots"), hit_rate=ex.get("hit_rate"),
                 link_mb_per_token=(ex.get("link_bytes_per_token") or 0) / 1e6,
-                stall_ms_per_token=ex.get("stall_ms_per_token"))
+                stall_ms_per_token=ex.get("stall_ms_per_token"), device_resolved=ex.get("device_resolved"))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print("\nengine      setting                          tok/s        device MiB  hit rate  link MB/tok  stall ms/tok")
+    print("\nengine      setting                          tok/s        device MiB  hit rate  link MB/tok  stall ms/tok"
+          "  on device")
     for r in rows:
         if "error" in r:
             print(f"{r['engine']:11s} {r['setting']:32s} error: {r['error'][-120:]}")
@@ -134,8 +135,9 @@ def main() -> int:
         hit = f"{r['hit_rate']:.3f}" if r.get("hit_rate") is not None else "-"
         link = f"{r['link_mb_per_token']:.1f}" if "link_mb_per_token" in r else "-"
         stall = f"{r['stall_ms_per_token']:.2f}" if r.get("stall_ms_per_token") is not None else "-"
+        dev = f"{r['device_resolved']:.2f}" if r.get("device_resolved") is not None else "-"
         print(f"{r['engine']:11s} {r['setting']:32s} {r['tok_s']:7.1f} ± {r['sd']:5.1f}  {r['device_mib']:9d}  "
-              f"{hit:>8s}  {link:>11s}  {stall:>12s}")
+              f"{hit:>8s}  {link:>11s}  {stall:>12s}  {dev:>9s}")
     return 0
 
 
