@@ -412,6 +412,7 @@ def _expert_sum(k: int, dm: int, tokens: Expr) -> Callable[[Expr, Expr, int], Ex
 # Groups per upload of `fill_kernel`: each copies a contiguous share of the expert, so enough reads are in flight
 # over the host link at once (a link's latency times its bandwidth is tens of KB).
 FILL_GROUPS = 32
+FILL_READS = 4  # pieces a lane has in flight
 
 
 @kernel_builder
@@ -494,8 +495,10 @@ def resolve_kernel(name: str, n_exp: int, k: int, lanes: int) -> Kernel:
 def fill_kernel(name: str, n_exp: int, k: int, weights: tuple[tuple[str, int], ...], lanes: int) -> Kernel:
     """Copy the experts `resolve_kernel` listed (at most k) from host memory, read in place over the host link
     (`h{j}`: weight j's experts), into their slots (`w{j}`); `weights`: per weight its buffer dtype and the bytes
-    of one expert. Grid (k, FILL_GROUPS): group (i, c) copies the c-th share of upload i, 16 bytes a lane at a
-    time where the size allows (4 words at 16-byte aligned offsets: one wide load on targets that merge them)."""
+    of one expert. Grid (k, FILL_GROUPS): group (i, c) copies the c-th share of upload i, in FILL_READS runs of
+    consecutive pieces, a lane loading one piece of each run before it stores any (the link's latency is hidden
+    by reads in flight); a piece is 16 bytes where the size allows (4 words at 16-byte aligned offsets: one wide
+    load on targets that merge them)."""
     lay = ExpertState(n_exp, k)
     m = Var("m")
     copies = []
@@ -504,17 +507,21 @@ def fill_kernel(name: str, n_exp: int, k: int, weights: tuple[tuple[str, int], .
         unit = 1 if dtype == "f32" else 16 if nb % 16 == 0 else 4 if nb % 4 == 0 else 1  # elements a piece
         n = nb // 4 if dtype == "f32" else nb
         pieces = n // unit
-        per = -(-pieces // FILL_GROUPS)
-        q = Var("g1") * per + m
-        src, dst = Var("ex") * n + q * unit, Var("sl") * n + q * unit
+        run = -(-pieces // (FILL_GROUPS * FILL_READS))
+        qs = [Var("g1") * (run * FILL_READS) + r * run + m for r in range(FILL_READS)]
+        # Loads of a piece past the end read the last one (in bounds); only the stores are guarded.
+        src = [Var("ex") * n + Call("min", q, Const(pieces - 1)) * unit for q in qs]
+        dst = [Var("sl") * n + q * unit for q in qs]
         if unit == 1:
-            copy: tuple = (Store(w, dst, Load(h, src)),)
+            loads = [Let(f"v{r}", Load(h, src[r])) for r in range(FILL_READS)]
+            stores = [If(q < pieces, (Store(w, dst[r], Var(f"v{r}")),)) for r, q in enumerate(qs)]
         else:
-            words = [Call("load_u32", Var(h), src + 4 * i, Const(unit if i == 0 else 4)) for i in range(unit // 4)]
-            copy = (*(Let(f"word{i}", wd) for i, wd in enumerate(words)),
-                    *(Store(w, dst + 4 * i + b, (Var(f"word{i}") >> (8 * b)) & 255)
-                      for i in range(unit // 4) for b in range(4)))
-        copies.append(LaneFor("m", Const(per), (If(q < pieces, copy),)))
+            words = unit // 4
+            loads = [Let(f"v{r}_{i}", Call("load_u32", Var(h), src[r] + 4 * i, Const(unit if i == 0 else 4)))
+                     for r in range(FILL_READS) for i in range(words)]
+            stores = [If(q < pieces, tuple(Store(w, dst[r] + 4 * i + b, (Var(f"v{r}_{i}") >> (8 * b)) & 255)
+                                           for i in range(words) for b in range(4))) for r, q in enumerate(qs)]
+        copies.append(LaneFor("m", Const(run), (*loads, *stores)))
     body = (If(Var("g0") < Load("state", Const(lay.header + ExpertState.H_LOADS)), (
         Let("ex", Load("state", Const(lay.loads) + 2 * Var("g0"))),
         Let("sl", Load("state", Const(lay.loads + 1) + 2 * Var("g0"))),
