@@ -494,18 +494,17 @@ def resolve_kernel(name: str, n_exp: int, k: int, lanes: int) -> Kernel:
 @kernel_builder
 def fill_kernel(name: str, n_exp: int, k: int, weights: tuple[tuple[str, int], ...], lanes: int) -> Kernel:
     """Copy the experts `resolve_kernel` listed (at most k) from host memory, read in place over the host link
-    (`h{j}`: weight j's experts), into their slots (`w{j}`); `weights`: per weight its buffer dtype and the bytes
-    of one expert. Grid (k, FILL_GROUPS): group (i, c) copies the c-th share of upload i, in FILL_READS runs of
+    (`h{j}`: weight j's experts), into their slots (`w{j}`); `weights`: per weight its buffer dtype and the
+    elements of one expert. Grid (k, FILL_GROUPS): group (i, c) copies the c-th share of upload i, in FILL_READS runs of
     consecutive pieces, a lane loading one piece of each run before it stores any (the link's latency is hidden
     by reads in flight); a piece is 16 bytes where the size allows (4 words at 16-byte aligned offsets: one wide
     load on targets that merge them)."""
     lay = ExpertState(n_exp, k)
     m = Var("m")
     copies = []
-    for j, (dtype, nb) in enumerate(weights):
+    for j, (dtype, n) in enumerate(weights):
         h, w = f"h{j}", f"w{j}"
-        unit = 1 if dtype == "f32" else 16 if nb % 16 == 0 else 4 if nb % 4 == 0 else 1  # elements a piece
-        n = nb // 4 if dtype == "f32" else nb
+        unit = 1 if dtype == "f32" else 16 if n % 16 == 0 else 4 if n % 4 == 0 else 1  # elements (bytes) a piece
         pieces = n // unit
         run = -(-pieces // (FILL_GROUPS * FILL_READS))
         qs = [Var("g1") * (run * FILL_READS) + r * run + m for r in range(FILL_READS)]
@@ -712,11 +711,12 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
         # may be overwritten by them: h gets its own quantization buffers below.
         slot = (("slot", f"{g.weight}.slots"),)
         weights = (g.weight, u.weight, d.weight)
+        host: tuple[str, ...] = ()
         if t_max == 1:
             # One-token steps: the device makes the routed experts resident itself, reading misses from host
             # memory in place, so the step needs no stop on the host (where the runtime can map host memory).
-            per_expert = tuple((weight_dtype(f), int(w.type.shape[1]) * elements_per_row_bytes(f, int(w.type.shape[2]))
-                                * (4 if weight_dtype(f) == "f32" else 1)) for f, w in zip((fg, fu, fd), (g, u, d)))
+            per_expert = tuple((weight_dtype(f), int(w.type.shape[1]) * elements_per_row_bytes(f, int(w.type.shape[2])))
+                               for f, w in zip((fg, fu, fd), (g, u, d)))
             kres = resolve_kernel(f"moe_resolve_{n_exp}_{k}", n_exp, k, ctx.lanes)
             kfill = fill_kernel(f"moe_fill_{tag}", n_exp, k, per_expert, ctx.lanes)
             host = tuple(f"{w}.host" for w in weights)
@@ -725,8 +725,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
                                       *((f"w{j}", w) for j, w in enumerate(weights))))]
         ctx.expert_streams.append(ExpertStream(
             weights=weights, slots=slot[0][1], route=ctx.buf(route), lists=lst, x=ctx.buf(x), n_expert=n_exp, k=k,
-            cap=cap, tokens=tb, resolve=tuple(la.kernel.name for la in resolve),
-            host=tuple(f"{w}.host" for w in weights) if resolve else ()))
+            cap=cap, tokens=tb, resolve=tuple(la.kernel.name for la in resolve), host=host))
     kg = group_kernel(f"moe_group_{tag}", n_exp, k, cap, ctx.lanes)
     tag += "_slots" if stream else ""  # the expert kernels' names (the group and combine kernels are the same)
     kc = combine_kernel(f"moe_combine_{dm}_{k}", dm, k, ctx.lanes)
