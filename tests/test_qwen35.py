@@ -187,21 +187,28 @@ def test_shared_expert_inside_the_experts_launches(target, tmp_path):
     np.testing.assert_allclose(logits[0], logits[1], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize(("slots", "policy"), [(2, "lru"), (5, "lfu"), (1, "lru"), (3, "prefetch")])
-def test_streamed_experts_match_resident(slots, policy, tmp_path):
-    """qwen3.5 MoE with its experts streamed (its shared expert and the Gated DeltaNet layers around them): the
-    resident run's logits bit for bit, in a prompt and in decode; decode resolved on the device where the cache
-    holds a token's experts and the policy is lru or lfu, on the host otherwise."""
+@pytest.fixture(scope="module")
+def streamed_moe(tmp_path_factory):
+    """A tiny qwen3.5 MoE in Q8_0, a prompt of 24 tokens then 6 decoded, and a function running them on opencl
+    (engine options as keywords) that returns the engine and the logits; the resident run's logits."""
     if "opencl" not in available_kernel_targets():
         pytest.skip("no opencl device here")
-    path = synth_model("qwen35moe", tmp_path / "m.gguf", qtype="Q8_0", seed=4)
+    path = synth_model("qwen35moe", tmp_path_factory.mktemp("sm") / "m.gguf", qtype="Q8_0", seed=4)
     ids = [int(i) for i in np.random.default_rng(5).integers(0, 1000, 30)]
 
     def run(**kw):
         e = Engine(path, target="opencl", n_ctx=64, all_logits=True, **kw)
         return e, [e.forward(ids[:24], all_logits=True)] + [e.forward(ids[i : i + 1]) for i in range(24, 30)]
 
-    _, want = run()
+    return run, run()[1]
+
+
+@pytest.mark.parametrize(("slots", "policy"), [(2, "lru"), (5, "lfu"), (1, "lru"), (3, "prefetch")])
+def test_streamed_experts_match_resident(slots, policy, streamed_moe):
+    """qwen3.5 MoE with its experts streamed (its shared expert and the Gated DeltaNet layers around them): the
+    resident run's logits bit for bit, in a prompt and in decode; decode resolved on the device where the cache
+    holds a token's experts and the policy is lru or lfu, on the host otherwise."""
+    run, want = streamed_moe
     e, got = run(expert_slots=slots, expert_policy=policy)
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
     k = e.executor.streamer.layers[0].stream.k
