@@ -189,7 +189,11 @@ class OpenCLRuntime(Runtime):
     def device_view(self, host: np.ndarray, dtype: str) -> Any:
         """On a device sharing the host's memory (PoCL's CPU device, integrated GPUs): a buffer over `host` itself
         (USE_HOST_PTR). Elsewhere None: a discrete GPU's driver would copy it into device memory."""
-        if not self.dev.host_unified_memory:
+        try:
+            shared = bool(self.dev.host_unified_memory)
+        except cl.Error:  # a query OpenCL 3.0 drivers may leave out
+            shared = False
+        if not shared:
             return None
         return cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.USE_HOST_PTR, hostbuf=host)
 
