@@ -524,8 +524,8 @@ class ExpertCache:
         return out
 
     def load_state(self, state: np.ndarray, k: int) -> int:
-        """Take over the cache the device kept (`state`), adding its counters to the statistics; returns the
-        uploads it counted."""
+        """Take over the cache the device kept (`state`), adding its requests and hits to the statistics; returns
+        the uploads it made (which the streamer counts, as it counts its own)."""
         lay = ExpertState(self.n_expert, k)
         self.slot_of[:] = state[lay.table : lay.table + self.n_expert]
         self.holds = [int(e) for e in state[lay.holds : lay.holds + self.slots]]
@@ -534,9 +534,7 @@ class ExpertCache:
         self.policy.clock = int(state[lay.header + lay.H_CLOCK])
         self.stats.requests += int(state[lay.header + lay.H_REQUESTS])
         self.stats.hits += int(state[lay.header + lay.H_HITS])
-        uploads = int(state[lay.header + lay.H_UPLOADS])
-        self.stats.uploads += uploads
-        return uploads
+        return int(state[lay.header + lay.H_UPLOADS])
 
 
 # --- moving experts ----------------------------------------------------------------------------------------------
@@ -634,8 +632,8 @@ class ExpertStreamer:
         for st in streams:
             cache = ExpertCache(st.n_expert, slots, cls(st.n_expert), self.stats)
             router = routers.get(st.weights[0]) if routers and cls.predicts else None
-            layer = _Layer(st, [sources(w) for w in st.weights], cache,
-                           rt.alloc((ExpertState(st.n_expert, st.k).size,), "i32"), router=router)
+            layer = _Layer(st, [sources(w) for w in st.weights], cache, rt.alloc((st.state.size,), "i32"),
+                           router=router)
             self._alloc_slots(layer, slots)
             self.layers.append(layer)
         total = sum(src.nbytes * la.stream.n_expert for la in self.layers for src in la.host)
@@ -710,8 +708,8 @@ class ExpertStreamer:
         if self.on_device:
             for layer in self.layers:
                 st = layer.stream
-                state = self.rt.download(layer.table_handle, (ExpertState(st.n_expert, st.k).size,), "i32")
-                uploads = layer.cache.load_state(state, st.k)
+                uploads = layer.cache.load_state(self.rt.download(layer.table_handle, (st.state.size,), "i32"), st.k)
+                self.stats.uploads += uploads
                 self.stats.link_bytes += uploads * sum(src.nbytes for src in layer.host)
             self.on_device = False
 

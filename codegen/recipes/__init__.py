@@ -160,6 +160,11 @@ class ExpertStream:
     resolve: tuple[str, ...] = ()
     host: tuple[str, ...] = ()
 
+    @property
+    def state(self) -> ExpertState:
+        """The layout of the layer's cache state in the `slots` buffer."""
+        return ExpertState(self.n_expert, self.k)
+
 
 @dataclass(frozen=True)
 class ExpertState:

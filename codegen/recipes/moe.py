@@ -479,9 +479,8 @@ def resolve_kernel(name: str, n_exp: int, k: int, lanes: int) -> Kernel:
             Decl("n_req", "i32", Const(0)), Decl("n_hit", "i32", Const(0)), Decl("n_loads", "i32", Const(0)),
             walk,
             Store("state", head(ExpertState.H_CLOCK), Var("clock")),
-            Store("state", head(ExpertState.H_REQUESTS), Load("state", head(ExpertState.H_REQUESTS)) + Var("n_req")),
-            Store("state", head(ExpertState.H_HITS), Load("state", head(ExpertState.H_HITS)) + Var("n_hit")),
-            Store("state", head(ExpertState.H_UPLOADS), Load("state", head(ExpertState.H_UPLOADS)) + Var("n_loads")),
+            *(Store("state", head(f), Load("state", head(f)) + Var(v)) for f, v in (
+                (ExpertState.H_REQUESTS, "n_req"), (ExpertState.H_HITS, "n_hit"), (ExpertState.H_UPLOADS, "n_loads"))),
             Store("state", head(ExpertState.H_LOADS), Var("n_loads")),
         )),
         LaneFor("e", Const(n_exp), tuple(Store("state", Const(off) + e, Load(a, e)) for a, off in arrays)),

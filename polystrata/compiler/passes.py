@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from polystrata.codegen.policy import Policy, device_policy, shape_policy
-from polystrata.codegen.recipes import RECIPES, ExpertState, Recipe, RecipeContext, Site, load_all
+from polystrata.codegen.recipes import RECIPES, Recipe, RecipeContext, Site, load_all
 from polystrata.codegen.recipes.deltanet import state_buffer
 from polystrata.compiler.plan import BufferSpec, Plan
 from polystrata.errors import UnsupportedError
@@ -206,7 +206,7 @@ def build_plan(
     for name, (dtype, count) in ctx.scratch_buffers.items():
         buffers[name] = BufferSpec(name, dtype, count, "activation")
     for st in ctx.expert_streams:
-        buffers[st.slots] = BufferSpec(st.slots, "i32", ExpertState(st.n_expert, st.k).size, "slots")
+        buffers[st.slots] = BufferSpec(st.slots, "i32", st.state.size, "slots")
         for w, h in zip(st.weights, st.host):  # the experts in host memory (the streamer's, never allocated)
             buffers[h] = BufferSpec(h, buffers[w].dtype, buffers[w].count, "host")
     out = graph.outputs[0]
