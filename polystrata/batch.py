@@ -16,7 +16,7 @@ Sequences join (`open`) and leave (`close`) between steps.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -67,11 +67,13 @@ class BatchDecoder:
             out = self.step([(slot, ids[i : i + n])], need=[i + n >= len(ids)])
         return out[0]
 
-    def step(self, runs: Sequence[tuple[int, Sequence[int]]], need: Sequence[bool] | None = None) -> np.ndarray:
+    def step(self, runs: Sequence[tuple[int, Sequence[int]]], need: Sequence[bool] | None = None,
+             launched: Callable[[], None] | None = None) -> np.ndarray:
         """One step of runs of tokens of distinct sequences, at most the engine's `n_ubatch` tokens in all: run
         `(slot, ids)` appends `ids` (a decode token, or a chunk of a prompt) to sequence `slot` after what it holds.
         Returns the logits of the last token of each run that `need`s them (default: every run), in run order,
-        [runs needing them, vocab]; only those rows leave the device."""
+        [runs needing them, vocab]; only those rows leave the device. `launched` is called while the device works
+        (`PlanExecutor.step`)."""
         slots = [s for s, _ in runs]
         need = [True] * len(runs) if need is None else list(need)
         if not runs or len(set(slots)) != len(slots) or len(need) != len(runs):
@@ -103,7 +105,8 @@ class BatchDecoder:
         else:
             kept = min(n, eng.logit_rows)
             graph, rows = eng.graph_rows, list(range(kept - wanted, kept))
-        out = eng.executor.step(graph, np.concatenate([t for _, t, _ in segments]), pos, starts, rows=rows)
+        out = eng.executor.step(graph, np.concatenate([t for _, t, _ in segments]), pos, starts, rows=rows,
+                                launched=launched)
         for s, t in zip(slots, ids):
             self.n_past[s] += len(t)
         return out

@@ -99,6 +99,30 @@ class _Running:
         self.next_token = -1
 
 
+@dataclass
+class BusyPeriod:
+    """The scheduler's work from its first step after being idle to its going idle again, logged then as one line,
+    as llama-server logs its timings: where a step's time goes, the model's step (launches, device, logits back),
+    the host's sampling, detokenizing and stop strings, or between steps (handing events to the event loop,
+    admitting requests, waiting for the interpreter while the event loop's thread holds it)."""
+
+    start: float
+    steps: int = 0
+    rows: int = 0  # tokens the steps took in: decode rows and prompt tokens
+    generated: int = 0
+    finished: int = 0
+    step_s: float = 0.0  # in `Scheduler._step`
+    model_s: float = 0.0  # of that, in `BatchDecoder.step`
+
+    def summary(self, now: float) -> str:
+        wall = max(now - self.start, 1e-9)
+        per = 1e3 / max(self.steps, 1)
+        return (f"served {self.finished} requests: {self.generated} tokens in {wall:.2f} s "
+                f"({self.generated / wall:.1f} tok/s), {self.steps} steps of {self.rows / max(self.steps, 1):.1f} "
+                f"rows; a step {self.model_s * per:.2f} ms in the model, {(self.step_s - self.model_s) * per:.2f} ms "
+                f"sampling and sending, {(wall - self.step_s) * per:.2f} ms between steps")
+
+
 class Scheduler:
     """Runs jobs on an engine, up to `n_seq` at once, in shared steps (`BatchDecoder.step`): each step takes every
     decoding job's next token, then fills the step's remaining rows with prompt tokens of the joining jobs (oldest
@@ -117,6 +141,7 @@ class Scheduler:
         # Events of the jobs, handed to their event loops together after each step (`_flush`): one wake-up of the
         # loop's thread a step, however many jobs it serves, not one a token.
         self.outbox: list[tuple[Job, str, Any]] = []
+        self.busy: BusyPeriod | None = None
 
     def emit(self, job: Job, kind: str, value: Any) -> None:
         """Queue an event of a job for the next `_flush`."""
@@ -149,8 +174,15 @@ class Scheduler:
         while not self.stopped:
             self._admit()
             if self.running or self.joining:
-                self._step()
-            self._flush()
+                start = time.perf_counter()
+                self.busy = self.busy or BusyPeriod(start)
+                self._step()  # hands the events so far to the event loops once its work is on the device
+                self.busy.step_s += time.perf_counter() - start
+            if not (self.running or self.joining):
+                self._flush()
+            if self.busy and not (self.running or self.joining):
+                self.log(self.busy.summary(time.perf_counter()))
+                self.busy = None
 
     def _admit(self) -> None:
         """Jobs take a slot while slots are free, to join at the next step; with nothing running, wait for one."""
@@ -190,14 +222,23 @@ class Scheduler:
             room -= len(chunk)
         if not runs:
             return
+        busy = self.busy
+        busy.steps += 1
+        busy.rows += sum(len(ids) for _, ids in runs)
+        start = time.perf_counter()
         try:
-            out = self.batch.step(runs, need)
+            # The previous step's tokens go to their clients while the device computes this one: the event loop's
+            # work (one text chunk a request) would otherwise hold the interpreter between two steps.
+            out = self.batch.step(runs, need, launched=self._flush)
         except Exception as e:  # a failure of the device or the engine: every job in the step learns it
             self.log(f"error: step failed: {type(e).__name__}: {e}")
             for r in (*decoding, *(r for r, _ in fed)):
                 self.emit(r.job, "error", "the model step failed")
                 self._finish(r, None)
+            self._flush()
             return
+        finally:
+            busy.model_s += time.perf_counter() - start
         for row, r in enumerate(decoding):
             r.logits = out[row]
             self._advance(r)
@@ -224,6 +265,7 @@ class Scheduler:
             self._finish(r, "stop")
             return
         job.n_generated += 1
+        self.busy.generated += 1
         r.history.append(tok)
         text = r.cut.feed(r.decoder.feed(tok))
         if text:
@@ -253,6 +295,7 @@ class Scheduler:
             if text:
                 self.emit(r.job, "text", text)
         self.emit(r.job, "done", reason)
+        self.busy.finished += 1
 
 
 # --- request parsing -------------------------------------------------------------------------------------------

@@ -94,7 +94,8 @@ class OneSequence:
         return out
 
     def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
-             starts: np.ndarray | None = None, rows: Sequence[int] | None = None) -> np.ndarray:
+             starts: np.ndarray | None = None, rows: Sequence[int] | None = None,
+             launched: Callable[[], None] | None = None) -> np.ndarray:
         raise NotImplementedError
 
 
@@ -132,10 +133,13 @@ class ReferenceExecutor(OneSequence):
         self.states = {key: st.copy() for key, st in saved.items()}
 
     def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
-             starts: np.ndarray | None = None, rows: Sequence[int] | None = None) -> np.ndarray:
+             starts: np.ndarray | None = None, rows: Sequence[int] | None = None,
+             launched: Callable[[], None] | None = None) -> np.ndarray:
         """One step over rows of (token, position in its sequence, cache row where its sequence begins: `starts`,
         None for all 0), as `PlanExecutor.step`, returning the logits (with `rows`: those rows of them); `n_past`
-        is left as it is."""
+        is left as it is. `launched` is called first (numpy has no queue to fill before the work)."""
+        if launched is not None:
+            launched()
         t = len(tokens)
         self.starts = np.zeros(t, np.int32) if starts is None else np.asarray(starts, np.int32)
         env: dict[int, object] = {}

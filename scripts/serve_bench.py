@@ -67,6 +67,10 @@ class Launched:
                 await asyncio.sleep(1.0)
         raise SystemExit(f"error: {self.name} was not ready within {timeout_s:.0f} s; see {self.log}")
 
+    def served_lines(self) -> list[str]:
+        """The lines `polystrata serve` logs each time it goes idle ("served N requests: ...")."""
+        return [ln.strip() for ln in self.log.read_text(errors="replace").splitlines() if ln.startswith("served ")]
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()  # not SIGINT: a process started from a background job ignores it
@@ -167,8 +171,16 @@ async def bench_server(server: Launched, streams: list[int], n_tokens: int, time
                   f"TTFT {row['join_ttft_ms']:.0f} ms", file=sys.stderr, flush=True)
             return [row]
         for n in streams:
+            seen = server.served_lines()
             row = {"server": server.name, **await measure(server.url, n, n_tokens)}
             print(f"{server.name}: {n} streams: {row['aggregate_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
+            for _ in range(50):  # PolyStrata logs where its steps' time went once it is idle again
+                if (lines := server.served_lines()[len(seen):]) or server.name != "polystrata":
+                    break
+                await asyncio.sleep(0.1)
+            if lines:
+                row["timings"] = lines[-1]
+                print(f"{server.name}: {lines[-1]}", file=sys.stderr, flush=True)
             rows.append(row)
         return rows
     finally:

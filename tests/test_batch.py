@@ -206,6 +206,46 @@ def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
     if target == "cpu-graphs":
         assert (id(eng.graph_rows), 9) in eng.executor.graphs and eng.runtime.replays >= 2
 
+class _OrderedCPU(_GraphCPU):
+    """_GraphCPU noting when work is queued (a launch, a graph's replay) and when results are read back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def launch(self, ck, args, grid) -> None:
+        self.events.append("queued")
+        super().launch(ck, args, grid)
+
+    def replay(self, graph: list) -> None:
+        self.events.append("queued")
+        super().replay(graph)
+
+    def download_rows(self, buf, width, rows, dtype):
+        self.events.append("read")
+        return super().download_rows(buf, width, rows, dtype)
+
+
+def test_launched_is_called_between_the_work_and_its_results(tiny_llama):
+    """`step(..., launched=f)` (a server hands the previous step's tokens to its clients in `f`) calls `f` once a
+    step, after all of the step's work is queued and before its logits are read: steps of one and of two rows,
+    launched one by one and replayed as graphs."""
+    eng = Engine(tiny_llama, target="cpu", n_ctx=64, logit_rows=4)
+    rt = eng.runtime = _OrderedCPU()
+    eng.executor = eng._make_executor()
+    bd = BatchDecoder(eng, 2)
+    a, b = bd.open(), bd.open()
+    bd.prefill(a, _tokens(4, 1))
+    bd.prefill(b, _tokens(3, 2))
+    for runs in ([(a, [5])], [(a, [6]), (b, [7])], [(a, [8]), (b, [9])], [(a, [10]), (b, [11])]):
+        rt.events.clear()
+        bd.step(runs, launched=lambda: rt.events.append("launched"))
+        assert rt.events.count("launched") == 1
+        i = rt.events.index("launched")
+        assert "queued" in rt.events[:i] and rt.events[i + 1:] == ["read"]
+    assert rt.replays >= 1  # the later two-row steps ran as a graph
+
+
 def test_serve_makes_the_plan_of_its_parallel_rows(tiny_llama):
     """`serve -np N` asks the engine for the plan of the last N rows' logits; `run` makes none. Neither asks for
     the plan of every token's logits."""

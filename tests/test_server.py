@@ -106,10 +106,12 @@ def test_text_completion_stop_strings(client, served):
         assert (text, reason) == (cut, "stop")
 
 
-def test_seeded_sampling_and_parallel_requests(client, served):
+def test_seeded_sampling_and_parallel_requests(client, served, monkeypatch):
     """Five requests at once on two slots (three wait and join as others leave): each answer is what its prompt and
-    seed give alone, sampled at temperature 1."""
-    _, eng, _ = served
+    seed give alone, sampled at temperature 1. The scheduler's lines on going idle count them all."""
+    _, eng, sched = served
+    lines: list[str] = []
+    monkeypatch.setattr(sched, "log", lines.append)
     prompts = [f"Tell me about the number {i}" for i in range(5)]
     want = [_alone(eng, eng.tokenizer.encode(p), 10 + i, seed=100 + i, temp=1.0) for i, p in enumerate(prompts)]
 
@@ -120,6 +122,15 @@ def test_seeded_sampling_and_parallel_requests(client, served):
 
     with ThreadPoolExecutor(5) as pool:
         assert list(pool.map(ask, range(5))) == want
+    deadline = time.monotonic() + 10
+    while (sched.busy or not lines) and time.monotonic() < deadline:  # the last line follows the last answer
+        time.sleep(0.01)
+    counts = [re.match(r"served (\d+) requests: (\d+) tokens in [\d.]+ s \([\d.]+ tok/s\), (\d+) steps of "
+                       r"([\d.]+) rows; a step [\d.]+ ms in the model, [\d.]+ ms sampling and sending, [\d.]+ ms "
+                       r"between steps$", line).groups() for line in lines]
+    assert sum(int(c[0]) for c in counts) == 5 and sum(int(c[1]) for c in counts) == sum(10 + i for i in range(5))
+    # Every generated token but each request's last came back as a decode row of a later step.
+    assert sum(round(int(c[2]) * float(c[3])) for c in counts) >= sum(9 + i for i in range(5))
 
 
 def test_long_and_short_prompts_at_once_in_shared_steps(client, served, monkeypatch):
@@ -133,8 +144,8 @@ def test_long_and_short_prompts_at_once_in_shared_steps(client, served, monkeypa
     want = [_alone(eng, eng.tokenizer.encode(p), 12 + i, ignore_eos=True) for i, p in enumerate(prompts)]
     sizes: list[list[int]] = []
     step = sched.batch.step
-    monkeypatch.setattr(sched.batch, "step", lambda runs, need=None: (sizes.append([len(t) for _, t in runs]),
-                                                                      step(runs, need))[1])
+    monkeypatch.setattr(sched.batch, "step", lambda runs, need=None, launched=None: (
+        sizes.append([len(t) for _, t in runs]), step(runs, need, launched))[1])
 
     def ask(i: int) -> str:
         r = client.completions.create(model="tiny", prompt=prompts[i], max_tokens=12 + i, temperature=0,
@@ -160,7 +171,7 @@ def test_a_stream_goes_on_while_a_long_prompt_joins(client, served, monkeypatch)
                                                                           ignore_eos=True)
     events: list[str] = []
     step, submit = sched.batch.step, sched.submit
-    monkeypatch.setattr(sched.batch, "step", lambda *a: (time.sleep(0.005), step(*a))[1])
+    monkeypatch.setattr(sched.batch, "step", lambda *a, **kw: (time.sleep(0.005), step(*a, **kw))[1])
     monkeypatch.setattr(sched, "submit", lambda job: (events.append("submitted") if len(job.prompt_ids) > 50 else None,
                                                       submit(job))[1])
     first = threading.Event()
@@ -249,7 +260,7 @@ def test_a_client_that_leaves_frees_its_slot(served, monkeypatch, stream):
     jobs = []
     submit, step = sched.submit, sched.batch.step
     monkeypatch.setattr(sched, "submit", lambda job: (jobs.append(job), submit(job))[1])
-    monkeypatch.setattr(sched.batch, "step", lambda *a: (time.sleep(0.02), step(*a))[1])
+    monkeypatch.setattr(sched.batch, "step", lambda *a, **kw: (time.sleep(0.02), step(*a, **kw))[1])
     body = json.dumps({"prompt": "Hello", "max_tokens": 100, "stream": stream, "ignore_eos": True}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Authorization": f"Bearer {KEY}"})
     if stream:
@@ -273,7 +284,7 @@ def test_a_client_that_leaves_while_its_prompt_is_fed_frees_its_slot(served, mon
     submit, step = sched.submit, sched.batch.step
     monkeypatch.setattr(eng, "n_ubatch", 4)
     monkeypatch.setattr(sched, "submit", lambda job: (jobs.append(job), submit(job))[1])
-    monkeypatch.setattr(sched.batch, "step", lambda *a: (time.sleep(0.02), step(*a))[1])
+    monkeypatch.setattr(sched.batch, "step", lambda *a, **kw: (time.sleep(0.02), step(*a, **kw))[1])
     conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=10)
     conn.request("POST", "/v1/completions", json.dumps({"prompt": LONG, "max_tokens": 4}),
                  {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
@@ -293,7 +304,7 @@ def test_a_failing_engine_gives_500_and_the_server_goes_on(served, client, monke
     streamed or not, no traceback; the next request is served."""
     _, _, sched = served
 
-    def broken(runs, need=None):
+    def broken(runs, need=None, launched=None):
         raise RuntimeError("device lost")
 
     step = sched.batch.step

@@ -18,7 +18,7 @@ the cache's state moves between host and device when the kind of step changes (`
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -204,10 +204,13 @@ class PlanExecutor(OneSequence):
             self.rt.write(self.handles[name], data)
 
     def step(self, graph: Graph, tokens: np.ndarray, positions: np.ndarray,
-             starts: np.ndarray | None = None, rows: Sequence[int] | None = None) -> np.ndarray:
+             starts: np.ndarray | None = None, rows: Sequence[int] | None = None,
+             launched: Callable[[], None] | None = None) -> np.ndarray:
         """One step over rows of (token, position in its sequence, cache row where its sequence begins: `starts`,
         None for all 0), whatever sequences they belong to (`polystrata/batch.py`); returns the logits, or with
-        `rows` only those rows of them (the rest never leave the device). `n_past` is left as it is."""
+        `rows` only those rows of them (the rest never leave the device). `n_past` is left as it is. `launched` is
+        called once the step's work is queued, before its logits are waited for: a caller's host work (a server
+        handing the previous step's tokens to its clients) then overlaps the device's."""
         plan = self.plans.get(id(graph))
         if plan is None:  # a caller's bug: the engine plans only the graphs its caller asked for
             raise PolystrataError("no plan was made for this graph: make the engine with the plans its caller runs "
@@ -234,6 +237,8 @@ class PlanExecutor(OneSequence):
         else:
             self._launch((pid, t), self.bound[pid], step)
         end = rt.mark() if timed else None
+        if launched is not None:
+            launched()
         logits, width = self.handles[(id(plan), plan.output)], int(plan.output_shape[1])
         if rows is None:
             out = rt.download(logits, (step["T_last"], width), "f32")  # T rows, or min(T, n) after last_rows
