@@ -45,6 +45,9 @@ def pytest_collection_modifyitems(config, items):
         marker = item.get_closest_marker("target")
         if marker and marker.args[0] not in _chosen:
             item.add_marker(pytest.mark.skip(reason=f"--target leaves out {marker.args[0]}"))
+    # Tests marked `long` (minutes alone) go first: started last, one of them would be a worker's tail while the
+    # others idle.
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
 
 
 def _cpu_seconds() -> float:

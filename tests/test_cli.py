@@ -271,6 +271,7 @@ def test_unsupported_target_lists_available(tiny_llama):
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("model", ["smollm2", "gemma3"])
 def test_score_cli_parity_on_fixture(model, request, fixtures_dir, tmp_path):
     path = request.getfixturevalue(f"{model}_path")

@@ -42,6 +42,7 @@ pytestmark = pytest.mark.target("cuda")
 # --- the simulator child process -------------------------------------------------------------------------
 
 
+@pytest.mark.long
 def test_simulator():
     """Every runtime test of this file, in a child pytest with the simulator on (isolated from this process)."""
     if INNER:
