@@ -113,6 +113,7 @@ class BusyPeriod:
     finished: int = 0
     step_s: float = 0.0  # in `Scheduler._step`
     model_s: float = 0.0  # of that, in `BatchDecoder.step`
+    longest_s: float = 0.0  # the longest of those
 
     def summary(self, now: float) -> str:
         wall = max(now - self.start, 1e-9)
@@ -120,7 +121,8 @@ class BusyPeriod:
         return (f"served {self.finished} requests: {self.generated} tokens in {wall:.2f} s "
                 f"({self.generated / wall:.1f} tok/s), {self.steps} steps of {self.rows / max(self.steps, 1):.1f} "
                 f"rows; a step {self.model_s * per:.2f} ms in the model, {(self.step_s - self.model_s) * per:.2f} ms "
-                f"sampling and sending, {(wall - self.step_s) * per:.2f} ms between steps")
+                f"sampling and sending, {(wall - self.step_s) * per:.2f} ms between steps; the longest step "
+                f"{self.longest_s * 1e3:.1f} ms")
 
 
 class Scheduler:
@@ -238,7 +240,9 @@ class Scheduler:
             self._flush()
             return
         finally:
-            busy.model_s += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            busy.model_s += spent
+            busy.longest_s = max(busy.longest_s, spent)
         for row, r in enumerate(decoding):
             r.logits = out[row]
             self._advance(r)
