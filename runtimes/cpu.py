@@ -45,7 +45,9 @@ class CPURuntime(Runtime):
         threads.configure()  # before Numba's pool starts: the CLI's -t, else the default (polystrata.threads)
         numba_ssa.install()  # numba's SSA pass, linear in a kernel's length
         self.device = f"{cpu_name()} ({os.cpu_count()} threads, numba {numba.__version__})"
-        self.compiler = f"numba {numba.__version__}"
+        # The optimization level (NUMBA_OPT, which the test suite lowers) is part of the binary: a cache entry built
+        # at one level is not another's.
+        self.compiler = f"numba {numba.__version__} -O{int(numba.core.config.OPT)}"
 
     def render(self, kernel: Kernel) -> str:
         return render(kernel)
