@@ -102,9 +102,9 @@ class _Running:
 @dataclass
 class BusyPeriod:
     """The scheduler's work from its first step after being idle to its going idle again, logged then as one line,
-    as llama-server logs its timings: where a step's time goes, the model's step (launches, device, logits back),
-    the host's sampling, detokenizing and stop strings, or between steps (handing events to the event loop,
-    admitting requests, waiting for the interpreter while the event loop's thread holds it)."""
+    as llama-server logs its timings: where a step's time goes, the model's step (launches, handing the previous
+    step's events to the event loop, device, logits back), the host's sampling, detokenizing and stop strings, or
+    between steps (admitting requests, waiting for the interpreter while the event loop's thread holds it)."""
 
     start: float
     steps: int = 0

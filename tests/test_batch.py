@@ -206,6 +206,7 @@ def test_mixed_steps_match_each_sequence_alone(tiny_llama, target):
     if target == "cpu-graphs":
         assert (id(eng.graph_rows), 9) in eng.executor.graphs and eng.runtime.replays >= 2
 
+
 class _OrderedCPU(_GraphCPU):
     """_GraphCPU noting when work is queued (a launch, a graph's replay) and when results are read back."""
 
