@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 # Numba's LLVM at -O1, not -O3, unless the caller chose (NUMBA_OPT=3 pytest ...): the CPU target's kernels are the
-# suite's costliest part to compile and the same code either way (-O1: test_recipes_linear in 17 % less CPU
-# time, the whole suite in 5 %). Set before Numba loads, so the xdist workers and the CLI's child processes inherit it.
+# suite's costliest part to compile and the same code either way (-O1: test_recipes_linear in 17 % less CPU time,
+# the whole suite in 5 %). Set before Numba loads, so the xdist workers and the CLI's child processes inherit it.
 os.environ.setdefault("NUMBA_OPT", "1")
 
 from polystrata import zoo
