@@ -335,8 +335,11 @@ if [[ " $STAGES " == *" serve "* ]]; then
                 --iters 50 $kn 2>&1 | tee -a "$LOG" | tail -2 | tee -a "$SUMMARY"
         done
     fi
+    # SERVE_LLAMA=0: PolyStrata alone (no llama.cpp build to wait for).
     lcpp=(); [ -n "${SERVE_KNOBS:-}" ] && lcpp=(--polystrata-args "$SERVE_KNOBS")
-    if bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1 && bash scripts/device_llamacpp.sh wait 540 >> "$LOG" \
+    if [ "${SERVE_LLAMA:-1}" = 0 ]; then
+        row "llama-server" "left out (SERVE_LLAMA=0)"
+    elif bash scripts/device_llamacpp.sh start >> "$LOG" 2>&1 && bash scripts/device_llamacpp.sh wait 540 >> "$LOG" \
         && [ -x /tmp/llamacpp-build/bin/llama-server ]; then
         lcpp+=(--llama-server /tmp/llamacpp-build/bin/llama-server --llama-args "-ngl 99 -fa on")
     else
