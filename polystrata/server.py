@@ -180,11 +180,11 @@ class Scheduler:
                 self.busy = self.busy or BusyPeriod(start)
                 self._step()  # hands the events so far to the event loops once its work is on the device
                 self.busy.step_s += time.perf_counter() - start
-            if not (self.running or self.joining):
+            if not (self.running or self.joining):  # idle: no next step hands the events on
                 self._flush()
-            if self.busy and not (self.running or self.joining):
-                self.log(self.busy.summary(time.perf_counter()))
-                self.busy = None
+                if self.busy:
+                    self.log(self.busy.summary(time.perf_counter()))
+                    self.busy = None
 
     def _admit(self) -> None:
         """Jobs take a slot while slots are free, to join at the next step; with nothing running, wait for one."""

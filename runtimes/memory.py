@@ -708,9 +708,8 @@ class ExpertStreamer:
         if self.on_device:
             for layer in self.layers:
                 st = layer.stream
-                uploads = layer.cache.load_state(self.rt.download(layer.table_handle, (st.state.size,), "i32"), st.k)
-                self.stats.uploads += uploads
-                self.stats.link_bytes += uploads * sum(src.nbytes for src in layer.host)
+                self._count_uploads(layer, layer.cache.load_state(
+                    self.rt.download(layer.table_handle, (st.state.size,), "i32"), st.k))
             self.on_device = False
 
     def layer_of(self, stream: Any) -> int:
@@ -730,9 +729,13 @@ class ExpertStreamer:
                     self.staging.events[i] = ev
                 if ev is not None:
                     events.append(ev)
-                self.stats.link_bytes += nb
-            self.stats.uploads += 1
+        self._count_uploads(layer, len(loads))
         return events
+
+    def _count_uploads(self, layer: _Layer, n: int) -> None:
+        """Statistics of `n` experts of `layer` sent over the host link (by the host, or by a fill kernel)."""
+        self.stats.uploads += n
+        self.stats.link_bytes += n * sum(src.nbytes for src in layer.host)
 
     def load(self, li: int, experts: list[int]) -> None:
         """Make `experts` of layer `li` resident for the launches that follow on the compute queue: upload the
