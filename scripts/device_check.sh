@@ -361,18 +361,27 @@ fi
 if [[ " $STAGES " == *" tune "* ]]; then
     # Kernel autotuning (issue 20): per model and target, `tune` with TUNE_BUDGET (default 4m: a call is at most
     # 10 minutes, with the load, the default kernels' compile and the bench), then `bench --tuning both` (untuned,
-    # then tuned, in one run; TUNE_BENCH=0 skips it). TUNE_TARGETS and TUNE_MODELS narrow it; TUNE_BENCH_ARGS
-    # shortens the bench. The tuning database starts empty on each machine: a session that takes several calls
-    # carries the last call's rows back in .tuning/tuning_h200.json (ignored by git), imported first, and each call
-    # returns all rows as tuning_h200.json; `tune` resumes with the instances left (largest share of a step first).
+    # then tuned, in one run; TUNE_BENCH=0 skips it). TUNE_TARGETS and TUNE_MODELS narrow it; TUNE_ARGS adds
+    # options (`--plans decode`), TUNE_JOBS sets -j; TUNE_BENCH_ARGS shortens the bench. The tuning database
+    # starts empty on each machine: a session that takes several calls carries the last call's database back in
+    # .tuning/ (ignored by git); each call returns it as tuning.sqlite, and its rows as tuning_h200.json. `tune`
+    # resumes with the instances left (largest share of a step first), a cut-short one where it stopped.
     preset_model llama3-8b-q4km; preset_model qwen3moe-8l-q4km
-    [ -f .tuning/tuning_h200.json ] && python3 -m polystrata tune --import .tuning/tuning_h200.json 2>&1 | tee -a "$LOG"
+    # The database itself where a call left one (.tuning/tuning.sqlite: it also keeps the candidates measured of
+    # an instance the budget cut short, which the next `tune` goes on from), else the rows of the JSON.
+    if [ -f .tuning/tuning.sqlite ]; then
+        mkdir -p "$POLYSTRATA_HOME" && cp .tuning/tuning.sqlite "$POLYSTRATA_HOME/tuning.sqlite"
+    elif [ -f .tuning/tuning_h200.json ]; then
+        python3 -m polystrata tune --import .tuning/tuning_h200.json 2>&1 | tee -a "$LOG"
+    fi
     for t in ${TUNE_TARGETS:-cuda hip opencl}; do
         for m in ${TUNE_MODELS:-llama3-8b-q4km qwen3moe-8l-q4km}; do
             timeout 900 python3 -m polystrata tune "$M/$m.gguf" --target "$t" --budget "${TUNE_BUDGET:-4m}" \
-                ${TUNE_JOBS:+-j "$TUNE_JOBS"} 2>&1 | tee -a "$LOG" | grep -E '^tune: ([0-9]+ kernel|budget)' \
+                ${TUNE_JOBS:+-j "$TUNE_JOBS"} ${TUNE_ARGS:-} 2>&1 | tee -a "$LOG" \
+                | grep -E '^tune: ([0-9]+ kernel|budget|.*(tried, |budget was spent))' \
                 | sed "s/^/$m $t: /" | tee -a "$SUMMARY"
             python3 -m polystrata tune --export "$OUT/tuning_h200.json" 2>> "$LOG"  # after each: a timeout keeps it
+            cp "$POLYSTRATA_HOME/tuning.sqlite" "$OUT/" 2>> "$LOG"
             [ "${TUNE_BENCH:-1}" = 0 ] && continue
             timeout 900 python3 -m polystrata bench "$M/$m.gguf" --target "$t" --tuning both \
                 ${TUNE_BENCH_ARGS:--p 512 -n 128 -r 3} --json > "$OUT/tune_${m}_$t.json" 2>> "$LOG"

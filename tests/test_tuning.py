@@ -208,7 +208,8 @@ def test_tune_rejects_a_wrong_candidate_keeps_what_it_measured_and_resumes(tiny,
     with pytest.raises(KeyboardInterrupt):
         tuner.run()
     (res,) = tuner.results
-    assert res.tried == 3 and res.rejected == 2  # chunk 32 alone is right; with corrupt=1 it is not
+    # chunk 32 alone is right, corrupt=1 is not; the pair is not tried, as one of its changes alone was wrong
+    assert res.tried == 2 and res.rejected == 1
     assert any("corrupt" in m and "rejected, wrong output" in m for m in logs)
     rows = db.rows()
     assert [r["signature"] for r in rows] == [calls[0]]  # the finished instance was kept
@@ -219,6 +220,43 @@ def test_tune_rejects_a_wrong_candidate_keeps_what_it_measured_and_resumes(tiny,
     assert [j[2] for j in again.jobs_todo()] == [calls[1]]  # resumes with what was left
     again.run()
     assert len(db.rows()) == 2 and not Tuner(engine, db, 60.0, only="last_rows").jobs_todo()
+
+
+def test_an_instance_cut_short_goes_on_where_it_stopped(tiny, db, monkeypatch, request):
+    _corrupting_last_row(monkeypatch, request)
+    engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
+    logs = []
+    tuner = Tuner(engine, db, 60.0, plans=("decode",), only="last_rows", log=logs.append)
+    put = db.put_tried
+
+    def spent_after_one(*args):  # the budget runs out once the first candidate is measured
+        put(*args)
+        tuner.budget_s = 0.0
+
+    monkeypatch.setattr(db, "put_tried", spent_after_one)
+    (res,) = tuner.run()
+    assert res.tried == 1 and not res.complete and len(res.candidate_s) == 1
+    assert any("budget was spent after 1 candidates" in m for m in logs)
+    sig = res.signature
+    assert sig in db.unfinished(tuner.key) and [j[2] for j in tuner.jobs_todo()] == [sig]
+
+    monkeypatch.setattr(db, "put_tried", put)
+    again = Tuner(engine, db, 60.0, plans=("decode",), only="last_rows", log=logs.append)
+    (res,) = again.run()
+    # The first candidate's measurement is taken from the database; only the second is measured now.
+    assert res.tried == 2 and res.rejected == 1 and res.complete and len(res.candidate_s) == 1
+    assert not db.unfinished(again.key) and not again.jobs_todo()
+    assert [r["signature"] for r in db.rows()] == [sig]
+
+
+def test_pairs_are_tried_of_the_single_changes_that_were_faster():
+    space = KnobSpace("s", (Knob("a", 1, (2, 3)), Knob("b", 1, (2,)), Knob("c", 1, (2,))),
+                      constraint=lambda kn: not (kn["a"] == 3 and kn["c"] == 2))
+    assert space.singles() == [{"a": 2}, {"a": 3}, {"b": 2}, {"c": 2}]
+    assert space.pairs([{"c": 2}, {"a": 2}, {"a": 3}, {"b": 2}]) == [{"c": 2, "a": 2}, {"c": 2, "b": 2},
+                                                                     {"a": 2, "b": 2}, {"a": 3, "b": 2}]
+    assert space.candidates() == space.singles() + [{"a": 2, "b": 2}, {"a": 2, "c": 2}, {"a": 3, "b": 2},
+                                                    {"b": 2, "c": 2}]
 
 
 def test_tune_stops_at_its_budget(tiny, db):
@@ -256,7 +294,7 @@ def test_gpu_renderers_ignore_contract_and_the_tuner_does_not_try_it(tiny, db, m
         return
     # The f32 path with contract: a kernel unlike the default's (int8 on a GPU), so only the policy skips it.
     fused_f32 = [{"int8": 0, "contract": 1}]
-    monkeypatch.setattr(KnobSpace, "candidates", lambda self: fused_f32 if self.name == "matmul" else [])
+    monkeypatch.setattr(KnobSpace, "singles", lambda self: fused_f32 if self.name == "matmul" else [])
     tuner = Tuner(engine, db, 60.0, plans=("decode",), only=r"matmul_q8_0_128x128:t1$", log=lambda m: None)
     (res,) = tuner.run()
     assert res.tried == 0
@@ -270,14 +308,14 @@ def test_tune_takes_the_instances_with_the_largest_share_of_a_step_first(tiny, d
     assert set(todo) <= set(times) and all(times[sig] > 0 for sig in todo)  # every instance's launches timed
     ranked = dict(zip(todo, range(1, len(todo) + 1)))  # the last in plan order the largest
     monkeypatch.setattr(Tuner, "step_times", lambda self: ranked)
-    monkeypatch.setattr(KnobSpace, "candidates", lambda self: [{"chunk": 3}])
+    monkeypatch.setattr(KnobSpace, "singles", lambda self: [{"chunk": 3}])
     monkeypatch.setattr(Tuner, "candidate_launches", lambda *a: (_ for _ in ()).throw(ValueError("no")))
     assert [r.signature for r in tuner.run()] == todo[::-1]
 
 
 def test_candidates_that_do_not_lower_are_logged_once_a_reason(tiny, db, monkeypatch):
     engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
-    monkeypatch.setattr(KnobSpace, "candidates", lambda self: [{"chunk": 3}, {"chunk": 5}, {"chunk": 7}])
+    monkeypatch.setattr(KnobSpace, "singles", lambda self: [{"chunk": 3}, {"chunk": 5}, {"chunk": 7}])
 
     def refuse(self, plan, m, i, sig, knobs):
         raise ValueError("odd chunk" if knobs["chunk"] != 5 else "five")
@@ -301,7 +339,8 @@ def test_matmul_candidates_at_the_extremes_compile_and_agree(tiny, db, monkeypat
     """A sample of matmul candidates, extremes included, tuned for real: every one compiles (in two worker
     processes) and agrees with the default within the tolerance (none rejected)."""
     sample = EXTREMES[target]
-    monkeypatch.setattr(KnobSpace, "candidates", lambda self: sample if self.name == "matmul" else [])
+    monkeypatch.setattr(KnobSpace, "singles", lambda self: sample if self.name == "matmul" else [])
+    monkeypatch.setattr(KnobSpace, "pairs", lambda self, among: [])
     engine = Engine(tiny, target=target, n_ctx=64, tuning=False)
     logs = []
     tuner = Tuner(engine, db, 600.0, plans=("decode",), only=r"matmul_q8_0_128x128:t1$", jobs=2, log=logs.append)

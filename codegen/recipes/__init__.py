@@ -107,18 +107,26 @@ class KnobSpace:
         size): what the tuning database and per-instance overrides are keyed by."""
         return f"{self.name}.v{self.version}:{instance}:t{t_max}"
 
-    def candidates(self) -> list[dict[str, Any]]:
-        """Every set of overrides the tuner may try (one knob or two changed from the defaults, allowed by
-        `constraint`), the extremes of each knob first."""
-        out: list[dict[str, Any]] = []
-        singles = [(k.name, v) for k in self.knobs for v in _extremes_first(k.candidates) if v != k.default]
-        for name, v in singles:
-            out.append({name: v})
-        for i, (a, va) in enumerate(singles):
-            for b, vb in singles[i + 1:]:
-                if a != b:
-                    out.append({a: va, b: vb})
+    def singles(self) -> list[dict[str, Any]]:
+        """The candidates that change one knob from the defaults (allowed by `constraint`), each knob's extremes
+        first: the first round of a search."""
+        return [c for c in ({k.name: v} for k in self.knobs for v in _extremes_first(k.candidates) if v != k.default)
+                if self.constraint is None or self.constraint({**self.defaults(), **c})]
+
+    def pairs(self, among: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The candidates that change two knobs, each change one of the single-knob candidates `among` (in their
+        order: a search passes the singles that won, best first), allowed by `constraint`."""
+        out = []
+        for i, a in enumerate(among):
+            for b in among[i + 1:]:
+                if set(a).isdisjoint(b):
+                    out.append({**a, **b})
         return [c for c in out if self.constraint is None or self.constraint({**self.defaults(), **c})]
+
+    def candidates(self) -> list[dict[str, Any]]:
+        """Every set of overrides the tuner may try: `singles`, then every allowed `pairs` of them."""
+        singles = [{k.name: v} for k in self.knobs for v in _extremes_first(k.candidates) if v != k.default]
+        return self.singles() + self.pairs(singles)
 
 
 def _extremes_first(values: tuple) -> list:

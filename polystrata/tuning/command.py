@@ -97,6 +97,8 @@ def _tune(a, db) -> int:
         tuner.run()
     finally:
         won = [r for r in tuner.results if r.best]
-        print(f"tune: {len(tuner.results)} kernel instances tuned in {tuner.elapsed():.1f} s of the "
-              f"{budget:.0f} s budget, {len(won)} faster than their default", file=sys.stderr)
+        cut = sum(not r.complete for r in tuner.results)
+        print(f"tune: {len(tuner.results) - cut} kernel instances tuned{f' and {cut} cut short' if cut else ''} in "
+              f"{tuner.elapsed():.1f} s of the {budget:.0f} s budget, {len(won)} faster than their default",
+              file=sys.stderr)
     return 0

@@ -7,6 +7,10 @@ the winner's and the default's measured times with their spread, and the date. A
 version looks up other rows, so nothing measured elsewhere applies silently. A row whose knobs equal the defaults
 records that the default won (the tuner does not measure that instance again).
 
+A second table keeps each candidate measured of an instance not yet finished (its median time, or none where it
+was rejected): a session cut short by its budget goes on from there the next time, not from the start. It stays
+on the machine: `export` moves the first table's rows only.
+
 `export` / `import_file` move rows between machines as JSON (a list of rows, as `rows` returns them); an import
 file is checked whole before anything is written, and written in one transaction.
 """
@@ -29,7 +33,11 @@ FORMAT = "polystrata-tuning/1"
 _SCHEMA = """CREATE TABLE IF NOT EXISTS tuning_v1 (
     signature TEXT NOT NULL, target TEXT NOT NULL, device TEXT NOT NULL, compiler TEXT NOT NULL,
     knobs TEXT NOT NULL, best_s REAL NOT NULL, default_s REAL NOT NULL, spread REAL NOT NULL, date TEXT NOT NULL,
-    PRIMARY KEY (signature, target, device, compiler))"""
+    PRIMARY KEY (signature, target, device, compiler));
+CREATE TABLE IF NOT EXISTS tried_v1 (
+    signature TEXT NOT NULL, target TEXT NOT NULL, device TEXT NOT NULL, compiler TEXT NOT NULL,
+    knobs TEXT NOT NULL, median_s REAL, spread REAL NOT NULL, date TEXT NOT NULL,
+    PRIMARY KEY (signature, target, device, compiler, knobs))"""
 FIELDS = ("signature", "target", "device", "compiler", "knobs", "best_s", "default_s", "spread", "date")
 # Sizes an import accepts: anything larger is not a tuning file.
 MAX_IMPORT_BYTES = 64 << 20
@@ -57,7 +65,7 @@ class TuningDB:
             private_dir(self.path.parent)
         try:
             with closing(sqlite3.connect(self.path, timeout=30)) as con:
-                con.execute(_SCHEMA)
+                con.executescript(_SCHEMA)
                 if write:
                     with con:
                         yield con
@@ -73,7 +81,7 @@ class TuningDB:
 
     def put_many(self, rows: list[dict[str, Any]]) -> None:
         """Insert or replace rows in one transaction."""
-        values = [tuple(json.dumps(r["knobs"], sort_keys=True) if f == "knobs" else r[f] for f in FIELDS)
+        values = [tuple(knob_key(r["knobs"]) if f == "knobs" else r[f] for f in FIELDS)
                   for r in rows]
         with writing(self.path), self._connect(write=True) as con:
             con.executemany(f"INSERT OR REPLACE INTO tuning_v1 ({', '.join(FIELDS)}) "
@@ -98,6 +106,38 @@ class TuningDB:
                 row["knobs"] = json.loads(row["knobs"])
                 out.append(row)
             return out
+
+    def put_tried(self, key: tuple[str, str, str], signature: str, knobs: dict[str, Any],
+                  median_s: float | None, spread: float) -> None:
+        """Keep one measured candidate of an instance (`key`: target, device, compiler; `median_s` None: rejected)."""
+        with writing(self.path), self._connect(write=True) as con:
+            con.execute("INSERT OR REPLACE INTO tried_v1 (signature, target, device, compiler, knobs, median_s, "
+                        "spread, date) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (signature, *key, knob_key(knobs), median_s, spread, today()))
+
+    def tried(self, key: tuple[str, str, str], signature: str) -> dict[str, tuple[float | None, float]]:
+        """The candidates of an instance measured on this machine so far: knobs (as `knob_key` spells them) ->
+        (median seconds or None where rejected, spread)."""
+        with self._connect() as con:
+            if con is None:
+                return {}
+            return {k: (m, sp) for k, m, sp in con.execute(
+                "SELECT knobs, median_s, spread FROM tried_v1 WHERE signature = ? AND target = ? AND device = ? "
+                "AND compiler = ?", (signature, *key))}
+
+    def unfinished(self, key: tuple[str, str, str]) -> set[str]:
+        """Signatures of the instances with candidates measured on this machine and not yet finished."""
+        with self._connect() as con:
+            if con is None:
+                return set()
+            return {sig for (sig,) in con.execute("SELECT DISTINCT signature FROM tried_v1 WHERE target = ? AND "
+                                                  "device = ? AND compiler = ?", key)}
+
+    def forget_tried(self, key: tuple[str, str, str], signature: str) -> None:
+        """Drop an instance's measured candidates (it is finished)."""
+        with writing(self.path), self._connect(write=True) as con:
+            con.execute("DELETE FROM tried_v1 WHERE signature = ? AND target = ? AND device = ? AND compiler = ?",
+                        (signature, *key))
 
     def choices(self, target: str, device: str, compiler: str) -> dict[str, dict[str, Any]]:
         """Signature -> the knobs to override, for one machine (rows where the default won are left out)."""
@@ -178,6 +218,11 @@ def _allowed_values(signature: str) -> dict[str, tuple] | None:
         if space is not None and signature.startswith(f"{space.name}.v{space.version}:"):
             return {k.name: (k.default, *k.candidates) for k in space.knobs}
     return None
+
+
+def knob_key(knobs: dict[str, Any]) -> str:
+    """A candidate's knobs as the database spells them (JSON, sorted)."""
+    return json.dumps(knobs, sort_keys=True)
 
 
 def today() -> str:

@@ -33,6 +33,7 @@ already started finishes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import statistics
@@ -54,7 +55,7 @@ from polystrata.ir.kernel import DTYPE_BYTES, Kernel, Launch
 from polystrata.progress import Progress
 from polystrata.runtimes.base import compile_pool, stop_pool, submit_compile
 from polystrata.tuning import machine_key
-from polystrata.tuning.db import TuningDB, today
+from polystrata.tuning.db import TuningDB, knob_key, today
 
 PLANS = ("decode", "prefill")
 DECODE_DEPTH = 32  # tokens in the KV cache when decode kernels are timed
@@ -108,6 +109,7 @@ class SiteResult:
     rejected: int = 0
     # (session time at its start, wall time) of each candidate tried, its compile included
     candidate_s: list[tuple[float, float]] = field(default_factory=list)
+    complete: bool = False  # every candidate measured (else the budget cut it short: the next run goes on)
     setup_s: float = 0.0  # running the plan up to the instance, saving its buffers, timing the default
 
 
@@ -175,14 +177,14 @@ class Tuner:
 
     def jobs_todo(self) -> list[tuple[str, Any, str, KnobSpace, int]]:
         """(plan name, graph, signature, knob space, match index) of every instance still to tune: in a knob
-        space with candidates, matching `only`, not in the database for this machine."""
-        done = {r["signature"] for r in self.db.rows(*self.key)}
+        space with candidates, matching `only`, not in the database for this machine or cut short there."""
+        done = {r["signature"] for r in self.db.rows(*self.key)} - self.db.unfinished(self.key)
         out, seen = [], set()
         for plan_name, graph in self._graphs():
             plan = self.ex.plans[id(graph)]
             for m, sites in enumerate(plan.group_sites):
                 for s in sites:
-                    if s.signature in seen or s.signature in done or not s.space.candidates():
+                    if s.signature in seen or s.signature in done or not s.space.singles():
                         continue
                     if self.only and not self.only.search(s.signature):
                         continue
@@ -383,77 +385,126 @@ class Tuner:
         res.default = timed(bound_all_default)
         int8_default = _uses_int8(default_launches)
 
-        # Lower every candidate first (cheap), drop those that change nothing, start their compiles.
+        # Lower the candidates first (cheap), drop those that change nothing, start their compiles.
         seen = {tuple(default_launches)}
-        lowered = []
         unlowered: dict[str, list[dict]] = {}  # why a candidate does not lower -> the candidates
-        for knobs in space.candidates():
-            if any(k in rt.policy.inert_knobs for k in knobs):
-                continue
-            try:
-                launches, specs = self.candidate_launches(plan, m, idx[0], sig, knobs)
-            except Exception as e:  # a knob set the recipe cannot build (an assertion, a shape that does not divide)
-                unlowered.setdefault(f"{type(e).__name__}: {e}", []).append(knobs)
-                continue
-            if tuple(launches) in seen:
-                continue
-            seen.add(tuple(launches))
-            if rt.lanes > 1 and any(_local_bytes(la.kernel) > rt.policy.local_bytes for la in launches):
-                continue
-            lowered.append((knobs, launches, specs))
-        for why, cands in unlowered.items():  # one line a reason: a knob value the shape refuses skips many sets
-            self.log(f"tune: {sig}: {len(cands)} candidate{'s' * (len(cands) > 1)} skipped, not lowering "
-                     f"({why}; first {cands[0]})")
-        res.setup_s = time.monotonic() - site_start
-        futures: list[Future | None] = [None] * len(lowered)
-        if self.pool is not None:
-            for i, (_, launches, _) in enumerate(lowered):
-                futures[i] = submit_compile(self.pool, rt.name, [la.kernel for la in launches], rt.arch)
 
-        best: tuple[dict, list[BoundLaunch], Timing] | None = None
-        for i, (knobs, launches, specs) in enumerate(lowered):
-            if self.elapsed() >= self.budget_s:
-                break
-            res.tried += 1
-            started = time.monotonic()
-            at = self.elapsed()
+        def lowered(cands: list[dict]) -> list[tuple[dict, list[Launch], dict, Future | None]]:
+            out = []
+            for knobs in cands:
+                if any(k in rt.policy.inert_knobs for k in knobs):
+                    continue
+                try:
+                    launches, specs = self.candidate_launches(plan, m, idx[0], sig, knobs)
+                except Exception as e:  # a knob set the recipe cannot build (an assertion, a shape that
+                    # does not divide)
+                    unlowered.setdefault(f"{type(e).__name__}: {e}", []).append(knobs)
+                    continue
+                if tuple(launches) in seen:
+                    continue
+                seen.add(tuple(launches))
+                if rt.lanes > 1 and any(_local_bytes(la.kernel) > rt.policy.local_bytes for la in launches):
+                    continue
+                out.append((knobs, launches, specs, None))
+            if self.pool is not None:  # measured before: no compile (unless it wins and is timed again)
+                out = [(kn, la, sp, None if knob_key(kn) in before else
+                        submit_compile(self.pool, rt.name, [x.kernel for x in la], rt.arch))
+                       for kn, la, sp, _ in out]
+            return out
+
+        def measure_one(knobs: dict, launches: list[Launch], specs, future: Future | None) -> Timing | None:
+            """One candidate: its compile (awaited where a worker started it), its outputs checked against the
+            default's, then its time over every match; None where it is rejected (logged)."""
             try:
-                if futures[i] is not None:
-                    futures[i].result()
-                hs, bound_all = bind_all(launches, specs, lambda g, kn=knobs: self.candidate_launches(
-                    plan, g, firsts[g], sig, kn))
+                if future is not None:
+                    future.result()
+                hs, bound_all = bind_all(launches, specs, lambda g: self.candidate_launches(
+                    plan, g, firsts[g], sig, knobs))
                 restore()
                 run(bound_all[: len(launches)])
                 got = outputs(launches, hs, specs)
             except PolystrataError as e:
-                res.rejected += 1
-                res.candidate_s.append((at, time.monotonic() - started))
                 self.log(f"tune: {sig} {knobs}: rejected, does not compile ({str(e).splitlines()[0]})")
-                continue
+                return None
             tol = TOLERANCE_INT8 if int8_default or _uses_int8(launches) else TOLERANCE
             why = compare(want, got, tol)
             if why is not None:
-                res.rejected += 1
-                res.candidate_s.append((at, time.monotonic() - started))
                 self.log(f"tune: {sig} {knobs}: rejected, wrong output: {why}")
-                continue
-            t = timed(bound_all)
-            res.candidate_s.append((at, time.monotonic() - started))
-            if best is None or t.median < best[2].median:
-                best = (knobs, bound_all, t)
-        if best is not None:
+                return None
+            bound_of[knob_key(knobs)] = bound_all
+            return timed(bound_all)
+
+        before = self.db.tried(self.key, sig)  # candidates an earlier session measured (cut short by its budget)
+        timings: dict[str, Timing | None] = {}  # knob_key -> the candidate's time (None: rejected)
+        bound_of: dict[str, list[BoundLaunch]] = {}
+        made: dict[str, tuple[list[Launch], dict]] = {}
+
+        def measure(cands: list[tuple[dict, list[Launch], dict, Future | None]]) -> bool:
+            """Measure `cands` (or take an earlier session's measurement) until the budget is spent; whether
+            every one was."""
+            for knobs, launches, specs, future in cands:
+                key = knob_key(knobs)
+                made[key] = (launches, specs)
+                if key in before:
+                    median, spread = before[key]
+                    timings[key] = None if median is None else Timing(median, spread)
+                    res.tried += 1
+                    res.rejected += median is None
+                    continue
+                if self.elapsed() >= self.budget_s:
+                    return False
+                res.tried += 1
+                started, at = time.monotonic(), self.elapsed()
+                t = measure_one(knobs, launches, specs, future)
+                res.candidate_s.append((at, time.monotonic() - started))
+                timings[key] = t
+                res.rejected += t is None
+                self.db.put_tried(self.key, sig, knobs, None if t is None else t.median,
+                                  0.0 if t is None else t.spread)
+            return True
+
+        # First every knob changed alone; then pairs of the changes that were faster than the default (the
+        # largest gains first), not every pair of the space: a GPU's compile takes seconds a candidate.
+        singles = lowered(space.singles())
+        res.setup_s = time.monotonic() - site_start
+        complete = measure(singles)
+        if complete:
+            faster = sorted(((timings[knob_key(kn)], kn) for kn, *_ in singles
+                             if timings.get(knob_key(kn)) is not None
+                             and timings[knob_key(kn)].median < res.default.median), key=lambda x: x[0].median)
+            complete = measure(lowered(space.pairs([kn for _, kn in faster])))
+        for why, cands in unlowered.items():  # one line a reason: a knob value the shape refuses skips many sets
+            self.log(f"tune: {sig}: {len(cands)} candidate{'s' * (len(cands) > 1)} skipped, not lowering "
+                     f"({why}; first {cands[0]})")
+        res.complete = complete
+        measured = [(t, json.loads(k)) for k, t in timings.items() if t is not None]
+        if measured:
+            t_best, knobs_best = min(measured, key=lambda x: x[0].median)
+            key = knob_key(knobs_best)
+            if key not in bound_of:  # measured by an earlier session: bound (and compiled) only now
+                launches, specs = made[key]
+                _, bound_of[key] = bind_all(launches, specs, lambda g, kn=knobs_best: self.candidate_launches(
+                    plan, g, firsts[g], sig, kn))
             # Once more, default and best back to back: a machine that got busier meanwhile misleads less.
             res.default = min(res.default, timed(bound_all_default), key=lambda x: x.median)
-            res.best_time = min(best[2], timed(best[1]), key=lambda x: x.median)
+            again = timed(bound_of[key])  # an earlier session's time is not compared with this one's default
+            res.best_time = again if key in before else min(t_best, again, key=lambda x: x.median)
             margin = max(MIN_GAIN, res.default.spread + res.best_time.spread)
             if res.best_time.median < res.default.median * (1 - margin):
-                res.best = best[0]
-        self._record(res, complete=res.tried == len(lowered))
+                res.best = knobs_best
+        if not complete:
+            best = f"; the fastest so far {res.best or 'the default'}" if measured else ""
+            self.log(f"tune: {sig}: the budget was spent after {res.tried} candidates{best}; the next run goes on "
+                     "from there")
+        self._record(res, complete=complete)
         return res
 
     def _record(self, res: SiteResult, complete: bool) -> None:
-        """Write a finished instance's row: the winner, or the default (not searched again) once every
-        candidate was tried. An instance cut short by the budget with no winner is left for the next run."""
+        """Write an instance's row: the winner, or the default (not searched again) once every candidate was
+        tried. An instance cut short by the budget keeps its measured candidates (`TuningDB.put_tried`) and its
+        winner so far, if any; the next run goes on with it (`jobs_todo`)."""
+        if complete:
+            self.db.forget_tried(self.key, res.signature)
         if not res.best and not complete:
             return
         target, device, compiler = self.key
