@@ -41,19 +41,22 @@ def _quantized(rt, x: np.ndarray) -> dict:
     return run(rt, qk, {"x": x.reshape(-1)}, {"T": t}, {"xq": ((t * K // 4,), "u32"), "xd": ((t * K // 32,), "f32")})
 
 
-@pytest.mark.parametrize("fmt_name,chunk,words", [("Q4_K_S", 64, True), ("Q6_K_A16", 256, True),
-                                                   ("Q3_K", 128, True), ("Q4_K", 64, False), ("Q5_0", 64, True)])
-def test_tile_mma_formats(rt, fmt_name, chunk, words):
+@pytest.mark.parametrize("fmt_name,chunk,words,unroll", [
+    ("Q4_K_S", 64, True, False), ("Q6_K_A16", 256, True, False), ("Q3_K", 128, True, False),
+    ("Q4_K", 64, False, False), ("Q5_0", 64, True, False), ("Q4_K_S", 128, True, True)])
+def test_tile_mma_formats(rt, fmt_name, chunk, words, unroll):
     """Operands staged a word at a time (knob mma_words; Q4_K sliced and Q6_K padded as the cuda target keeps them,
     Q6_K's and Q3_K's levels biased, the bytes made signed in the word) and a byte at a time (the knob off, and
-    Q5_0, whose levels do not pack into words)."""
+    Q5_0, whose levels do not pack into words); the loop over a chunk's weight groups written out (knob
+    mma_unroll)."""
     if rt.lanes == 1:
         pytest.skip("GPU-shaped, never planned on one lane: a Numba compile of 12 s (the tile constructs themselves "
                     "run there in ir_constructs' cases)")
     fmt, wb, wd = weight(fmt_name, N, K)
-    kern = tile_mma_kernel(f"t_mma_{fmt_name.lower()}_{int(words)}", [fmt], N, K, rows=32, tokens=16, chunk=chunk,
-                           lanes=64, words=words)
+    kern = tile_mma_kernel(f"t_mma_{fmt_name.lower()}_{int(words)}{'_u' * unroll}", [fmt], N, K, rows=32, tokens=16,
+                           chunk=chunk, lanes=64, words=words, unroll=unroll)
     assert kern.knob_dict["mma_words"] == (words and fmt_name != "Q5_0")
+    assert kern.knob_dict.get("mma_unroll", 0) == unroll
     rng = np.random.default_rng(1)
     for t in (1, 7, 33, 512):
         x = rng.standard_normal((t, K)).astype(np.float32)

@@ -425,7 +425,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     if tiles and f16_path(fmts):  # F16 weights: the f16 products for every step of several tokens
         mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"], tokens=kn["mma_tokens"],
                              chunk=chunk, lanes=kn["mma_lanes"], epilogue=epilogue,
-                             words=bool(int(kn["mma_words"])))
+                             words=bool(int(kn["mma_words"])), unroll=bool(int(kn["mma_unroll"])))
         return [Launch(mk, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
     if _int8_kernels(ctx, kn, fmts, k):
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)
@@ -437,7 +437,8 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
             long = (TILES_ABOVE, True)
             mk = tile_mma_kernel(f"{name}{gate_suffix(long)}_mma", fmts, n, k, rows=kn["mma_rows"],
                                  tokens=kn["mma_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
-                                 epilogue=epilogue, words=bool(int(kn["mma_words"])), gate=long)
+                                 epilogue=epilogue, words=bool(int(kn["mma_words"])), gate=long,
+                                 unroll=bool(int(kn["mma_unroll"])))
             tiled, short = [Launch(mk, (*acts, *wbind, ("y", y)), (("T", t_bind),))], (TILES_ABOVE, False)
         # Where longer steps take no tile products, the matvecs must keep them: no split then.
         split = _split_tiles(ctx, kn, fmts, n, k, x_rows) if tiles or x_rows <= TILES_ABOVE else None
@@ -486,7 +487,8 @@ def _split_launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx:
     def part_launch(j0: int, fs: Sequence[QuantFormat], ws: tuple, tag: str) -> Launch:
         sk = tile_mma_kernel(f"{name}{gate_suffix(mid)}_mma_k{parts}{tag}", fs, n, k, rows=kn["mma_rows"],
                              tokens=kn["mma_split_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
-                             words=bool(int(kn["mma_words"])), gate=mid, split=parts, slot=j0)
+                             words=bool(int(kn["mma_words"])), gate=mid, split=parts, slot=j0,
+                             unroll=bool(int(kn["mma_unroll"])))
         return Launch(sk, (*acts, *ws, ("yp", yp)), (("T", t_bind),))
 
     # Knob mma_split_each: several weights (the gate and up of a GLU) a launch each, as a lone matmul's, whose

@@ -757,7 +757,8 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
                                    chunk=mma_chunk(policy, "moe_ffn", kn, fmts, kd),
                                    lanes=int(kn["mma_lanes"]), epilogue=epilogue,
                                    gather=expert_gather(n_exp, n, k, cap, per_token, stream),
-                                   words=bool(int(kn["mma_words"])), gate=gate)
+                                   words=bool(int(kn["mma_words"])), gate=gate,
+                                   unroll=bool(int(kn["mma_unroll"])))
             wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
             if f16_path(fmts):
                 return [Launch(kern, (("x", act), ("lst", lst), *slot, *wbind, ("y", out)), (("T", tb),))]

@@ -24,7 +24,8 @@ docs/benchmarks.md, "Prefill on matrix units", has the analysis).
 
 The activation codes are those of the GPU matvec path, so prefill and decode see the same rounding. Knobs (recipe
 "matmul", read by `linear._launches`): mma_rows, mma_tokens (the tile), mma_chunk (K per staging round), mma_lanes,
-mma_min (the smallest matrix taken; "auto": the target policy's, see `TILE_MMA_KNOBS`), mma_words (above).
+mma_min (the smallest matrix taken; "auto": the target policy's, see `TILE_MMA_KNOBS`), mma_words (above),
+mma_unroll (see `TILE_MMA_KNOBS`).
 Targets without a matrix unit render the same kernel as loops (`codegen/lanes.py`); `linear._launches` takes it
 only where the target's policy says it has them (`Policy.matrix_units`) and the plan serves steps of several tokens.
 
@@ -68,17 +69,20 @@ from polystrata.ir.kernel import (
     TileEach,
     TileMMA,
     ToF32,
+    substitute,
 )
 
 TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", "auto", (64, 128, 256)),
                   Knob("mma_lanes", 128),
-                  Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1))
+                  Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1), Knob("mma_unroll", 0, (1,)))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
 # policy's, `codegen/policy.py`, which says why). Smaller matrices cost little in a prompt chunk anyway, and each
 # tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
 # Knob mma_chunk: K a staging round ("auto": the policy's where the matrix takes it, else SMALL_CHUNK; `mma_chunk`).
 # Knob mma_words: 1 stages int8 operands a word at a time (module docstring); 0, the byte-at-a-time staging of the
 # first measurement, is kept for comparison (`--knob matmul.mma_words=0`), not searched by `tune`.
+# Knob mma_unroll: 1 writes out the loop over a chunk's weight groups (each group's product and scaling), so that
+# the operands' local addresses are constants; 0 keeps the loop (shorter code, a longer compile of the unrolled).
 PAD = 4  # words of padding after each operand row (see the module docstring)
 SMALL_CHUNK = 64  # the K chunk of matrices that the policy's does not fit (two activation blocks)
 
@@ -195,7 +199,7 @@ def operand_arrays(fmts: Sequence[QuantFormat], rows: int, tokens: int, chunk: i
 def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, chunk: int,
                     lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
                     gather: Gather | None = None, words: bool = True, gate: Gate | tuple[Gate, ...] | None = None,
-                    split: int = 1, slot: int = 0) -> Kernel:
+                    split: int = 1, slot: int = 0, unroll: bool = False) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of `fmts` (`tile_mma_fits`), from
     int8 activations `xq` / `xd` (`linear.quantize_x_kernel`'s), or for F16 weights (`f16_path`) from the f32
     activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens)). With `gather`: for each token j the
@@ -206,7 +210,8 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     of its own (grid (.., ceil(T / tokens) * split)), whose unscaled sums go to yp[((j * split + part) * T + t) * n
     + r] for `split_sum_kernel` to add up; a step of one token tile then still has enough groups to fill the
     device. `slot`: the weights' sums go where weight slot + j's would (several launches, a weight each, filling
-    one `split_sum_kernel`'s parts)."""
+    one `split_sum_kernel`'s parts). `unroll` (knob mma_unroll): the loop over a chunk's weight groups written
+    out."""
     assert split == 1 or (gather is None and epilogue is None), "split K adds its parts up in split_sum_kernel"
     half = f16_path(fmts)
     pack_n = 2 if half else 4  # elements a word
@@ -409,11 +414,11 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
             term = term + Load(f"wm{j}", i * ng + gi) * ToF32(xsum)
         # dx * (S * isum + M * xsum): the activation scale applied once (a multiply and two multiply-adds an
         # element with offsets, where dx in each product took two more multiplies).
-        # A loop over the groups, not unrolled: each TileEach is unrolled over a lane's accumulators already.
-        return [For(gi.name, Const(0), Const(ng), (
-            TileMMA("iacc", "i8", f"wa{j}", gi * gw, st, "xb", gi * gw, st, gw),
-            TileEach("i", "jj", (FragSet(f"f{j}", FragElem(f"f{j}") + dx * term), FragSet("iacc", Const(0)))),
-        ))]
+        group = (TileMMA("iacc", "i8", f"wa{j}", gi * gw, st, "xb", gi * gw, st, gw),
+                 TileEach("i", "jj", (FragSet(f"f{j}", FragElem(f"f{j}") + dx * term), FragSet("iacc", Const(0)))))
+        if unroll:
+            return [substitute(s, gi.name, Const(g)) for g in range(ng) for s in group]
+        return [For(gi.name, Const(0), Const(ng), group)]
 
     step: list = []
     for s in range(big // chunk):
@@ -456,7 +461,8 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     grid = (Const(-(-n // rows)), step_gate((T + (tokens - 1)) // tokens * split, gate),
             *((gather.groups,) if gather else ()))
     knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes),
-             ("mma_words", int(words)), *((("mma_split", split),) if split > 1 else ()))
+             ("mma_words", int(words)), *((("mma_split", split),) if split > 1 else ()),
+             *((("mma_unroll", 1),) if unroll else ()))
     return Kernel(name, params, grid, body, lanes=lanes, local=tuple(local), knobs=knobs, fragments=frags,
                   doc=f"tile matmul {'f16' if half else 'int8'} {'+'.join(f.name for f in fmts)} [{n}x{k}]")
 
