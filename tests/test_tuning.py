@@ -249,6 +249,33 @@ def test_an_instance_cut_short_goes_on_where_it_stopped(tiny, db, monkeypatch, r
     assert [r["signature"] for r in db.rows()] == [sig]
 
 
+def test_attention_is_timed_on_a_short_and_a_deep_cache(tiny, db, monkeypatch):
+    """A decode kernel that reads the cache's length is timed at the tuner's depth and deep in the context, so a
+    choice that wins on a short cache only is not kept; kernels that do not read it run at the one depth."""
+    from polystrata.compiler.executor import BoundLaunch
+
+    engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
+    seen: dict[str, set[int]] = {}
+    run = BoundLaunch.run
+
+    def spying(self, rt, step):
+        seen.setdefault(self.ck.kernel.name, set()).add(step["n_kv"])
+        return run(self, rt, step)
+
+    monkeypatch.setattr(BoundLaunch, "run", spying)
+    # One candidate that does not lower: the default's timing is what this looks at.
+    monkeypatch.setattr(KnobSpace, "singles", lambda self: [{"chunk": 3}])
+    monkeypatch.setattr(Tuner, "candidate_launches", lambda *a: (_ for _ in ()).throw(ValueError("no")))
+    tuner = Tuner(engine, db, 60.0, plans=("decode",), only="attention|last_rows", log=lambda m: None)
+    assert tuner.deep_depth() == 48
+    seen.clear()
+    tuner.run()
+    decode = {la.kernel.name for la in engine.executor.plans[id(engine.graph_step)].launches}
+    attn = [n for n in decode if n.startswith("attn")]
+    assert attn and all(seen[n] == {33, 49} for n in attn), seen  # DECODE_DEPTH + 1 and deep_depth() + 1 keys
+    assert 49 not in seen[next(n for n in decode if n.startswith("last_rows"))]
+
+
 def test_pairs_are_tried_of_the_single_changes_that_were_faster():
     space = KnobSpace("s", (Knob("a", 1, (2, 3)), Knob("b", 1, (2,)), Knob("c", 1, (2,))),
                       constraint=lambda kn: not (kn["a"] == 3 and kn["c"] == 2))

@@ -7,10 +7,11 @@ first match that reads it:
 1. The launches before that match run on random tokens (decode: after a prefill of `DECODE_DEPTH` tokens), so
    the match's inputs hold what a real step gives it. What its launches read and write is saved and put back
    before each run below.
-2. Candidates: the knob space's sets of one or two changed knobs (`KnobSpace.candidates`), each lowered by
-   compiling the plan with that instance's override. A candidate that sets a knob the target's policy calls inert
-   (`Policy.inert_knobs`), whose launches equal the default's or an earlier candidate's (the target ignores the
-   knob), whose lowering fails, or whose local memory exceeds the policy's,
+2. Candidates: first each knob changed alone (`KnobSpace.singles`), then pairs of the changes that were faster
+   than the default (`KnobSpace.pairs`; every pair of a space would be over a thousand compiles of seconds
+   each on a GPU), each lowered by compiling the plan with that instance's override. A candidate that sets a
+   knob the target's policy calls inert (`Policy.inert_knobs`), whose launches equal the default's or an earlier
+   candidate's (the target ignores the knob), whose lowering fails, or whose local memory exceeds the policy's,
    is skipped without compiling. The others are compiled (in worker processes with `jobs` > 1: the kernel cache
    receives them, and this process loads them from there).
 3. Check: the candidate's outputs (every buffer the match writes but scratch) against the default's from the
@@ -20,15 +21,17 @@ first match that reads it:
    weights, so that they stream from memory as in a step (one layer's weights alone would sit in a cache and
    reward the wrong schedule: docs/benchmarks.md); a warm-up, then `ROUNDS` rounds of enough repetitions for
    `MIN_ROUND_S` (device marks where the target has them, else the wall clock after a sync); the median and the
-   spread ((max - min) / 2 / median). The best candidate and the default are timed once more at the end; the
-   best is kept only if its median beats the default's by more than both spreads and `MIN_GAIN`.
+   spread ((max - min) / 2 / median). Decode kernels that read the cache's length (attention) are timed at
+   `DECODE_DEPTH` and deep in the context (`Tuner.deep_depth`), their time the sum of both. The best candidate
+   and the default are timed once more at the end; the best is kept only if its median beats the default's by
+   more than both spreads and `MIN_GAIN`.
 
 The instances are tuned in order of their share of a step (`Tuner.step_times`: each launch of the plans timed
 alone), the largest first, so a short budget goes where the time is. Each finished instance is a row of the
-tuning database (the default's row when nothing won: not searched again),
-so a Ctrl-C keeps every instance finished before it and a second `tune` resumes with the next. The budget bounds
-the search (the engine's load and its default kernels' compile come first and are not counted); a candidate
-already started finishes.
+tuning database (the default's row when nothing won: not searched again), and each candidate measured of an
+instance not yet finished is kept too (`TuningDB.put_tried`): a Ctrl-C or a spent budget keeps what was
+measured, and a second `tune` goes on from there. The budget bounds the search (the engine's load and its
+default kernels' compile come first and are not counted); a candidate already started finishes.
 """
 
 from __future__ import annotations
@@ -250,6 +253,11 @@ class Tuner:
                 stop_pool(self.pool)
         return self.results
 
+    def deep_depth(self) -> int:
+        """The second cache depth decode kernels that read the cache's length are timed at: three quarters of
+        the context (at least `DECODE_DEPTH`), where a long conversation's steps run."""
+        return max(DECODE_DEPTH, self.engine.n_ctx * 3 // 4)
+
     def _step(self, plan_name: str) -> dict[str, int]:
         """Inputs of a step of `plan_name` written into the executor's buffers; returns its step symbols."""
         eng, rt = self.engine, self.rt
@@ -335,29 +343,45 @@ class Tuner:
             compiled = [rt.compile(la.kernel) for la in launches]
             return [BoundLaunch(ck, hs, la) for ck, la in zip(compiled, launches)]
 
-        def run(bound: list[BoundLaunch]) -> None:
+        def run(bound: list[BoundLaunch], at: dict[str, int] = step) -> None:
             for b in bound:
-                b.run(rt, step)
+                b.run(rt, at)
 
-        def timed(bound: list[BoundLaunch]) -> Timing:
+        def timed_at(bound: list[BoundLaunch], deep: int | None) -> Timing:
+            """Seconds a run of `bound`, with the cache `deep` tokens long (None: as the step left it)."""
             restore()
-            run(bound)  # warm-up
+            at = step
+            if deep is not None:  # the kernels read the cache's length from the positions (and the step symbols)
+                rt.write(handles["positions"], np.array([deep], np.int32))
+                at = plan.step_symbols(1, deep)
+            run(bound, at)  # warm-up
             rt.sync()
             t0 = time.perf_counter()
-            run(bound)
+            run(bound, at)
             rt.sync()
             reps = max(1, min(1000, int(MIN_ROUND_S / max(time.perf_counter() - t0, 1e-7))))
             samples = []
             for _ in range(ROUNDS):
                 start, t0 = rt.mark(), time.perf_counter()
                 for _ in range(reps):
-                    run(bound)
+                    run(bound, at)
                 end = rt.mark()
                 rt.sync()
                 dev = rt.elapsed(start, end)
                 samples.append((dev if dev is not None else time.perf_counter() - t0) / reps)
             med = statistics.median(samples)
             return Timing(med, (max(samples) - min(samples)) / 2 / med if med > 0 else 0.0)
+
+        # A decode kernel that reads the cache's length (attention: from the positions) is timed at the cache's
+        # depth here and deep in the context, the sum of both its time: a choice that wins on a short cache only
+        # (fewer splits of the keys, say) must not be kept for the long ones.
+        depths: list[int | None] = [None]
+        if plan_name == "decode" and any(b == "positions" for la in default_launches for _, b in la.buffers):
+            depths.append(self.deep_depth())
+
+        def timed(bound: list[BoundLaunch]) -> Timing:
+            parts = [timed_at(bound, deep) for deep in depths]
+            return Timing(sum(p.median for p in parts), max(p.spread for p in parts))
 
         # Every match of the plan that makes this instance (a layer each): the timing runs them all in turn, each
         # on its own weights, so that they stream from memory as in a step rather than sit in a cache.
