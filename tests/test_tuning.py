@@ -276,6 +276,16 @@ def test_attention_is_timed_on_a_short_and_a_deep_cache(tiny, db, monkeypatch):
     assert 49 not in seen[next(n for n in decode if n.startswith("last_rows"))]
 
 
+def test_compile_workers_by_default(monkeypatch):
+    """The cpu target times on the CPUs the workers compile on: half of them; a GPU times on the device: all but
+    two, at most 8."""
+    from polystrata.tuning.tuner import default_jobs
+
+    for cpus, cpu, gpu in ((2, 1, 1), (16, 4, 8), (6, 3, 4), (64, 4, 8)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert (default_jobs("cpu"), default_jobs("cuda"), default_jobs("opencl")) == (cpu, gpu, gpu)
+
+
 def test_pairs_are_tried_of_the_single_changes_that_were_faster():
     space = KnobSpace("s", (Knob("a", 1, (2, 3)), Knob("b", 1, (2,)), Knob("c", 1, (2,))),
                       constraint=lambda kn: not (kn["a"] == 3 and kn["c"] == 2))

@@ -12,8 +12,6 @@ from polystrata.errors import UsageError
 def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `tune` subcommand and its options to `subparsers`; returns its parser."""
     from polystrata.cli import ctx_arg, model_arg, target_arg, threads_arg, ubatch_arg
-    from polystrata.tuning.tuner import default_jobs
-
     p = subparsers.add_parser("tune", help="search each kernel's schedule knobs on this device and keep the winners "
                                            "in the tuning database")
     model_arg(p, optional=True)
@@ -26,8 +24,9 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, metavar="PATTERN",
                    help="tune only kernel instances whose signature matches this regular expression")
     p.add_argument("--plans", default="decode,prefill", help="plans whose kernels to tune: decode, prefill")
-    p.add_argument("-j", "--jobs", type=int, default=default_jobs(),
-                   help="worker processes compiling candidates ahead of their measurement (1: none)")
+    p.add_argument("-j", "--jobs", type=int, default=None,
+                   help="worker processes compiling candidates ahead of their measurement (1: none; default: on "
+                        "the cpu target half the CPUs, at most 4; on a GPU all but two, at most 8)")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--show", action="store_true", help="list the database's entries and their gains, then stop")
     what.add_argument("--export", metavar="FILE", default=None, help="write the database's entries to FILE (JSON)")
@@ -74,11 +73,11 @@ def _tune(a, db) -> int:
     from polystrata.cli import _resolve
     from polystrata.engine import Engine
     from polystrata.targets import resolve_target
-    from polystrata.tuning.tuner import Tuner, parse_budget, parse_plans
+    from polystrata.tuning.tuner import Tuner, default_jobs, parse_budget, parse_plans
 
     if a.model is None:
         a.command_parser.error("the following arguments are required: MODEL (or -m MODEL)")
-    if a.jobs < 1:
+    if a.jobs is not None and a.jobs < 1:
         raise UsageError("-j/--jobs must be at least 1")
     budget, plans = parse_budget(a.budget), parse_plans(a.plans)
     if a.only:
@@ -88,11 +87,12 @@ def _tune(a, db) -> int:
             re.compile(a.only)
         except re.error as e:
             raise UsageError(f"--only is not a regular expression: {e}") from None
-    if resolve_target(a.target) == "reference":
+    target = resolve_target(a.target)
+    if target == "reference":
         raise UsageError("tune needs a kernel target (cpu, cuda, hip, opencl), not the reference executor")
     engine = Engine(_resolve(a.model), target=a.target, n_ctx=a.ctx, kv_type=a.kv_type, tuning=False,
                     n_ubatch=a.n_ubatch)
-    tuner = Tuner(engine, db, budget, plans, a.only, a.jobs)
+    tuner = Tuner(engine, db, budget, plans, a.only, a.jobs or default_jobs(target))
     try:
         tuner.run()
     finally:

@@ -542,6 +542,9 @@ class Tuner:
                  f"{res.default.median * 1e6:.1f} us)")
 
 
-def default_jobs() -> int:
-    """Compile workers by default: half the usable CPUs (the other half times), at most 4, at least 1."""
-    return max(1, min(4, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2) // 2))
+def default_jobs(target: str) -> int:
+    """Compile workers by default: on the cpu target half the usable CPUs, at most 4 (the other half times the
+    candidates); on a GPU, whose kernels time on the device, all but two, at most 8 (numba-cuda takes 15-60 s
+    for a tile kernel)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
+    return max(1, min(4, cpus // 2) if target == "cpu" else min(8, cpus - 2))
