@@ -276,6 +276,28 @@ def test_attention_is_timed_on_a_short_and_a_deep_cache(tiny, db, monkeypatch):
     assert 49 not in seen[next(n for n in decode if n.startswith("last_rows"))]
 
 
+def test_candidates_that_change_only_kernels_gated_off_in_the_timed_step_are_skipped(tiny, db, monkeypatch):
+    """A prefill plan holds kernels gated to other row counts (the short steps' matvecs): a candidate that changes
+    only those changes nothing the tuner times at its step, so it is not compiled or measured."""
+    from polystrata.ir.expr import Const
+
+    engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
+    monkeypatch.setattr(KnobSpace, "singles", lambda self: [{"chunk": 32}, {"chunk": 64}])
+    made = Tuner.candidate_launches
+
+    def with_gated(plan, m, first, sig, knobs):
+        launches, specs = made(plan, m, first, sig, {})  # the default's own launches
+        if knobs["chunk"] == 32:  # plus a kernel with no groups in this step: nothing that runs changes
+            extra = dataclasses.replace(launches[0].kernel, name=launches[0].kernel.name + "_gated",
+                                        grid=(Const(0),) * len(launches[0].kernel.grid))
+            return [*launches, dataclasses.replace(launches[0], kernel=extra)], specs
+        return launches, specs
+
+    monkeypatch.setattr(Tuner, "candidate_launches", staticmethod(with_gated))
+    (res,) = Tuner(engine, db, 60.0, plans=("decode",), only="last_rows", log=lambda m: None).run()
+    assert res.tried == 0 and res.complete
+
+
 def test_compile_workers_by_default(monkeypatch):
     """The cpu target times on the CPUs the workers compile on: half of them; a GPU times on the device: all but
     two, at most 8."""

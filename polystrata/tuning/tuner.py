@@ -10,9 +10,9 @@ first match that reads it:
 2. Candidates: first each knob changed alone (`KnobSpace.singles`), then pairs of the changes that were faster
    than the default (`KnobSpace.pairs`; every pair of a space would be over a thousand compiles of seconds
    each on a GPU), each lowered by compiling the plan with that instance's override. A candidate that sets a
-   knob the target's policy calls inert (`Policy.inert_knobs`), whose launches equal the default's or an earlier
-   candidate's (the target ignores the knob), whose lowering fails, or whose local memory exceeds the policy's,
-   is skipped without compiling. The others are compiled (in worker processes with `jobs` > 1: the kernel cache
+   knob the target's policy calls inert (`Policy.inert_knobs`), whose launches that run in the timed step equal
+   the default's or an earlier candidate's (the target ignores the knob, or it sets kernels gated to other row
+   counts), whose lowering fails, or whose local memory exceeds the policy's, is skipped without compiling. The others are compiled (in worker processes with `jobs` > 1: the kernel cache
    receives them, and this process loads them from there).
 3. Check: the candidate's outputs (every buffer the match writes but scratch) against the default's from the
    same inputs; f32 within `tolerance` relative to the largest |value| (looser where int8 activations are on
@@ -56,7 +56,7 @@ from polystrata.compiler.plan import BufferSpec, Plan
 from polystrata.errors import PolystrataError, UsageError
 from polystrata.ir.kernel import DTYPE_BYTES, Kernel, Launch
 from polystrata.progress import Progress
-from polystrata.runtimes.base import compile_pool, stop_pool, submit_compile
+from polystrata.runtimes.base import compile_pool, eval_int, stop_pool, submit_compile
 from polystrata.tuning import machine_key
 from polystrata.tuning.db import TuningDB, knob_key, today
 
@@ -122,6 +122,16 @@ def _local_bytes(kernel: Kernel) -> int:
 
 def _is_scratch(name: str) -> bool:
     return name.startswith("scratch.")
+
+
+def _runs_at(la: Launch, step: dict[str, int]) -> bool:
+    """Whether a launch has work in a step of these step symbols (a kernel gated to other row counts has a grid
+    of zero groups there)."""
+    env = {n: (step[v] if isinstance(v, str) else v) for n, v in la.scalars}
+    try:
+        return all(eval_int(g, env) > 0 for g in la.kernel.grid)
+    except KeyError:  # a grid of something else than the launch's scalars: assume it runs
+        return True
 
 
 def _uses_int8(launches: list[Launch]) -> bool:
@@ -409,8 +419,10 @@ class Tuner:
         res.default = timed(bound_all_default)
         int8_default = _uses_int8(default_launches)
 
-        # Lower the candidates first (cheap), drop those that change nothing, start their compiles.
-        seen = {tuple(default_launches)}
+        # Lower the candidates first (cheap), drop those that change nothing that runs in the timed step (a knob
+        # of the kernels gated to other row counts: the short steps' matvecs in a prefill plan), start their
+        # compiles.
+        seen = {tuple(la for la in default_launches if _runs_at(la, step))}
         unlowered: dict[str, list[dict]] = {}  # why a candidate does not lower -> the candidates
 
         def lowered(cands: list[dict]) -> list[tuple[dict, list[Launch], dict, Future | None]]:
@@ -424,9 +436,10 @@ class Tuner:
                     # does not divide)
                     unlowered.setdefault(f"{type(e).__name__}: {e}", []).append(knobs)
                     continue
-                if tuple(launches) in seen:
+                running = tuple(la for la in launches if _runs_at(la, step))
+                if running in seen:
                     continue
-                seen.add(tuple(launches))
+                seen.add(running)
                 if rt.lanes > 1 and any(_local_bytes(la.kernel) > rt.policy.local_bytes for la in launches):
                     continue
                 out.append((knobs, launches, specs, None))
