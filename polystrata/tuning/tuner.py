@@ -12,8 +12,9 @@ first match that reads it:
    each on a GPU), each lowered by compiling the plan with that instance's override. A candidate that sets a
    knob the target's policy calls inert (`Policy.inert_knobs`), whose launches that run in the timed step equal
    the default's or an earlier candidate's (the target ignores the knob, or it sets kernels gated to other row
-   counts), whose lowering fails, or whose local memory exceeds the policy's, is skipped without compiling. The others are compiled (in worker processes with `jobs` > 1: the kernel cache
-   receives them, and this process loads them from there).
+   counts), whose lowering fails, or whose local memory exceeds the policy's, is skipped without compiling.
+   The others are compiled (in worker processes with `jobs` > 1: the kernel cache receives them, and this
+   process loads them from there).
 3. Check: the candidate's outputs (every buffer the match writes but scratch) against the default's from the
    same inputs; f32 within `tolerance` relative to the largest |value| (looser where int8 activations are on
    either side), other buffers bit for bit. A wrong candidate is rejected and logged, never kept.
