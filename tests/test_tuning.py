@@ -298,6 +298,40 @@ def test_candidates_that_change_only_kernels_gated_off_in_the_timed_step_are_ski
     assert res.tried == 0 and res.complete
 
 
+def test_a_much_slower_candidate_is_not_timed_further(tiny, db, monkeypatch):
+    """A candidate whose first timed run takes SLOW times the default's keeps that run as its time: the rounds
+    after it would only spend the budget (a prefill matmul on its f32 path ran seconds a round)."""
+    import time
+
+    from polystrata.compiler.executor import BoundLaunch
+
+    engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
+    monkeypatch.setattr(KnobSpace, "singles", lambda self: [{"chunk": 32}])
+    made = Tuner.candidate_launches
+
+    def renamed(plan, m, first, sig, knobs):  # the default's kernels under another name: a candidate of its own
+        launches, specs = made(plan, m, first, sig, {})
+        return [dataclasses.replace(la, kernel=dataclasses.replace(la.kernel, name=la.kernel.name + "_slow"))
+                for la in launches], specs
+
+    runs = []
+    run = BoundLaunch.run
+
+    def slowed(self, rt, step):
+        if self.ck.kernel.name.endswith("_slow"):
+            runs.append(1)
+            time.sleep(0.05)
+        return run(self, rt, step)
+
+    monkeypatch.setattr(Tuner, "candidate_launches", staticmethod(renamed))
+    monkeypatch.setattr(BoundLaunch, "run", slowed)
+    (res,) = Tuner(engine, db, 60.0, plans=("decode",), only="last_rows", log=lambda m: None).run()
+    assert res.tried == 1 and not res.best and res.complete and res.best_time.spread == 0.0
+    # last_rows is one launch of one match: the output check, then a warm-up and the one timed run twice (its
+    # measurement, and the final one beside the default's as the only candidate); not the 5 rounds after.
+    assert len(runs) == 5
+
+
 def test_compile_workers_by_default(monkeypatch):
     """The cpu target times on the CPUs the workers compile on: half of them; a GPU times on the device: all but
     two, at most 8."""

@@ -22,10 +22,11 @@ first match that reads it:
    weights, so that they stream from memory as in a step (one layer's weights alone would sit in a cache and
    reward the wrong schedule: docs/benchmarks.md); a warm-up, then `ROUNDS` rounds of enough repetitions for
    `MIN_ROUND_S` (device marks where the target has them, else the wall clock after a sync); the median and the
-   spread ((max - min) / 2 / median). Decode kernels that read the cache's length (attention) are timed at
-   `DECODE_DEPTH` and deep in the context (`Tuner.deep_depth`), their time the sum of both. The best candidate
-   and the default are timed once more at the end; the best is kept only if its median beats the default's by
-   more than both spreads and `MIN_GAIN`.
+   spread ((max - min) / 2 / median); a candidate whose first timed run takes `SLOW` times the default's gets
+   that run as its time (the f32 path of a prefill matmul ran seconds a round). Decode kernels that read the
+   cache's length (attention) are timed at `DECODE_DEPTH` and deep in the context (`Tuner.deep_depth`), their
+   time the sum of both. The best candidate and the default are timed once more at the end; the best is kept
+   only if its median beats the default's by more than both spreads and `MIN_GAIN`.
 
 The instances are tuned in order of their share of a step (`Tuner.step_times`: each launch of the plans timed
 alone), the largest first, so a short budget goes where the time is. Each finished instance is a row of the
@@ -71,6 +72,7 @@ PREFILL_TOKENS = 512
 ROUNDS = 5
 MIN_ROUND_S = 0.01
 MIN_GAIN = 0.03  # a winner must be at least this much faster than the default, beyond the spreads
+SLOW = 3.0  # a candidate whose first timed run takes this many times the default's is not timed further
 TOLERANCE = 2e-3  # f32 outputs: max |candidate - default| / max |default|
 TOLERANCE_INT8 = 3e-2  # the same where either side quantizes activations to int8
 
@@ -358,8 +360,11 @@ class Tuner:
             for b in bound:
                 b.run(rt, at)
 
-        def timed_at(bound: list[BoundLaunch], deep: int | None) -> Timing:
-            """Seconds a run of `bound`, with the cache `deep` tokens long (None: as the step left it)."""
+        probes: dict[int | None, float] = {}  # the default's one run at each depth, wall clock after a sync
+
+        def timed_at(bound: list[BoundLaunch], deep: int | None, default: bool) -> Timing:
+            """Seconds a run of `bound`, with the cache `deep` tokens long (None: as the step left it). A candidate
+            whose first timed run is `SLOW` times the default's is not run further: that run is its time."""
             restore()
             at = step
             if deep is not None:  # the kernels read the cache's length from the positions (and the step symbols)
@@ -370,7 +375,12 @@ class Tuner:
             t0 = time.perf_counter()
             run(bound, at)
             rt.sync()
-            reps = max(1, min(1000, int(MIN_ROUND_S / max(time.perf_counter() - t0, 1e-7))))
+            probe = time.perf_counter() - t0
+            if default:
+                probes[deep] = probe
+            elif probe > SLOW * probes.get(deep, float("inf")):
+                return Timing(probe, 0.0)
+            reps = max(1, min(1000, int(MIN_ROUND_S / max(probe, 1e-7))))
             samples = []
             for _ in range(ROUNDS):
                 start, t0 = rt.mark(), time.perf_counter()
@@ -390,8 +400,8 @@ class Tuner:
         if plan_name == "decode" and any(b == "positions" for la in default_launches for _, b in la.buffers):
             depths.append(self.deep_depth())
 
-        def timed(bound: list[BoundLaunch]) -> Timing:
-            parts = [timed_at(bound, deep) for deep in depths]
+        def timed(bound: list[BoundLaunch], default: bool = False) -> Timing:
+            parts = [timed_at(bound, deep, default) for deep in depths]
             return Timing(sum(p.median for p in parts), max(p.spread for p in parts))
 
         # Every match of the plan that makes this instance (a layer each): the timing runs them all in turn, each
@@ -417,7 +427,7 @@ class Tuner:
         restore()
         run(bound_default)
         want = outputs(default_launches, hs_default, plan.buffers)
-        res.default = timed(bound_all_default)
+        res.default = timed(bound_all_default, default=True)
         int8_default = _uses_int8(default_launches)
 
         # Lower the candidates first (cheap), drop those that change nothing that runs in the timed step (a knob
@@ -524,7 +534,7 @@ class Tuner:
                 _, bound_of[key] = bind_all(launches, specs, lambda g, kn=knobs_best: self.candidate_launches(
                     plan, g, firsts[g], sig, kn))
             # Once more, default and best back to back: a machine that got busier meanwhile misleads less.
-            res.default = min(res.default, timed(bound_all_default), key=lambda x: x.median)
+            res.default = min(res.default, timed(bound_all_default, default=True), key=lambda x: x.median)
             again = timed(bound_of[key])  # an earlier session's time is not compared with this one's default
             res.best_time = again if key in before else min(t_best, again, key=lambda x: x.median)
             margin = max(MIN_GAIN, res.default.spread + res.best_time.spread)
