@@ -107,11 +107,14 @@ class KnobSpace:
         size): what the tuning database and per-instance overrides are keyed by."""
         return f"{self.name}.v{self.version}:{instance}:t{t_max}"
 
+    def _changes(self) -> list[dict[str, Any]]:
+        """Every one-knob change from the defaults, each knob's extremes first (`constraint` not applied)."""
+        return [{k.name: v} for k in self.knobs for v in _extremes_first(k.candidates) if v != k.default]
+
     def singles(self) -> list[dict[str, Any]]:
         """The candidates that change one knob from the defaults (allowed by `constraint`), each knob's extremes
         first: the first round of a search."""
-        return [c for c in ({k.name: v} for k in self.knobs for v in _extremes_first(k.candidates) if v != k.default)
-                if self.constraint is None or self.constraint({**self.defaults(), **c})]
+        return [c for c in self._changes() if self.constraint is None or self.constraint({**self.defaults(), **c})]
 
     def pairs(self, among: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The candidates that change two knobs, each change one of the single-knob candidates `among` (in their
@@ -125,8 +128,7 @@ class KnobSpace:
 
     def candidates(self) -> list[dict[str, Any]]:
         """Every set of overrides the tuner may try: `singles`, then every allowed `pairs` of them."""
-        singles = [{k.name: v} for k in self.knobs for v in _extremes_first(k.candidates) if v != k.default]
-        return self.singles() + self.pairs(singles)
+        return self.singles() + self.pairs(self._changes())
 
 
 def _extremes_first(values: tuple) -> list:

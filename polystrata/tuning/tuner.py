@@ -8,11 +8,11 @@ first match that reads it:
    the match's inputs hold what a real step gives it. What its launches read and write is saved and put back
    before each run below.
 2. Candidates: first each knob changed alone (`KnobSpace.singles`), then pairs of the changes that were faster
-   than the default (`KnobSpace.pairs`; every pair of a space would be over a thousand compiles of seconds
-   each on a GPU), each lowered by compiling the plan with that instance's override. A candidate that sets a
-   knob the target's policy calls inert (`Policy.inert_knobs`), whose launches that run in the timed step equal
-   the default's or an earlier candidate's (the target ignores the knob, or it sets kernels gated to other row
-   counts), whose lowering fails, or whose local memory exceeds the policy's, is skipped without compiling.
+   than the default (`KnobSpace.pairs`; every pair of a space would be over a thousand compiles), each lowered
+   by compiling the plan with that instance's override. A candidate that sets a knob the target's policy calls
+   inert (`Policy.inert_knobs`), whose launches that run in the timed step equal the default's or an earlier
+   candidate's (the target ignores the knob, or it sets kernels gated to other row counts), whose lowering
+   fails, or whose local memory exceeds the policy's, is skipped without compiling.
    The others are compiled (in worker processes with `jobs` > 1: the kernel cache receives them, and this
    process loads them from there).
 3. Check: the candidate's outputs (every buffer the match writes but scratch) against the default's from the
@@ -23,7 +23,7 @@ first match that reads it:
    reward the wrong schedule: docs/benchmarks.md); a warm-up, then `ROUNDS` rounds of enough repetitions for
    `MIN_ROUND_S` (device marks where the target has them, else the wall clock after a sync); the median and the
    spread ((max - min) / 2 / median); a candidate whose first timed run takes `SLOW` times the default's gets
-   that run as its time (the f32 path of a prefill matmul ran seconds a round). Decode kernels that read the
+   that run as its time (its rounds would only spend the budget). Decode kernels that read the
    cache's length (attention) are timed at `DECODE_DEPTH` and deep in the context (`Tuner.deep_depth`), their
    time the sum of both. The best candidate and the default are timed once more at the end; the best is kept
    only if its median beats the default's by more than both spreads and `MIN_GAIN`.
@@ -38,7 +38,6 @@ default kernels' compile come first and are not counted); a candidate already st
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import statistics
@@ -453,11 +452,10 @@ class Tuner:
                 seen.add(running)
                 if rt.lanes > 1 and any(_local_bytes(la.kernel) > rt.policy.local_bytes for la in launches):
                     continue
-                out.append((knobs, launches, specs, None))
-            if self.pool is not None:  # measured before: no compile (unless it wins and is timed again)
-                out = [(kn, la, sp, None if knob_key(kn) in before else
-                        submit_compile(self.pool, rt.name, [x.kernel for x in la], rt.arch))
-                       for kn, la, sp, _ in out]
+                # Measured before: no compile (unless it wins and is timed again).
+                future = None if self.pool is None or knob_key(knobs) in before else \
+                    submit_compile(self.pool, rt.name, [la.kernel for la in launches], rt.arch)
+                out.append((knobs, launches, specs, future))
             return out
 
         def measure_one(knobs: dict, launches: list[Launch], specs, future: Future | None) -> Timing | None:
@@ -485,14 +483,14 @@ class Tuner:
         before = self.db.tried(self.key, sig)  # candidates an earlier session measured (cut short by its budget)
         timings: dict[str, Timing | None] = {}  # knob_key -> the candidate's time (None: rejected)
         bound_of: dict[str, list[BoundLaunch]] = {}
-        made: dict[str, tuple[list[Launch], dict]] = {}
+        made: dict[str, tuple[dict, list[Launch], dict]] = {}  # knob_key -> its knobs, launches and buffer specs
 
         def measure(cands: list[tuple[dict, list[Launch], dict, Future | None]]) -> bool:
             """Measure `cands` (or take an earlier session's measurement) until the budget is spent; whether
             every one was."""
             for knobs, launches, specs, future in cands:
                 key = knob_key(knobs)
-                made[key] = (launches, specs)
+                made[key] = (knobs, launches, specs)
                 if key in before:
                     median, spread = before[key]
                     timings[key] = None if median is None else Timing(median, spread)
@@ -517,20 +515,20 @@ class Tuner:
         res.setup_s = time.monotonic() - site_start
         complete = measure(singles)
         if complete:
-            faster = sorted(((timings[knob_key(kn)], kn) for kn, *_ in singles
-                             if timings.get(knob_key(kn)) is not None
-                             and timings[knob_key(kn)].median < res.default.median), key=lambda x: x[0].median)
+            faster = [(t, kn) for kn, *_ in singles
+                      if (t := timings[knob_key(kn)]) is not None and t.median < res.default.median]
+            faster.sort(key=lambda x: x[0].median)
             complete = measure(lowered(space.pairs([kn for _, kn in faster])))
         for why, cands in unlowered.items():  # one line a reason: a knob value the shape refuses skips many sets
             self.log(f"tune: {sig}: {len(cands)} candidate{'s' * (len(cands) > 1)} skipped, not lowering "
                      f"({why}; first {cands[0]})")
         res.complete = complete
-        measured = [(t, json.loads(k)) for k, t in timings.items() if t is not None]
+        measured = [(t, made[k][0]) for k, t in timings.items() if t is not None]
         if measured:
             t_best, knobs_best = min(measured, key=lambda x: x[0].median)
             key = knob_key(knobs_best)
             if key not in bound_of:  # measured by an earlier session: bound (and compiled) only now
-                launches, specs = made[key]
+                _, launches, specs = made[key]
                 _, bound_of[key] = bind_all(launches, specs, lambda g, kn=knobs_best: self.candidate_launches(
                     plan, g, firsts[g], sig, kn))
             # Once more, default and best back to back: a machine that got busier meanwhile misleads less.
@@ -544,16 +542,16 @@ class Tuner:
             best = f"; the fastest so far {res.best or 'the default'}" if measured else ""
             self.log(f"tune: {sig}: the budget was spent after {res.tried} candidates{best}; the next run goes on "
                      "from there")
-        self._record(res, complete=complete)
+        self._record(res)
         return res
 
-    def _record(self, res: SiteResult, complete: bool) -> None:
+    def _record(self, res: SiteResult) -> None:
         """Write an instance's row: the winner, or the default (not searched again) once every candidate was
         tried. An instance cut short by the budget keeps its measured candidates (`TuningDB.put_tried`) and its
         winner so far, if any; the next run goes on with it (`jobs_todo`)."""
-        if complete:
+        if res.complete:
             self.db.forget_tried(self.key, res.signature)
-        if not res.best and not complete:
+        if not res.best and not res.complete:
             return
         target, device, compiler = self.key
         won = res.best_time if res.best else res.default
@@ -568,7 +566,7 @@ class Tuner:
 
 def default_jobs(target: str) -> int:
     """Compile workers by default: on the cpu target half the usable CPUs, at most 4 (the other half times the
-    candidates); on a GPU, whose kernels time on the device, all but two, at most 8 (numba-cuda takes 15-60 s
-    for a tile kernel)."""
+    candidates); on a GPU, whose kernels time on the device and whose compiles are the bottleneck, all but two,
+    at most 8."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
     return max(1, min(4, cpus // 2) if target == "cpu" else min(8, cpus - 2))
