@@ -333,13 +333,13 @@ def test_a_much_slower_candidate_is_not_timed_further(tiny, db, monkeypatch):
 
 
 def test_compile_workers_by_default(monkeypatch):
-    """The cpu target times on the CPUs the workers compile on: half of them; a GPU times on the device: all but
+    """A host target times on the CPUs the workers compile on: half of them; a device times there: all CPUs but
     two, at most 8."""
     from polystrata.tuning.tuner import default_jobs
 
-    for cpus, cpu, gpu in ((2, 1, 1), (16, 4, 8), (6, 3, 4), (64, 4, 8)):
+    for cpus, host, device in ((2, 1, 1), (16, 4, 8), (6, 3, 4), (64, 4, 8)):
         monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cpus: set(range(n)))
-        assert (default_jobs("cpu"), default_jobs("cuda"), default_jobs("opencl")) == (cpu, gpu, gpu)
+        assert (default_jobs(True), default_jobs(False)) == (host, device)
 
 
 def test_pairs_are_tried_of_the_single_changes_that_were_faster():

@@ -26,7 +26,7 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--plans", default="decode,prefill", help="plans whose kernels to tune: decode, prefill")
     p.add_argument("-j", "--jobs", type=int, default=None,
                    help="worker processes compiling candidates ahead of their measurement (1: none; default: on "
-                        "the cpu target half the CPUs, at most 4; on a GPU all but two, at most 8)")
+                        "the cpu target half the CPUs, at most 4; on the other targets all but two, at most 8)")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--show", action="store_true", help="list the database's entries and their gains, then stop")
     what.add_argument("--export", metavar="FILE", default=None, help="write the database's entries to FILE (JSON)")
@@ -87,12 +87,11 @@ def _tune(a, db) -> int:
             re.compile(a.only)
         except re.error as e:
             raise UsageError(f"--only is not a regular expression: {e}") from None
-    target = resolve_target(a.target)
-    if target == "reference":
+    if resolve_target(a.target) == "reference":
         raise UsageError("tune needs a kernel target (cpu, cuda, hip, opencl), not the reference executor")
     engine = Engine(_resolve(a.model), target=a.target, n_ctx=a.ctx, kv_type=a.kv_type, tuning=False,
                     n_ubatch=a.n_ubatch)
-    tuner = Tuner(engine, db, budget, plans, a.only, a.jobs or default_jobs(target))
+    tuner = Tuner(engine, db, budget, plans, a.only, a.jobs or default_jobs(engine.runtime.host))
     try:
         tuner.run()
     finally:

@@ -564,9 +564,9 @@ class Tuner:
                  f"{res.default.median * 1e6:.1f} us)")
 
 
-def default_jobs(target: str) -> int:
-    """Compile workers by default: on the cpu target half the usable CPUs, at most 4 (the other half times the
-    candidates); on a GPU, whose kernels time on the device and whose compiles are the bottleneck, all but two,
-    at most 8."""
+def default_jobs(host: bool) -> int:
+    """Compile workers by default: where kernels run on the host CPU (`Runtime.host`), half the usable CPUs, at
+    most 4 (the other half times the candidates); on a device, whose kernels time there and whose compiles are
+    the bottleneck, all but two, at most 8."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 2
-    return max(1, min(4, cpus // 2) if target == "cpu" else min(8, cpus - 2))
+    return max(1, min(4, cpus // 2) if host else min(8, cpus - 2))
