@@ -46,7 +46,7 @@ class CUDAPrinter(PyPrinter):
             self.aligned_elements = {n: f"load_a{n}" for n in (8, 16)}
             self.imports += ("from polystrata.codegen.cuda_intrinsics import dp4a, f16_to_f32, f32_to_f16, "
                              "load_a8, load_a16, load_u32_a2, load_u32_a4, load_u32_a8, load_u32_a16, "
-                             "mma_f16_k16, mma_s8_k16, mma_s8_k32\n")
+                             "mma_f16_k16, mma_s8_k16, mma_s8_k32, mma_u8f16_k16\n")
 
     def header(self) -> int:
         k = self.k

@@ -9,7 +9,7 @@ the sm_80 `mma.sync` tile products, LLVM `half` casts for the f16 conversions) o
 from __future__ import annotations
 
 from llvmlite import ir
-from numba import types
+from numba import cuda, types
 from numba.cuda.extending import intrinsic
 
 from polystrata.codegen import numba_intrinsics
@@ -75,6 +75,65 @@ def _mma(shape: str, kinds: str, n_a: int, n_b: int, floats: bool, doc: str):
 mma_s8_k32 = _mma("m16n8k32", "s32.s8.s8.s32", 4, 2, False, "16 x 8 x 32 int8 tile product into s32 accumulators.")
 mma_s8_k16 = _mma("m16n8k16", "s32.s8.s8.s32", 2, 1, False, "16 x 8 x 16 int8 tile product into s32 accumulators.")
 mma_f16_k16 = _mma("m16n8k16", "f32.f16.f16.f32", 4, 2, True, "16 x 8 x 16 f16 tile product into f32 accumulators.")
+
+
+# u8f16 (`ir.kernel.TileMMA`, `codegen/policy.py`'s MMA_SYNC): the A operand of an f16 m16n8k16 made from a row's
+# word (a), row + 8's (a8) and their scale words (f16 S low, M high). Each byte q becomes the f16 1024 + q by a byte
+# permute under the exponent byte 0x64, less 1024 (exact), then S * q + M in one f16x2 fma (one rounding). An
+# intrinsic of its own, declared `readnone`, so that the tiles of one row share it (NVVM merges equal calls).
+_U8F16_A = """{
+.reg .b32 s0, m0, s1, m1, kb, kh;
+mov.b32 kb, 0x64646464;
+mov.b32 kh, 0x64006400;
+prmt.b32 $0, $4, kb, 0x5140;
+prmt.b32 $1, $5, kb, 0x5140;
+prmt.b32 $2, $4, kb, 0x5342;
+prmt.b32 $3, $5, kb, 0x5342;
+sub.f16x2 $0, $0, kh;
+sub.f16x2 $1, $1, kh;
+sub.f16x2 $2, $2, kh;
+sub.f16x2 $3, $3, kh;
+prmt.b32 s0, $6, $6, 0x1010;
+prmt.b32 m0, $6, $6, 0x3232;
+prmt.b32 s1, $7, $7, 0x1010;
+prmt.b32 m1, $7, $7, 0x3232;
+fma.rn.f16x2 $0, $0, s0, m0;
+fma.rn.f16x2 $1, $1, s1, m1;
+fma.rn.f16x2 $2, $2, s0, m0;
+fma.rn.f16x2 $3, $3, s1, m1;
+}"""
+
+
+def _words_asm(name: str, text: str, n_in: int, n_out: int, doc: str):
+    """An intrinsic `name` of inline PTX `text` declared `readnone`: `n_in` u32 operands (truncated to 32 bits) in,
+    a tuple of `n_out` u32 out, as `text`'s registers $0.. (out), then the operands."""
+    out_t = types.UniTuple(types.uint32, n_out)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        fn = ir.FunctionType(ir.LiteralStructType([i32] * n_out), [i32] * n_in)
+        call = builder.call(ir.InlineAsm(fn, text, ",".join(["=r"] * n_out + ["r"] * n_in)),
+                            [narrow(builder, v, 32) for v in args])
+        call.attributes.add("readnone")
+        return context.make_tuple(builder, out_t, [builder.extract_value(call, k) for k in range(n_out)])
+
+    names = ", ".join(f"x{k}" for k in range(n_in))
+    scope = {"codegen": codegen, "out_t": out_t, "types": types, "__name__": __name__}
+    exec(f"def {name}(typingctx, {names}):\n"
+         f"    if not all(isinstance(t, types.Integer) for t in ({names},)):\n        return None\n"
+         f"    return out_t({names}), codegen\n", scope)
+    scope[name].__doc__ = doc
+    return intrinsic(scope[name])
+
+
+u8f16_a = _words_asm("u8f16_a", _U8F16_A, 4, 4, "The f16 A operand words of a u8f16 step (see _U8F16_A).")
+
+
+@cuda.jit(device=True, inline="always")
+def mma_u8f16_k16(a, a8, s, s8, b0, b1, c0, c1, c2, c3):
+    """16 x 8 x 16 tile product of unsigned bytes made f16 by their rows' scales, into f32 accumulators."""
+    v = u8f16_a(a, a8, s, s8)
+    return mma_f16_k16(v[0], v[1], v[2], v[3], b0, b1, c0, c1, c2, c3)
 
 
 f16_to_f32 = intrinsic(numba_intrinsics.f16_to_f32)  # one PTX cvt each way

@@ -26,7 +26,8 @@ Tile products (`Fragment`, `TileMMA`, `TileEach`) come first:
 * portable (no `MatrixUnit` declared, or a kernel whose shapes it does not take): each fragment becomes a local
   array, element e owned by lane e % lanes; `TileEach` a `LaneFor` over the elements, `TileMMA` a `LaneFor` whose
   lane sums its elements' products word by word (`dot4_i8` for int8, so a target with a native dot product --
-  dp4a, sdot4 -- uses it), both then lowered as above;
+  dp4a, sdot4 -- uses it; u8f16 each byte's value rounded to f16, as a matrix unit's operand), both then lowered
+  as above;
 * native (the target's `MatrixUnit`): each fragment is a set of per-lane registers (`Decl`s named
   `{fragment}_{tile}_{register}`), the hardware tiles of each fragment dealt round-robin to the group's subgroups;
   `TileEach` is unrolled over a lane's registers (the element's (i, j) from the unit's accumulator layout),
@@ -61,6 +62,7 @@ from polystrata.ir.kernel import (
     Store,
     TileEach,
     TileMMA,
+    ToF32,
     Var,
     buffers_read,
     loads,
@@ -216,18 +218,32 @@ def portable_tiles(k: Kernel) -> Kernel:
     return replace(k, body=tiles(k.body), local=k.local + local, fragments=())
 
 
+def _half(word: Expr, hi: bool) -> Expr:
+    """The high or low f16 half of u32 `word`, as f32."""
+    return Call("f16_bits_to_f32", (word >> 16) if hi else (word & 0xFFFF))
+
+
 def _portable_product(s: TileMMA, i: Expr, j: Expr, e: Expr) -> tuple:
     """Element (i, j) of `s`'s product added to its fragment (stored at e), word by word."""
     w = Var("_tw")
     a, b = Load(s.a, s.a_base + i * s.a_stride + w), Load(s.b, s.b_base + j * s.b_stride + w)
     if s.kind == "i8":
         step = (Assign("_tacc", Call("dot4_i8", a, b, Var("_tacc"))),)
+    elif s.kind == "u8f16":
+        # Each byte's value rounded to f16 as the matrix unit's operand is; B's two words for each word of A.
+        sw = Var("_tws")
+        b2 = (Load(s.b, s.b_base + j * s.b_stride + 2 * w), Load(s.b, s.b_base + j * s.b_stride + 2 * w + 1))
+        total: Expr = Const(0.0)
+        for x in range(4):
+            q = ToF32((Var("_twa") >> (8 * x)) & 255)
+            value = Call("f16_bits_to_f32", Call("f32_to_f16_bits", _half(sw, False) * q + _half(sw, True)))
+            total = total + value * _half(Var(f"_twb{x // 2}"), x % 2 == 1)
+        step = (Let("_twa", a), Let(sw.name, Load(s.scales, i * s.scale_stride + w // s.group_words)),
+                Let("_twb0", b2[0]), Let("_twb1", b2[1]), Assign("_tacc", Var("_tacc") + total))
     else:
-        def half(word: str, hi: bool) -> Expr:
-            return Call("f16_bits_to_f32", (Var(word) >> 16) if hi else (Var(word) & 0xFFFF))
         step = (Let("_twa", a), Let("_twb", b),
-                Assign("_tacc", Var("_tacc") + (half("_twa", False) * half("_twb", False)
-                                                + half("_twa", True) * half("_twb", True))))
+                Assign("_tacc", Var("_tacc") + (_half(Var("_twa"), False) * _half(Var("_twb"), False)
+                                                + _half(Var("_twa"), True) * _half(Var("_twb"), True))))
     return (Decl("_tacc", "i32" if s.kind == "i8" else "f32", Load(s.acc, e)),
             For(w.name, Const(0), Const(s.words), step),
             Store(s.acc, e, Var("_tacc")))
@@ -247,6 +263,7 @@ class _Lowering:
         self.uniform_local_reads = _uniform_local_reads(k, self.local)
         self.unit = abilities.matrix  # native tile products (`portable_tiles` has removed any it does not take)
         self.frags = {f.name: f for f in k.fragments}
+        self.rows_first = any(isinstance(s, TileMMA) and s.kind == "u8f16" for s in walk(k.body))
         self.last_barrier = False  # whether the statement just emitted was a barrier
         self.scratch = 0  # floats of SCRATCH needed
 
@@ -277,6 +294,13 @@ class _Lowering:
         # column of tiles get one expression for it: compilers then share the loads that depend on it alone (operand
         # words, per-row or per-column scales) between the tiles.
         sg = LaneId() // u.width
+        per = self.per_lane()
+        # u8f16 products: a subgroup's tiles along rows of tiles, so that each A operand, made f16 from its bytes
+        # (most of the instructions), serves all of them.
+        if self.rows_first and per % across == 0:  # each subgroup's tiles whole rows of tiles
+            return (sg * (per // across) + p // across) * u.m, Const(p % across * u.n)
+        if self.rows_first and across % per == 0:  # each subgroup's tiles part of one row of tiles
+            return (sg // (across // per)) * u.m, (sg % (across // per) * per + p) * u.n
         if groups > 1 and groups % across == 0:  # each subgroup's tiles in one column of tiles
             return (sg // across + p * (groups // across)) * u.m, (sg % across) * u.n
         if groups > 1 and across % groups == 0:  # each subgroup's tiles in across / groups columns, rows in turn
@@ -303,7 +327,12 @@ class _Lowering:
         for p in range(self.per_lane()):
             i0, j0 = self.tile_origin(p)
             a = tuple(Load(s.a, s.a_base + (i0 + r) * s.a_stride + w + c) for r, c in ins.a(lane))
-            b = tuple(Load(s.b, s.b_base + (j0 + r) * s.b_stride + w + c) for r, c in ins.b(lane))
+            # u8f16: B has two words for each of A's, and each A word comes with its row's group scales.
+            kb = 2 * w if s.kind == "u8f16" else w
+            b = tuple(Load(s.b, s.b_base + (j0 + r) * s.b_stride + kb + c) for r, c in ins.b(lane))
+            if s.scales:
+                a += tuple(Load(s.scales, (i0 + r) * s.scale_stride + (w + c) // s.group_words)
+                           for r, c in ins.a(lane))
             accs = tuple(f"{s.acc}_{p}_{r}" for r in range(self.unit.regs))
             out.append(For(w.name, Const(0), Const(s.words), (MatrixOp(ins.op, accs, a, b),), step=ins.words))
         return out
@@ -457,7 +486,7 @@ def _uniform_local_reads(k: Kernel, local: set[str]) -> set[str]:
     def visit(body):
         for s in body:
             if isinstance(s, TileMMA):
-                out.update((s.a, s.b))
+                out.update(x for x in (s.a, s.b, s.scales) if x)
             if isinstance(s, TileEach):
                 out.update(ld.buf for st in walk(s.body) for e in stmt_exprs(st) for ld in loads(e)
                            if ld.buf in local)

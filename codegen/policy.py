@@ -105,6 +105,9 @@ class Policy:
     # The renderer spells tile products (`ir.kernel.TileMMA`) on matrix units (tensor cores, MFMA, WMMA): prefill
     # matmuls take `codegen/recipes/tile_mma.py`'s kernels.
     matrix_units: bool = False
+    # The tile product kinds (`ir.kernel.TileMMA.kind`) the matrix unit spells natively (`matrix_kinds`); a recipe
+    # picks the "u8f16" products only where they are native (elsewhere they render as loops).
+    matrix_kinds: tuple[str, ...] = ()
     # The kernels run as loops on the host: block base addresses masked non-negative (`_matvec.NONNEG`: LLVM then
     # proves loads in bounds and vectorizes).
     host_arith: bool = False
@@ -180,6 +183,11 @@ MMA_SYNC = MatrixUnit(32, 16, 8, 4, lambda lane, r: (lane // 4 + 8 * (r // 2), l
     MatrixInstr("i8", 8, "mma_s8_k32", _mma_a, _mma_b),
     MatrixInstr("i8", 4, "mma_s8_k16", lambda lane: _mma_a(lane)[:2], lambda lane: _mma_b(lane)[:1]),
     MatrixInstr("f16", 8, "mma_f16_k16", _mma_a, _mma_b),
+    # u8f16 (`ir.kernel.TileMMA`): an f16 m16n8k16 whose K order is chosen so that a lane's A values are the four
+    # bytes of one word of each of its rows (t) and its B values that word's two f16 pairs (2t, 2t + 1); the
+    # instruction turns the bytes into f16 values with the rows' scales (passed after the words) on the way.
+    MatrixInstr("u8f16", 4, "mma_u8f16_k16", lambda lane: _mma_a(lane)[:2],
+                lambda lane: ((lane // 4, 2 * (lane % 4)), (lane // 4, 2 * (lane % 4) + 1))),
 ))
 
 
@@ -220,6 +228,11 @@ SDOT4_ARCHS = frozenset({"gfx906", "gfx908", "gfx90a", "gfx1011", "gfx1012", "gf
 def base_arch(arch: str) -> str:
     """`gfx90a:xnack-` -> `gfx90a` (target features do not change the ISA family)."""
     return arch.split(":", 1)[0].strip().lower()
+
+
+def matrix_kinds(unit: MatrixUnit | None) -> tuple[str, ...]:
+    """The tile product kinds `unit` has instructions for (none without a unit)."""
+    return tuple(dict.fromkeys(i.kind for i in unit.instrs)) if unit else ()
 
 
 def matrix_unit(arch: str) -> MatrixUnit | None:

@@ -262,8 +262,8 @@ class LocalArray:
     size: int
 
 
-TILE_KINDS = {"i8": "i32", "f16": "f32"}  # element kind of a TileMMA's operands -> its accumulator's dtype
-TILE_PACK = {"i8": 4, "f16": 2}  # elements in one operand word (little-endian: element 0 in the low bits)
+TILE_KINDS = {"i8": "i32", "f16": "f32", "u8f16": "f32"}  # a TileMMA's kind -> its accumulator's dtype
+TILE_PACK = {"i8": 4, "f16": 2, "u8f16": 4}  # elements in one A word (little-endian: element 0 in the low bits)
 
 
 @dataclass(frozen=True)
@@ -285,7 +285,13 @@ class TileMMA:
     bytes, products summed exactly into i32; "f16": two f16 halves, products summed into f32 in an order the target
     chooses); row i of A and column j of B are K-contiguous. `a_base` / `b_base` are uniform; the strides (in
     words) are constants, so a target can check its access pattern (a stride of words + 4 keeps a warp's fragment
-    loads off each other's banks)."""
+    loads off each other's banks).
+
+    Kind "u8f16" (quantized weights times f16 activations, with no per-group rescaling of the sums): A words hold
+    four unsigned bytes q, each element's value is f16(S * q + M) with the f16 pair (S low, M high) of word
+    `scales[i * scale_stride + w // group_words]` (a scale and offset per row and `group_words` words of A), and
+    B's words are f16 pairs, two for each word of A: elements 4w..4w+3 of column j are the halves of
+    b[b_base + j * b_stride + 2w] and of the word after it. Products are summed into f32."""
 
     acc: str
     kind: str
@@ -296,6 +302,9 @@ class TileMMA:
     b_base: Expr
     b_stride: int
     words: int
+    scales: str | None = None
+    scale_stride: int = 0
+    group_words: int = 0
 
 
 @dataclass(frozen=True)
@@ -460,6 +469,10 @@ def verify(k: Kernel) -> None:
                                       f"of dtype {TILE_KINDS.get(s.kind, '(kind i8 or f16)')}")
                 if s.a not in u32_local or s.b not in u32_local or s.words < 1:
                     raise KernelError(f"{k.name}: TileMMA operands {s.a}, {s.b} must be u32 local arrays")
+                if (s.kind == "u8f16") != (s.scales is not None) or (s.scales and (
+                        s.scales not in u32_local or s.group_words < 1 or s.words % s.group_words)):
+                    raise KernelError(f"{k.name}: a u8f16 TileMMA (and only one) takes scales: a u32 local array, "
+                                      f"a scale per row and group of words dividing its {s.words} words")
             if isinstance(s, TileEach):
                 if not top or not frags:
                     raise KernelError(f"{k.name}: TileEach must be at group level, in a kernel with fragments")
@@ -625,7 +638,8 @@ def _dump_body(body: tuple, lines: list[str], depth: int) -> None:
             _dump_body(s.body, lines, depth + 1)
             lines.append(f"{pad}  yield {', '.join(expr_str(v) for _, v in s.results)}")
         elif isinstance(s, TileMMA):
-            lines.append(f"{pad}{s.acc} += tile {s.kind} {s.a}[{expr_str(s.a_base)} + i*{s.a_stride}] . "
+            scaled = f" scaled by {s.scales}[i*{s.scale_stride} + w/{s.group_words}]" if s.scales else ""
+            lines.append(f"{pad}{s.acc} += tile {s.kind} {s.a}[{expr_str(s.a_base)} + i*{s.a_stride}]{scaled} . "
                          f"{s.b}[{expr_str(s.b_base)} + j*{s.b_stride}] over {s.words} words")
         elif isinstance(s, TileEach):
             lines.append(f"{pad}tile for {s.i}, {s.j}:")

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from polystrata.codegen.cuda import render
-from polystrata.codegen.policy import device_policy, matrix_unit
+from polystrata.codegen.policy import device_policy, matrix_kinds, matrix_unit
 from polystrata.codegen.pyfamily import NUMPY_DTYPES
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Buf, Kernel
@@ -99,7 +99,8 @@ class CUDARuntime(Runtime):
                 self.device = f"{name} ({found})"
                 # Kernels for another architecture: compiled for it, never loaded on this GPU.
                 self.compile_only = self.arch != found
-            self.policy = replace(self.policy, matrix_units=matrix_unit(self.arch) is not None)  # mma.sync: sm_80+
+            unit = matrix_unit(self.arch)  # mma.sync: sm_80+
+            self.policy = replace(self.policy, matrix_units=unit is not None, matrix_kinds=matrix_kinds(unit))
         self.shuffles = (not self.simulator) if shuffles is None else shuffles
         self.fast = not self.simulator  # driver launches (the simulator's go through numba's dispatcher)
         # Programmatic launches (`cuda_driver.launch_programmatic`) into graphs on sm_90 and later (decode 3 % faster

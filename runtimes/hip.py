@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any, NamedTuple
 
 from polystrata.codegen.hip import render, wave_of
-from polystrata.codegen.policy import MATRIX_ARCHS, base_arch, device_policy
+from polystrata.codegen.policy import MATRIX_ARCHS, base_arch, device_policy, matrix_kinds
 from polystrata.errors import PolystrataError
 from polystrata.ir.kernel import Kernel
 from polystrata.runtimes import base
@@ -146,7 +146,9 @@ class HIPRuntime(base.DriverRuntime):
         self.arch = arch or found
         self._configure(found, dev_name)  # refuses an unknown arch
         wave = wave_of(self.arch)  # 64 on wave64 (CDNA, GCN), 32 on wave32 (RDNA and CUDA)
-        self.policy = replace(self.policy.with_shape(wave, wave), matrix_units=base_arch(self.arch) in MATRIX_ARCHS)
+        unit = MATRIX_ARCHS.get(base_arch(self.arch))
+        self.policy = replace(self.policy.with_shape(wave, wave), matrix_units=unit is not None,
+                              matrix_kinds=matrix_kinds(unit))
 
     def no_device(self, arch: str | None = None) -> str:
         return (f"no {self.vendor} GPU: the hip target can compile (polystrata compile --target hip --arch "

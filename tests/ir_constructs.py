@@ -189,7 +189,8 @@ def intrinsics_kernel(lanes: int = 32) -> Kernel:
 # mma.sync) and 16 x 16 (MFMA) both fit: the i8 tile is 3 x 2 (CUDA, 3 a warp: odd) or 3 x 1 (MFMA) of them, 4
 # words a step (CUDA's k16 form); the f16 tile 1 x 4 or 1 x 2, over two warps on CUDA. Small: the numba-cuda
 # simulator runs every lane as a Python thread.
-TILES = {"i8": ("i8", 48, 16, 64, 4, 2), "f16": ("f16", 16, 32, 64, 8, 2)}
+TILES = {"i8": ("i8", 48, 16, 64, 4, 2), "f16": ("f16", 16, 32, 64, 8, 2), "u8f16": ("u8f16", 32, 16, 64, 8, 2)}
+U8F16_GROUP = 2  # words of A a scale word covers in the u8f16 case (8 bytes: 4 groups a step)
 TILE_SCALES = (0.5, 2.0)  # the i8 kernel's per-step scales (exact in f32 at these sums)
 
 
@@ -197,24 +198,34 @@ def tile_kernel(kind: str) -> Kernel:
     """y[r, c] = the tile product of rows of a and b (m x K and n x K packed words, m and n not multiples of the
     tile: partial tiles, zero-padded, stores guarded), K in `steps` steps of `words` words staged in local arrays at
     a padded stride. i8: each step's i32 product scaled by `TILE_SCALES[step]` into an f32 fragment and added to an
-    exact i32 total (`yi`), the step's fragment cleared by FragSet; f16: f32 sums across steps."""
+    exact i32 total (`yi`), the step's fragment cleared by FragSet; f16: f32 sums across steps; u8f16: A's bytes
+    made f16 by the scale words of `s` (a row's groups of U8F16_GROUP words), B two words of f16 pairs for each
+    word of A."""
     _, rows, cols, lanes, words, steps = TILES[kind]
     kw, st = words * steps, words + 4
+    bw, stb = (2, 2 * words + 4) if kind == "u8f16" else (1, st)  # B's words for each of A's; its row stride
     r0, c0, e, w = Var("g0") * rows, Var("g1") * cols, Var("e"), Var("step")
     m, n_ = Var("m"), Var("n")
     i, jj = Var("i"), Var("jj")
 
-    def stage(local: str, src: str, count: int, first: Expr, limit: Expr) -> LaneFor:
-        row, word = e // words, e % words
-        return LaneFor("e", Const(count * words), (
-            Store(local, row * st + word, Select(first + row < limit, Load(src, (first + row) * kw + w * words + word),
-                                                 Const(0))),))
+    def stage(local: str, src: str, count: int, first: Expr, limit: Expr, per: int = 1, stride: int = st) -> LaneFor:
+        row, word = e // (words * per), e % (words * per)
+        return LaneFor("e", Const(count * words * per), (
+            Store(local, row * stride + word, Select(first + row < limit, Load(
+                src, (first + row) * kw * per + w * words * per + word), Const(0))),))
 
     acc = "acc"
     clear = (FragSet("f", Const(0.0)), FragSet("tot", Const(0))) if kind == "i8" else ()
     body: list = [TileEach("i", "jj", (FragSet(acc, Const(0) if kind == "i8" else Const(0.0)), *clear))]
-    step = [stage("ta", "a", rows, r0, m), stage("tb", "b", cols, c0, n_),
-            TileMMA(acc, kind, "ta", Const(0), st, "tb", Const(0), st, words)]
+    step = [stage("ta", "a", rows, r0, m), stage("tb", "b", cols, c0, n_, bw, stb)]
+    if kind == "u8f16":
+        ng = words // U8F16_GROUP
+        step += [LaneFor("e", Const(rows * ng), (Store("ts", e, Select(r0 + e // ng < m, Load(
+                     "s", (r0 + e // ng) * (steps * ng) + w * ng + e % ng), Const(0))),)),
+                 TileMMA(acc, kind, "ta", Const(0), st, "tb", Const(0), stb, words, scales="ts", scale_stride=ng,
+                         group_words=U8F16_GROUP)]
+    else:
+        step.append(TileMMA(acc, kind, "ta", Const(0), st, "tb", Const(0), st, words))
     if kind == "i8":
         step.append(TileEach("i", "jj", (
             FragSet("f", FragElem("f") + ToF32(FragElem(acc)) * Load("s", w)),
@@ -234,7 +245,10 @@ def tile_kernel(kind: str) -> Kernel:
     if kind == "i8":
         frags += (Fragment("f", "f32", rows, cols), Fragment("tot", "i32", rows, cols))
         params += [Buf("yi", "i32", True), Buf("s", "f32")]
-    local = (LocalArray("ta", "u32", rows * st), LocalArray("tb", "u32", cols * st))
+    local = (LocalArray("ta", "u32", rows * st), LocalArray("tb", "u32", cols * stb))
+    if kind == "u8f16":
+        params.append(Buf("s", "u32"))
+        local += (LocalArray("ts", "u32", rows * (words // U8F16_GROUP)),)
     grid = ((m + rows - 1) // rows, (n_ + cols - 1) // cols)
     return Kernel(f"tile_{kind}", (*params, Scalar("m"), Scalar("n")), grid, tuple(body), lanes=lanes,
                   local=local, fragments=frags)
@@ -254,6 +268,19 @@ def tile_case(kind: str, m: int, n_: int, seed: int = 3) -> tuple:
         ins = {"a": a8.view(np.uint32).reshape(-1), "b": b8.view(np.uint32).reshape(-1), "s": scales}
         want = {"y": sum(p * float(sc) for p, sc in zip(per, scales)).reshape(-1), "yi": sum(per).reshape(-1)}
         outs = {"y": (m * n_, "f32"), "yi": (m * n_, "i32")}
+    elif kind == "u8f16":
+        # Bytes with positive scales and offsets (no cancellation), each value rounded to f16 once, as the kernel's.
+        q = rng.integers(0, 256, (m, kw * 4)).astype(np.uint8)
+        groups = kw // U8F16_GROUP
+        sc = rng.uniform(0.002, 0.01, (m, groups)).astype(np.float16)
+        off = rng.uniform(0.0, 0.5, (m, groups)).astype(np.float16)
+        per = np.repeat(np.arange(groups), U8F16_GROUP * 4)
+        a16 = (sc[:, per].astype(np.float64) * q + off[:, per].astype(np.float64)).astype(np.float16)
+        b16 = rng.uniform(0.05, 2, (n_, kw * 4)).astype(np.float16)
+        sm = sc.view(np.uint16).astype(np.uint32) | (off.view(np.uint16).astype(np.uint32) << 16)
+        ins = {"a": q.view(np.uint32).reshape(-1), "b": b16.view(np.uint32).reshape(-1), "s": sm.reshape(-1)}
+        want = {"y": (a16.astype(np.float64) @ b16.astype(np.float64).T).reshape(-1)}
+        outs = {"y": (m * n_, "f32")}
     else:
         # Positive values: no cancellation, so f32 sums in any order stay within the relative tolerance.
         a16 = rng.uniform(0.05, 2, (m, kw * 2)).astype(np.float16)
@@ -363,7 +390,7 @@ def cases(scale: int = 1) -> list[tuple]:
                 {"o": dot + np.arange(m) - 50,
                  "w": np.array([q[i * al:i * al + 4].view("<u4")[0] for i in range(m) for al in (1, 2, 4)]),
                  "t": iq4nl[q[:m] & 15] * 0.5, "u": _f16_bits(x), "y": x.astype(np.float16).astype(np.float32)}))
-    out += [tile_case("i8", 50, 10), tile_case("f16", 20, 20)]
+    out += [tile_case("i8", 50, 10), tile_case("f16", 20, 20), tile_case("u8f16", 40, 20)]
     return out
 
 

@@ -85,6 +85,33 @@ def mma_f16_k16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
     return _ptx((a0, a1, a2, a3), (b0, b1), (c0, c1, c2, c3), 16, True)
 
 
+def _prmt(a, b, selector: int) -> int:
+    """PTX prmt.b32 (default mode): byte i of the result is byte (selector >> 4i) & 7 of b:a."""
+    pool = np.array([int(a) & 0xFFFFFFFF, int(b) & 0xFFFFFFFF], np.uint32).view(np.uint8)
+    return int(np.array([pool[(selector >> (4 * i)) & 7] for i in range(4)], np.uint8).view(np.uint32)[0])
+
+
+def _f16x2(fn, *words) -> int:
+    """fn applied to the low halves of the f16x2 words, then to their high halves (f64 arithmetic, one rounding to
+    f16 as PTX's f16x2 sub and fma round)."""
+    halves = [np.array([int(w) & 0xFFFFFFFF], np.uint32).view(np.float16).astype(np.float64) for w in words]
+    out = np.array([fn(*(h[i] for h in halves)) for i in range(2)], np.float16)
+    return int(out.view(np.uint32)[0])
+
+
+def mma_u8f16_k16(a, a8, s, s8, b0, b1, c0, c1, c2, c3):
+    """The u8f16 instruction as cuda_intrinsics' PTX writes it: bytes under the exponent byte 0x64 (1024 + q), less
+    1024, times the row's f16 scale plus its offset, then the f16 m16n8k16 on those A registers."""
+    regs = []
+    for word, sm in ((a, s), (a8, s8), (a, s), (a8, s8)):
+        regs.append((word, sm))
+    q = [_prmt(w, 0x64646464, sel) for (w, _), sel in zip(regs, (0x5140, 0x5140, 0x5342, 0x5342))]
+    q = [_f16x2(lambda h, k: h - k, x, 0x64006400) for x in q]
+    v = [_f16x2(lambda h, sc, m: h * sc + m, x, _prmt(sm, sm, 0x1010), _prmt(sm, sm, 0x3232))
+         for x, (_, sm) in zip(q, regs)]
+    return _ptx(tuple(v), (b0, b1), (c0, c1, c2, c3), 16, True)
+
+
 def _mfma(a, b, c, floats: bool):
     """One 16x16x16 MFMA on a wave64: A[i][k] at lane i + 16 (k / 4), item k % 4; B[k][j] at lane j + 16 (k / 4);
     D[i][j] at lane j + 16 (i / 4), item i % 4."""

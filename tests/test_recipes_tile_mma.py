@@ -65,6 +65,34 @@ def test_tile_mma_formats(rt, fmt_name, chunk, words, unroll):
         np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=f"{fmt_name} T={t}")
 
 
+def u8f16_reference(x: np.ndarray, wd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the u8f16 products' reference: activations and weights rounded to f16, summed exactly; a bound of what the
+    weights' f16 scale and offset may add: a relative 2^-10 of each weight, 2^-9 with the offset's own)."""
+    x16, w16 = x.astype(np.float16).astype(np.float64), wd.astype(np.float16).astype(np.float64)
+    return x16 @ w16.T, np.abs(x16) @ np.abs(w16).T * 2.0 ** -9 + 1e-6
+
+
+@pytest.mark.parametrize("fmt_name,chunk,split", [("Q4_K_S", 64, 1), ("Q6_K_A16", 256, 1), ("Q8_0", 64, 1),
+                                                  ("Q4_0", 128, 1), ("Q3_K", 128, 2)])
+def test_tile_mma_u8f16(rt, fmt_name, chunk, split):
+    """The u8f16 products (knob mma_f16): levels staged as unsigned bytes (Q4_K's offsets, Q6_K's and Q4_0's
+    biases folded into the f16 offset, Q8_0's signed bytes flipped), the f32 activations rounded to f16 in the
+    kernel; with K split (Q3_K), the parts added up."""
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped, never planned on one lane")
+    fmt, wb, wd = weight(fmt_name, N, K)
+    kern = tile_mma_kernel(f"t_u8f16_{fmt_name.lower()}_{split}", [fmt], N, K, rows=32, tokens=16, chunk=chunk,
+                           lanes=64, split=split, u8f16=True)
+    assert kern.knob_dict["mma_f16"] == 1 and "xq" not in {p.name for p in kern.params}
+    rng = np.random.default_rng(5)
+    for t in (1, 7, 33, 512):
+        x = rng.standard_normal((t, K)).astype(np.float32)
+        out = "yp" if split > 1 else "y"
+        y = run(rt, kern, {"x": x.reshape(-1), "w0": wb}, {"T": t}, {out: ((split, t, N), "f32")})[out].sum(0)
+        ref, bound = u8f16_reference(x, wd)
+        assert np.all(np.abs(y - ref) <= bound), f"{fmt_name} T={t}: {np.abs(y - ref).max()} > {bound.min()}"
+
+
 def test_tile_mma_f16_weights(rt):
     """F16 weights: f16 tile products on the activations rounded to f16."""
     if rt.lanes == 1:

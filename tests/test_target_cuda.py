@@ -84,7 +84,8 @@ def test_case_matches_numpy_and_cpu(rt, cpu, case):
 
 @inner
 @pytest.mark.parametrize("unit,kind", [("mma_sync", "i8"), ("mma_sync", "f16"), ("mma_sync", "recipe"),
-                                       ("mma_sync", "recipe_split"), ("mfma", "i8"),
+                                       ("mma_sync", "recipe_split"), ("mma_sync", "u8f16"),
+                                       ("mma_sync", "recipe_u8f16"), ("mfma", "i8"),
                                        ("mfma", "f16"), ("wmma", "f16"), ("wmma", "recipe"),
                                        ("mma_sync", "attention"), ("mfma", "attention"), ("wmma", "attention"),
                                        ("mma_sync", "attention_split")])
@@ -108,6 +109,7 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
 
     class Emulated(CUDAPrinter):
         imports = CUDAPrinter.imports + ("from matrix_emulation import mma_s8_k32, mma_s8_k16, mma_f16_k16, "
+                                         "mma_u8f16_k16, "
                                          "__builtin_amdgcn_mfma_i32_16x16x16i8, "
                                          "__builtin_amdgcn_mfma_f32_16x16x16f16, "
                                          "__builtin_amdgcn_wmma_i32_16x16x16_iu8_w32, "
@@ -117,7 +119,19 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
             PyPrinter.__init__(self, k, LaneAbilities(several=True, matrix=mu))
             self.native = False
 
-    if kind.startswith("recipe"):
+    if kind == "recipe_u8f16":
+        from recipe_cases import weight
+        from test_recipes_tile_mma import u8f16_reference
+
+        from polystrata.codegen.recipes.tile_mma import tile_mma_kernel
+
+        fmt, wb, wd = weight("Q4_K_S", 30, 256)
+        kernel = tile_mma_kernel("t_mma_emu_u8f16", [fmt], 30, 256, rows=32, tokens=16, chunk=64, lanes=64,
+                                 u8f16=True)
+        x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
+        inputs, outputs, scalars, grid = {"x": x.reshape(-1), "w0": wb}, {"y": (7 * 30, "f32")}, {"T": 7}, (1, 1)
+        want, bound = u8f16_reference(x, wd)
+    elif kind.startswith("recipe"):
         from recipe_cases import q8_rounded, weight
 
         from polystrata.codegen.recipes.tile_mma import tile_mma_kernel
@@ -155,7 +169,8 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
             outputs = {"po": (ref.size * 2, "f32"), "pm": (ref.size // 16, "f32"), "pz": (ref.size // 16, "f32")}
             scalars, grid, want = {"T": 40}, (3, 1, 2), {"out": ref.reshape(-1)}
     else:
-        label, kernel, inputs, outputs, scalars, grid, want = tile_case(kind, 20 if kind == "f16" else 50, 10)
+        rows = {"f16": 20, "u8f16": 40}.get(kind, 50)
+        label, kernel, inputs, outputs, scalars, grid, want = tile_case(kind, rows, 10)
     src = Emulated(kernel).render()
     assert {"mma_sync": "= mma_", "mfma": "= __builtin_amdgcn_mfma", "wmma": "= __builtin_amdgcn_wmma"}[unit] in src
     (tmp_path / f"emu_{unit}_{kind}.py").write_text(src)
@@ -175,7 +190,9 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
         m, z, o = arrays["pm"].reshape(-1, 2), arrays["pz"].reshape(-1, 2), arrays["po"].reshape(-1, 2, 32)
         w = np.exp(m - m.max(1, keepdims=True))
         arrays["out"] = ((o * w[..., None]).sum(1) / (z * w).sum(1, keepdims=True)).reshape(-1)
-    if kind.startswith("attention"):  # q, K, the probabilities rounded to f16: absolute error
+    if kind == "recipe_u8f16":
+        assert np.all(np.abs(arrays["y"].reshape(7, 30) - want) <= bound), unit
+    elif kind.startswith("attention"):  # q, K, the probabilities rounded to f16: absolute error
         np.testing.assert_allclose(arrays["out"], want["out"], atol=2e-3, rtol=1e-3, err_msg=unit)
     else:
         check_case({name: arrays[name] for name in outputs}, want, outputs, f"{unit} {kind}", tol=1e-4)
@@ -421,7 +438,9 @@ from polystrata.synth import synth_model
 out, tmp = {}, Path(tempfile.mkdtemp())
 rt = CUDARuntime(arch="sm_80")  # compile-only without a GPU
 kernels = [tile_mma_kernel("t_mma_ptx", [FORMATS["Q8_0"]], 64, 256, rows=32, tokens=16, chunk=64, lanes=64),
-           tile_kernel("f16")]
+           tile_kernel("f16"),
+           tile_mma_kernel("t_u8f16_ptx", [FORMATS["Q4_K"]], 64, 256, rows=32, tokens=16, chunk=64, lanes=64,
+                           split=2, u8f16=True)]
 ptxas = shutil.which("ptxas") or shutil.which("/usr/local/cuda/bin/ptxas")
 for k in kernels:
     ck = rt.compile(k)
@@ -467,7 +486,8 @@ print(json.dumps(out))
 def test_kernels_compile_to_ptx_without_a_gpu():
     """Without a GPU, a cuda runtime given an architecture compiles (NVVM) but runs nothing: each kernel's cache
     entry is its PTX, one kernel entry for that architecture. Tile products become mma.sync there (the recipe's
-    int8 m16n8k32, the conformance f16 m16n8k16), and ptxas assembles them for sm_90 where it is installed.
+    int8 m16n8k32, the conformance f16 m16n8k16, the recipe's u8f16 as f16 m16n8k16 behind its byte permutes),
+    and ptxas assembles them for sm_90 where it is installed.
     For programmatic launches, sm_90 PTX gets `griddepcontrol.wait` before its first instruction (sm_80 none).
     `compile --target cuda --arch sm_90` writes an artifact of such PTX, with its --knob in the manifest. In a
     child process (numba.cuda stays unimported here); skipped without NVVM (CI: numba-cuda without the CUDA
@@ -485,7 +505,8 @@ def test_kernels_compile_to_ptx_without_a_gpu():
         pytest.skip(res["skip"])
     assert res["t_mma_ptx"]["mma"] == ["mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"]
     assert res["tile_f16"]["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"]
-    for r in (res["t_mma_ptx"], res["tile_f16"]):
+    assert res["t_u8f16_ptx"]["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"]
+    for r in (res["t_mma_ptx"], res["tile_f16"], res["t_u8f16_ptx"]):
         assert r["entries"] == 1 and r["target"] == "sm_80" and r["suffix"] == ".ptx"
         assert r.get("ptxas", True) is True, r
     art = res["art"]

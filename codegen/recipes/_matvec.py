@@ -414,17 +414,31 @@ def _vec_level(wf: QuantFormat, wbuf: str, lw, level: Expr, i0: str, base: Expr)
     bs = block_stride(wf)
     ctx = (wbuf, i0, base, bs & -bs)
     bias = 0
+    byte = _signed_byte(e)
+    if byte is not None:
+        return _vec(byte, ctx)[0], 0
     if isinstance(e, Bin) and e.op == "-" and is_int(e.b):
-        x = e.a
-        if (isinstance(x, Bin) and x.op == "&" and is_int(x.b, 255) and isinstance(x.a, Bin) and x.a.op == "+"
-                and is_int(x.a.b, 128) and e.b.value == 128):
-            w, _ = _vec(x.a.a, ctx)  # ((b + 128) & 255) - 128: the byte as signed int8
-            return w, 0
-        e, bias = x, e.b.value
+        e, bias = e.a, e.b.value
     w, mx = _vec(e, ctx)
     if mx > 127:
         raise _NoWide
     return w, bias
+
+
+def _signed_byte(e: Expr) -> Expr | None:
+    """b where level expression `e` is ((b + 128) & 255) - 128, the byte b read as a signed int8; else None."""
+    if isinstance(e, Bin) and e.op == "-" and is_int(e.b, 128):
+        x = e.a
+        if (isinstance(x, Bin) and x.op == "&" and is_int(x.b, 255) and isinstance(x.a, Bin) and x.a.op == "+"
+                and is_int(x.a.b, 128)):
+            return x.a.a
+    return None
+
+
+def signed_byte_levels(wf: QuantFormat, lw, level: Expr) -> bool:
+    """Whether `_vec_level`'s word for this chunk holds the levels as signed int8 bytes (Q8_0), not as bytes
+    below 128 less a bias."""
+    return _signed_byte(lw.expr(inline_elem_lets(wf, level))) is not None
 
 
 _ONES = 0x01010101

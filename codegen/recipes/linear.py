@@ -84,6 +84,7 @@ from polystrata.codegen.recipes.tile_mma import (
     split_sum_kernel,
     tile_mma_kernel,
     tile_products_apply,
+    u8f16_products,
 )
 from polystrata.errors import UnsupportedError
 from polystrata.ir.expr import Const, Expr, Var
@@ -136,8 +137,9 @@ def _matmul_constraint(kn: dict) -> bool:
 # matmuls, half of a llama's weights, on the other path (docs/benchmarks.md, "the prefill regression").
 # Instances stay apart: their names (and so their tuning rows) differ.
 # version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64), mma_split added; version 3: mma_split_above
-# added, the GPUs' mma_split 4 (was 0); version 4: mma_split_each added.
-MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, version=4, constraint=_matmul_constraint)
+# added, the GPUs' mma_split 4 (was 0); version 4: mma_split_each added; version 5: mma_f16 added (the u8f16 tile
+# products, the default where the matrix unit has them).
+MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, version=5, constraint=_matmul_constraint)
 # Knob tile ("auto": TILE_TOKENS; 0: off): tokens a tile of `tile_matmul_kernel`, which one-lane plans of more than
 # one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
 # (docs/benchmarks.md, "Serving").
@@ -432,18 +434,22 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
         acts = (("xq", qb), ("xd", db))
         # short: the steps the matvecs run for (all, unless tile products take the long or the split the middle)
         tiled, short = [], None
+        # The tile products' activations: the int8 ones, or (u8f16 products) x itself, rounded to f16 in them.
+        u8f16 = u8f16_products(ctx.target(), kn, fmts)
+        tile_acts = (("x", x),) if u8f16 else acts
         if tiles:
             # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
             long = (TILES_ABOVE, True)
             mk = tile_mma_kernel(f"{name}{gate_suffix(long)}_mma", fmts, n, k, rows=kn["mma_rows"],
                                  tokens=kn["mma_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
                                  epilogue=epilogue, words=bool(int(kn["mma_words"])), gate=long,
-                                 unroll=bool(int(kn["mma_unroll"])))
-            tiled, short = [Launch(mk, (*acts, *wbind, ("y", y)), (("T", t_bind),))], (TILES_ABOVE, False)
+                                 unroll=bool(int(kn["mma_unroll"])), u8f16=u8f16)
+            tiled, short = [Launch(mk, (*tile_acts, *wbind, ("y", y)), (("T", t_bind),))], (TILES_ABOVE, False)
         # Where longer steps take no tile products, the matvecs must keep them: no split then.
         split = _split_tiles(ctx, kn, fmts, n, k, x_rows) if tiles or x_rows <= TILES_ABOVE else None
         if split:
-            tiled += _split_launches(name, fmts, n, k, ctx, kn, split, acts, wbind, y, t_bind, x_rows, epilogue)
+            tiled += _split_launches(name, fmts, n, k, ctx, kn, split, tile_acts, wbind, y, t_bind, x_rows,
+                                     epilogue, u8f16)
             short = (split_above(kn), False)
         rows, spread = q8_rows(kn, ctx, fmts, n, k)
         mk = matvec_q8_kernel(f"{name}{gate_suffix(short)}_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"],
@@ -477,10 +483,10 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
 
 def _split_launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: RecipeContext, kn: dict,
                     split: tuple[int, int], acts: tuple, wbind: tuple, y: str, t_bind, x_rows: int,
-                    epilogue=None) -> list[Launch]:
+                    epilogue=None, u8f16: bool = False) -> list[Launch]:
     """Steps of more than mma_split_above to TILES_ABOVE tokens as tile products with K in parts, each a group,
-    then their sum (`split`: `_split_tiles`' parts and chunk; `acts`, `wbind`: the quantized activations' and the
-    weights' bindings)."""
+    then their sum (`split`: `_split_tiles`' parts and chunk; `acts`, `wbind`: the activations' bindings, int8 or
+    with `u8f16` (`tile_mma.u8f16_products`) x itself, and the weights')."""
     (parts, chunk), mid = split, ((split_above(kn), True), (TILES_ABOVE, False))
     yp = ctx.scratch("yp", "f32", parts * len(fmts) * min(x_rows, TILES_ABOVE) * n)
 
@@ -488,7 +494,7 @@ def _split_launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx:
         sk = tile_mma_kernel(f"{name}{gate_suffix(mid)}_mma_k{parts}{tag}", fs, n, k, rows=kn["mma_rows"],
                              tokens=kn["mma_split_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
                              words=bool(int(kn["mma_words"])), gate=mid, split=parts, slot=j0,
-                             unroll=bool(int(kn["mma_unroll"])))
+                             unroll=bool(int(kn["mma_unroll"])), u8f16=u8f16)
         return Launch(sk, (*acts, *ws, ("yp", yp)), (("T", t_bind),))
 
     # Knob mma_split_each: several weights (the gate and up of a GLU) a launch each, as a lone matmul's, whose

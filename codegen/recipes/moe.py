@@ -97,6 +97,7 @@ from polystrata.codegen.recipes.tile_mma import (
     mma_chunk,
     tile_mma_kernel,
     tile_products_apply,
+    u8f16_products,
 )
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
@@ -169,13 +170,13 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int, lists: int 
                   local=(LocalArray("p", "f32", e),))
 
 
-# version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64). Knob shared: a shared expert of the experts'
-# shape and formats inside their int8 launches (`_lower_moe`); 0: its own launches. Not a candidate for `tune`: it
-# changes which launches a plan has, not a kernel's schedule.
+# version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64); version 3: mma_f16 added. Knob shared: a shared
+# expert of the experts' shape and formats inside their int8 launches (`_lower_moe`); 0: its own launches. Not a
+# candidate for `tune`: it changes which launches a plan has, not a kernel's schedule.
 MOE_SPACE = KnobSpace("moe_ffn", (
     Knob("rows", 4, (1, 2, 8)), Knob("split", "auto", ("rows", "blocks")), Knob("xq", "auto", ("inline", "kernel")),
     Knob("sub", "auto", (1, 2, 4, 8)), Knob("runs", "auto", (0, 1)), Knob("spread", "auto", (0, 1)),
-    Knob("contract", "auto", (0, 1)), Knob("shared", 1), *TILE_MMA_KNOBS), version=2,
+    Knob("contract", "auto", (0, 1)), Knob("shared", 1), *TILE_MMA_KNOBS), version=3,
     constraint=lambda kn: not (kn["xq"] == "inline" and any(kn[k] != "auto" for k in ("sub", "runs", "spread"))))
 
 
@@ -752,15 +753,16 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
 
         def tile_launch(name: str, fmts: list[QuantFormat], n: int, kd: int, per_token: bool, act: str,
                         quant: tuple, ws: tuple, out: str, epilogue=None) -> list[Launch]:
+            u8f16 = u8f16_products(policy, kn, fmts)  # activations read as f32 and rounded to f16 in the kernel
             kern = tile_mma_kernel(name + gate_suffix(gate) + "_mma", fmts, n, kd, rows=int(kn["mma_rows"]),
                                    tokens=int(kn["mma_tokens"]),
                                    chunk=mma_chunk(policy, "moe_ffn", kn, fmts, kd),
                                    lanes=int(kn["mma_lanes"]), epilogue=epilogue,
                                    gather=expert_gather(n_exp, n, k, cap, per_token, stream),
                                    words=bool(int(kn["mma_words"])), gate=gate,
-                                   unroll=bool(int(kn["mma_unroll"])))
+                                   unroll=bool(int(kn["mma_unroll"])), u8f16=u8f16)
             wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
-            if f16_path(fmts):
+            if f16_path(fmts) or u8f16:
                 return [Launch(kern, (("x", act), ("lst", lst), *slot, *wbind, ("y", out)), (("T", tb),))]
             ql = Launch(quantize_x_kernel(f"quantize_x_{kd}" + (f"_{k}" if not per_token else "") + gate_suffix(gate),
                                           kd, rows_per_t=1 if per_token else k, gate=gate),

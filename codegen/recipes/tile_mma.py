@@ -44,7 +44,14 @@ from polystrata.codegen.format_analysis import affine, block_stride, elements_pe
 from polystrata.codegen.policy import MMA_OFF, Policy
 from polystrata.codegen.recipes import Knob, kernel_builder
 from polystrata.codegen.recipes._alignment import ALIGN_MAX, realign
-from polystrata.codegen.recipes._matvec import QB, _vec_level, _wide_levels, fmt_for, use_int8
+from polystrata.codegen.recipes._matvec import (
+    QB,
+    _vec_level,
+    _wide_levels,
+    fmt_for,
+    signed_byte_levels,
+    use_int8,
+)
 from polystrata.codegen.recipes.tile_matmul import Gate, step_gate
 from polystrata.ir.expr import Const, Expr, Var
 from polystrata.ir.formats import QuantFormat
@@ -74,7 +81,8 @@ from polystrata.ir.kernel import (
 
 TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", "auto", (64, 128, 256)),
                   Knob("mma_lanes", 128),
-                  Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1), Knob("mma_unroll", 0, (1,)))
+                  Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1), Knob("mma_unroll", 0, (1,)),
+                  Knob("mma_f16", "auto", (0, 1)))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
 # policy's, `codegen/policy.py`, which says why). Smaller matrices cost little in a prompt chunk anyway, and each
 # tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
@@ -83,7 +91,9 @@ TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk"
 # first measurement, is kept for comparison (`--knob matmul.mma_words=0`), not searched by `tune`.
 # Knob mma_unroll: 1 writes out the loop over a chunk's weight groups (each group's product and scaling), so that
 # the operands' local addresses are constants; 0 keeps the loop (shorter code, a longer compile of the unrolled).
+# Knob mma_f16: 1 takes the "u8f16" tile products (`u8f16_products`); "auto": where the matrix unit has them.
 PAD = 4  # words of padding after each operand row (see the module docstring)
+HALF_UNIT = 16  # u8f16: activation values a staging unit converts to f16 (8 words)
 SMALL_CHUNK = 64  # the K chunk of matrices that the policy's does not fit (two activation blocks)
 
 
@@ -106,6 +116,16 @@ class Gather:
 def f16_path(fmts: Sequence[QuantFormat]) -> bool:
     """Whether weights of `fmts` take the f16 tile products (F16 weights: exact in f16) rather than int8 ones."""
     return all(f.name == "F16" for f in fmts)
+
+
+def u8f16_products(policy: Policy, kn: dict, fmts: Sequence[QuantFormat]) -> bool:
+    """Whether tile products over weights of `fmts` take the "u8f16" kind (`ir.kernel.TileMMA`; knob mma_f16,
+    "auto": where the policy's matrix unit spells it, `Policy.matrix_kinds`): each weight level a byte made an f16
+    value by its group's scale and offset inside the product, times the f32 activations rounded to f16, with no
+    rescaling of the sums a weight group (the int8 products' `TileEach`, most of their instructions) and no int8
+    activations. Formats: those staged a word at a time (`word_staging`)."""
+    on = "u8f16" in policy.matrix_kinds if kn["mma_f16"] == "auto" else bool(int(kn["mma_f16"]))
+    return on and bool(int(kn["mma_words"])) and word_staging(fmts)
 
 
 def tile_products_apply(policy: Policy, space: str, t_max: int, kn: dict, fmts: Sequence[QuantFormat], n: int,
@@ -133,7 +153,8 @@ def mma_chunk(policy: Policy, space: str, kn: dict, fmts: Sequence[QuantFormat],
 
 def _fits_local(policy: Policy, kn: dict, fmts: Sequence[QuantFormat], chunk: int) -> bool:
     words = bool(int(kn["mma_words"])) and word_staging(fmts)
-    arrays = operand_arrays(fmts, int(kn["mma_rows"]), int(kn["mma_tokens"]), chunk, words)
+    arrays = operand_arrays(fmts, int(kn["mma_rows"]), int(kn["mma_tokens"]), chunk, words,
+                            u8f16_products(policy, kn, fmts))
     return sum(a.size * DTYPE_BYTES[a.dtype] for a in arrays) <= policy.local_bytes
 
 
@@ -162,6 +183,16 @@ def word_staging(fmts: Sequence[QuantFormat]) -> bool:
                                       for f in fmts)
 
 
+def unsigned_levels(word: Expr, bias: int, wf: QuantFormat, lw, level: Expr) -> tuple[Expr, int]:
+    """(`_vec_level`'s word of four levels as unsigned bytes, bias): level = byte - bias. Its word is that already
+    (bytes below 128) but where the format's levels are the bytes read as signed int8 (Q8_0): those get each top
+    bit flipped, bias 128."""
+    if bias or not signed_byte_levels(wf, lw, level):
+        return word, bias
+    top = Cast("u32", Const(0x80808080))
+    return (word & Cast("u32", Const(0x7F7F7F7F))) | (top - (word & top)), 128
+
+
 def signed_bytes(word: Expr, bias: int) -> Expr:
     """The four bytes b of u32 `word` (each below 128) as the signed bytes b - bias (bias <= 128), without carries
     between bytes: b + 128 - bias in each byte, then its top bit flipped (no xor in the IR: kept bits or'd with
@@ -171,14 +202,21 @@ def signed_bytes(word: Expr, bias: int) -> Expr:
     return (x & Cast("u32", Const(0x7F7F7F7F))) | (top - (x & top))
 
 
-def operand_arrays(fmts: Sequence[QuantFormat], rows: int, tokens: int, chunk: int, words: bool) -> list[LocalArray]:
+def operand_arrays(fmts: Sequence[QuantFormat], rows: int, tokens: int, chunk: int, words: bool,
+                   u8f16: bool = False) -> list[LocalArray]:
     """The local arrays of `tile_mma_kernel` over `fmts` with this tile and chunk (`words`: staged a word at a time,
-    as `word_staging` allows): the operand tiles, the weights' group scales and offsets, the activations' scales and
-    code sums (and staged a byte at a time, the weights' levels before packing)."""
+    as `word_staging` allows; `u8f16`: `u8f16_products`): the operand tiles, the weights' group scales and offsets
+    (u8f16: one word of both in f16 a group), the activations' scales and code sums (and staged a byte at a time,
+    the weights' levels before packing)."""
     half = f16_path(fmts)
     afs = [None if half else affine(fmt_for(f)) for f in fmts]
     st = chunk // (2 if half else 4) + PAD
     gx = min(a.group for a in afs) if not half else chunk
+    if u8f16:
+        local = [LocalArray("xb", "u32", tokens * (chunk // 2 + PAD))]
+        for j, a in enumerate(afs):
+            local += [LocalArray(f"wa{j}", "u32", rows * st), LocalArray(f"wsm{j}", "u32", rows * (chunk // a.group))]
+        return local
     local = [LocalArray("xb", "u32", tokens * st)]
     if not half:
         local.append(LocalArray("xds", "f32", tokens * (chunk // gx)))
@@ -199,7 +237,7 @@ def operand_arrays(fmts: Sequence[QuantFormat], rows: int, tokens: int, chunk: i
 def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, chunk: int,
                     lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
                     gather: Gather | None = None, words: bool = True, gate: Gate | tuple[Gate, ...] | None = None,
-                    split: int = 1, slot: int = 0, unroll: bool = False) -> Kernel:
+                    split: int = 1, slot: int = 0, unroll: bool = False, u8f16: bool = False) -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of `fmts` (`tile_mma_fits`), from
     int8 activations `xq` / `xd` (`linear.quantize_x_kernel`'s), or for F16 weights (`f16_path`) from the f32
     activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens)). With `gather`: for each token j the
@@ -211,7 +249,9 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     + r] for `split_sum_kernel` to add up; a step of one token tile then still has enough groups to fill the
     device. `slot`: the weights' sums go where weight slot + j's would (several launches, a weight each, filling
     one `split_sum_kernel`'s parts). `unroll` (knob mma_unroll): the loop over a chunk's weight groups written
-    out."""
+    out. `u8f16` (`u8f16_products`, words staging only): the weights' levels staged as unsigned bytes with a word
+    of f16 scale and offset a group, the f32 activations `x` staged as f16 pairs, one "u8f16" tile product a
+    chunk into f32 fragments; no int8 activations."""
     assert split == 1 or (gather is None and epilogue is None), "split K adds its parts up in split_sum_kernel"
     half = f16_path(fmts)
     pack_n = 2 if half else 4  # elements a word
@@ -222,6 +262,8 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     gx = min(a.group for a in afs) if not half else chunk  # activation sums are kept per gx elements
     offsets = any(a is not None and a.offset is not None for a in afs)
     words = words and word_staging(fmts)
+    assert not u8f16 or words, "u8f16 products stage their weights a word at a time"
+    stb = chunk // 2 + PAD if u8f16 else st  # activation operand row stride in words (u8f16: f16 pairs)
     row0, u = Var("g0") * rows, Var("u")
     t0 = (Var("g1") // split if split > 1 else Var("g1")) * tokens
     part = Var("g1") % split
@@ -285,15 +327,33 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         base = Var(f"{w}_wb")
         dec = Decoder(wf, w, base, f"{w}_", word_loads=True)
 
+        biases: dict[int, int] = {}  # u8f16: each element chunk's level bias (level = byte - bias)
+
         def group(start, size, env, inner):
             ng, gi = chunk // a.group, (at + start) // a.group
-            out = [Store(f"ws{j}", r * ng + gi, dec.group_expr(a.scale, start, env))]
-            if a.offset is not None:
-                out.append(Store(f"wm{j}", r * ng + gi, dec.group_expr(a.offset, start, env)))
+            if u8f16:
+                # value = S * (byte - bias) + M: the word holds f16 S and f16 (M - S * bias).
+                bias = {b for c, b in biases.items() if start <= c < start + size}
+                assert len(bias) == 1, f"{wf.name}: one level bias a group"
+                scale, off = dec.group_expr(a.scale, start, env), Const(0.0)
+                if a.offset is not None:
+                    off = dec.group_expr(a.offset, start, env)
+                b = bias.pop()
+                off = off - Var(f"{w}_gs") * float(b) if b else off
+                out = [Let(f"{w}_gs", scale), Store(f"wsm{j}", r * ng + gi, Call("f32_to_f16_bits", Var(f"{w}_gs"))
+                                                    | (Call("f32_to_f16_bits", off) << 16))]
+            else:
+                out = [Store(f"ws{j}", r * ng + gi, dec.group_expr(a.scale, start, env))]
+                if a.offset is not None:
+                    out.append(Store(f"wm{j}", r * ng + gi, dec.group_expr(a.offset, start, env)))
             return [*inner, If(sub.eq(0), tuple(out))] if share > 1 else [*inner, *out]
 
         def element(c, L, i0, env, lw):
             word, bias = _vec_level(wf, w, lw, a.level, i0, base)
+            if u8f16:
+                word, bias = unsigned_levels(word, bias, wf, lw, a.level)
+                biases[c] = bias
+                return [Store(f"wa{j}", r * st + at_w + c // 4 + Var(i0), word)]
             return [Store(f"wa{j}", r * st + at_w + c // 4 + Var(i0), signed_bytes(word, bias) if bias else word)]
 
         row = Call("min", row0 + r, Const(n - 1))  # rows past n decode row n - 1: their results are not stored
@@ -338,12 +398,33 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
             out.append(Store("xss", v, total))
         return out
 
+    def activation_halves(s: int, v: Expr) -> list:
+        """Unit v of the activations' staging of sub-chunk s (u8f16): one token's HALF_UNIT values of x as f16
+        pairs in the operand tile (16-byte loads); zero past the tile's tokens."""
+        e0 = kb * big + s * chunk
+        per = chunk // HALF_UNIT
+        tg, g = v // per, v % per
+        live = t0 + tg < count
+        src = source(t0 + tg) if gather else Call("min", t0 + tg, count - 1)
+        at = src * k + e0 + g * HALF_UNIT  # a multiple of 16 values: k and chunk are multiples of 32
+        out = []
+        for x in range(HALF_UNIT // 2):
+            # Unconditional loads (merged into vector loads), the word zeroed past the tokens.
+            pair = [Load("x", at + 2 * x + h, 4 if (2 * x + h) % 4 == 0 else 1) for h in range(2)]
+            word = Cast("u32", Call("f32_to_f16_bits", pair[0]) | (Call("f32_to_f16_bits", pair[1]) << 16))
+            out += [Let(f"xh{x}", word),
+                    Store("xb", tg * stb + g * (HALF_UNIT // 2) + x, Select(live, Var(f"xh{x}"), Cast("u32", 0)))]
+        return out
+
     def staged(s: int) -> LaneFor:
         """Words mode: one lane loop stages every operand of sub-chunk s (one barrier after it), the weights'
         units first, then the activations'."""
         parts = [(rows * max(1, chunk // wfs[j].block_size) * word_share(j), lambda v, j=j: decode_words(j, s, v))
                  for j in range(len(fmts))]
-        parts.append((tokens * (chunk // gx), lambda v: activation_words(s, v)))
+        if u8f16:
+            parts.append((tokens * (chunk // HALF_UNIT), lambda v: activation_halves(s, v)))
+        else:
+            parts.append((tokens * (chunk // gx), lambda v: activation_words(s, v)))
         ends = [sum(n for n, _ in parts[:p + 1]) for p in range(len(parts))]
         starts = [0, *ends[:-1]]
         body: tuple = ()
@@ -402,6 +483,9 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         a = afs[j]
         if a is None:
             return [TileMMA(f"f{j}", "f16", f"wa{j}", Const(0), st, "xb", Const(0), st, chunk // 2)]
+        if u8f16:
+            return [TileMMA(f"f{j}", "u8f16", f"wa{j}", Const(0), st, "xb", Const(0), stb, chunk // 4,
+                            scales=f"wsm{j}", scale_stride=chunk // a.group, group_words=a.group // 4)]
         ng, gw = chunk // a.group, a.group // 4
         i, jj, gi = Var("i"), Var("jj"), Var("gi")
         first = gi * (a.group // gx)  # the group's first activation sum / scale
@@ -447,24 +531,25 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         stores = (Store("y", (gather.out(t) if gather else t) * n + row, out),)
     body = (
         *(gather.lets if gather else ()),
-        TileEach("i", "jj", clear if half else (FragSet("iacc", Const(0)), *clear)),
+        TileEach("i", "jj", clear if half or u8f16 else (FragSet("iacc", Const(0)), *clear)),
         For(kb.name, first, steps, tuple(step)),
         TileEach("i", "jj", (If((row < n) & (t < count), stores),)),
     )
-    local = operand_arrays(fmts, rows, tokens, chunk, words)
+    local = operand_arrays(fmts, rows, tokens, chunk, words, u8f16)
     frags = tuple(Fragment(f"f{j}", "f32", rows, tokens) for j in range(len(fmts)))
-    if not half:
+    if not (half or u8f16):
         frags = (Fragment("iacc", "i32", rows, tokens), *frags)
-    acts = (Buf("x", "f32"),) if half else (Buf("xq", "u32"), Buf("xd", "f32"))
+    acts = (Buf("x", "f32"),) if half or u8f16 else (Buf("xq", "u32"), Buf("xd", "f32"))
     params = (*acts, *(gather.params if gather else ()), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
               Buf("yp" if split > 1 else "y", "f32", out=True), Scalar("T"))
     grid = (Const(-(-n // rows)), step_gate((T + (tokens - 1)) // tokens * split, gate),
             *((gather.groups,) if gather else ()))
     knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes),
              ("mma_words", int(words)), *((("mma_split", split),) if split > 1 else ()),
-             *((("mma_unroll", 1),) if unroll else ()))
+             *((("mma_unroll", 1),) if unroll else ()), ("mma_f16", int(u8f16)))
     return Kernel(name, params, grid, body, lanes=lanes, local=tuple(local), knobs=knobs, fragments=frags,
-                  doc=f"tile matmul {'f16' if half else 'int8'} {'+'.join(f.name for f in fmts)} [{n}x{k}]")
+                  doc=f"tile matmul {'f16' if half else 'u8f16' if u8f16 else 'int8'} {'+'.join(f.name for f in fmts)} "
+                      f"[{n}x{k}]")
 
 
 @kernel_builder
