@@ -232,7 +232,8 @@ def _portable_product(s: TileMMA, i: Expr, j: Expr, e: Expr) -> tuple:
     elif s.kind == "u8f16":
         # Each byte's value rounded to f16 as the matrix unit's operand is; B's two words for each word of A.
         sw = Var("_tws")
-        b2 = (Load(s.b, s.b_base + j * s.b_stride + 2 * w), Load(s.b, s.b_base + j * s.b_stride + 2 * w + 1))
+        at = s.b_base + j * s.b_stride + w // 4 * 8 + w % 4
+        b2 = (Load(s.b, at), Load(s.b, at + 4))
         total: Expr = Const(0.0)
         for x in range(4):
             q = ToF32((Var("_twa") >> (8 * x)) & 255)

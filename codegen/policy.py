@@ -106,7 +106,7 @@ class Policy:
     # matmuls take `codegen/recipes/tile_mma.py`'s kernels.
     matrix_units: bool = False
     # The tile product kinds (`ir.kernel.TileMMA.kind`) the matrix unit spells natively (`matrix_kinds`); a recipe
-    # picks the "u8f16" products only where they are native (elsewhere they render as loops).
+    # takes the "u8f16" products (knob mma_f16) only where they are native (elsewhere they render as loops).
     matrix_kinds: tuple[str, ...] = ()
     # The kernels run as loops on the host: block base addresses masked non-negative (`_matvec.NONNEG`: LLVM then
     # proves loads in bounds and vectorizes).
@@ -184,10 +184,10 @@ MMA_SYNC = MatrixUnit(32, 16, 8, 4, lambda lane, r: (lane // 4 + 8 * (r // 2), l
     MatrixInstr("i8", 4, "mma_s8_k16", lambda lane: _mma_a(lane)[:2], lambda lane: _mma_b(lane)[:1]),
     MatrixInstr("f16", 8, "mma_f16_k16", _mma_a, _mma_b),
     # u8f16 (`ir.kernel.TileMMA`): an f16 m16n8k16 whose K order is chosen so that a lane's A values are the four
-    # bytes of one word of each of its rows (t) and its B values that word's two f16 pairs (2t, 2t + 1); the
-    # instruction turns the bytes into f16 values with the rows' scales (passed after the words) on the way.
-    MatrixInstr("u8f16", 4, "mma_u8f16_k16", lambda lane: _mma_a(lane)[:2],
-                lambda lane: ((lane // 4, 2 * (lane % 4)), (lane // 4, 2 * (lane % 4) + 1))),
+    # bytes of one word of each of its rows (t) and its B values the two f16 pairs that u8f16's B layout puts at
+    # words t and t + 4 of the step; the instruction turns the bytes into f16 values with the rows' scales (passed
+    # after the words) on the way.
+    MatrixInstr("u8f16", 4, "mma_u8f16_k16", lambda lane: _mma_a(lane)[:2], _mma_b),
 ))
 
 

@@ -290,8 +290,9 @@ class TileMMA:
     Kind "u8f16" (quantized weights times f16 activations, with no per-group rescaling of the sums): A words hold
     four unsigned bytes q, each element's value is f16(S * q + M) with the f16 pair (S low, M high) of word
     `scales[i * scale_stride + w // group_words]` (a scale and offset per row and `group_words` words of A), and
-    B's words are f16 pairs, two for each word of A: elements 4w..4w+3 of column j are the halves of
-    b[b_base + j * b_stride + 2w] and of the word after it. Products are summed into f32."""
+    B's words are f16 pairs, eight for each four words of A: the elements of A word 4s + c (c < 4) pair with the
+    halves of b[b_base + j * b_stride + 8s + c] (elements 0, 1) and of the word 4 after it (2, 3), the order in
+    which an f16 matrix unit's lanes take them. `words` is a multiple of 4. Products are summed into f32."""
 
     acc: str
     kind: str
@@ -470,7 +471,7 @@ def verify(k: Kernel) -> None:
                 if s.a not in u32_local or s.b not in u32_local or s.words < 1:
                     raise KernelError(f"{k.name}: TileMMA operands {s.a}, {s.b} must be u32 local arrays")
                 if (s.kind == "u8f16") != (s.scales is not None) or (s.scales and (
-                        s.scales not in u32_local or s.group_words < 1 or s.words % s.group_words)):
+                        s.scales not in u32_local or s.group_words < 1 or s.words % s.group_words or s.words % 4)):
                     raise KernelError(f"{k.name}: a u8f16 TileMMA (and only one) takes scales: a u32 local array, "
                                       f"a scale per row and group of words dividing its {s.words} words")
             if isinstance(s, TileEach):

@@ -278,7 +278,9 @@ def tile_case(kind: str, m: int, n_: int, seed: int = 3) -> tuple:
         a16 = (sc[:, per].astype(np.float64) * q + off[:, per].astype(np.float64)).astype(np.float16)
         b16 = rng.uniform(0.05, 2, (n_, kw * 4)).astype(np.float16)
         sm = sc.view(np.uint16).astype(np.uint32) | (off.view(np.uint16).astype(np.uint32) << 16)
-        ins = {"a": q.view(np.uint32).reshape(-1), "b": b16.view(np.uint32).reshape(-1), "s": sm.reshape(-1)}
+        # B's words in u8f16's order: of each 8, the pairs 0, 2, 4, 6 first, then 1, 3, 5, 7.
+        bw = b16.view(np.uint32).reshape(n_, -1, 4, 2).transpose(0, 1, 3, 2)
+        ins = {"a": q.view(np.uint32).reshape(-1), "b": bw.reshape(-1), "s": sm.reshape(-1)}
         want = {"y": (a16.astype(np.float64) @ b16.astype(np.float64).T).reshape(-1)}
         outs = {"y": (m * n_, "f32")}
     else:

@@ -12,6 +12,8 @@ compile, so CI samples.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from recipe_cases import (
@@ -168,10 +170,12 @@ def test_tile_mma_fits():
 
 
 def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K", mma_min: int = 32, split: int = 0,
-                     above: int = 1, **knobs) -> list:
+                     above: int = 1, kinds: tuple = (), **knobs) -> list:
     g = Graph("t")
     g.op("matmul", g.input("x", "f32", ("T", K)), g.weight("w", fmt, (N, K)), name="y")
     ctx = recipe_context(g, formats={"w": FORMATS[fmt]}, lanes=128, matrix_units=matrix_units)
+    if kinds:  # the matrix unit's tile product kinds (`Policy.matrix_kinds`)
+        ctx.policy = replace(ctx.policy, matrix_kinds=kinds)
     ctx.t_max, ctx.knobs = t_max, {"matmul": {"mma_min": mma_min, "mma_split": split, "mma_split_above": above,
                                               "mma_chunk": 64, **knobs}}
     launches = recipe("matmul").lower(g.nodes, ctx)
@@ -232,6 +236,30 @@ def test_split_k_takes_the_steps_of_2_to_64_tokens():
     for t, on in ((1, {4}), (5, {4}), (6, {2, 3}), (64, {2, 3}), (65, {1})):
         assert {i for i, la in enumerate(launches[1:], 1) if grid(la, t)[0] * grid(la, t)[1] > 0} == on, t
     assert not any("_mma_k" in la.kernel.name for la in _matmul_launches(True, 5, "Q8_0", split=4, above=5))
+
+
+def test_u8f16_products_where_the_matrix_unit_has_them():
+    """Knob mma_f16: the u8f16 tile products where the policy's matrix unit spells them (cuda's MMA_SYNC), never
+    elsewhere (MFMA: they would be loops) nor for byte-staged formats (Q5_0); the tile launches (long steps and
+    split K) then read x itself, no int8 activations, while the one-token matvecs keep theirs. Off by default."""
+    from polystrata.codegen.policy import MATRIX_ARCHS, MMA_SYNC, matrix_kinds
+    from polystrata.codegen.recipes.tile_mma import u8f16_products
+
+    kn = {"mma_f16": 1, "mma_words": 1}
+    base = recipe_context(Graph("t"), lanes=128, matrix_units=True).policy
+    sync = replace(base, matrix_kinds=matrix_kinds(MMA_SYNC))
+    assert u8f16_products(sync, kn, [FORMATS["Q4_K"]])
+    assert not u8f16_products(sync, {**kn, "mma_f16": 0}, [FORMATS["Q4_K"]])
+    assert not u8f16_products(replace(base, matrix_kinds=matrix_kinds(MATRIX_ARCHS["gfx90a"])), kn, [FORMATS["Q4_K"]])
+    assert not u8f16_products(sync, kn, [FORMATS["Q5_0"]])
+    launches = _matmul_launches(True, 70, "Q8_0", split=4, kinds=matrix_kinds(MMA_SYNC), mma_f16=1)
+    by_name = {la.kernel.name.removeprefix("matmul_q8_0_40x256"): la for la in launches}
+    for tile in ("_gt64_mma", "_gt1_le64_mma_k4"):
+        assert dict(by_name[tile].buffers)["x"] == "x" and "xq" not in dict(by_name[tile].buffers), tile
+        assert by_name[tile].kernel.knob_dict["mma_f16"] == 1
+    assert "xq" in dict(by_name["_le1_q8"].buffers)
+    default = _matmul_launches(True, 70, "Q8_0", split=4, kinds=matrix_kinds(MMA_SYNC))
+    assert all("mma_f16" not in la.kernel.knob_dict for la in default)
 
 
 def test_gpu_policy_splits_k_from_six_rows():

@@ -82,6 +82,7 @@ from polystrata.codegen.recipes.tile_mma import (
     f16_path,
     mma_chunk,
     split_sum_kernel,
+    staging_flags,
     tile_mma_kernel,
     tile_products_apply,
     u8f16_products,
@@ -138,7 +139,7 @@ def _matmul_constraint(kn: dict) -> bool:
 # Instances stay apart: their names (and so their tuning rows) differ.
 # version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64), mma_split added; version 3: mma_split_above
 # added, the GPUs' mma_split 4 (was 0); version 4: mma_split_each added; version 5: mma_f16 added (the u8f16 tile
-# products, the default where the matrix unit has them).
+# products).
 MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, version=5, constraint=_matmul_constraint)
 # Knob tile ("auto": TILE_TOKENS; 0: off): tokens a tile of `tile_matmul_kernel`, which one-lane plans of more than
 # one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
@@ -427,7 +428,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     if tiles and f16_path(fmts):  # F16 weights: the f16 products for every step of several tokens
         mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"], tokens=kn["mma_tokens"],
                              chunk=chunk, lanes=kn["mma_lanes"], epilogue=epilogue,
-                             words=bool(int(kn["mma_words"])), unroll=bool(int(kn["mma_unroll"])))
+                             **staging_flags(kn))
         return [Launch(mk, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
     if _int8_kernels(ctx, kn, fmts, k):
         ql, qb, db = quantize_launch(ctx, x, k, t_bind)
@@ -442,8 +443,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
             long = (TILES_ABOVE, True)
             mk = tile_mma_kernel(f"{name}{gate_suffix(long)}_mma", fmts, n, k, rows=kn["mma_rows"],
                                  tokens=kn["mma_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
-                                 epilogue=epilogue, words=bool(int(kn["mma_words"])), gate=long,
-                                 unroll=bool(int(kn["mma_unroll"])), u8f16=u8f16)
+                                 epilogue=epilogue, gate=long, u8f16=u8f16, **staging_flags(kn))
             tiled, short = [Launch(mk, (*tile_acts, *wbind, ("y", y)), (("T", t_bind),))], (TILES_ABOVE, False)
         # Where longer steps take no tile products, the matvecs must keep them: no split then.
         split = _split_tiles(ctx, kn, fmts, n, k, x_rows) if tiles or x_rows <= TILES_ABOVE else None
@@ -493,8 +493,7 @@ def _split_launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx:
     def part_launch(j0: int, fs: Sequence[QuantFormat], ws: tuple, tag: str) -> Launch:
         sk = tile_mma_kernel(f"{name}{gate_suffix(mid)}_mma_k{parts}{tag}", fs, n, k, rows=kn["mma_rows"],
                              tokens=kn["mma_split_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
-                             words=bool(int(kn["mma_words"])), gate=mid, split=parts, slot=j0,
-                             unroll=bool(int(kn["mma_unroll"])), u8f16=u8f16)
+                             gate=mid, split=parts, slot=j0, u8f16=u8f16, **staging_flags(kn))
         return Launch(sk, (*acts, *ws, ("yp", yp)), (("T", t_bind),))
 
     # Knob mma_split_each: several weights (the gate and up of a GLU) a launch each, as a lone matmul's, whose

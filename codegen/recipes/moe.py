@@ -95,6 +95,7 @@ from polystrata.codegen.recipes.tile_mma import (
     Gather,
     f16_path,
     mma_chunk,
+    staging_flags,
     tile_mma_kernel,
     tile_products_apply,
     u8f16_products,
@@ -759,8 +760,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
                                    chunk=mma_chunk(policy, "moe_ffn", kn, fmts, kd),
                                    lanes=int(kn["mma_lanes"]), epilogue=epilogue,
                                    gather=expert_gather(n_exp, n, k, cap, per_token, stream),
-                                   words=bool(int(kn["mma_words"])), gate=gate,
-                                   unroll=bool(int(kn["mma_unroll"])), u8f16=u8f16)
+                                   gate=gate, u8f16=u8f16, **staging_flags(kn))
             wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
             if f16_path(fmts) or u8f16:
                 return [Launch(kern, (("x", act), ("lst", lst), *slot, *wbind, ("y", out)), (("T", tb),))]

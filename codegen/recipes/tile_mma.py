@@ -82,7 +82,7 @@ from polystrata.ir.kernel import (
 TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", "auto", (64, 128, 256)),
                   Knob("mma_lanes", 128),
                   Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1), Knob("mma_unroll", 0, (1,)),
-                  Knob("mma_f16", "auto", (0, 1)))
+                  Knob("mma_f16", 0, (1,)))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
 # policy's, `codegen/policy.py`, which says why). Smaller matrices cost little in a prompt chunk anyway, and each
 # tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
@@ -91,9 +91,10 @@ TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk"
 # first measurement, is kept for comparison (`--knob matmul.mma_words=0`), not searched by `tune`.
 # Knob mma_unroll: 1 writes out the loop over a chunk's weight groups (each group's product and scaling), so that
 # the operands' local addresses are constants; 0 keeps the loop (shorter code, a longer compile of the unrolled).
-# Knob mma_f16: 1 takes the "u8f16" tile products (`u8f16_products`); "auto": where the matrix unit has them.
+# Knob mma_f16: 1 takes the "u8f16" tile products (`u8f16_products`) where the matrix unit has them: ten times
+# more accurate than the int8 products, slower on the H100 (docs/benchmarks.md, "u8f16 tile products"), so off.
 PAD = 4  # words of padding after each operand row (see the module docstring)
-HALF_UNIT = 16  # u8f16: activation values a staging unit converts to f16 (8 words)
+HALF_UNIT = 16  # u8f16: activation values a staging unit converts to f16: one block of 8 B words (its order)
 SMALL_CHUNK = 64  # the K chunk of matrices that the policy's does not fit (two activation blocks)
 
 
@@ -118,14 +119,19 @@ def f16_path(fmts: Sequence[QuantFormat]) -> bool:
     return all(f.name == "F16" for f in fmts)
 
 
+def staging_flags(kn: dict) -> dict:
+    """`tile_mma_kernel`'s staging and loop arguments from knobs `kn` (mma_words, mma_unroll)."""
+    return {"words": bool(int(kn["mma_words"])), "unroll": bool(int(kn["mma_unroll"]))}
+
+
 def u8f16_products(policy: Policy, kn: dict, fmts: Sequence[QuantFormat]) -> bool:
-    """Whether tile products over weights of `fmts` take the "u8f16" kind (`ir.kernel.TileMMA`; knob mma_f16,
-    "auto": where the policy's matrix unit spells it, `Policy.matrix_kinds`): each weight level a byte made an f16
-    value by its group's scale and offset inside the product, times the f32 activations rounded to f16, with no
-    rescaling of the sums a weight group (the int8 products' `TileEach`, most of their instructions) and no int8
+    """Whether tile products over weights of `fmts` take the "u8f16" kind (`ir.kernel.TileMMA`): knob mma_f16, on a
+    target whose matrix unit spells it (`Policy.matrix_kinds`; elsewhere it would be loops). Each weight level is
+    a byte made an f16 value by its group's scale and offset inside the product, times the f32 activations
+    rounded to f16, with no rescaling of the sums a weight group (the int8 products' `TileEach`) and no int8
     activations. Formats: those staged a word at a time (`word_staging`)."""
-    on = "u8f16" in policy.matrix_kinds if kn["mma_f16"] == "auto" else bool(int(kn["mma_f16"]))
-    return on and bool(int(kn["mma_words"])) and word_staging(fmts)
+    return (bool(int(kn["mma_f16"])) and "u8f16" in policy.matrix_kinds and bool(int(kn["mma_words"]))
+            and word_staging(fmts))
 
 
 def tile_products_apply(policy: Policy, space: str, t_max: int, kn: dict, fmts: Sequence[QuantFormat], n: int,
@@ -412,8 +418,8 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
             # Unconditional loads (merged into vector loads), the word zeroed past the tokens.
             pair = [Load("x", at + 2 * x + h, 4 if (2 * x + h) % 4 == 0 else 1) for h in range(2)]
             word = Cast("u32", Call("f32_to_f16_bits", pair[0]) | (Call("f32_to_f16_bits", pair[1]) << 16))
-            out += [Let(f"xh{x}", word),
-                    Store("xb", tg * stb + g * (HALF_UNIT // 2) + x, Select(live, Var(f"xh{x}"), Cast("u32", 0)))]
+            at_w = g * (HALF_UNIT // 2) + x // 2 + x % 2 * 4  # u8f16's B order (`ir.kernel.TileMMA`)
+            out += [Let(f"xh{x}", word), Store("xb", tg * stb + at_w, Select(live, Var(f"xh{x}"), Cast("u32", 0)))]
         return out
 
     def staged(s: int) -> LaneFor:
@@ -546,7 +552,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
             *((gather.groups,) if gather else ()))
     knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes),
              ("mma_words", int(words)), *((("mma_split", split),) if split > 1 else ()),
-             *((("mma_unroll", 1),) if unroll else ()), ("mma_f16", int(u8f16)))
+             *((("mma_unroll", 1),) if unroll else ()), *((("mma_f16", 1),) if u8f16 else ()))
     return Kernel(name, params, grid, body, lanes=lanes, local=tuple(local), knobs=knobs, fragments=frags,
                   doc=f"tile matmul {'f16' if half else 'u8f16' if u8f16 else 'int8'} {'+'.join(f.name for f in fmts)} "
                       f"[{n}x{k}]")
