@@ -95,6 +95,25 @@ def test_tile_mma_u8f16(rt, fmt_name, chunk, split):
         assert np.all(np.abs(y - ref) <= bound), f"{fmt_name} T={t}: {np.abs(y - ref).max()} > {bound.min()}"
 
 
+def test_ablation_leaves_a_part_out(rt):
+    """Knob mma_ablate (for timing one part alone): "products" stages but multiplies nothing (zero results),
+    "staging" multiplies but reads no weight or activation."""
+    from polystrata.ir.kernel import loads, stmt_exprs, walk
+
+    if rt.lanes == 1:
+        pytest.skip("GPU-shaped, never planned on one lane")
+    fmt, wb, _ = weight("Q8_0", N, K)
+    bare = tile_mma_kernel("t_mma_ablate_staging", [fmt], N, K, rows=32, tokens=16, chunk=64, lanes=64,
+                           ablate="staging")
+    read = {ld.buf for st in walk(bare.body) for e in stmt_exprs(st) for ld in loads(e)}
+    assert not read & {"w0", "xq", "xd"}, read
+    kern = tile_mma_kernel("t_mma_ablate_products", [fmt], N, K, rows=32, tokens=16, chunk=64, lanes=64,
+                           ablate="products")
+    x = np.random.default_rng(2).standard_normal((7, K)).astype(np.float32)
+    y = run(rt, kern, {**_quantized(rt, x), "w0": wb}, {"T": 7}, {"y": ((7, N), "f32")})["y"]
+    assert not y.any()
+
+
 def test_tile_mma_f16_weights(rt):
     """F16 weights: f16 tile products on the activations rounded to f16."""
     if rt.lanes == 1:

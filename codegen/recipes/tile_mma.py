@@ -82,7 +82,7 @@ from polystrata.ir.kernel import (
 TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", "auto", (64, 128, 256)),
                   Knob("mma_lanes", 128),
                   Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1), Knob("mma_unroll", 0, (1,)),
-                  Knob("mma_f16", 0, (1,)))
+                  Knob("mma_f16", 0, (1,)), Knob("mma_ablate", "none", ()))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
 # policy's, `codegen/policy.py`, which says why). Smaller matrices cost little in a prompt chunk anyway, and each
 # tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
@@ -93,6 +93,8 @@ TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk"
 # the operands' local addresses are constants; 0 keeps the loop (shorter code, a longer compile of the unrolled).
 # Knob mma_f16: 1 takes the "u8f16" tile products (`u8f16_products`) where the matrix unit has them: ten times
 # more accurate than the int8 products, slower on the H100 (docs/benchmarks.md, "u8f16 tile products"), so off.
+# Knob mma_ablate: "staging" or "products" leaves that part of the kernel out (wrong results, for timing the other
+# part alone: `scripts/matvec_bench.py --knob matmul.mma_ablate=products`); no candidates, so `tune` never tries it.
 PAD = 4  # words of padding after each operand row (see the module docstring)
 HALF_UNIT = 16  # u8f16: activation values a staging unit converts to f16: one block of 8 B words (its order)
 SMALL_CHUNK = 64  # the K chunk of matrices that the policy's does not fit (two activation blocks)
@@ -120,8 +122,8 @@ def f16_path(fmts: Sequence[QuantFormat]) -> bool:
 
 
 def staging_flags(kn: dict) -> dict:
-    """`tile_mma_kernel`'s staging and loop arguments from knobs `kn` (mma_words, mma_unroll)."""
-    return {"words": bool(int(kn["mma_words"])), "unroll": bool(int(kn["mma_unroll"]))}
+    """`tile_mma_kernel`'s staging and loop arguments from knobs `kn` (mma_words, mma_unroll, mma_ablate)."""
+    return {"words": bool(int(kn["mma_words"])), "unroll": bool(int(kn["mma_unroll"])), "ablate": kn["mma_ablate"]}
 
 
 def u8f16_products(policy: Policy, kn: dict, fmts: Sequence[QuantFormat]) -> bool:
@@ -243,7 +245,8 @@ def operand_arrays(fmts: Sequence[QuantFormat], rows: int, tokens: int, chunk: i
 def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, rows: int, tokens: int, chunk: int,
                     lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
                     gather: Gather | None = None, words: bool = True, gate: Gate | tuple[Gate, ...] | None = None,
-                    split: int = 1, slot: int = 0, unroll: bool = False, u8f16: bool = False) -> Kernel:
+                    split: int = 1, slot: int = 0, unroll: bool = False, u8f16: bool = False,
+                    ablate: str = "none") -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of `fmts` (`tile_mma_fits`), from
     int8 activations `xq` / `xd` (`linear.quantize_x_kernel`'s), or for F16 weights (`f16_path`) from the f32
     activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens)). With `gather`: for each token j the
@@ -257,7 +260,10 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     one `split_sum_kernel`'s parts). `unroll` (knob mma_unroll): the loop over a chunk's weight groups written
     out. `u8f16` (`u8f16_products`, words staging only): the weights' levels staged as unsigned bytes with a word
     of f16 scale and offset a group, the f32 activations `x` staged as f16 pairs, one "u8f16" tile product a
-    chunk into f32 fragments; no int8 activations."""
+    chunk into f32 fragments; no int8 activations. `ablate` (knob mma_ablate, for measuring where a kernel's time
+    goes, never for results): "staging" leaves the staging out (products of whatever the local arrays hold),
+    "products" the products (the results are zero)."""
+    assert ablate in ("none", "staging", "products"), ablate
     assert split == 1 or (gather is None and epilogue is None), "split K adds its parts up in split_sum_kernel"
     half = f16_path(fmts)
     pack_n = 2 if half else 4  # elements a word
@@ -512,15 +518,17 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
 
     step: list = []
     for s in range(big // chunk):
-        if words:
-            step.append(staged(s))
-        else:
+        if ablate != "staging":
+            if words:
+                step.append(staged(s))
+            else:
+                for j in range(len(fmts)):
+                    step += decode(j, s)
+                    step.append(pack(f"wl{j}", f"wa{j}"))
+                step += activations(s)
+        if ablate != "products":
             for j in range(len(fmts)):
-                step += decode(j, s)
-                step.append(pack(f"wl{j}", f"wa{j}"))
-            step += activations(s)
-        for j in range(len(fmts)):
-            step += products(j)
+                step += products(j)
     vals = [FragElem(f"f{j}") for j in range(len(fmts))]
     out = epilogue(vals) if epilogue else vals[0]
     row, t = row0 + Var("i"), t0 + Var("jj")
@@ -552,7 +560,8 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
             *((gather.groups,) if gather else ()))
     knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes),
              ("mma_words", int(words)), *((("mma_split", split),) if split > 1 else ()),
-             *((("mma_unroll", 1),) if unroll else ()), *((("mma_f16", 1),) if u8f16 else ()))
+             *((("mma_unroll", 1),) if unroll else ()), *((("mma_f16", 1),) if u8f16 else ()),
+             *((("mma_ablate", ablate),) if ablate != "none" else ()))
     return Kernel(name, params, grid, body, lanes=lanes, local=tuple(local), knobs=knobs, fragments=frags,
                   doc=f"tile matmul {'f16' if half else 'u8f16' if u8f16 else 'int8'} {'+'.join(f.name for f in fmts)} "
                       f"[{n}x{k}]")
