@@ -3,6 +3,8 @@ target under test, against the numpy reference."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from recipe_cases import (
@@ -17,6 +19,7 @@ from recipe_cases import (
     weight,
 )
 
+from polystrata.codegen.policy import MMA_SYNC, matrix_kinds
 from polystrata.ir.formats import FORMATS
 from polystrata.ir.graph import Graph
 from polystrata.runtimes import reference as R
@@ -46,9 +49,9 @@ def test_router(rt, norm, lanes):
     np.testing.assert_allclose(out[t * 3:].reshape(t, 3) / 2.0**30, w, atol=1e-6)
 
 
-def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=None, matrix_units=False):
+def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=None, matrix_units=False, kinds=()):
     """A router + moe_ffn graph lowered on a context of `lanes` lanes (and moe_ffn `knobs`; `matrix_units`: a
-    target whose policy has them); returns what a test needs to run it."""
+    target whose policy has them, `kinds` its tile product kinds); returns what a test needs to run it."""
     g = Graph("t")
     x = g.input("x", "f32", ("T", dm))
     logits = g.input("logits", "f32", ("T", e))
@@ -61,6 +64,8 @@ def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=Non
                          matrix_units=matrix_units)
     ctx.lanes, ctx.t_max = lanes, t_max
     ctx.knobs = {"moe_ffn": knobs or {}}
+    if kinds:
+        ctx.policy = replace(ctx.policy, matrix_kinds=kinds)
     rl = recipe("router").lower(g.nodes[:1], ctx)
     ml = recipe("moe_ffn").lower(g.nodes[1:], ctx)
     return g, ctx, rl, ml, *_moe_weights(fmt_name, e, dm, ff)
@@ -246,20 +251,24 @@ def test_moe_one_token_plan_router_writes_lists(rt, fmt_name):
             np.testing.assert_allclose(out, ref, rtol=1e-3, atol=1e-4 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("fmt_name", ["Q8_0", "F16"])
-def test_moe_ffn_tile_products(rt, fmt_name):
+@pytest.mark.parametrize("fmt_name,u8f16", [("Q8_0", False), ("F16", False), ("Q8_0", True)])
+def test_moe_ffn_tile_products(rt, fmt_name, u8f16):
     """Prompt chunks on matrix units: each listed expert's tokens through the prefill matmul's tile products
-    (`tile_mma`, portable rendering here), gate/up with the GLU as epilogue, then down; Q8_0 on int8 activations,
-    F16 weights on f16 ones (the formats' decoding is test_recipes_tile_mma's: each path here in a cheap format).
+    (`tile_mma`, portable rendering here), gate/up with the GLU as epilogue, then down; Q8_0 on int8 activations
+    (with knob mma_f16, the u8f16 products on f16 ones), F16 weights on f16 ones (the formats' decoding is
+    test_recipes_tile_mma's: each path here in a cheap format).
     Q8_0 takes them in steps of more than 64 tokens and its int8 matvecs in the others (the row count picks; both
     checked here); F16 in every step. T = 70 and 33 with one expert taking every token (token tiles, the last
     partial), 7 and 1; experts without tokens store nothing (outputs poisoned)."""
     if rt.lanes == 1:
         pytest.skip("GPU-shaped, never planned on one lane")
     e, dm, k = 8, 256, 2
-    knobs = {"mma_min": 32, "mma_rows": 32, "mma_tokens": 16, "mma_lanes": 64}
-    g, ctx, _, ml, weights, deq = _moe_case(rt, fmt_name, 128, t_max=80, knobs=knobs, matrix_units=True)
+    knobs = {"mma_min": 32, "mma_rows": 32, "mma_tokens": 16, "mma_lanes": 64, "mma_f16": int(u8f16)}
+    g, ctx, _, ml, weights, deq = _moe_case(rt, fmt_name, 128, t_max=80, knobs=knobs, matrix_units=True,
+                                            kinds=matrix_kinds(MMA_SYNC))
     moe = [la.kernel.name for la in ml if la.kernel.name.startswith("moe_")]  # group, ..., combine
+    tiles = [la for la in ml if la.kernel.name.endswith("_mma")]
+    assert all(("xq" in dict(la.buffers)) == (fmt_name == "Q8_0" and not u8f16) for la in tiles)
     if fmt_name == "F16":
         assert [n.endswith("_mma") for n in moe] == [False, True, True, False], moe
     else:
@@ -272,7 +281,7 @@ def test_moe_ffn_tile_products(rt, fmt_name):
         sb, so = plan_scratch(ctx)
         out = run_launches(rt, ml, {"x": xv.reshape(-1), "route": route, **weights, **sb}, {"T": t},
                            {"o": ((t, dm), "f32"), **so}, keep)["o"]
-        if fmt_name == "F16":  # x and h rounded to f16 (2e-3: h's rounding, which the reference leaves out)
+        if fmt_name == "F16" or (u8f16 and t > 64):  # x and h rounded to f16 (2e-3: h's rounding, not modelled)
             ref = _moe_ref(xv.astype(np.float16).astype(np.float32), ids, w, deq, False)
             np.testing.assert_allclose(out, ref, rtol=2e-3, atol=2e-3 * np.abs(ref).max(), err_msg=f"T={t}")
         else:
