@@ -25,7 +25,12 @@ docs/benchmarks.md, "Prefill on matrix units", has the analysis).
 The activation codes are those of the GPU matvec path, so prefill and decode see the same rounding. Knobs (recipe
 "matmul", read by `linear._launches`): mma_rows, mma_tokens (the tile), mma_chunk (K per staging round), mma_lanes,
 mma_min (the smallest matrix taken; "auto": the target policy's, see `TILE_MMA_KNOBS`), mma_words (above),
-mma_unroll (see `TILE_MMA_KNOBS`).
+mma_unroll, mma_f16 and mma_ablate (see `TILE_MMA_KNOBS`).
+
+With knob mma_f16 (`u8f16_products`), steps 1-3 change: the levels are staged as unsigned bytes with one word of
+f16 scale and offset a group, the f32 activations as f16 pairs, and one "u8f16" tile product a chunk
+(`ir.kernel.TileMMA`) makes each byte an f16 value inside the product: no rescaling of the sums, no int8
+activations, more accurate, but slower where measured.
 Targets without a matrix unit render the same kernel as loops (`codegen/lanes.py`); `linear._launches` takes it
 only where the target's policy says it has them (`Policy.matrix_units`) and the plan serves steps of several tokens.
 
@@ -91,7 +96,7 @@ TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk"
 # first measurement, is kept for comparison (`--knob matmul.mma_words=0`), not searched by `tune`.
 # Knob mma_unroll: 1 writes out the loop over a chunk's weight groups (each group's product and scaling), so that
 # the operands' local addresses are constants; 0 keeps the loop (shorter code, a longer compile of the unrolled).
-# Knob mma_f16: 1 takes the "u8f16" tile products (`u8f16_products`) where the matrix unit has them: ten times
+# Knob mma_f16: 1 takes the "u8f16" tile products (`u8f16_products`) where the matrix unit has them: several times
 # more accurate than the int8 products, slower on the H100 (docs/benchmarks.md, "u8f16 tile products"), so off.
 # Knob mma_ablate: "staging" or "products" leaves that part of the kernel out (wrong results, for timing the other
 # part alone: `scripts/matvec_bench.py --knob matmul.mma_ablate=products`); no candidates, so `tune` never tries it.
