@@ -102,11 +102,9 @@ class Policy:
     wide_loads: bool = False  # the compiler merges runs of aligned neighbouring loads into 16-byte loads
     int8_dot: bool = False  # a 4-way int8 dot product instruction (`dot4_i8` lowers to it; else the portable form)
     local_bytes: int = 48 * 1024  # local (shared) memory a group may use
-    # The renderer spells tile products (`ir.kernel.TileMMA`) on matrix units (tensor cores, MFMA, WMMA): prefill
-    # matmuls take `codegen/recipes/tile_mma.py`'s kernels.
-    matrix_units: bool = False
-    # The tile product kinds (`ir.kernel.TileMMA.kind`) the matrix unit spells natively (`matrix_kinds`); a recipe
-    # takes the "u8f16" products (knob mma_f16) only where they are native (elsewhere they render as loops).
+    # The tile product kinds (`ir.kernel.TileMMA.kind`) the renderer spells on the device's matrix unit (tensor
+    # cores, MFMA, WMMA; `matrix_kinds(unit)`), none without one (`matrix_units`). A recipe takes the "u8f16"
+    # products (knob mma_f16) only where they are among them (elsewhere they render as loops).
     matrix_kinds: tuple[str, ...] = ()
     # The kernels run as loops on the host: block base addresses masked non-negative (`_matvec.NONNEG`: LLVM then
     # proves loads in bounds and vectorizes).
@@ -121,6 +119,12 @@ class Policy:
     # The tuning database's choices for this device (`polystrata.tuning.apply_tuning`): kernel instance signature
     # (`KnobSpace.signature`) -> knob overrides; and by knob space name, overrides for all its kernels (`bench --knob`).
     tuned: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+
+    @property
+    def matrix_units(self) -> bool:
+        """Whether the renderer spells tile products on matrix units: prefill matmuls then take
+        `codegen/recipes/tile_mma.py`'s kernels."""
+        return bool(self.matrix_kinds)
 
     def default(self, space: str, knob: str) -> Any:
         """What knob `knob` of knob space `space` means on this target when it is "auto"."""

@@ -100,7 +100,7 @@ class CUDARuntime(Runtime):
                 # Kernels for another architecture: compiled for it, never loaded on this GPU.
                 self.compile_only = self.arch != found
             unit = matrix_unit(self.arch)  # mma.sync: sm_80+
-            self.policy = replace(self.policy, matrix_units=unit is not None, matrix_kinds=matrix_kinds(unit))
+            self.policy = replace(self.policy, matrix_kinds=matrix_kinds(unit))
         self.shuffles = (not self.simulator) if shuffles is None else shuffles
         self.fast = not self.simulator  # driver launches (the simulator's go through numba's dispatcher)
         # Programmatic launches (`cuda_driver.launch_programmatic`) into graphs on sm_90 and later (decode 3 % faster

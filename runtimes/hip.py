@@ -147,8 +147,7 @@ class HIPRuntime(base.DriverRuntime):
         self._configure(found, dev_name)  # refuses an unknown arch
         wave = wave_of(self.arch)  # 64 on wave64 (CDNA, GCN), 32 on wave32 (RDNA and CUDA)
         unit = MATRIX_ARCHS.get(base_arch(self.arch))
-        self.policy = replace(self.policy.with_shape(wave, wave), matrix_units=unit is not None,
-                              matrix_kinds=matrix_kinds(unit))
+        self.policy = replace(self.policy.with_shape(wave, wave), matrix_kinds=matrix_kinds(unit))
 
     def no_device(self, arch: str | None = None) -> str:
         return (f"no {self.vendor} GPU: the hip target can compile (polystrata compile --target hip --arch "

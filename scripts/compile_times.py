@@ -109,12 +109,12 @@ def main() -> None:
         from numba.cuda import compiler as numba_cuda_compiler
 
         from polystrata.codegen.cuda import CUDAPrinter, render
-        from polystrata.codegen.policy import matrix_unit
+        from polystrata.codegen.policy import matrix_kinds, matrix_unit
         from polystrata.runtimes import cuda as cuda_runtime
         from polystrata.runtimes import numba_ssa as ssa_fixes
 
-        mma = matrix_unit(f"sm_{cc[0]}{cc[1]}") is not None
-        policy = replace(cuda_runtime.CUDARuntime.policy, matrix_units=mma)
+        policy = replace(cuda_runtime.CUDARuntime.policy, matrix_kinds=matrix_kinds(matrix_unit(f"sm_{cc[0]}{cc[1]}")))
+        mma = policy.matrix_units
         CUDAPrinter.share_reads = not a.no_shared_reads
         ssa_fixes.linear_lowering_scan()
         results = {}

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from suite_plugin import targets_under_test
 
-from polystrata.codegen.policy import SLICED_ON_WIDE_LOADS, SPLIT_KV_ON_WIDE_LOADS, shape_policy
+from polystrata.codegen.policy import MMA_SYNC, SLICED_ON_WIDE_LOADS, SPLIT_KV_ON_WIDE_LOADS, matrix_kinds, shape_policy
 from polystrata.codegen.recipes import RECIPES, Recipe, RecipeContext, load_all
 from polystrata.ir.encode import quantize
 from polystrata.ir.evaluate import dequantize
@@ -92,7 +92,8 @@ def int8_bound(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def recipe_context(g: Graph, kv="f16", n_ctx=64, formats=None, lanes=1, matrix_units=False, split_kv=False):
     """A recipe context over `g`'s values (lanes > 1: GPU-shaped, with warps of 32; `matrix_units`: a target
-    whose policy says it has them; `split_kv`: one keeping the KV cache rows split, as wide-load targets do)."""
+    whose policy says it has them, cuda's MMA_SYNC kinds; `split_kv`: one keeping the KV cache rows split, as
+    wide-load targets do)."""
     names = {}
     for v in g.inputs:
         names[id(v)] = v.name
@@ -100,7 +101,8 @@ def recipe_context(g: Graph, kv="f16", n_ctx=64, formats=None, lanes=1, matrix_u
         names[id(nd.output)] = nd.output.name
     policy = None
     if matrix_units or split_kv:
-        policy = replace(shape_policy(lanes, min(lanes, 32)), matrix_units=matrix_units,
+        policy = replace(shape_policy(lanes, min(lanes, 32)),
+                         matrix_kinds=matrix_kinds(MMA_SYNC) if matrix_units else (),
                          split_kv_formats=SPLIT_KV_ON_WIDE_LOADS if split_kv else ())
     return RecipeContext(lanes=lanes, subgroup=min(lanes, 32), kv_format=KV_FORMATS[kv], n_ctx=n_ctx,
                          buffer_names=names, weight_formats=formats or {}, t_max=16, policy=policy)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from polystrata.codegen.policy import device_policy
+from polystrata.codegen.policy import MMA_SYNC, device_policy, matrix_kinds
 from polystrata.codegen.recipes.tile_mma import MMA_OFF
 from polystrata.compiler.passes import build_plan, drop_repeated_launches
 from polystrata.engine import tensor_table
@@ -139,7 +139,8 @@ def test_matmul_knob_space_reaches_every_matmul_of_a_prompt_plan(tmp_path):
     every other matmul ran the int8 matvecs: the H200's "matvec" prefill measured 0.6x what it was. (On tile
     products q, k and v launch one by one, not stacked.)"""
     _, graph, formats = _tiny_llama(tmp_path)
-    cuda = replace(device_policy(lanes=128, subgroup=32, wide_loads=True, int8_dot=True), matrix_units=True)
+    cuda = replace(device_policy(lanes=128, subgroup=32, wide_loads=True, int8_dot=True),
+                   matrix_kinds=matrix_kinds(MMA_SYNC))
 
     def matmuls(knobs: dict | None) -> list[str]:
         plan = build_plan(graph, formats, KV_FORMATS["f16"], 128, 128, knobs=knobs, policy=cuda)

@@ -3,8 +3,6 @@ target under test, against the numpy reference."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from recipe_cases import (
@@ -19,7 +17,6 @@ from recipe_cases import (
     weight,
 )
 
-from polystrata.codegen.policy import MMA_SYNC, matrix_kinds
 from polystrata.ir.formats import FORMATS
 from polystrata.ir.graph import Graph
 from polystrata.runtimes import reference as R
@@ -49,9 +46,9 @@ def test_router(rt, norm, lanes):
     np.testing.assert_allclose(out[t * 3:].reshape(t, 3) / 2.0**30, w, atol=1e-6)
 
 
-def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=None, matrix_units=False, kinds=()):
+def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=None, matrix_units=False):
     """A router + moe_ffn graph lowered on a context of `lanes` lanes (and moe_ffn `knobs`; `matrix_units`: a
-    target whose policy has them, `kinds` its tile product kinds); returns what a test needs to run it."""
+    target whose policy has them); returns what a test needs to run it."""
     g = Graph("t")
     x = g.input("x", "f32", ("T", dm))
     logits = g.input("logits", "f32", ("T", e))
@@ -64,8 +61,6 @@ def _moe_case(rt, fmt_name, lanes, t_max=16, e=8, dm=256, ff=256, k=2, knobs=Non
                          matrix_units=matrix_units)
     ctx.lanes, ctx.t_max = lanes, t_max
     ctx.knobs = {"moe_ffn": knobs or {}}
-    if kinds:
-        ctx.policy = replace(ctx.policy, matrix_kinds=kinds)
     rl = recipe("router").lower(g.nodes[:1], ctx)
     ml = recipe("moe_ffn").lower(g.nodes[1:], ctx)
     return g, ctx, rl, ml, *_moe_weights(fmt_name, e, dm, ff)
@@ -264,8 +259,7 @@ def test_moe_ffn_tile_products(rt, fmt_name, u8f16):
         pytest.skip("GPU-shaped, never planned on one lane")
     e, dm, k = 8, 256, 2
     knobs = {"mma_min": 32, "mma_rows": 32, "mma_tokens": 16, "mma_lanes": 64, "mma_f16": int(u8f16)}
-    g, ctx, _, ml, weights, deq = _moe_case(rt, fmt_name, 128, t_max=80, knobs=knobs, matrix_units=True,
-                                            kinds=matrix_kinds(MMA_SYNC))
+    g, ctx, _, ml, weights, deq = _moe_case(rt, fmt_name, 128, t_max=80, knobs=knobs, matrix_units=True)
     moe = [la.kernel.name for la in ml if la.kernel.name.startswith("moe_")]  # group, ..., combine
     tiles = [la for la in ml if la.kernel.name.endswith("_mma")]
     assert all(("xq" in dict(la.buffers)) == (fmt_name == "Q8_0" and not u8f16) for la in tiles)

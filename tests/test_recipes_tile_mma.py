@@ -152,10 +152,10 @@ def test_tile_products_apply_within_local_memory():
     no byte array, so a chunk that does not fit by bytes may fit by words."""
     from dataclasses import replace
 
-    from polystrata.codegen.policy import device_policy
+    from polystrata.codegen.policy import MMA_SYNC, device_policy, matrix_kinds
     from polystrata.codegen.recipes.linear import MATMUL_SPACE
 
-    policy = replace(device_policy(128, 32, wide_loads=True), matrix_units=True)
+    policy = replace(device_policy(128, 32, wide_loads=True), matrix_kinds=matrix_kinds(MMA_SYNC))
     q4k = [FORMATS["Q4_K"]]
     kn = {**MATMUL_SPACE.defaults(), "mma_min": 512, "mma_chunk": 256}
     assert tile_products_apply(policy, "matmul", 512, kn, q4k, 4096, 4096)  # 31.5 KiB
@@ -189,12 +189,10 @@ def test_tile_mma_fits():
 
 
 def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K", mma_min: int = 32, split: int = 0,
-                     above: int = 1, kinds: tuple = (), **knobs) -> list:
+                     above: int = 1, **knobs) -> list:
     g = Graph("t")
     g.op("matmul", g.input("x", "f32", ("T", K)), g.weight("w", fmt, (N, K)), name="y")
     ctx = recipe_context(g, formats={"w": FORMATS[fmt]}, lanes=128, matrix_units=matrix_units)
-    if kinds:  # the matrix unit's tile product kinds (`Policy.matrix_kinds`)
-        ctx.policy = replace(ctx.policy, matrix_kinds=kinds)
     ctx.t_max, ctx.knobs = t_max, {"matmul": {"mma_min": mma_min, "mma_split": split, "mma_split_above": above,
                                               "mma_chunk": 64, **knobs}}
     launches = recipe("matmul").lower(g.nodes, ctx)
@@ -265,19 +263,19 @@ def test_u8f16_products_where_the_matrix_unit_has_them():
     from polystrata.codegen.recipes.tile_mma import u8f16_products
 
     kn = {"mma_f16": 1, "mma_words": 1}
-    base = recipe_context(Graph("t"), lanes=128, matrix_units=True).policy
-    sync = replace(base, matrix_kinds=matrix_kinds(MMA_SYNC))
+    sync = recipe_context(Graph("t"), lanes=128, matrix_units=True).policy
+    assert sync.matrix_kinds == matrix_kinds(MMA_SYNC)
     assert u8f16_products(sync, kn, [FORMATS["Q4_K"]])
     assert not u8f16_products(sync, {**kn, "mma_f16": 0}, [FORMATS["Q4_K"]])
-    assert not u8f16_products(replace(base, matrix_kinds=matrix_kinds(MATRIX_ARCHS["gfx90a"])), kn, [FORMATS["Q4_K"]])
+    assert not u8f16_products(replace(sync, matrix_kinds=matrix_kinds(MATRIX_ARCHS["gfx90a"])), kn, [FORMATS["Q4_K"]])
     assert not u8f16_products(sync, kn, [FORMATS["Q5_0"]])
-    launches = _matmul_launches(True, 70, "Q8_0", split=4, kinds=matrix_kinds(MMA_SYNC), mma_f16=1)
+    launches = _matmul_launches(True, 70, "Q8_0", split=4, mma_f16=1)
     by_name = {la.kernel.name.removeprefix("matmul_q8_0_40x256"): la for la in launches}
     for tile in ("_gt64_mma", "_gt1_le64_mma_k4"):
         assert dict(by_name[tile].buffers)["x"] == "x" and "xq" not in dict(by_name[tile].buffers), tile
         assert by_name[tile].kernel.knob_dict["mma_f16"] == 1
     assert "xq" in dict(by_name["_le1_q8"].buffers)
-    default = _matmul_launches(True, 70, "Q8_0", split=4, kinds=matrix_kinds(MMA_SYNC))
+    default = _matmul_launches(True, 70, "Q8_0", split=4)
     assert all("mma_f16" not in la.kernel.knob_dict for la in default)
 
 
