@@ -21,7 +21,7 @@ from polystrata.engine import tensor_table
 from polystrata.gguf import GGUFFile
 from polystrata.models import build_graph
 from polystrata.targets import make_runtime
-from polystrata.tuning.tuner import PREFILL_TOKENS, Tuner, _runs_at, parse_plans
+from polystrata.tuning.tuner import Tuner, parse_plans, runs_at, timed_step
 
 
 def main() -> None:
@@ -44,24 +44,16 @@ def main() -> None:
     kernels, seen = {}, set()
     for name, graph in graphs.items():
         plan = plans[id(graph)]
-        step = plan.step_symbols(1, 32) if name == "decode" else plan.step_symbols(
-            min(PREFILL_TOKENS, plan.t_max, a.ctx), 0)
+        step = plan.step_symbols(*timed_step(name, plan, a.ctx))
         for m, sites in enumerate(plan.group_sites):
             first = plan.groups.index(m)
             for s in sites:
                 if s.signature in seen or not only.search(s.signature):
                     continue
                 seen.add(s.signature)
-                for knobs in s.space.singles():
-                    if any(k in rt.policy.inert_knobs for k in knobs):
-                        continue
-                    try:
-                        launches, _ = Tuner.candidate_launches(plan, m, first, s.signature, knobs)
-                    except Exception:  # as tune: a knob set the recipe cannot build is skipped
-                        continue
-                    for la in launches:
-                        if _runs_at(la, step):
-                            kernels.setdefault(la.kernel.fingerprint(), la.kernel)
+                for _, launches, _ in Tuner.lower_candidates(rt, plan, m, first, s.signature, s.space.singles(),
+                                                             step, set(), {}):
+                    kernels.update((la.kernel.fingerprint(), la.kernel) for la in launches if runs_at(la, step))
     t0 = time.time()
     rt.compile_all(kernels.values())  # compiled in worker processes where the runtime has them, into the cache
     print(f"{len(seen)} kernel instances: {len(kernels)} distinct candidate kernels in the kernel cache "

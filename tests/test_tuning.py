@@ -410,10 +410,10 @@ def test_candidates_that_do_not_lower_are_logged_once_a_reason(tiny, db, monkeyp
     engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
     monkeypatch.setattr(KnobSpace, "singles", lambda self: [{"chunk": 3}, {"chunk": 5}, {"chunk": 7}])
 
-    def refuse(self, plan, m, i, sig, knobs):
+    def refuse(plan, m, i, sig, knobs):
         raise ValueError("odd chunk" if knobs["chunk"] != 5 else "five")
 
-    monkeypatch.setattr(Tuner, "candidate_launches", refuse)
+    monkeypatch.setattr(Tuner, "candidate_launches", staticmethod(refuse))
     logs = []
     (res,) = Tuner(engine, db, 60.0, plans=("decode",), only="last_rows", log=logs.append).run()
     assert res.tried == 0

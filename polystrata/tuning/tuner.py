@@ -43,7 +43,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -126,7 +126,7 @@ def _is_scratch(name: str) -> bool:
     return name.startswith("scratch.")
 
 
-def _runs_at(la: Launch, step: dict[str, int]) -> bool:
+def runs_at(la: Launch, step: dict[str, int]) -> bool:
     """Whether a launch has work in a step of these step symbols (a kernel gated to other row counts has a grid
     of zero groups there)."""
     env = {n: (step[v] if isinstance(v, str) else v) for n, v in la.scalars}
@@ -134,6 +134,14 @@ def _runs_at(la: Launch, step: dict[str, int]) -> bool:
         return all(eval_int(g, env) > 0 for g in la.kernel.grid)
     except KeyError:  # a grid of something else than the launch's scalars: assume it runs
         return True
+
+
+def timed_step(plan_name: str, plan: Plan, n_ctx: int) -> tuple[int, int]:
+    """(tokens, cached tokens before them) of the step `plan_name`'s kernels are timed at: decode, one token after
+    `DECODE_DEPTH`; prefill, `PREFILL_TOKENS` at most the plan's step and the context, on an empty cache."""
+    if plan_name == "decode":
+        return 1, DECODE_DEPTH
+    return min(PREFILL_TOKENS, plan.t_max, n_ctx), 0
 
 
 def _uses_int8(launches: list[Launch]) -> bool:
@@ -275,19 +283,40 @@ class Tuner:
         eng, rt = self.engine, self.rt
         n_vocab = eng.hparams.n_vocab
         eng.reset()
-        n_past = 0
         plan = self.ex.plans[id(dict(self._graphs())[plan_name])]
-        if plan_name == "decode":
-            eng.forward(self.rng.integers(0, n_vocab, size=DECODE_DEPTH))  # a real KV cache to attend to
-            n_past, t = DECODE_DEPTH, 1
-        else:
-            t = min(PREFILL_TOKENS, plan.t_max, eng.n_ctx)  # positions in the cache
+        t, n_past = timed_step(plan_name, plan, eng.n_ctx)
+        if n_past:
+            eng.forward(self.rng.integers(0, n_vocab, size=n_past))  # a real KV cache to attend to
         rt.write(self.ex.handles["tokens"], self.rng.integers(0, n_vocab, size=t).astype(np.int32))
         rt.write(self.ex.handles["positions"], np.arange(n_past, n_past + t, dtype=np.int32))
         if "starts" in self.ex.handles:
             rt.write(self.ex.handles["starts"], np.zeros(self.ex.starts_len, np.int32))
             self.ex.starts_zero = True
         return plan.step_symbols(t, n_past)
+
+    @staticmethod
+    def lower_candidates(rt, plan: Plan, m: int, first: int, sig: str, cands: list[dict], step: dict[str, int],
+                         seen: set, unlowered: dict[str, list[dict]]) -> Iterator[tuple[dict, list[Launch], dict]]:
+        """(knobs, launches, buffer specs) of each candidate of `cands` worth measuring for instance `sig` (match
+        `m` of `plan`, its first launch at `first`): not one setting a knob the target's policy calls inert, nor
+        one the recipe cannot build (its reason kept in `unlowered`), nor one whose launches that run in `step`
+        are in `seen` (added there: a knob the target ignores, or one of kernels gated to other row counts), nor
+        one whose local memory exceeds the policy's."""
+        for knobs in cands:
+            if any(k in rt.policy.inert_knobs for k in knobs):
+                continue
+            try:
+                launches, specs = Tuner.candidate_launches(plan, m, first, sig, knobs)
+            except Exception as e:  # a knob set the recipe cannot build (an assertion, a shape that does not divide)
+                unlowered.setdefault(f"{type(e).__name__}: {e}", []).append(knobs)
+                continue
+            running = tuple(la for la in launches if runs_at(la, step))
+            if running in seen:
+                continue
+            seen.add(running)
+            if rt.lanes > 1 and any(_local_bytes(la.kernel) > rt.policy.local_bytes for la in launches):
+                continue
+            yield knobs, launches, specs
 
     @staticmethod
     def candidate_launches(plan: Plan, m: int, first: int, sig: str, knobs: dict
@@ -432,26 +461,13 @@ class Tuner:
         # Lower the candidates first (cheap), drop those that change nothing that runs in the timed step (a knob
         # of the kernels gated to other row counts: the short steps' matvecs in a prefill plan), start their
         # compiles.
-        seen = {tuple(la for la in default_launches if _runs_at(la, step))}
+        seen = {tuple(la for la in default_launches if runs_at(la, step))}
         unlowered: dict[str, list[dict]] = {}  # why a candidate does not lower -> the candidates
 
         def lowered(cands: list[dict]) -> list[tuple[dict, list[Launch], dict, Future | None]]:
             out = []
-            for knobs in cands:
-                if any(k in rt.policy.inert_knobs for k in knobs):
-                    continue
-                try:
-                    launches, specs = self.candidate_launches(plan, m, idx[0], sig, knobs)
-                except Exception as e:  # a knob set the recipe cannot build (an assertion, a shape that
-                    # does not divide)
-                    unlowered.setdefault(f"{type(e).__name__}: {e}", []).append(knobs)
-                    continue
-                running = tuple(la for la in launches if _runs_at(la, step))
-                if running in seen:
-                    continue
-                seen.add(running)
-                if rt.lanes > 1 and any(_local_bytes(la.kernel) > rt.policy.local_bytes for la in launches):
-                    continue
+            for knobs, launches, specs in self.lower_candidates(rt, plan, m, idx[0], sig, cands, step, seen,
+                                                                unlowered):
                 # Measured before: no compile (unless it wins and is timed again).
                 future = None if self.pool is None or knob_key(knobs) in before else \
                     submit_compile(self.pool, rt.name, [la.kernel for la in launches], rt.arch)
