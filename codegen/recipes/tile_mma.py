@@ -428,7 +428,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         for x in range(HALF_UNIT // 2):
             # Unconditional loads (merged into vector loads), the word zeroed past the tokens.
             pair = [Load("x", at + 2 * x + h, 4 if (2 * x + h) % 4 == 0 else 1) for h in range(2)]
-            word = Cast("u32", Call("f32_to_f16_bits", pair[0]) | (Call("f32_to_f16_bits", pair[1]) << 16))
+            word = Cast("u32", bits(pair[0]) | (bits(pair[1]) << 16))
             at_w = g * (HALF_UNIT // 2) + x // 2 + x % 2 * 4  # u8f16's B order (`ir.kernel.TileMMA`)
             out += [Let(f"xh{x}", word), Store("xb", tg * stb + at_w, Select(live, Var(f"xh{x}"), Cast("u32", 0)))]
         return out
