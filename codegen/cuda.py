@@ -43,9 +43,9 @@ class CUDAPrinter(PyPrinter):
             # Word loads as one 32-bit or two 16-bit loads; at 8 and 16 bytes NVVM is told, and merges runs of
             # them into vector loads.
             self.aligned_loads = {n: f"load_u32_a{n}" for n in (2, 4, 8, 16)}
-            self.aligned_elements = {n: f"load_a{n}" for n in (8, 16)}
+            self.aligned_elements = {n: f"load_a{n}" for n in (4, 8, 16)}
             self.imports += ("from polystrata.codegen.cuda_intrinsics import dp4a, f16_to_f32, f32_to_f16, "
-                             "load_a8, load_a16, load_u32_a2, load_u32_a4, load_u32_a8, load_u32_a16, "
+                             "load_a4, load_a8, load_a16, load_u32_a2, load_u32_a4, load_u32_a8, load_u32_a16, "
                              "mma_f16_k16, mma_s8_k16, mma_s8_k32, mma_u8f16_k16\n")
 
     def header(self) -> int:

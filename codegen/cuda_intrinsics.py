@@ -156,9 +156,12 @@ def _load(width: int | None, count: int = 1, align: int | None = None):
         def codegen(context, builder, signature, args):
             i64 = ir.IntType(64)
             ary = context.make_array(signature.args[0])(context, builder, value=args[0])
-            ptr = builder.gep(ary.data, [builder.zext(args[1], i64) if args[1].type.width < 64 else args[1]])
-            if not width:
-                return builder.load(ptr, align=align)
+            index = builder.zext(args[1], i64) if args[1].type.width < 64 else args[1]
+            if not width:  # as a byte offset, the form of the word loads (which NVVM merges into vector loads)
+                data = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
+                ptr = builder.gep(data, [builder.shl(index, ir.Constant(i64, 2))])
+                return builder.load(builder.bitcast(ptr, ary.data.type), align=align)
+            ptr = builder.gep(ary.data, [index])
             ptr = builder.bitcast(ptr, ir.IntType(width).as_pointer())
             out = None
             for k in range(count):
@@ -179,5 +182,6 @@ load_u32_a2 = _load(16, 2)  # offset a multiple of 2: two 16-bit loads
 load_u32_a4 = _load(32)  # offset a multiple of 4: one 32-bit load
 load_u32_a8 = _load(32, 1, 8)  # ... of 8 or 16: one 32-bit load that NVVM may widen with its neighbours
 load_u32_a16 = _load(32, 1, 16)
+load_a4 = _load(None, align=4)
 load_a8 = _load(None, align=8)  # a 4-byte element at an index promised a multiple of 2 (8 bytes) or 4 (16)
 load_a16 = _load(None, align=16)

@@ -19,6 +19,7 @@ from collections import Counter
 from polystrata.codegen.lanes import ONE_LANE, Barrier, LaneAbilities, LaneId, MatrixOp, SubgroupReduce, lower
 from polystrata.ir.expr import TABLES, Table
 from polystrata.ir.kernel import (
+    DTYPE_BYTES,
     NUMBA_ONLY_INTRINSICS,
     Assign,
     Bin,
@@ -167,7 +168,8 @@ class PyPrinter:
     # (so the kernel's source, its cache key, holds them): IR name -> (function name, source with `{dec}`).
     native_math: dict[str, tuple[str, str]] = {}
     # Loads at a promised alignment through the target's own functions of (buffer, np.uint64 index): `load_u32`
-    # by its alignment argument, and 4-byte element loads by the bytes their `align` promises (`promised_bytes`).
+    # by its alignment argument, and 4-byte element loads of buffer parameters by the bytes their `align` promises
+    # (`promised_bytes`; 4 where it promises nothing more).
     aligned_loads: dict[int, str] = {}
     aligned_elements: dict[int, str] = {}
     # Repeated loads and their index arithmetic computed once within a run of statements (`straight`): for
@@ -230,8 +232,11 @@ class PyPrinter:
         # Indices are never negative in the IR; an unsigned index spares Numba its wrap-around check, which
         # otherwise keeps loops over consecutive elements from vectorizing.
         i = self.index(x.index)
-        if promised_bytes(self.k, x) in self.aligned_elements:
-            return f"{self.aligned_elements[promised_bytes(self.k, x)]}({x.buf}, np.uint64({i}))"
+        promised = promised_bytes(self.k, x)
+        if not promised and DTYPE_BYTES[self.k.dtype_of(x.buf)] == 4 and all(a.name != x.buf for a in self.k.local):
+            promised = 4  # a 4-byte element of a buffer parameter: in the same form as the promised ones
+        if promised in self.aligned_elements:
+            return f"{self.aligned_elements[promised]}({x.buf}, np.uint64({i}))"
         return f"{x.buf}[np.uint64({i})]"
 
     def widening(self, x) -> str:
