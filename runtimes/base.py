@@ -477,7 +477,8 @@ class Runtime(ABC):
     def compile_all(self, kernels: Iterable[Kernel]) -> dict[str, CompiledKernel]:
         """Compile each distinct kernel once (`compile`), showing "compiling kernels k/N (h from the cache)";
         returns them by fingerprint. Kernels the cache lacks are compiled first in `compile_workers` processes
-        where that is more than one (into the cache, which this process then loads from)."""
+        where that is more than one (into the cache, which this process then loads from; they count as compiled,
+        not as cache hits)."""
         todo = {k.fingerprint(): k for k in kernels}
         out: dict[str, CompiledKernel] = {}
         hits = self.cache_hits
@@ -490,12 +491,17 @@ class Runtime(ABC):
                 futures = {fp: submit_compile(pool, self.name, [todo[fp]], self.arch) for fp in missing}
             with Progress("compiling kernels", len(todo)) as bar:
                 for fp, kernel in todo.items():
+                    built = False
                     if fp in futures:
                         # A worker that failed (the kernel's own error, a broken pool) leaves the kernel to this
                         # process, which compiles it (and reports its error) as it would without workers.
                         with contextlib.suppress(Exception):
                             futures[fp].result()
+                            built = True
                     out[fp] = self.compile(kernel)
+                    if built and out[fp].cached:  # loaded from the entry its worker has just written
+                        self.cache_hits, self.cache_misses = self.cache_hits - 1, self.cache_misses + 1
+                        out[fp].cached = False
                     bar.update(note=f"{self.cache_hits - hits} from the cache")
         except BaseException:
             if pool is not None:  # an error here or a Ctrl-C: the workers' compiles are not waited for
