@@ -264,7 +264,7 @@ class _Lowering:
         self.uniform_local_reads = _uniform_local_reads(k, self.local)
         self.unit = abilities.matrix  # native tile products (`portable_tiles` has removed any it does not take)
         self.frags = {f.name: f for f in k.fragments}
-        self.rows_first = any(isinstance(s, TileMMA) and s.kind == "u8f16" for s in walk(k.body))
+        self.rows_first = any(f.rows_first for f in k.fragments)
         self.last_barrier = False  # whether the statement just emitted was a barrier
         self.scratch = 0  # floats of SCRATCH needed
 
@@ -296,8 +296,8 @@ class _Lowering:
         # words, per-row or per-column scales) between the tiles.
         sg = LaneId() // u.width
         per = self.per_lane()
-        # u8f16 products: a subgroup's tiles along rows of tiles, so that each A operand, made f16 from its bytes
-        # (most of the instructions), serves all of them.
+        # `Fragment.rows_first`: a subgroup's tiles along rows of tiles, so that each A operand (u8f16: made f16 from
+        # its bytes, most of the instructions) and each per-row value serves all of them.
         if self.rows_first and per % across == 0:  # each subgroup's tiles whole rows of tiles
             return (sg * (per // across) + p // across) * u.m, Const(p % across * u.n)
         if self.rows_first and across % per == 0:  # each subgroup's tiles part of one row of tiles

@@ -269,12 +269,15 @@ TILE_PACK = {"i8": 4, "f16": 2, "u8f16": 4}  # elements in one A word (little-en
 @dataclass(frozen=True)
 class Fragment:
     """An accumulator tile of `rows` x `cols` values of `dtype` (i32 or f32) owned by the group; undefined until a
-    `TileEach` sets it. Where it lives (local memory, the registers of several subgroups) is the target's choice."""
+    `TileEach` sets it. Where it lives (local memory, the registers of several subgroups) is the target's choice.
+    `rows_first` (a hint, the same for all of a kernel's fragments): where subgroups share the tile, give each one
+    rows of it (A's operands and per-row values loaded once for all its tiles) rather than columns (B's)."""
 
     name: str
     dtype: str
     rows: int
     cols: int
+    rows_first: bool = False
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,7 @@ def test_case_matches_numpy_and_cpu(rt, cpu, case):
 
 @inner
 @pytest.mark.parametrize("unit,kind", [("mma_sync", "i8"), ("mma_sync", "f16"), ("mma_sync", "recipe"),
-                                       ("mma_sync", "recipe_split"), ("mma_sync", "u8f16"),
+                                       ("mma_sync", "recipe_split"), ("mma_sync", "recipe_cols"), ("mma_sync", "u8f16"),
                                        ("mma_sync", "recipe_u8f16"), ("mfma", "i8"),
                                        ("mfma", "f16"), ("wmma", "f16"), ("wmma", "recipe"),
                                        ("mma_sync", "attention"), ("mfma", "attention"), ("wmma", "attention"),
@@ -93,9 +93,10 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
     """The native lowering of tile products for cuda's MMA_SYNC unit and hip's gfx90a MFMA and gfx11 WMMA units
     (operand loads, accumulator layout, tiles dealt to subgroups), rendered by this printer with the instructions
     emulated from the vendors' fragment layouts (`matrix_emulation`), against numpy: the conformance cases and the
-    prefill matmul recipe's kernel (int8 m16n8k32 on MMA_SYNC; also with K split in 3 parts, the last empty, added
-    up here), and prefill attention's (f16 products of scores and
-    of probabilities with V, a window and a softcap, GQA, q8_0 K/V; 7 rows: a partial tile of rows and of keys)."""
+    prefill matmul recipe's kernel (int8 m16n8k32 on MMA_SYNC, Q4_K, whose groups have offsets; Q8_0 with K split
+    in 3 parts, the last empty, added up here, and with the tile dealt to warps by columns), and prefill attention's
+    (f16 products of scores and of probabilities with V, a window and a softcap, GQA, q8_0 K/V; 7 rows: a partial
+    tile of rows and of keys)."""
     import importlib
 
     from ir_constructs import tile_case
@@ -136,10 +137,10 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
 
         from polystrata.codegen.recipes.tile_mma import tile_mma_kernel
 
-        fmt, wb, wd = weight("Q8_0", 30, 256)
+        fmt, wb, wd = weight("Q4_K_S" if kind == "recipe" else "Q8_0", 30, 256)
         parts = 3 if kind == "recipe_split" else 1
-        kernel = tile_mma_kernel(f"t_mma_emu{parts}", [fmt], 30, 256, rows=32, tokens=16, chunk=64, lanes=64,
-                                 split=parts)
+        kernel = tile_mma_kernel(f"t_mma_emu{parts}_{kind}", [fmt], 30, 256, rows=32, tokens=16, chunk=64, lanes=64,
+                                 split=parts, rows_first=kind != "recipe_cols")
         x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
         codes = np.round(q8_rounded(x) / (np.abs(x).reshape(7, 8, 32).max(-1, keepdims=True).repeat(32, -1)
                                           .reshape(7, 256) / 127)).astype(np.int8)

@@ -48,7 +48,7 @@ def db(tmp_path, monkeypatch):
     return TuningDB()
 
 
-def _row(sig="matmul.v4:matmul_q8_0_64x64:t1", device="dev A", compiler="c 1", knobs=None):
+def _row(sig="matmul.v5:matmul_q8_0_64x64:t1", device="dev A", compiler="c 1", knobs=None):
     return {"signature": sig, "target": "cpu", "device": device, "compiler": compiler,
             "knobs": {"rows": 2} if knobs is None else knobs, "best_s": 1e-5, "default_s": 2e-5, "spread": 0.01,
             "date": "2026-12-04T00:00:00Z"}
@@ -67,7 +67,7 @@ def test_knob_spaces_declare_candidates_within_their_constraints():
     # Each knob's extremes come before its middle values.
     rows = [c["rows"] for c in singles if "rows" in c]
     assert rows[:2] == [1, 8]
-    assert MATMUL_SPACE.signature("matmul_q4_k_4096x4096", 1) == "matmul.v4:matmul_q4_k_4096x4096:t1"
+    assert MATMUL_SPACE.signature("matmul_q4_k_4096x4096", 1) == "matmul.v5:matmul_q4_k_4096x4096:t1"
 
 
 def test_budget_and_plans_parse():
@@ -83,12 +83,12 @@ def test_budget_and_plans_parse():
 
 def test_database_round_trip_and_keys(db, tmp_path):
     db.put_many([_row(), _row(device="dev B"), _row("embed.v1:embed_q8_0_64:t1", knobs={})])
-    assert db.choices("cpu", "dev A", "c 1") == {"matmul.v4:matmul_q8_0_64x64:t1": {"rows": 2}}  # default rows left out
+    assert db.choices("cpu", "dev A", "c 1") == {"matmul.v5:matmul_q8_0_64x64:t1": {"rows": 2}}  # default rows left out
     assert db.choices("cpu", "dev C", "c 1") == {}  # another device misses
     assert db.choices("cpu", "dev A", "c 2") == {}  # another compiler version misses
     assert db.choices("opencl", "dev A", "c 1") == {}
     db.put(_row(knobs={"rows": 8}))  # the same key replaces
-    assert db.choices("cpu", "dev A", "c 1")["matmul.v4:matmul_q8_0_64x64:t1"] == {"rows": 8}
+    assert db.choices("cpu", "dev A", "c 1")["matmul.v5:matmul_q8_0_64x64:t1"] == {"rows": 8}
     out = tmp_path / "export.json"
     assert db.export(out) == 3
     other = TuningDB(tmp_path / "other.sqlite")

@@ -140,7 +140,7 @@ def _matmul_constraint(kn: dict) -> bool:
 # version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64), mma_split added; version 3: mma_split_above
 # added, the GPUs' mma_split 4 (was 0); version 4: mma_split_each added. (Knobs added with a default that renders
 # the kernels as before, as mma_f16, keep the version: the rows tuned before still mean the same.)
-MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, version=4, constraint=_matmul_constraint)
+MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, version=5, constraint=_matmul_constraint)
 # Knob tile ("auto": TILE_TOKENS; 0: off): tokens a tile of `tile_matmul_kernel`, which one-lane plans of more than
 # one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
 # (docs/benchmarks.md, "Serving").

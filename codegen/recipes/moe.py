@@ -177,7 +177,7 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int, lists: int 
 MOE_SPACE = KnobSpace("moe_ffn", (
     Knob("rows", 4, (1, 2, 8)), Knob("split", "auto", ("rows", "blocks")), Knob("xq", "auto", ("inline", "kernel")),
     Knob("sub", "auto", (1, 2, 4, 8)), Knob("runs", "auto", (0, 1)), Knob("spread", "auto", (0, 1)),
-    Knob("contract", "auto", (0, 1)), Knob("shared", 1), *TILE_MMA_KNOBS), version=2,
+    Knob("contract", "auto", (0, 1)), Knob("shared", 1), *TILE_MMA_KNOBS), version=3,
     constraint=lambda kn: not (kn["xq"] == "inline" and any(kn[k] != "auto" for k in ("sub", "runs", "spread"))))
 
 

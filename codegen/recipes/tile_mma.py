@@ -6,12 +6,13 @@ A group computes a tile of `rows` weight rows x `tokens` tokens, walking K in ch
 1. each weight row's elements of the chunk are decoded (`codegen.dequant.Decoder`, the int8 path's factoring
    `value = S_g * level + M_g` of `format_analysis.affine`) to int8 levels packed four to a word in the tile
    operand layout (K-contiguous words, rows padded by 4 words so that a warp's operand loads fall in distinct
-   banks), with each group's scale S_g and offset M_g;
+   banks), with each group's scale S_g and offset M_g side by side (`scale_stride`);
 2. the tokens' int8 activation codes (written once per matmul by `linear.quantize_x_kernel`: codes packed in
-   words, a scale per 32) are copied into the other operand tile, with their scales and, for formats with an
-   offset, each group's code sum (zero for tokens past T: partial tiles);
+   words, a scale per 32) are copied into the other operand tile, with their scales xd and, for formats with an
+   offset, xd times each group's code sum beside them, group by group (zero for tokens past T: partial tiles);
 3. per weight group g: `TileMMA` of the group's words into an i32 fragment, then a `TileEach` adding
-   `xd * (S_g * isum (+ M_g * xsum))` into the weight's f32 fragment and clearing the i32 one;
+   `xd * (S_g * isum) (+ M_g * xd * xsum)` into the weight's f32 fragment and clearing the i32 one (the pairs
+   side by side: one local load for a row's pair, one for a token's);
 4. a last `TileEach` stores the rows and tokens inside the matrix (through the epilogue: the GLU's activation).
 
 Staging (1 and 2) a word at a time (knob mma_words, the default, for formats whose levels pack into words as the
@@ -25,7 +26,7 @@ docs/benchmarks.md, "Prefill on matrix units", has the analysis).
 The activation codes are those of the GPU matvec path, so prefill and decode see the same rounding. Knobs (recipe
 "matmul", read by `linear._launches`): mma_rows, mma_tokens (the tile), mma_chunk (K per staging round), mma_lanes,
 mma_min (the smallest matrix taken; "auto": the target policy's, see `TILE_MMA_KNOBS`), mma_words (above),
-mma_unroll, mma_f16 and mma_ablate (see `TILE_MMA_KNOBS`).
+mma_unroll, mma_f16, mma_deal and mma_ablate (see `TILE_MMA_KNOBS`).
 
 With knob mma_f16 (`u8f16_products`), steps 1-3 change: the levels are staged as unsigned bytes with one word of
 f16 scale and offset a group, the f32 activations as f16 pairs, and one "u8f16" tile product a chunk
@@ -87,7 +88,7 @@ from polystrata.ir.kernel import (
 TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", "auto", (64, 128, 256)),
                   Knob("mma_lanes", 128),
                   Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1), Knob("mma_unroll", 0, (1,)),
-                  Knob("mma_f16", 0, (1,)), Knob("mma_ablate", "none", ()))
+                  Knob("mma_f16", 0, (1,)), Knob("mma_deal", "rows", ("cols",)), Knob("mma_ablate", "none", ()))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
 # policy's, `codegen/policy.py`, which says why). Smaller matrices cost little in a prompt chunk anyway, and each
 # tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
@@ -98,9 +99,13 @@ TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk"
 # the operands' local addresses are constants; 0 keeps the loop (shorter code, a longer compile of the unrolled).
 # Knob mma_f16: 1 takes the "u8f16" tile products (`u8f16_products`) where the matrix unit has them: several times
 # more accurate than the int8 products, slower on the H100 (docs/benchmarks.md, "u8f16 tile products"), so off.
+# Knob mma_deal: how a group's warps share its tile (`ir.kernel.Fragment.rows_first`): "rows" gives each warp rows
+# of it (each A operand and row scale loaded once for all its tiles: the fewest local loads where the tile has more
+# rows than a warp's share of tokens), "cols" columns (the u8f16 products take rows always).
 # Knob mma_ablate: "staging" or "products" leaves that part of the kernel out (wrong results, for timing the other
 # part alone: `scripts/matvec_bench.py --knob matmul.mma_ablate=products`); no candidates, so `tune` never tries it.
 PAD = 4  # words of padding after each operand row (see the module docstring)
+TOKEN_WORDS = 4  # words a token's (scale, scale x code sum) pair takes in `xds` (`token_stride`)
 HALF_UNIT = 16  # u8f16: activation values a staging unit converts to f16: one block of 8 B words (its order)
 SMALL_CHUNK = 64  # the K chunk of matrices that the policy's does not fit (two activation blocks)
 
@@ -127,8 +132,10 @@ def f16_path(fmts: Sequence[QuantFormat]) -> bool:
 
 
 def staging_flags(kn: dict) -> dict:
-    """`tile_mma_kernel`'s staging and loop arguments from knobs `kn` (mma_words, mma_unroll, mma_ablate)."""
-    return {"words": bool(int(kn["mma_words"])), "unroll": bool(int(kn["mma_unroll"])), "ablate": kn["mma_ablate"]}
+    """`tile_mma_kernel`'s staging, loop and dealing arguments from knobs `kn` (mma_words, mma_unroll, mma_deal,
+    mma_ablate)."""
+    return {"words": bool(int(kn["mma_words"])), "unroll": bool(int(kn["mma_unroll"])),
+            "rows_first": kn["mma_deal"] != "cols", "ablate": kn["mma_ablate"]}
 
 
 def u8f16_products(policy: Policy, kn: dict, fmts: Sequence[QuantFormat]) -> bool:
@@ -231,19 +238,31 @@ def operand_arrays(fmts: Sequence[QuantFormat], rows: int, tokens: int, chunk: i
             local += [LocalArray(f"wa{j}", "u32", rows * st), LocalArray(f"wsm{j}", "u32", rows * (chunk // a.group))]
         return local
     local = [LocalArray("xb", "u32", tokens * st)]
+    offsets = any(a is not None and a.offset is not None for a in afs)
     if not half:
-        local.append(LocalArray("xds", "f32", tokens * (chunk // gx)))
-    if any(a is not None and a.offset is not None for a in afs):
-        local.append(LocalArray("xss", "i32", tokens * (chunk // gx)))
+        local.append(LocalArray("xds", "f32", (chunk // gx) * token_stride(tokens, offsets)))
     for j, a in enumerate(afs):
         if not words:
             local.append(LocalArray(f"wl{j}", "f16" if half else "i8", rows * chunk))
         local.append(LocalArray(f"wa{j}", "u32", rows * st))
         if a is not None:
-            local.append(LocalArray(f"ws{j}", "f32", rows * (chunk // a.group)))
-        if a is not None and a.offset is not None:
-            local.append(LocalArray(f"wm{j}", "f32", rows * (chunk // a.group)))
+            local.append(LocalArray(f"ws{j}", "f32", rows * scale_stride(chunk // a.group, a.offset is not None)))
     return local
+
+
+def token_stride(tokens: int, offsets: bool) -> int:
+    """Words an activation group takes in `tile_mma_kernel`'s array `xds`: each token's scale, or with offsets its
+    (scale, scale x code sum) pair in 4 words (a lane's two tokens then two 8-byte loads, which a warp's lanes
+    share, not one 16-byte load, which the hardware serves a quarter of the warp at a time), and padding, so that
+    the staging lanes of four groups of a token store into different banks."""
+    return tokens * (TOKEN_WORDS if offsets else 1) + (2 if offsets else 8)
+
+
+def scale_stride(groups: int, offset: bool) -> int:
+    """Words a weight row takes in `tile_mma_kernel`'s group scale array `ws{j}` for `groups` groups a chunk: a
+    scale each, or with offsets a (scale, offset) pair each and one pair of padding, so that the pairs that the
+    eight rows of a hardware tile load at once (8-byte loads) fall in distinct banks."""
+    return 2 * groups + 2 if offset else groups
 
 
 @kernel_builder
@@ -251,7 +270,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
                     lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
                     gather: Gather | None = None, words: bool = True, gate: Gate | tuple[Gate, ...] | None = None,
                     split: int = 1, slot: int = 0, unroll: bool = False, u8f16: bool = False,
-                    ablate: str = "none") -> Kernel:
+                    rows_first: bool = True, ablate: str = "none") -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of `fmts` (`tile_mma_fits`), from
     int8 activations `xq` / `xd` (`linear.quantize_x_kernel`'s), or for F16 weights (`f16_path`) from the f32
     activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens)). With `gather`: for each token j the
@@ -263,7 +282,8 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     + r] for `split_sum_kernel` to add up; a step of one token tile then still has enough groups to fill the
     device. `slot`: the weights' sums go where weight slot + j's would (several launches, a weight each, filling
     one `split_sum_kernel`'s parts). `unroll` (knob mma_unroll): the loop over a chunk's weight groups written
-    out. `u8f16` (`u8f16_products`, words staging only): the weights' levels staged as unsigned bytes with a word
+    out. `rows_first` (knob mma_deal): the tile dealt to warps by rows (`ir.kernel.Fragment.rows_first`).
+    `u8f16` (`u8f16_products`, words staging only): the weights' levels staged as unsigned bytes with a word
     of f16 scale and offset a group, the f32 activations `x` staged as f16 pairs, one "u8f16" tile product a
     chunk into f32 fragments; no int8 activations. `ablate` (knob mma_ablate, for measuring where a kernel's time
     goes, never for results): "staging" leaves the staging out (products of whatever the local arrays hold),
@@ -278,6 +298,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     st = chunk // pack_n + PAD  # operand row stride in words
     gx = min(a.group for a in afs) if not half else chunk  # activation sums are kept per gx elements
     offsets = any(a is not None and a.offset is not None for a in afs)
+    xst = token_stride(tokens, offsets)
     words = words and word_staging(fmts)
     assert not u8f16 or words, "u8f16 products stage their weights a word at a time"
     stb = chunk // 2 + PAD if u8f16 else st  # activation operand row stride in words (u8f16: f16 pairs)
@@ -291,6 +312,23 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         """The activation row of the tile's token j (past the list: its last token's, whose results are not
         stored)."""
         return gather.row(Call("min", j, count - 1)) if gather else j
+
+    def group_scales(j: int, r: Expr, gi: Expr, dec: Decoder, start: int, env: dict) -> list:
+        """Weight j's row r, group gi: its scale, and its offset beside it (`scale_stride`)."""
+        a = afs[j]
+        if a.offset is None:
+            return [Store(f"ws{j}", r * (chunk // a.group) + gi, dec.group_expr(a.scale, start, env))]
+        at = r * scale_stride(chunk // a.group, True) + gi * 2
+        return [Store(f"ws{j}", at, dec.group_expr(a.scale, start, env)),
+                Store(f"ws{j}", at + 1, dec.group_expr(a.offset, start, env))]
+
+    def token_scales(tg: Expr, g: Expr, dx: Expr, total: Expr) -> list:
+        """Token tg's activation group g (gx codes): its scale dx and, with offsets, dx times its code sum `total`
+        beside it, at [group][token] (`token_stride`)."""
+        if not offsets:
+            return [Store("xds", g * xst + tg, dx)]
+        return [Let("xdv", dx), Store("xds", g * xst + tg * TOKEN_WORDS, Var("xdv")),
+                Store("xds", g * xst + tg * TOKEN_WORDS + 1, Var("xdv") * ToF32(total))]
 
     def decode(j: int, s: int) -> list:
         """Weight j's levels (f16: values) and group scales of sub-chunk s of K step kb into its local arrays."""
@@ -309,11 +347,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         def group(start, size, env, inner):
             if a is None:
                 return inner
-            ng, gi = chunk // a.group, (at + start) // a.group
-            out = [*inner, Store(f"ws{j}", r * ng + gi, dec.group_expr(a.scale, start, env))]
-            if a.offset is not None:
-                out.append(Store(f"wm{j}", r * ng + gi, dec.group_expr(a.offset, start, env)))
-            return out
+            return [*inner, *group_scales(j, r, (at + start) // a.group, dec, start, env)]
 
         def element(c, L, i0, env, lw):
             return [Store(f"wl{j}", r * chunk + at + c + Var(i0), dec.value(lw) if a is None else lw.expr(a.level))]
@@ -333,8 +367,14 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         wf, a, w = wfs[j], afs[j], f"w{j}"
         bs, rb = wf.block_size, elements_per_row_bytes(fmts[j], k)
         per, share = max(1, chunk // bs), word_share(j)
-        r, q = v // (per * share), (v // share) % per if per > 1 else Const(0)
-        sub = v % share if share > 1 else Const(0)
+        parts = per * share  # units a row
+        if 1 < parts <= 4 and rows % 8 == 0:
+            # Eight neighbouring lanes take eight rows' same part (their 16-byte stores in distinct banks, where
+            # a row's parts side by side would share them); a warp still reads the same rows' bytes.
+            r, p = v // (8 * parts) * 8 + v % 8, v // 8 % parts
+        else:
+            r, p = v // parts, v % parts
+        q, sub = (p // share if per > 1 else Const(0)), (p % share if share > 1 else Const(0))
         if bs <= chunk:
             block, lo, hi = (kb * big + s * chunk) // bs + q, 0, bs
             at, at_w = q * bs, q * (bs // 4)  # where the block starts in the chunk: elements, words
@@ -360,9 +400,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
                 out = [Let(f"{w}_gs", scale), Store(f"wsm{j}", r * ng + gi, Call("f32_to_f16_bits", Var(f"{w}_gs"))
                                                     | (Call("f32_to_f16_bits", off) << 16))]
             else:
-                out = [Store(f"ws{j}", r * ng + gi, dec.group_expr(a.scale, start, env))]
-                if a.offset is not None:
-                    out.append(Store(f"wm{j}", r * ng + gi, dec.group_expr(a.offset, start, env)))
+                out = group_scales(j, r, gi, dec, start, env)
             return [*inner, If(sub.eq(0), tuple(out))] if share > 1 else [*inner, *out]
 
         def element(c, L, i0, env, lw):
@@ -409,11 +447,8 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
                     Let(word.name, Select(live, Var(f"xr{x}"), Cast("u32", 0))),
                     Store("xb", tg * st + g * gw + x, word)]
             total = Call("dot4_i8", Cast("u32", Const(0x01010101)), word, total)
-        out.append(Store("xds", v, Select(live, Load("xd", source(t0 + tg) * (k // QB) + (e0 + g * gx) // QB),
-                                          Const(0.0))))
-        if offsets:
-            out.append(Store("xss", v, total))
-        return out
+        return out + token_scales(tg, g, Select(live, Load("xd", source(t0 + tg) * (k // QB) + (e0 + g * gx) // QB),
+                                                Const(0.0)), total)
 
     def activation_halves(s: int, v: Expr) -> list:
         """Unit v of the activations' staging of sub-chunk s (u8f16): one token's HALF_UNIT values of x as f16
@@ -486,14 +521,11 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         ng = chunk // gx
         tg, g = u // ng, u % ng
         live = t0 + tg < count
-        body = [Store("xds", u, Select(live, Load("xd", source(t0 + tg) * (k // QB) + (e0 + g * gx) // QB),
-                                       Const(0.0)))]
-        if offsets:
-            total = Const(0)
-            for x in range(gx // 4):
-                total = Call("dot4_i8", Cast("u32", Const(0x01010101)), Load("xb", tg * st + g * (gx // 4) + x), total)
-            body.append(Store("xss", u, total))
-        return [words, LaneFor(u.name, Const(tokens * ng), tuple(body))]
+        total = Const(0)
+        for x in range(gx // 4 if offsets else 0):
+            total = Call("dot4_i8", Cast("u32", Const(0x01010101)), Load("xb", tg * st + g * (gx // 4) + x), total)
+        dx = Select(live, Load("xd", source(t0 + tg) * (k // QB) + (e0 + g * gx) // QB), Const(0.0))
+        return [words, LaneFor(u.name, Const(tokens * ng), tuple(token_scales(tg, g, dx, total)))]
 
     def products(j: int) -> list:
         """Weight j's tile products over the chunk into fragment f{j}: f16 at once; int8 a group at a time, scaled."""
@@ -505,18 +537,21 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
                             scales=f"wsm{j}", scale_stride=chunk // a.group, group_words=a.group // 4)]
         ng, gw = chunk // a.group, a.group // 4
         i, jj, gi = Var("i"), Var("jj"), Var("gi")
-        first = gi * (a.group // gx)  # the group's first activation sum / scale
-        dx = Load("xds", jj * (chunk // gx) + first)
-        term = Load(f"ws{j}", i * ng + gi) * ToF32(FragElem("iacc"))
-        if a.offset is not None:
-            xsum = Load("xss", jj * (chunk // gx) + first)
+        first = gi * (a.group // gx)  # the group's first activation group (its scale: one a weight group)
+        dx = Load("xds", first * xst + jj * (TOKEN_WORDS if offsets else 1))
+        if a.offset is None:
+            value = FragElem(f"f{j}") + dx * (Load(f"ws{j}", i * ng + gi) * ToF32(FragElem("iacc")))
+        else:
+            # + dx * (S * isum) + M * (dx * xsum): the activations' dx * xsum staged beside dx, the weights' M beside
+            # S (a multiply and two multiply-adds an element).
+            at = i * scale_stride(ng, True) + gi * 2
+            dxs = Load("xds", first * xst + jj * TOKEN_WORDS + 1)
             for x in range(1, a.group // gx):
-                xsum = xsum + Load("xss", jj * (chunk // gx) + first + x)
-            term = term + Load(f"wm{j}", i * ng + gi) * ToF32(xsum)
-        # dx * (S * isum + M * xsum): the activation scale applied once (a multiply and two multiply-adds an
-        # element with offsets, where dx in each product took two more multiplies).
+                dxs = dxs + Load("xds", (first + x) * xst + jj * TOKEN_WORDS + 1)
+            value = (FragElem(f"f{j}") + dx * (Load(f"ws{j}", at) * ToF32(FragElem("iacc")))
+                     + Load(f"ws{j}", at + 1) * dxs)
         group = (TileMMA("iacc", "i8", f"wa{j}", gi * gw, st, "xb", gi * gw, st, gw),
-                 TileEach("i", "jj", (FragSet(f"f{j}", FragElem(f"f{j}") + dx * term), FragSet("iacc", Const(0)))))
+                 TileEach("i", "jj", (FragSet(f"f{j}", value), FragSet("iacc", Const(0)))))
         if unroll:
             return [substitute(s, gi.name, Const(g)) for g in range(ng) for s in group]
         return [For(gi.name, Const(0), Const(ng), group)]
@@ -555,9 +590,10 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         TileEach("i", "jj", (If((row < n) & (t < count), stores),)),
     )
     local = operand_arrays(fmts, rows, tokens, chunk, words, u8f16)
-    frags = tuple(Fragment(f"f{j}", "f32", rows, tokens) for j in range(len(fmts)))
+    rows_first = rows_first or u8f16
+    frags = tuple(Fragment(f"f{j}", "f32", rows, tokens, rows_first) for j in range(len(fmts)))
     if not (half or u8f16):
-        frags = (Fragment("iacc", "i32", rows, tokens), *frags)
+        frags = (Fragment("iacc", "i32", rows, tokens, rows_first), *frags)
     acts = (Buf("x", "f32"),) if half or u8f16 else (Buf("xq", "u32"), Buf("xd", "f32"))
     params = (*acts, *(gather.params if gather else ()), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
               Buf("yp" if split > 1 else "y", "f32", out=True), Scalar("T"))
@@ -566,6 +602,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes),
              ("mma_words", int(words)), *((("mma_split", split),) if split > 1 else ()),
              *((("mma_unroll", 1),) if unroll else ()), *((("mma_f16", 1),) if u8f16 else ()),
+             *((("mma_deal", "cols"),) if not rows_first else ()),
              *((("mma_ablate", ablate),) if ablate != "none" else ()))
     return Kernel(name, params, grid, body, lanes=lanes, local=tuple(local), knobs=knobs, fragments=frags,
                   doc=f"tile matmul {'f16' if half else 'u8f16' if u8f16 else 'int8'} {'+'.join(f.name for f in fmts)} "
