@@ -62,8 +62,8 @@ HOST_KNOBS: Mapping[str, Mapping[str, Any]] = {
     # group (8: x1.1 on gemma3's gate+up over 4, which the one-token matmuls keep).
     "matmul": {"split": "rows", "rows": 4, "xq": "inline", "int8": 0, "vert": 1, "contract": 1, "reuse": 0,
                "tile_q8": 256 if HOST_VNNI else 0, "tile_q8_rows": 8, "mma_min": MMA_OFF, "mma_chunk": 64,
-               "mma_split": 0, "mma_split_above": 1},
-    "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1, "mma_min": MMA_OFF, "mma_chunk": 64},
+               "mma_tokens": 32, "mma_split": 0, "mma_split_above": 1},
+    "moe_ffn": {"split": "rows", "xq": "inline", "contract": 1, "mma_min": MMA_OFF, "mma_chunk": 64, "mma_tokens": 32},
     # group_heads: a KV head's query heads in one group (knob heads "auto"), each K and V value decoded once for all,
     # one-token plans keeping at least this many groups a token for the cores (docs/benchmarks.md, "Attention's
     # query heads grouped on the CPU"); 0: the GPUs' rule (attention.py).
@@ -81,13 +81,17 @@ DEVICE_KNOBS: Mapping[str, Mapping[str, Any]] = {
     # has matrix units (pp512 3.5x the int8 matvecs on the H200, the MoE preset's 2.6x with the experts'; docs/
     # benchmarks.md, "H200, 2026-12-05, eighth session"); shorter steps keep the int8 matvecs. mma_chunk: their K
     # a staging round, 128 (the Q4_K 14336 x 4096 x 512 matmul 76.5 TFLOP/s against 69.9 at 64, same place).
+    # mma_tokens: a tile's tokens, 64 for the matmuls (H100: pp512 4071 against 3732 tok/s at 32; docs/
+    # benchmarks.md, "Where the int8 tile kernel's time goes"), 32 for the experts, whose tiles hold the few
+    # tokens routed to each.
     # mma_split / mma_split_above: steps of 6-64 rows (batched decoding) on tile products of K in 4 parts, shorter
     # ones on the int8 matvecs (H100: ffn_up at 16 rows 49.5 against 159.9 us, at 8 rows 47.7 against 67.0, at 4
     # rows 46.6 against 37.2; 16 streams 830 against 573 tok/s: docs/benchmarks.md, "Serving: split-K").
     "matmul": {"split": "blocks", "rows": 1, "xq": "kernel", "int8": 1, "vert": 0, "contract": 0, "reuse": 0,
-               "tile_q8": 0, "tile_q8_rows": 4, "mma_min": 512, "mma_chunk": 128, "mma_split": 4,
+               "tile_q8": 0, "tile_q8_rows": 4, "mma_min": 512, "mma_chunk": 128, "mma_tokens": 64, "mma_split": 4,
                "mma_split_above": 5},
-    "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0, "mma_min": 512, "mma_chunk": 128},
+    "moe_ffn": {"split": "blocks", "xq": "kernel", "contract": 0, "mma_min": 512, "mma_chunk": 128,
+                "mma_tokens": 32},
     "attention": {"split_keys": 1, "group_heads": 0},
     "delta_rule": {"chunked_above": 16},
 }

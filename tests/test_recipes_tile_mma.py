@@ -157,7 +157,7 @@ def test_tile_products_apply_within_local_memory():
 
     policy = replace(device_policy(128, 32, wide_loads=True), matrix_kinds=matrix_kinds(MMA_SYNC))
     q4k = [FORMATS["Q4_K"]]
-    kn = {**MATMUL_SPACE.defaults(), "mma_min": 512, "mma_chunk": 256}
+    kn = {**MATMUL_SPACE.defaults(), "mma_min": 512, "mma_chunk": 256, "mma_tokens": 32}
     assert tile_products_apply(policy, "matmul", 512, kn, q4k, 4096, 4096)  # 31.5 KiB
     assert not tile_products_apply(policy, "matmul", 512, {**kn, "mma_rows": 128}, q4k, 4096, 4096)  # 52.5 KiB
     assert not tile_products_apply(policy, "matmul", 512, kn, q4k * 2, 4096, 4096)  # the GLU's two weights: 52.5 KiB
@@ -201,6 +201,20 @@ def _matmul_launches(matrix_units: bool, t_max: int, fmt: str = "Q4_K", mma_min:
                    and all(eval_int(e, {"T": t}) > 0 for e in la.kernel.grid)]
         assert len(writers) == 1, (t, writers)
     return launches
+
+
+def test_tile_tokens_are_the_policys_unless_set():
+    """Knob mma_tokens "auto": the device policy's 64 tokens a tile for the prompt steps' matmuls and 32 for the
+    experts' tiles, which hold the tokens routed to one expert; a set value wins."""
+    from polystrata.codegen.policy import device_policy
+    from polystrata.codegen.recipes.moe import MOE_SPACE
+    from polystrata.codegen.recipes.tile_mma import tile_tokens
+
+    tokens = lambda launches: {dict(la.kernel.knobs)["mma_tokens"] for la in launches  # noqa: E731
+                               if "_mma" in la.kernel.name}
+    assert tokens(_matmul_launches(True, 70)) == {64}
+    assert tokens(_matmul_launches(True, 70, mma_tokens=32)) == {32}
+    assert tile_tokens(device_policy(128, 32), "moe_ffn", MOE_SPACE.defaults()) == 32
 
 
 def test_taken_for_prefill_on_matrix_units_only():

@@ -85,6 +85,7 @@ from polystrata.codegen.recipes.tile_mma import (
     staging_flags,
     tile_mma_kernel,
     tile_products_apply,
+    tile_tokens,
     u8f16_products,
 )
 from polystrata.errors import UnsupportedError
@@ -426,8 +427,9 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
     tiles = _tile_products(ctx, kn, fmts, n, k)
     chunk = mma_chunk(ctx.target(), "matmul", kn, fmts, k) if tiles else 0
     if tiles and f16_path(fmts):  # F16 weights: the f16 products for every step of several tokens
-        mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"], tokens=kn["mma_tokens"],
-                             chunk=chunk, lanes=kn["mma_lanes"], epilogue=epilogue,
+        mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"],
+                             tokens=tile_tokens(ctx.target(), "matmul", kn), chunk=chunk, lanes=kn["mma_lanes"],
+                             epilogue=epilogue,
                              **staging_flags(kn))
         return [Launch(mk, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
     if _int8_kernels(ctx, kn, fmts, k):
@@ -442,7 +444,7 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
             # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
             long = (TILES_ABOVE, True)
             mk = tile_mma_kernel(f"{name}{gate_suffix(long)}_mma", fmts, n, k, rows=kn["mma_rows"],
-                                 tokens=kn["mma_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
+                                 tokens=tile_tokens(ctx.target(), "matmul", kn), chunk=chunk, lanes=kn["mma_lanes"],
                                  epilogue=epilogue, gate=long, u8f16=u8f16, **staging_flags(kn))
             tiled, short = [Launch(mk, (*tile_acts, *wbind, ("y", y)), (("T", t_bind),))], (TILES_ABOVE, False)
         # Where longer steps take no tile products, the matvecs must keep them: no split then.

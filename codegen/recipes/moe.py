@@ -98,6 +98,7 @@ from polystrata.codegen.recipes.tile_mma import (
     staging_flags,
     tile_mma_kernel,
     tile_products_apply,
+    tile_tokens,
     u8f16_products,
 )
 from polystrata.ir.expr import Const, Expr, Var
@@ -756,7 +757,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
                         quant: tuple, ws: tuple, out: str, epilogue=None) -> list[Launch]:
             u8f16 = u8f16_products(policy, kn, fmts)  # activations read as f32 and rounded to f16 in the kernel
             kern = tile_mma_kernel(name + gate_suffix(gate) + "_mma", fmts, n, kd, rows=int(kn["mma_rows"]),
-                                   tokens=int(kn["mma_tokens"]),
+                                   tokens=tile_tokens(policy, "moe_ffn", kn),
                                    chunk=mma_chunk(policy, "moe_ffn", kn, fmts, kd),
                                    lanes=int(kn["mma_lanes"]), epilogue=epilogue,
                                    gather=expert_gather(n_exp, n, k, cap, per_token, stream),

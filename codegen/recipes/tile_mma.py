@@ -85,13 +85,14 @@ from polystrata.ir.kernel import (
     substitute,
 )
 
-TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", 32), Knob("mma_chunk", "auto", (64, 128, 256)),
+TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", "auto", (32, 64)), Knob("mma_chunk", "auto", (64, 128, 256)),
                   Knob("mma_lanes", 128),
                   Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1), Knob("mma_unroll", 0, (1,)),
                   Knob("mma_f16", 0, (1,)), Knob("mma_deal", "rows", ("cols",)), Knob("mma_ablate", "none", ()))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
 # policy's, `codegen/policy.py`, which says why). Smaller matrices cost little in a prompt chunk anyway, and each
 # tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
+# Knob mma_tokens: a tile's tokens ("auto": the policy's, `tile_tokens`).
 # Knob mma_chunk: K a staging round ("auto": the policy's where the matrix takes it, else SMALL_CHUNK; `mma_chunk`).
 # Knob mma_words: 1 stages int8 operands a word at a time (module docstring); 0, the byte-at-a-time staging of the
 # first measurement, is kept for comparison (`--knob matmul.mma_words=0`), not searched by `tune`.
@@ -159,7 +160,7 @@ def tile_products_apply(policy: Policy, space: str, t_max: int, kn: dict, fmts: 
         return False
     chunk = mma_chunk(policy, space, kn, fmts, k)
     least = policy.default(space, "mma_min") if kn["mma_min"] == "auto" else int(kn["mma_min"])
-    return min(n, k) >= least and tile_mma_fits(fmts, k, chunk) and _fits_local(policy, kn, fmts, chunk)
+    return min(n, k) >= least and tile_mma_fits(fmts, k, chunk) and _fits_local(policy, space, kn, fmts, chunk)
 
 
 def mma_chunk(policy: Policy, space: str, kn: dict, fmts: Sequence[QuantFormat], k: int) -> int:
@@ -168,12 +169,17 @@ def mma_chunk(policy: Policy, space: str, kn: dict, fmts: Sequence[QuantFormat],
     if kn["mma_chunk"] != "auto":
         return int(kn["mma_chunk"])
     chunk = int(policy.default(space, "mma_chunk"))
-    return chunk if tile_mma_fits(fmts, k, chunk) and _fits_local(policy, kn, fmts, chunk) else SMALL_CHUNK
+    return chunk if tile_mma_fits(fmts, k, chunk) and _fits_local(policy, space, kn, fmts, chunk) else SMALL_CHUNK
 
 
-def _fits_local(policy: Policy, kn: dict, fmts: Sequence[QuantFormat], chunk: int) -> bool:
+def tile_tokens(policy: Policy, space: str, kn: dict) -> int:
+    """Knob mma_tokens of knob space `space`: as set, or ("auto") the policy's."""
+    return int(policy.default(space, "mma_tokens")) if kn["mma_tokens"] == "auto" else int(kn["mma_tokens"])
+
+
+def _fits_local(policy: Policy, space: str, kn: dict, fmts: Sequence[QuantFormat], chunk: int) -> bool:
     words = bool(int(kn["mma_words"])) and word_staging(fmts)
-    arrays = operand_arrays(fmts, int(kn["mma_rows"]), int(kn["mma_tokens"]), chunk, words,
+    arrays = operand_arrays(fmts, int(kn["mma_rows"]), tile_tokens(policy, space, kn), chunk, words,
                             u8f16_products(policy, kn, fmts))
     return sum(a.size * DTYPE_BYTES[a.dtype] for a in arrays) <= policy.local_bytes
 
