@@ -142,10 +142,11 @@ f32_to_f16 = intrinsic(numba_intrinsics.f32_to_f16)
 
 def _load(width: int | None, count: int = 1, align: int | None = None):
     """An intrinsic `load(arr, index)`: with `width`, `count` little-endian `width`-bit words at byte offset
-    `index` of a u8 array as a u32; without, element `index` of an array of 4-byte elements. The first load is
-    declared aligned to `align` bytes (default: the word's; the IR's alignment promise), which lets NVVM merge it
-    with the loads after it into one vector load. No bounds or wrap-around handling: IR indices are in bounds and
-    non-negative."""
+    `index` of a u8 array as a u32; without, element `index` of an array of 4-byte elements, addressed in bytes as
+    the words are (NVVM merged neighbouring element loads into vector loads in one copy of a loop and not in the
+    other when they were addressed by elements). The first load is declared aligned to `align` bytes (default: the
+    word's; the IR's alignment promise), which lets NVVM merge it with the loads after it into one vector load.
+    No bounds or wrap-around handling: IR indices are in bounds and non-negative."""
 
     @intrinsic
     def load(typingctx, arr, index):
