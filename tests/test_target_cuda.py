@@ -441,13 +441,15 @@ rt = CUDARuntime(arch="sm_80")  # compile-only without a GPU
 kernels = [tile_mma_kernel("t_mma_ptx", [FORMATS["Q8_0"]], 64, 256, rows=32, tokens=16, chunk=64, lanes=64),
            tile_kernel("f16"),
            tile_mma_kernel("t_u8f16_ptx", [FORMATS["Q4_K"]], 64, 256, rows=32, tokens=16, chunk=64, lanes=64,
-                           split=2, u8f16=True)]
+                           split=2, u8f16=True),
+           tile_mma_kernel("t_q4k_ptx", [FORMATS["Q4_K"]], 64, 512, rows=64, tokens=32, chunk=128, lanes=128)]
 ptxas = shutil.which("ptxas") or shutil.which("/usr/local/cuda/bin/ptxas")
 for k in kernels:
     ck = rt.compile(k)
     ptx = ck.entry.path.read_text()
     res = {"mma": sorted(set(re.findall(r"mma\.sync\.aligned\.[\w.]+", ptx))), "entries": ptx.count(".entry "),
-           "target": re.search(r"^\.target (\w+)", ptx, re.M).group(1), "suffix": ck.entry.path.suffix}
+           "target": re.search(r"^\.target (\w+)", ptx, re.M).group(1), "suffix": ck.entry.path.suffix,
+           "loads": {w: ptx.count(f"ld.global.{w} ") for w in ("u32", "v4.u32")}}
     if ptxas:
         p = subprocess.run([ptxas, "-arch=sm_90", str(ck.entry.path), "-o", str(tmp / "k.cubin")],
                            capture_output=True, text=True)
@@ -488,7 +490,9 @@ def test_kernels_compile_to_ptx_without_a_gpu():
     """Without a GPU, a cuda runtime given an architecture compiles (NVVM) but runs nothing: each kernel's cache
     entry is its PTX, one kernel entry for that architecture. Tile products become mma.sync there (the recipe's
     int8 m16n8k32, the conformance f16 m16n8k16, the recipe's u8f16 as f16 m16n8k16 behind its byte permutes),
-    and ptxas assembles them for sm_90 where it is installed.
+    and ptxas assembles them for sm_90 where it is installed. The Q4_K tile kernel's global words all come in
+    16-byte loads (NVVM left a copy of its activation staging in 4-byte loads while element loads were addressed
+    by elements: 8 of them, 32 sectors each on the H100).
     For programmatic launches, sm_90 PTX gets `griddepcontrol.wait` before its first instruction (sm_80 none).
     `compile --target cuda --arch sm_90` writes an artifact of such PTX, with its --knob in the manifest. In a
     child process (numba.cuda stays unimported here); skipped without NVVM (CI: numba-cuda without the CUDA
@@ -507,7 +511,8 @@ def test_kernels_compile_to_ptx_without_a_gpu():
     assert res["t_mma_ptx"]["mma"] == ["mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32"]
     assert res["tile_f16"]["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"]
     assert res["t_u8f16_ptx"]["mma"] == ["mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32"]
-    for r in (res["t_mma_ptx"], res["tile_f16"], res["t_u8f16_ptx"]):
+    assert res["t_q4k_ptx"]["loads"]["u32"] == 0 < res["t_q4k_ptx"]["loads"]["v4.u32"], res["t_q4k_ptx"]
+    for r in (res["t_mma_ptx"], res["tile_f16"], res["t_u8f16_ptx"], res["t_q4k_ptx"]):
         assert r["entries"] == 1 and r["target"] == "sm_80" and r["suffix"] == ".ptx"
         assert r.get("ptxas", True) is True, r
     art = res["art"]
