@@ -264,7 +264,7 @@ class _Lowering:
         self.uniform_local_reads = _uniform_local_reads(k, self.local)
         self.unit = abilities.matrix  # native tile products (`portable_tiles` has removed any it does not take)
         self.frags = {f.name: f for f in k.fragments}
-        self.rows_first = any(f.rows_first for f in k.fragments)
+        self.deal = k.fragments[0].deal if k.fragments else "cols"
         self.last_barrier = False  # whether the statement just emitted was a barrier
         self.scratch = 0  # floats of SCRATCH needed
 
@@ -296,11 +296,21 @@ class _Lowering:
         # words, per-row or per-column scales) between the tiles.
         sg = LaneId() // u.width
         per = self.per_lane()
-        # `Fragment.rows_first`: a subgroup's tiles along rows of tiles, so that each A operand (u8f16: made f16 from
-        # its bytes, most of the instructions) and each per-row value serves all of them.
-        if self.rows_first and per % across == 0:  # each subgroup's tiles whole rows of tiles
+        # `Fragment.deal` "rows": a subgroup's tiles along rows of tiles, so that each A operand (u8f16: made f16
+        # from its bytes, most of the instructions) and each per-row value serves all of them; "blocks": r rows of
+        # c tiles each, as square as the tile allows (r a power of two), A's shared by c tiles and B's by r.
+        if self.deal == "blocks":
+            down, r = f.rows // u.m, 1
+            while per % (2 * r) == 0 and down % (2 * r) == 0 and 4 * r * r <= per and across % (per // (2 * r)) == 0:
+                r *= 2
+            c = per // r
+            if r > 1 and across % c == 0:
+                blocks_across = across // c
+                return (sg // blocks_across * r + p // c) * u.m, (sg % blocks_across * c + p % c) * u.n
+        rows_first = self.deal in ("rows", "blocks")  # "blocks" of one row: rows
+        if rows_first and per % across == 0:  # each subgroup's tiles whole rows of tiles
             return (sg * (per // across) + p // across) * u.m, Const(p % across * u.n)
-        if self.rows_first and across % per == 0:  # each subgroup's tiles part of one row of tiles
+        if rows_first and across % per == 0:  # each subgroup's tiles part of one row of tiles
             return (sg // (across // per)) * u.m, (sg % (across // per) * per + p) * u.n
         if groups > 1 and groups % across == 0:  # each subgroup's tiles in one column of tiles
             return (sg // across + p * (groups // across)) * u.m, (sg % across) * u.n

@@ -270,14 +270,15 @@ TILE_PACK = {"i8": 4, "f16": 2, "u8f16": 4}  # elements in one A word (little-en
 class Fragment:
     """An accumulator tile of `rows` x `cols` values of `dtype` (i32 or f32) owned by the group; undefined until a
     `TileEach` sets it. Where it lives (local memory, the registers of several subgroups) is the target's choice.
-    `rows_first` (a hint, the same for all of a kernel's fragments): where subgroups share the tile, give each one
-    rows of it (A's operands and per-row values loaded once for all its tiles) rather than columns (B's)."""
+    `deal` (a hint, the same for all of a kernel's fragments): where subgroups share the tile, how its hardware
+    tiles are dealt to them: "cols", each a column of them (B's operands and per-column values loaded once for all
+    its tiles), "rows", each a row (A's), "blocks", each a block as square as the tile allows (fewest of both)."""
 
     name: str
     dtype: str
     rows: int
     cols: int
-    rows_first: bool = False
+    deal: str = "cols"
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,8 @@ def test_case_matches_numpy_and_cpu(rt, cpu, case):
 
 @inner
 @pytest.mark.parametrize("unit,kind", [("mma_sync", "i8"), ("mma_sync", "f16"), ("mma_sync", "recipe"),
-                                       ("mma_sync", "recipe_split"), ("mma_sync", "recipe_cols"), ("mma_sync", "u8f16"),
+                                       ("mma_sync", "recipe_split"), ("mma_sync", "recipe_cols"),
+                                       ("mma_sync", "recipe_blocks"), ("mma_sync", "u8f16"),
                                        ("mma_sync", "recipe_u8f16"), ("mfma", "i8"),
                                        ("mfma", "f16"), ("wmma", "f16"), ("wmma", "recipe"),
                                        ("mma_sync", "attention"), ("mfma", "attention"), ("wmma", "attention"),
@@ -94,9 +95,9 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
     (operand loads, accumulator layout, tiles dealt to subgroups), rendered by this printer with the instructions
     emulated from the vendors' fragment layouts (`matrix_emulation`), against numpy: the conformance cases and the
     prefill matmul recipe's kernel (int8 m16n8k32 on MMA_SYNC, Q4_K, whose groups have offsets; Q8_0 with K split
-    in 3 parts, the last empty, added up here, and with the tile dealt to warps by columns), and prefill attention's
-    (f16 products of scores and of probabilities with V, a window and a softcap, GQA, q8_0 K/V; 7 rows: a partial
-    tile of rows and of keys)."""
+    in 3 parts, the last empty, added up here, and with the tile dealt to warps by columns and in blocks), and
+    prefill attention's (f16 products of scores and of probabilities with V, a window and a softcap, GQA, q8_0
+    K/V; 7 rows: a partial tile of rows and of keys)."""
     import importlib
 
     from ir_constructs import tile_case
@@ -139,8 +140,13 @@ def test_native_tile_lowering_emulated(unit, kind, tmp_path):
 
         fmt, wb, wd = weight("Q4_K_S" if kind == "recipe" else "Q8_0", 30, 256)
         parts = 3 if kind == "recipe_split" else 1
-        kernel = tile_mma_kernel(f"t_mma_emu{parts}_{kind}", [fmt], 30, 256, rows=32, tokens=16, chunk=64, lanes=64,
-                                 split=parts, rows_first=kind != "recipe_cols")
+        # Blocks need 4 tiles a warp (32 x 32: blocks of 2 x 2); the others keep 2 (32 x 16).
+        tile = dict(rows=32, tokens=32 if kind == "recipe_blocks" else 16, chunk=64, lanes=64, split=parts)
+        deal = {"recipe_cols": "cols", "recipe_blocks": "blocks"}.get(kind, "rows")
+        kernel = tile_mma_kernel(f"t_mma_emu{parts}_{kind}", [fmt], 30, 256, deal=deal, **tile)
+        if deal == "blocks":  # not the rows' dealing under another name
+            rows_dealt = tile_mma_kernel(f"t_mma_emu{parts}_{kind}", [fmt], 30, 256, **tile)
+            assert Emulated(kernel).render() != Emulated(rows_dealt).render()
         x = np.random.default_rng(3).standard_normal((7, 256)).astype(np.float32)
         codes = np.round(q8_rounded(x) / (np.abs(x).reshape(7, 8, 32).max(-1, keepdims=True).repeat(32, -1)
                                           .reshape(7, 256) / 127)).astype(np.int8)

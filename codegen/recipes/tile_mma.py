@@ -88,7 +88,8 @@ from polystrata.ir.kernel import (
 TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", "auto", (32, 64)), Knob("mma_chunk", "auto", (64, 128, 256)),
                   Knob("mma_lanes", 128),
                   Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1), Knob("mma_unroll", 0, (1,)),
-                  Knob("mma_f16", 0, (1,)), Knob("mma_deal", "rows", ("cols",)), Knob("mma_ablate", "none", ()))
+                  Knob("mma_f16", 0, (1,)), Knob("mma_deal", "rows", ("cols", "blocks")),
+                  Knob("mma_ablate", "none", ()))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
 # policy's, `codegen/policy.py`, which says why). Smaller matrices cost little in a prompt chunk anyway, and each
 # tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
@@ -100,9 +101,9 @@ TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", "auto", (32, 64)), Kn
 # the operands' local addresses are constants; 0 keeps the loop (shorter code, a longer compile of the unrolled).
 # Knob mma_f16: 1 takes the "u8f16" tile products (`u8f16_products`) where the matrix unit has them: several times
 # more accurate than the int8 products, slower on the H100 (docs/benchmarks.md, "u8f16 tile products"), so off.
-# Knob mma_deal: how a group's warps share its tile (`ir.kernel.Fragment.rows_first`): "rows" gives each warp rows
-# of it (each A operand and row scale loaded once for all its tiles: the fewest local loads where the tile has more
-# rows than a warp's share of tokens), "cols" columns (the u8f16 products take rows always).
+# Knob mma_deal: how a group's warps share its tile (`ir.kernel.Fragment.deal`): "rows" gives each warp rows of it
+# (each A operand and row scale loaded once for all its tiles), "cols" columns, "blocks" blocks as square as the
+# tile allows (fewer local loads of both, not yet measured); the u8f16 products take rows always.
 # Knob mma_ablate: "staging" or "products" leaves that part of the kernel out (wrong results, for timing the other
 # part alone: `scripts/matvec_bench.py --knob matmul.mma_ablate=products`); no candidates, so `tune` never tries it.
 PAD = 4  # words of padding after each operand row (see the module docstring)
@@ -136,7 +137,7 @@ def staging_flags(kn: dict) -> dict:
     """`tile_mma_kernel`'s staging, loop and dealing arguments from knobs `kn` (mma_words, mma_unroll, mma_deal,
     mma_ablate)."""
     return {"words": bool(int(kn["mma_words"])), "unroll": bool(int(kn["mma_unroll"])),
-            "rows_first": kn["mma_deal"] != "cols", "ablate": kn["mma_ablate"]}
+            "deal": kn["mma_deal"], "ablate": kn["mma_ablate"]}
 
 
 def u8f16_products(policy: Policy, kn: dict, fmts: Sequence[QuantFormat]) -> bool:
@@ -276,7 +277,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
                     lanes: int, epilogue: Callable[[list[Expr]], Expr] | None = None,
                     gather: Gather | None = None, words: bool = True, gate: Gate | tuple[Gate, ...] | None = None,
                     split: int = 1, slot: int = 0, unroll: bool = False, u8f16: bool = False,
-                    rows_first: bool = True, ablate: str = "none") -> Kernel:
+                    deal: str = "rows", ablate: str = "none") -> Kernel:
     """y[t, r] = epilogue(dot(w_j[r], x[t]) for each weight j), weights [n, k] of `fmts` (`tile_mma_fits`), from
     int8 activations `xq` / `xd` (`linear.quantize_x_kernel`'s), or for F16 weights (`f16_path`) from the f32
     activations `x` rounded to f16; grid (ceil(n / rows), ceil(T / tokens)). With `gather`: for each token j the
@@ -288,7 +289,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     + r] for `split_sum_kernel` to add up; a step of one token tile then still has enough groups to fill the
     device. `slot`: the weights' sums go where weight slot + j's would (several launches, a weight each, filling
     one `split_sum_kernel`'s parts). `unroll` (knob mma_unroll): the loop over a chunk's weight groups written
-    out. `rows_first` (knob mma_deal): the tile dealt to warps by rows (`ir.kernel.Fragment.rows_first`).
+    out. `deal` (knob mma_deal): how the tile is dealt to warps (`ir.kernel.Fragment.deal`).
     `u8f16` (`u8f16_products`, words staging only): the weights' levels staged as unsigned bytes with a word
     of f16 scale and offset a group, the f32 activations `x` staged as f16 pairs, one "u8f16" tile product a
     chunk into f32 fragments; no int8 activations. `ablate` (knob mma_ablate, for measuring where a kernel's time
@@ -596,10 +597,11 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
         TileEach("i", "jj", (If((row < n) & (t < count), stores),)),
     )
     local = operand_arrays(fmts, rows, tokens, chunk, words, u8f16)
-    rows_first = rows_first or u8f16
-    frags = tuple(Fragment(f"f{j}", "f32", rows, tokens, rows_first) for j in range(len(fmts)))
+    assert deal in ("rows", "cols", "blocks"), deal
+    deal = "rows" if u8f16 else deal
+    frags = tuple(Fragment(f"f{j}", "f32", rows, tokens, deal) for j in range(len(fmts)))
     if not (half or u8f16):
-        frags = (Fragment("iacc", "i32", rows, tokens, rows_first), *frags)
+        frags = (Fragment("iacc", "i32", rows, tokens, deal), *frags)
     acts = (Buf("x", "f32"),) if half or u8f16 else (Buf("xq", "u32"), Buf("xd", "f32"))
     params = (*acts, *(gather.params if gather else ()), *(Buf(f"w{j}", weight_dtype(f)) for j, f in enumerate(fmts)),
               Buf("yp" if split > 1 else "y", "f32", out=True), Scalar("T"))
@@ -608,7 +610,7 @@ def tile_mma_kernel(name: str, fmts: Sequence[QuantFormat], n: int, k: int, *, r
     knobs = (("mma_rows", rows), ("mma_tokens", tokens), ("mma_chunk", chunk), ("mma_lanes", lanes),
              ("mma_words", int(words)), *((("mma_split", split),) if split > 1 else ()),
              *((("mma_unroll", 1),) if unroll else ()), *((("mma_f16", 1),) if u8f16 else ()),
-             *((("mma_deal", "cols"),) if not rows_first else ()),
+             *((("mma_deal", deal),) if deal != "rows" else ()),
              *((("mma_ablate", ablate),) if ablate != "none" else ()))
     return Kernel(name, params, grid, body, lanes=lanes, local=tuple(local), knobs=knobs, fragments=frags,
                   doc=f"tile matmul {'f16' if half else 'u8f16' if u8f16 else 'int8'} {'+'.join(f.name for f in fmts)} "
