@@ -44,13 +44,13 @@ def main() -> None:
     kernels, seen = {}, set()
     for name, graph in graphs.items():
         plan = plans[id(graph)]
-        step = plan.step_symbols(*timed_step(name, plan, a.ctx))
         for m, sites in enumerate(plan.group_sites):
             first = plan.groups.index(m)
             for s in sites:
                 if s.signature in seen or not only.search(s.signature):
                     continue
                 seen.add(s.signature)
+                step = plan.step_symbols(*timed_step(name, plan, a.ctx, s.rows))  # the step tune times it at
                 for _, launches, _ in Tuner.lower_candidates(rt, plan, m, first, s.signature, s.space.singles(),
                                                              step, set(), {}):
                     kernels.update((la.kernel.fingerprint(), la.kernel) for la in launches if runs_at(la, step))

@@ -207,3 +207,34 @@ def test_vnni_is_read_from_the_cpu_numba_compiles_for(monkeypatch):
     assert not host_vnni()
     monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+avxvnni")
     assert host_vnni()
+
+
+def test_each_kernel_family_of_a_prompt_plan_is_an_instance_of_its_own(tmp_path):
+    """A prompt plan on matrix units shares its steps out among kernel families by row count: tile products for
+    long steps, split-K tile products for batched decoding, int8 matvecs for a few rows. Each family reads the
+    knobs of an instance of its own (`Site`), timed by the tuner at steps it serves, so a choice that wins for
+    prompt chunks (mma_unroll=1 on the H100) is not forced on the serving steps' kernels, where it loses."""
+    _, graph, formats = _tiny_llama(tmp_path)
+    cuda = replace(device_policy(lanes=128, subgroup=32, wide_loads=True, int8_dot=True),
+                   matrix_kinds=matrix_kinds(MMA_SYNC))
+    space = {"matmul": {"mma_min": 32, "mma_chunk": 64}}  # the tiny model's matrices on the tile products
+
+    def glu(extra: dict | None = None):
+        plan = build_plan(graph, formats, KV_FORMATS["f16"], 128, 128, knobs={**space, **(extra or {})}, policy=cuda)
+        m = next(i for i, ss in enumerate(plan.group_sites) if any(":glu_" in s.signature for s in ss))
+        kernels = {la.kernel.name: dict(la.kernel.knobs) for la, g in zip(plan.launches, plan.groups) if g == m}
+        return {s.signature: s.rows for s in plan.group_sites[m]}, kernels
+
+    sites, kernels = glu()
+    main = next(s for s in sites if s.endswith(":t128"))
+    assert main.startswith("matmul.v6:glu_") and sites == {main: 5, main + ":long": None, main + ":split": 16}
+    matvec, long = "glu_swiglu_q8_0_q8_0_256x128_le5_q8", "glu_swiglu_q8_0_q8_0_256x128_gt64_mma"
+    splits = {n for n in kernels if "_mma_k" in n}
+    assert {matvec, long} <= set(kernels) and len(splits) == 2  # the gate's and the up's parts
+
+    def changed(extra: dict) -> set[str]:
+        return {n for n, kn in glu(extra)[1].items() if kernels.get(n) != kn}
+
+    assert changed({main + ":long": {"mma_unroll": 1}}) == {long}
+    assert changed({main + ":split": {"mma_unroll": 1}}) == splits
+    assert changed({main: {"tokens": 2}}) == {matvec}

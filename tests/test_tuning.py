@@ -48,7 +48,7 @@ def db(tmp_path, monkeypatch):
     return TuningDB()
 
 
-def _row(sig="matmul.v5:matmul_q8_0_64x64:t1", device="dev A", compiler="c 1", knobs=None):
+def _row(sig="matmul.v6:matmul_q8_0_64x64:t1", device="dev A", compiler="c 1", knobs=None):
     return {"signature": sig, "target": "cpu", "device": device, "compiler": compiler,
             "knobs": {"rows": 2} if knobs is None else knobs, "best_s": 1e-5, "default_s": 2e-5, "spread": 0.01,
             "date": "2026-12-04T00:00:00Z"}
@@ -67,7 +67,7 @@ def test_knob_spaces_declare_candidates_within_their_constraints():
     # Each knob's extremes come before its middle values.
     rows = [c["rows"] for c in singles if "rows" in c]
     assert rows[:2] == [1, 8]
-    assert MATMUL_SPACE.signature("matmul_q4_k_4096x4096", 1) == "matmul.v5:matmul_q4_k_4096x4096:t1"
+    assert MATMUL_SPACE.signature("matmul_q4_k_4096x4096", 1) == "matmul.v6:matmul_q4_k_4096x4096:t1"
 
 
 def test_budget_and_plans_parse():
@@ -83,12 +83,12 @@ def test_budget_and_plans_parse():
 
 def test_database_round_trip_and_keys(db, tmp_path):
     db.put_many([_row(), _row(device="dev B"), _row("embed.v1:embed_q8_0_64:t1", knobs={})])
-    assert db.choices("cpu", "dev A", "c 1") == {"matmul.v5:matmul_q8_0_64x64:t1": {"rows": 2}}  # default rows left out
+    assert db.choices("cpu", "dev A", "c 1") == {"matmul.v6:matmul_q8_0_64x64:t1": {"rows": 2}}  # default rows left out
     assert db.choices("cpu", "dev C", "c 1") == {}  # another device misses
     assert db.choices("cpu", "dev A", "c 2") == {}  # another compiler version misses
     assert db.choices("opencl", "dev A", "c 1") == {}
     db.put(_row(knobs={"rows": 8}))  # the same key replaces
-    assert db.choices("cpu", "dev A", "c 1")["matmul.v5:matmul_q8_0_64x64:t1"] == {"rows": 8}
+    assert db.choices("cpu", "dev A", "c 1")["matmul.v6:matmul_q8_0_64x64:t1"] == {"rows": 8}
     out = tmp_path / "export.json"
     assert db.export(out) == 3
     other = TuningDB(tmp_path / "other.sqlite")
@@ -298,6 +298,32 @@ def test_candidates_that_change_only_kernels_gated_off_in_the_timed_step_are_ski
     assert res.tried == 0 and res.complete
 
 
+def test_an_instance_is_timed_at_the_steps_of_its_kernel_family(tiny, db, monkeypatch):
+    """A prompt plan's instances of kernels that serve some of its steps only (`Site.rows`: split-K products for
+    batched decoding, say) are timed at a step of those rows, not at the prompt chunk of `PREFILL_TOKENS`, where
+    their kernels do not run."""
+    engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
+    plan = engine.executor.plans[id(engine.graph_last)]
+    plan.group_sites[:] = [tuple(dataclasses.replace(s, rows=7) if s.signature.startswith("last_rows") else s
+                                 for s in ss) for ss in plan.group_sites]
+    tuner = Tuner(engine, db, 60.0, plans=("prefill",), only="last_rows|embed", log=lambda m: None)
+    assert {j[2].split(".")[0]: j[5] for j in tuner.jobs_todo()} == {"last_rows": 7, "embed": None}
+    assert set(tuner.step_times()) == {("prefill", 7), ("prefill", None)}
+    steps = []
+    step = Tuner._step
+
+    def recorded(self, plan_name, rows=None):
+        symbols = step(self, plan_name, rows)
+        steps.append(symbols["T"])
+        return symbols
+
+    monkeypatch.setattr(Tuner, "_step", recorded)
+    monkeypatch.setattr(KnobSpace, "singles", lambda self: [{"chunk": 3}])
+    monkeypatch.setattr(Tuner, "candidate_launches", lambda *a: (_ for _ in ()).throw(ValueError("no")))
+    done = {r.signature.split(".")[0]: t for r, t in zip(tuner.run(), steps[-2:])}
+    assert done == {"last_rows": 7, "embed": 64}  # each at its own step: 7 rows; the context's 64 (a prompt chunk)
+
+
 def test_a_much_slower_candidate_is_not_timed_further(tiny, db, monkeypatch):
     """A candidate whose first timed run takes SLOW times the default's keeps that run as its time: the rounds
     after it would only spend the budget (a prefill matmul on its f32 path ran seconds a round)."""
@@ -396,10 +422,18 @@ def test_gpu_renderers_ignore_contract_and_the_tuner_does_not_try_it(tiny, db, m
 def test_tune_takes_the_instances_with_the_largest_share_of_a_step_first(tiny, db, monkeypatch):
     engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
     tuner = Tuner(engine, db, 60.0, only="embed|last_rows", log=lambda m: None)
-    todo = [job[2] for job in tuner.jobs_todo()]
-    times = tuner.step_times()
+    jobs = tuner.jobs_todo()
+    todo = [job[2] for job in jobs]
+    steps = tuner.step_times()
+    times = {sig: t for ts in steps.values() for sig, t in ts.items()}
     assert set(todo) <= set(times) and all(times[sig] > 0 for sig in todo)  # every instance's launches timed
-    ranked = dict(zip(todo, range(1, len(todo) + 1)))  # the last in plan order the largest
+    # The last in plan order the largest share of its step (each step's instances adding up to the same total).
+    ranked: dict = {}
+    for i, job in enumerate(jobs, 1):
+        ranked.setdefault((job[0], job[5]), {})[job[2]] = i
+    total = sum(range(len(jobs) + 1))
+    for times_of in ranked.values():
+        times_of["rest"] = total - sum(times_of.values())
     monkeypatch.setattr(Tuner, "step_times", lambda self: ranked)
     monkeypatch.setattr(KnobSpace, "singles", lambda self: [{"chunk": 3}])
     monkeypatch.setattr(Tuner, "candidate_launches", lambda *a: (_ for _ in ()).throw(ValueError("no")))

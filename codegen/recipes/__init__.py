@@ -102,10 +102,11 @@ class KnobSpace:
     def defaults(self) -> dict[str, Any]:
         return {k.name: k.default for k in self.knobs}
 
-    def signature(self, instance: str, t_max: int) -> str:
+    def signature(self, instance: str, t_max: int, family: str | None = None) -> str:
         """The key of one kernel instance of this space (its shapes and formats in `instance`, the plan's step
-        size): what the tuning database and per-instance overrides are keyed by."""
-        return f"{self.name}.v{self.version}:{instance}:t{t_max}"
+        size, and where a plan's steps are shared out among kernel families, the `family` whose knobs these are):
+        what the tuning database and per-instance overrides are keyed by."""
+        return f"{self.name}.v{self.version}:{instance}:t{t_max}" + (f":{family}" if family else "")
 
     def _changes(self) -> list[dict[str, Any]]:
         """Every one-knob change from the defaults, each knob's extremes first (`constraint` not applied)."""
@@ -140,12 +141,16 @@ def _extremes_first(values: tuple) -> list:
 
 @dataclass(frozen=True)
 class Site:
-    """Where a knob space was read while lowering: the kernel instance's signature and whether a per-instance
-    override (a tuned choice) applied."""
+    """Where a knob space was read while lowering: the kernel instance's signature, whether a per-instance
+    override (a tuned choice) applied, and `rows`: where the plan's steps are shared out among kernel families
+    by their row count (a matmul's tile products for prompt chunks, split-K products for batched decoding, matvecs
+    for a few rows), a step size whose launches are this family's, which the tuner times it at (None: the
+    plan's own step, as for kernels that serve every step)."""
 
     signature: str
     space: KnobSpace
     tuned: bool
+    rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -267,18 +272,25 @@ class RecipeContext:
         self.scratch_buffers[name] = (dtype, max(count, old[1] if old else 0))
         return name
 
-    def knobs_for(self, space: KnobSpace, instance: str | None) -> dict[str, Any]:
-        """The knobs of `space` for one kernel instance (`instance`: its shapes and formats, see
-        `KnobSpace.signature`): the instance's override (the tuner's), else the space's, else the space's
-        default ("auto" where the recipe and the target's policy decide). Records the instance in `sites`;
-        `instance` None (a recipe asking what another recipe would choose) records nothing."""
+    def knobs_for(self, space: KnobSpace, instance: str | None, family: str | None = None,
+                  rows: int | None = None) -> dict[str, Any]:
+        """The knobs of `space` for one kernel instance (`instance`: its shapes and formats, `family`: the kernels
+        of some of the plan's steps, see `KnobSpace.signature`): the instance's override (the tuner's), else the
+        space's, else the space's default ("auto" where the recipe and the target's policy decide). Records the
+        instance in `sites` (`rows`: see `Site`; `timed_at` sets it later where the other families' knobs decide
+        it); `instance` None (a recipe asking what another recipe would choose) records nothing."""
         values = {**space.defaults(), **self.knobs.get(space.name, {})}
         if instance is None:
             return values
-        sig = space.signature(instance, self.t_max)
+        sig = space.signature(instance, self.t_max, family)
         tuned = self.knobs.get(sig)
-        self.sites.append(Site(sig, space, tuned is not None))
+        self.sites.append(Site(sig, space, tuned is not None, rows))
         return {**values, **(tuned or {})}
+
+    def timed_at(self, space: KnobSpace, instance: str, rows: int | None, family: str | None = None) -> None:
+        """Set the step size the tuner times an instance recorded by `knobs_for` at (`Site.rows`)."""
+        sig = space.signature(instance, self.t_max, family)
+        self.sites = [dataclasses.replace(s, rows=rows) if s.signature == sig else s for s in self.sites]
 
     def max_rows(self, v: Value) -> int:
         """The most rows value `v` has in a step (sizes per-row scratch): t_max, or n after `last_rows n`."""

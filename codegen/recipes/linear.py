@@ -111,6 +111,8 @@ from polystrata.ir.kernel import (
     Store,
 )
 
+# The step the tuner times the kernels of batched decoding at (`batch_rows`): 16 sequences.
+BATCH_ROWS = 16
 # Knob mma_split: steps of more than mma_split_above and at most TILES_ABOVE tokens (batched decoding, short
 # prompts) on matrix units take tile products with K split into this many parts (`tile_mma_kernel`'s split, added
 # up by `split_sum_kernel`), in token tiles of mma_split_tokens, instead of the int8 matvecs, which sweep the
@@ -139,9 +141,11 @@ def _matmul_constraint(kn: dict) -> bool:
 # matmuls, half of a llama's weights, on the other path (docs/benchmarks.md, "the prefill regression").
 # Instances stay apart: their names (and so their tuning rows) differ.
 # version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64), mma_split added; version 3: mma_split_above
-# added, the GPUs' mma_split 4 (was 0); version 4: mma_split_each added. (Knobs added with a default that renders
-# the kernels as before, as mma_f16, keep the version: the rows tuned before still mean the same.)
-MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, version=5, constraint=_matmul_constraint)
+# added, the GPUs' mma_split 4 (was 0); version 4: mma_split_each added; version 5: the tile kernel's staging and
+# dealing changed, mma_tokens "auto"; version 6: the tile products of long steps and of split K read knobs of their
+# own kernel families (`_launches`), the instance's own knobs only the matvecs'. (Knobs added with a default that
+# renders the kernels as before, as mma_f16, keep the version: the rows tuned before still mean the same.)
+MATMUL_SPACE = KnobSpace("matmul", MATMUL_KNOBS, version=6, constraint=_matmul_constraint)
 # Knob tile ("auto": TILE_TOKENS; 0: off): tokens a tile of `tile_matmul_kernel`, which one-lane plans of more than
 # one token take on the f32 path (`_launches`): up to 16 sequences' tokens of a batched decode step in one tile
 # (docs/benchmarks.md, "Serving").
@@ -290,11 +294,13 @@ def _only(loops: list, j: int, b: Expr) -> list:
     return [loops[2 * j], Let("b", b), *loops[2 * j + 1].body]
 
 
-def _knobs(ctx: RecipeContext, space: KnobSpace, instance: str | None) -> dict:
-    """The matmul knobs of kernel instance `instance` (None: of the space, recording nothing), "auto" resolved
-    where the target's policy decides (split, rows, xq, int8, vert, contract: `codegen/policy.py`; on GPUs a group
-    per row, as small f32 matmuls such as MoE routers need every SM busy)."""
-    kn = ctx.knobs_for(space, instance)
+def _knobs(ctx: RecipeContext, space: KnobSpace, instance: str | None, family: str | None = None,
+           rows: int | None = None) -> dict:
+    """The matmul knobs of kernel instance `instance` (None: of the space, recording nothing; `family`, `rows`: see
+    `RecipeContext.knobs_for`), "auto" resolved where the target's policy decides (split, rows, xq, int8, vert,
+    contract: `codegen/policy.py`; on GPUs a group per row, as small f32 matmuls such as MoE routers need every SM
+    busy)."""
+    kn = ctx.knobs_for(space, instance, family, rows)
     kn["q8_rows"] = kn["rows"]  # "auto": see `q8_rows`
     kn = with_policy_defaults(kn, ctx.target())
     kn["runs"] = runs_for_target(kn["runs"], ctx.wide_loads)
@@ -410,26 +416,33 @@ def _reuse(ctx: RecipeContext, kn: dict) -> bool:
     return ctx.t_max > 1 and bool(int(kn["reuse"]))
 
 
+def batch_rows(lo: int, hi: int) -> int:
+    """The step the tuner times kernels serving steps of more than `lo` and at most `hi` rows at (`Site.rows`):
+    BATCH_ROWS where it falls among them, else the nearest of them."""
+    return max(lo + 1, min(hi, BATCH_ROWS))
+
+
 def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: RecipeContext, kn: dict, x: str,
               ws: Sequence[str], y: str, t_bind, x_rows: int, epilogue=None) -> list[Launch]:
-    """The matmul launches: on the GPU path (`_int8_kernels`) a quantize kernel writing x as int8 codes + scales
-    into scratch buffers, then `matvec_q8_kernel`; else one `matmul_kernel`. On matrix units (`_tile_products`),
-    plans of steps of more than TILES_ABOVE tokens take the tile products for those steps and keep the int8
-    matvecs for shorter ones (batched decoding, short prompts): both kernels read the same quantized activations,
-    and the row count picks at run time (`tile_matmul.step_gate`). With knob mma_split, steps of more than
-    mma_split_above to TILES_ABOVE tokens take tile products of split K (`_split_tiles`) and their sum, and only
-    the shorter steps the matvecs. `x_rows`: the most rows x has in a step (`RecipeContext.max_rows`)."""
+    """The matmul launches of instance `name` (`kn`: its knobs): on the GPU path (`_int8_kernels`) a quantize
+    kernel writing x as int8 codes + scales into scratch buffers, then `matvec_q8_kernel`; else one
+    `matmul_kernel`. On matrix units (`_tile_products`), plans of steps of more than TILES_ABOVE tokens take the
+    tile products for those steps and keep the int8 matvecs for shorter ones (batched decoding, short prompts):
+    both kernels read the same quantized activations, and the row count picks at run time
+    (`tile_matmul.step_gate`). With knob mma_split, steps of more than mma_split_above to TILES_ABOVE tokens take
+    tile products of split K (`_split_tiles`) and their sum, and only the shorter steps the matvecs. The tile
+    products of the long steps and those of split K read the knobs of kernel families of their own ("long",
+    "split": `RecipeContext.knobs_for`), so that each is tuned at steps it serves. `x_rows`: the most rows x has
+    in a step (`RecipeContext.max_rows`)."""
     for f in fmts:  # the kernels walk whole blocks (F16 / F32 in blocks of 32): a remainder would be left out
         if k % fmt_for(f).block_size:
             raise UnsupportedError(f"matmul {name}: rows of {k} {f.name} values are not whole blocks of "
                                    f"{fmt_for(f).block_size}")
     wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
-    tiles = _tile_products(ctx, kn, fmts, n, k)
-    chunk = mma_chunk(ctx.target(), "matmul", kn, fmts, k) if tiles else 0
-    if tiles and f16_path(fmts):  # F16 weights: the f16 products for every step of several tokens
-        mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"],
-                             tokens=tile_tokens(ctx.target(), "matmul", kn), chunk=chunk, lanes=kn["mma_lanes"],
-                             epilogue=epilogue,
+    policy = ctx.target()
+    if f16_path(fmts) and _tile_products(ctx, kn, fmts, n, k):  # F16 weights: the f16 products for every step
+        mk = tile_mma_kernel(name + "_mma", fmts, n, k, rows=kn["mma_rows"], tokens=tile_tokens(policy, "matmul", kn),
+                             chunk=mma_chunk(policy, "matmul", kn, fmts, k), lanes=kn["mma_lanes"], epilogue=epilogue,
                              **staging_flags(kn))
         return [Launch(mk, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
     if _int8_kernels(ctx, kn, fmts, k):
@@ -437,22 +450,31 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
         acts = (("xq", qb), ("xd", db))
         # short: the steps the matvecs run for (all, unless tile products take the long or the split the middle)
         tiled, short = [], None
-        # The tile products' activations: the int8 ones, or (u8f16 products) x itself, rounded to f16 in them.
-        u8f16 = u8f16_products(ctx.target(), kn, fmts)
-        tile_acts = (("x", x),) if u8f16 else acts
+        long_kn = _knobs(ctx, MATMUL_SPACE, name, "long") if policy.matrix_units and ctx.t_max > TILES_ABOVE else None
+        tiles = long_kn is not None and _tile_products(ctx, long_kn, fmts, n, k)
         if tiles:
-            # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py).
+            # Steps of many tokens on matrix units: tile products (codegen/recipes/tile_mma.py), on the int8
+            # activations or (u8f16 products) x itself, rounded to f16 in them.
+            u8f16 = u8f16_products(policy, long_kn, fmts)
             long = (TILES_ABOVE, True)
-            mk = tile_mma_kernel(f"{name}{gate_suffix(long)}_mma", fmts, n, k, rows=kn["mma_rows"],
-                                 tokens=tile_tokens(ctx.target(), "matmul", kn), chunk=chunk, lanes=kn["mma_lanes"],
-                                 epilogue=epilogue, gate=long, u8f16=u8f16, **staging_flags(kn))
-            tiled, short = [Launch(mk, (*tile_acts, *wbind, ("y", y)), (("T", t_bind),))], (TILES_ABOVE, False)
+            mk = tile_mma_kernel(f"{name}{gate_suffix(long)}_mma", fmts, n, k, rows=long_kn["mma_rows"],
+                                 tokens=tile_tokens(policy, "matmul", long_kn),
+                                 chunk=mma_chunk(policy, "matmul", long_kn, fmts, k), lanes=long_kn["mma_lanes"],
+                                 epilogue=epilogue, gate=long, u8f16=u8f16, **staging_flags(long_kn))
+            tiled, short = [Launch(mk, (*((("x", x),) if u8f16 else acts), *wbind, ("y", y)), (("T", t_bind),))], \
+                (TILES_ABOVE, False)
         # Where longer steps take no tile products, the matvecs must keep them: no split then.
-        split = _split_tiles(ctx, kn, fmts, n, k, x_rows) if tiles or x_rows <= TILES_ABOVE else None
+        split_kn, split = None, None
+        if policy.matrix_units and 1 < x_rows and (tiles or x_rows <= TILES_ABOVE):
+            split_kn = _knobs(ctx, MATMUL_SPACE, name, "split")
+            split = _split_tiles(ctx, split_kn, fmts, n, k, x_rows)
+            ctx.timed_at(MATMUL_SPACE, name, batch_rows(split_above(split_kn), min(x_rows, TILES_ABOVE)), "split")
         if split:
-            tiled += _split_launches(name, fmts, n, k, ctx, kn, split, tile_acts, wbind, y, t_bind, x_rows,
-                                     epilogue, u8f16)
-            short = (split_above(kn), False)
+            tiled += _split_launches(name, fmts, n, k, ctx, split_kn, split, acts, x, wbind, y, t_bind, x_rows,
+                                     epilogue)
+            short = (split_above(split_kn), False)
+        if short:  # the matvecs serve the steps up to short[0] rows only: the tuner times them there
+            ctx.timed_at(MATMUL_SPACE, name, short[0] if split else batch_rows(1, short[0]))
         rows, spread = q8_rows(kn, ctx, fmts, n, k)
         mk = matvec_q8_kernel(f"{name}{gate_suffix(short)}_q8", fmts, n, k, tokens=kn["tokens"], sub=kn["sub"],
                               runs=kn["runs"], rows=rows, spread=spread, reuse=_reuse(ctx, kn), epilogue=epilogue,
@@ -463,40 +485,45 @@ def _launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: Recip
             and kn["vert"] in ("auto", True, 1):
         out = []
         f32_gate = None
-        if int(kn["tile_q8"]) and q8_tile_fits(fmts, k) and ctx.t_max > TILES_ABOVE:
+        long_kn = _knobs(ctx, MATMUL_SPACE, name, "long") if ctx.t_max > TILES_ABOVE else None
+        if long_kn is not None and int(long_kn["tile_q8"]) and q8_tile_fits(fmts, k):
             # ... or (hosts with VNNI) each weight row's levels decoded once for a tile of tokens, int8 activations,
             # in steps of more than TILES_ABOVE tokens; shorter ones (batched decoding, short prompts) keep the f32
             # tiles, whose rows give what one-token steps give (a sequence decodes to the same bits whichever
             # sequences share its step). The row count picks at run time.
             gate = (TILES_ABOVE, True)
             ql, _, _ = quantize_launch(ctx, x, k, t_bind, sums=True, gate=gate)
-            kern = tile_matmul_q8_kernel(f"{name}_tq8{gate_suffix(gate)}", fmts, n, k, rows=int(kn["tile_q8_rows"]),
-                                         tokens=int(kn["tile_q8"]), epilogue=epilogue, gate=gate)
+            kern = tile_matmul_q8_kernel(f"{name}_tq8{gate_suffix(gate)}", fmts, n, k,
+                                         rows=int(long_kn["tile_q8_rows"]), tokens=int(long_kn["tile_q8"]),
+                                         epilogue=epilogue, gate=gate)
             out = [ql, Launch(kern, (*ql.buffers[1:], *wbind, ("y", y)), (("T", t_bind),))]
             f32_gate = (TILES_ABOVE, False)
+            ctx.timed_at(MATMUL_SPACE, name, batch_rows(1, TILES_ABOVE))
         # Steps of several tokens on the CPU: each weight block's scales decoded once for a tile of tokens.
         kern = tile_matmul_kernel(f"{name}_tile{gate_suffix(f32_gate)}", fmts, n, k, rows=kn["rows"], tokens=tile,
                                   epilogue=epilogue, contract=bool(int(kn["contract"])), gate=f32_gate)
         return [*out, Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
-    kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, host_arith=ctx.target().host_arith,
+    kern = matmul_kernel(name, fmts, n, k, lanes=ctx.lanes, epilogue=epilogue, host_arith=policy.host_arith,
                          **matmul_kernel_knobs(kn))
     return [Launch(kern, (("x", x), *wbind, ("y", y)), (("T", t_bind),))]
 
 
 def _split_launches(name: str, fmts: Sequence[QuantFormat], n: int, k: int, ctx: RecipeContext, kn: dict,
-                    split: tuple[int, int], acts: tuple, wbind: tuple, y: str, t_bind, x_rows: int,
-                    epilogue=None, u8f16: bool = False) -> list[Launch]:
+                    split: tuple[int, int], acts: tuple, x: str, wbind: tuple, y: str, t_bind, x_rows: int,
+                    epilogue=None) -> list[Launch]:
     """Steps of more than mma_split_above to TILES_ABOVE tokens as tile products with K in parts, each a group,
-    then their sum (`split`: `_split_tiles`' parts and chunk; `acts`, `wbind`: the activations' bindings, int8 or
-    with `u8f16` (`tile_mma.u8f16_products`) x itself, and the weights')."""
+    then their sum (`kn`: the split family's knobs; `split`: `_split_tiles`' parts and chunk; `acts`, `x`,
+    `wbind`: the int8 activations' bindings, the activations (which u8f16 products, `tile_mma.u8f16_products`,
+    read themselves) and the weights')."""
     (parts, chunk), mid = split, ((split_above(kn), True), (TILES_ABOVE, False))
+    u8f16 = u8f16_products(ctx.target(), kn, fmts)
     yp = ctx.scratch("yp", "f32", parts * len(fmts) * min(x_rows, TILES_ABOVE) * n)
 
     def part_launch(j0: int, fs: Sequence[QuantFormat], ws: tuple, tag: str) -> Launch:
         sk = tile_mma_kernel(f"{name}{gate_suffix(mid)}_mma_k{parts}{tag}", fs, n, k, rows=kn["mma_rows"],
                              tokens=kn["mma_split_tokens"], chunk=chunk, lanes=kn["mma_lanes"],
                              gate=mid, split=parts, slot=j0, u8f16=u8f16, **staging_flags(kn))
-        return Launch(sk, (*acts, *ws, ("yp", yp)), (("T", t_bind),))
+        return Launch(sk, (*((("x", x),) if u8f16 else acts), *ws, ("yp", yp)), (("T", t_bind),))
 
     # Knob mma_split_each: several weights (the gate and up of a GLU) a launch each, as a lone matmul's, whose
     # groups hold one weight's tiles, rather than one launch whose groups hold all of them (half the groups in
@@ -764,22 +791,31 @@ def _lower_matmul_stack(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launc
     if not _int8_kernels(ctx, kn, fmts, k) or any(_tile_products(ctx, kn, [f], n, k) for f, n in zip(fmts, ns)):
         return [la for n in nodes for la in _lower_matmul([n], ctx)]
     tag = "_".join(f"{f.name.lower()}{n}" for f, n in zip(fmts, ns))
-    kn = _knobs(ctx, MATMUL_SPACE, f"matmul_stack_{tag}x{k}")
-    splits = [_split_tiles(ctx, kn, [f], n, k, x_rows) if x_rows <= TILES_ABOVE else None for f, n in zip(fmts, ns)]
+    inst, recorded = f"matmul_stack_{tag}x{k}", len(ctx.sites)
+    kn = _knobs(ctx, MATMUL_SPACE, inst)
+    # Split K's products (knob mma_split) read the knobs of a family of their own, as `_launches`' do; where longer
+    # steps take no tile products, the matvecs keep them: no split then.
+    split_kn = (_knobs(ctx, MATMUL_SPACE, inst, "split") if ctx.target().matrix_units and 1 < x_rows <= TILES_ABOVE
+                else None)
+    splits = [_split_tiles(ctx, split_kn, [f], n, k, x_rows) if split_kn else None for f, n in zip(fmts, ns)]
     # This instance's override left the GPU path, or split K takes the short steps of some matmuls only (the
     # stacked matvec then has no one gate).
     if not _int8_kernels(ctx, kn, fmts, k) or (any(splits) and not all(splits)):
-        ctx.sites.pop()
+        del ctx.sites[recorded:]
         return [la for n in nodes for la in _lower_matmul([n], ctx)]
     ql, qb, db = quantize_launch(ctx, ctx.buf(x), k, token_binding(x))
     acts, t_bind = (("xq", qb), ("xd", db)), token_binding(x)
-    # With split K (knob mma_split): each matmul's steps of more than mma_split_above tokens (up to TILES_ABOVE)
-    # on its own tile products, the stacked matvec taking the shorter steps.
+    # With split K: each matmul's steps of more than mma_split_above tokens (up to TILES_ABOVE) on its own tile
+    # products, the stacked matvec taking the shorter steps.
     mid = [la for f, n, w, node, split in zip(fmts, ns, ws, nodes, splits) if split
-           for la in _split_launches(f"matmul_stack_{tag}x{k}_{f.name.lower()}{n}", [f], n, k, ctx, kn, split, acts,
-                                     (("w0", ctx.buf(w)),), ctx.buf(node.output), t_bind, x_rows)]
+           for la in _split_launches(f"{inst}_{f.name.lower()}{n}", [f], n, k, ctx, split_kn, split, acts,
+                                     ctx.buf(x), (("w0", ctx.buf(w)),), ctx.buf(node.output), t_bind, x_rows)]
+    if split_kn is not None:
+        ctx.timed_at(MATMUL_SPACE, inst, batch_rows(split_above(split_kn), x_rows), "split")
+    if mid:
+        ctx.timed_at(MATMUL_SPACE, inst, split_above(split_kn))
     rows, spread = q8_rows(kn, ctx, fmts, sum(ns), k)
-    gate = (split_above(kn), False) if mid else None
+    gate = (split_above(split_kn), False) if mid else None
     mk = stacked_matvec_q8_kernel(f"matmul_stack_{tag}x{k}{gate_suffix(gate)}_q8", fmts, ns, k, tokens=kn["tokens"],
                                   sub=kn["sub"], runs=kn["runs"], rows=rows, spread=spread, reuse=_reuse(ctx, kn),
                                   lanes=_gpu_lanes(kn, ctx, fmts, k), gate=gate)

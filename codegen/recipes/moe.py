@@ -88,7 +88,7 @@ from polystrata.codegen.recipes.elementwise import (
     norm_launch,
     sigmoid,
 )
-from polystrata.codegen.recipes.linear import match_glu, quantize_x_kernel, silu, value_format
+from polystrata.codegen.recipes.linear import batch_rows, match_glu, quantize_x_kernel, silu, value_format
 from polystrata.codegen.recipes.tile_matmul import gate_suffix, step_gate
 from polystrata.codegen.recipes.tile_mma import (
     TILE_MMA_KNOBS,
@@ -172,14 +172,20 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int, lists: int 
                   local=(LocalArray("p", "f32", e),))
 
 
-# version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64). Knob shared: a shared expert of the experts'
+# version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64); version 4: the tile products of long steps read
+# the knobs of a kernel family of their own (`_lower_moe`). Knob shared: a shared expert of the experts'
 # shape and formats inside their int8 launches (`_lower_moe`); 0: its own launches. Not a candidate for `tune`: it
 # changes which launches a plan has, not a kernel's schedule.
 MOE_SPACE = KnobSpace("moe_ffn", (
     Knob("rows", 4, (1, 2, 8)), Knob("split", "auto", ("rows", "blocks")), Knob("xq", "auto", ("inline", "kernel")),
     Knob("sub", "auto", (1, 2, 4, 8)), Knob("runs", "auto", (0, 1)), Knob("spread", "auto", (0, 1)),
-    Knob("contract", "auto", (0, 1)), Knob("shared", 1), *TILE_MMA_KNOBS), version=3,
+    Knob("contract", "auto", (0, 1)), Knob("shared", 1), *TILE_MMA_KNOBS), version=4,
     constraint=lambda kn: not (kn["xq"] == "inline" and any(kn[k] != "auto" for k in ("sub", "runs", "spread"))))
+
+
+def _xq(policy, kn: dict) -> str:
+    """Knob xq of moe_ffn knobs `kn`: as set, or ("auto") the policy's."""
+    return policy.default("moe_ffn", "xq") if kn["xq"] == "auto" else kn["xq"]
 
 
 def list_words(n_exp: int, cap: int) -> int:
@@ -694,7 +700,8 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     tb = token_binding(x)
     t_max = ctx.max_rows(x)
     cap = _moe_cap(node, ctx)
-    kn = ctx.knobs_for(MOE_SPACE, f"moe_{fg.name}_{fu.name}_{fd.name}_{n_exp}_{dm}_{ff}_{k}_{cap}".lower())
+    inst = f"moe_{fg.name}_{fu.name}_{fd.name}_{n_exp}_{dm}_{ff}_{k}_{cap}".lower()
+    kn = ctx.knobs_for(MOE_SPACE, inst)
     policy = ctx.target()
     rows = int(kn["rows"])
     split = policy.default("moe_ffn", "split") if kn["split"] == "auto" else kn["split"]
@@ -735,16 +742,20 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     group += resolve
     combine = Launch(kc, (("route", ctx.buf(route)), ("d", db), ("y", ctx.buf(node.output))), (("T", tb),))
     gateup = lambda v: silu(v[0]) * v[1]  # noqa: E731
-    xq = policy.default("moe_ffn", "xq") if kn["xq"] == "auto" else kn["xq"]
+    xq = _xq(policy, kn)
+    q8_path = (xq == "kernel" and ctx.lanes > 1 and all(use_int8(f, True) for f in (fg, fu, fd))
+               and dm % QB == 0 and ff % QB == 0)
+    # The tile products of steps of more than TILES_ABOVE tokens, where the int8 expert matvecs take the shorter
+    # ones, read the knobs of a kernel family of their own (as `linear`'s do), tuned at the steps they serve.
+    tk = (ctx.knobs_for(MOE_SPACE, inst, "long") if q8_path and policy.matrix_units and t_max > TILES_ABOVE
+          else kn)
 
     def tiles(fmts: list[QuantFormat], n: int, kd: int) -> bool:
         """Whether the expert matmuls over `fmts` (n x kd) take tile products: as `linear` decides for its matmuls,
         the int8 ones with activations quantized by a kernel."""
-        return (tile_products_apply(policy, "moe_ffn", t_max, kn, fmts, n, kd)
-                and (f16_path(fmts) or xq == "kernel"))
+        return (tile_products_apply(policy, "moe_ffn", t_max, tk, fmts, n, kd)
+                and (f16_path(fmts) or _xq(policy, tk) == "kernel"))
 
-    q8_path = (xq == "kernel" and ctx.lanes > 1 and all(use_int8(f, True) for f in (fg, fu, fd))
-               and dm % QB == 0 and ff % QB == 0)
     tiled: list[Launch] = []
     short = None  # the steps the expert matvecs below run for (all, unless tile products take the long ones)
     if tiles([fg, fu], ff, dm) and tiles([fd], dm, ff) and (t_max > TILES_ABOVE or not q8_path):
@@ -755,13 +766,13 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
 
         def tile_launch(name: str, fmts: list[QuantFormat], n: int, kd: int, per_token: bool, act: str,
                         quant: tuple, ws: tuple, out: str, epilogue=None) -> list[Launch]:
-            u8f16 = u8f16_products(policy, kn, fmts)  # activations read as f32 and rounded to f16 in the kernel
-            kern = tile_mma_kernel(name + gate_suffix(gate) + "_mma", fmts, n, kd, rows=int(kn["mma_rows"]),
-                                   tokens=tile_tokens(policy, "moe_ffn", kn),
-                                   chunk=mma_chunk(policy, "moe_ffn", kn, fmts, kd),
-                                   lanes=int(kn["mma_lanes"]), epilogue=epilogue,
+            u8f16 = u8f16_products(policy, tk, fmts)  # activations read as f32 and rounded to f16 in the kernel
+            kern = tile_mma_kernel(name + gate_suffix(gate) + "_mma", fmts, n, kd, rows=int(tk["mma_rows"]),
+                                   tokens=tile_tokens(policy, "moe_ffn", tk),
+                                   chunk=mma_chunk(policy, "moe_ffn", tk, fmts, kd),
+                                   lanes=int(tk["mma_lanes"]), epilogue=epilogue,
                                    gather=expert_gather(n_exp, n, k, cap, per_token, stream),
-                                   gate=gate, u8f16=u8f16, **staging_flags(kn))
+                                   gate=gate, u8f16=u8f16, **staging_flags(tk))
             wbind = tuple((f"w{j}", w) for j, w in enumerate(ws))
             if f16_path(fmts) or u8f16:
                 return [Launch(kern, (("x", act), ("lst", lst), *slot, *wbind, ("y", out)), (("T", tb),))]
@@ -780,6 +791,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
         if gate is None:
             return [*group, *tiled, combine]
         short = (TILES_ABOVE, False)
+        ctx.timed_at(MOE_SPACE, inst, batch_rows(1, TILES_ABOVE))  # the expert matvecs: the shorter steps only
     if q8_path:
         # GPU path: x and then h quantized to int8 once (as `linear` does), each expert row swept by all lanes.
         fuse = shared is not None and short is None and not stream and bool(int(kn["shared"]))

@@ -4,9 +4,10 @@ For each plan asked for (decode: one-token steps; prefill: prompt chunks), the e
 schedules and every kernel instance (`codegen.recipes.Site`) that a recipe's knob space names is tuned on the
 first match that reads it:
 
-1. The launches before that match run on random tokens (decode: after a prefill of `DECODE_DEPTH` tokens), so
-   the match's inputs hold what a real step gives it. What its launches read and write is saved and put back
-   before each run below.
+1. The launches before that match run on random tokens (decode: after a prefill of `DECODE_DEPTH` tokens;
+   prefill: `PREFILL_TOKENS`, or for a kernel family that serves some of the plan's steps only, `Site.rows`,
+   such as split K's 16 rows), so the match's inputs hold what a real step gives it. What its launches read and
+   write is saved and put back before each run below.
 2. Candidates: first each knob changed alone (`KnobSpace.singles`), then pairs of the changes that were faster
    than the default (`KnobSpace.pairs`; every pair of a space would be over a thousand compiles), each lowered
    by compiling the plan with that instance's override. A candidate that sets a knob the target's policy calls
@@ -29,8 +30,9 @@ first match that reads it:
    only if its median beats the default's by more than both spreads and `MIN_GAIN`.
 
 The instances are tuned in order of their share of a step (`Tuner.step_times`: each launch of the plans timed
-alone), the largest first, so a short budget goes where the time is. Each finished instance is a row of the
-tuning database (the default's row when nothing won: not searched again), and each candidate measured of an
+alone, at each step size the instances are timed at), the largest first, so a short budget goes where the time
+is. Each finished instance is a row of the tuning database (the default's row when nothing won: not searched
+again), and each candidate measured of an
 instance not yet finished is kept too (`TuningDB.put_tried`): a Ctrl-C or a spent budget keeps what was
 measured, and a second `tune` goes on from there. The budget bounds the search (the engine's load and its
 default kernels' compile come first and are not counted); a candidate already started finishes.
@@ -136,12 +138,13 @@ def runs_at(la: Launch, step: dict[str, int]) -> bool:
         return True
 
 
-def timed_step(plan_name: str, plan: Plan, n_ctx: int) -> tuple[int, int]:
+def timed_step(plan_name: str, plan: Plan, n_ctx: int, rows: int | None = None) -> tuple[int, int]:
     """(tokens, cached tokens before them) of the step `plan_name`'s kernels are timed at: decode, one token after
-    `DECODE_DEPTH`; prefill, `PREFILL_TOKENS` at most the plan's step and the context, on an empty cache."""
+    `DECODE_DEPTH`; prefill, `rows` (a kernel family's step, `Site.rows`) or else `PREFILL_TOKENS`, at most the
+    plan's step and the context, on an empty cache."""
     if plan_name == "decode":
         return 1, DECODE_DEPTH
-    return min(PREFILL_TOKENS, plan.t_max, n_ctx), 0
+    return min(PREFILL_TOKENS if rows is None else rows, plan.t_max, n_ctx), 0
 
 
 def _uses_int8(launches: list[Launch]) -> bool:
@@ -198,9 +201,10 @@ class Tuner:
         eng = self.engine
         return [(name, {"decode": eng.graph_step, "prefill": eng.graph_last}[name]) for name in self.plan_names]
 
-    def jobs_todo(self) -> list[tuple[str, Any, str, KnobSpace, int]]:
-        """(plan name, graph, signature, knob space, match index) of every instance still to tune: in a knob
-        space with candidates, matching `only`, not in the database for this machine or cut short there."""
+    def jobs_todo(self) -> list[tuple[str, Any, str, KnobSpace, int, int | None]]:
+        """(plan name, graph, signature, knob space, match index, rows: `Site.rows`) of every instance still to
+        tune: in a knob space with candidates, matching `only`, not in the database for this machine or cut short
+        there."""
         done = {r["signature"] for r in self.db.rows(*self.key)} - self.db.unfinished(self.key)
         out, seen = [], set()
         for plan_name, graph in self._graphs():
@@ -212,33 +216,37 @@ class Tuner:
                     if self.only and not self.only.search(s.signature):
                         continue
                     seen.add(s.signature)
-                    out.append((plan_name, graph, s.signature, s.space, m))
+                    out.append((plan_name, graph, s.signature, s.space, m, s.rows))
         return out
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def step_times(self) -> dict[str, float]:
-        """Seconds one step of each plan asked for spends in each kernel instance (signature -> the sum over its
-        matches), every launch timed alone after a warm-up run of the step: what orders the session, so that a
-        budget too short for every instance goes to those that take most of a step."""
+    def step_times(self) -> dict[tuple[str, int | None], dict[str, float]]:
+        """Seconds a step spends in each kernel instance (signature -> the sum over its matches), for each plan
+        asked for and each step size its instances are timed at (`Site.rows`: (plan name, rows) -> ...), every
+        launch timed alone after a warm-up run of the step: what orders the session, so that a budget too short
+        for every instance goes to those that take most of their step."""
         rt, ex = self.rt, self.ex
-        times: dict[str, float] = {}
+        out: dict[tuple[str, int | None], dict[str, float]] = {}
         for plan_name, graph in self._graphs():
             plan, bound = ex.plans[id(graph)], ex.bound[id(graph)]
-            step = self._step(plan_name)
-            for b in bound:
-                b.run(rt, step)
-            rt.sync()
-            for b, m in zip(bound, plan.groups):
-                t0 = time.perf_counter()
-                for _ in range(RANK_REPS):
+            for rows in dict.fromkeys(s.rows for sites in plan.group_sites for s in sites):
+                times = out.setdefault((plan_name, rows), {})
+                step = self._step(plan_name, rows)
+                for b in bound:
                     b.run(rt, step)
                 rt.sync()
-                dt = (time.perf_counter() - t0) / RANK_REPS
-                for site in plan.group_sites[m]:
-                    times[site.signature] = times.get(site.signature, 0.0) + dt
-        return times
+                for b, m in zip(bound, plan.groups):
+                    t0 = time.perf_counter()
+                    for _ in range(RANK_REPS):
+                        b.run(rt, step)
+                    rt.sync()
+                    dt = (time.perf_counter() - t0) / RANK_REPS
+                    for site in plan.group_sites[m]:
+                        if site.rows == rows:
+                            times[site.signature] = times.get(site.signature, 0.0) + dt
+        return out
 
     # --- the session ----------------------------------------------------------------------------------------
 
@@ -249,23 +257,27 @@ class Tuner:
             self.log("tune: nothing to tune (every kernel instance is in the tuning database for this device)")
             return []
         self.started = time.monotonic()
-        times = self.step_times()
-        sites = {name: {s.signature for ss in self.ex.plans[id(g)].group_sites for s in ss}
-                 for name, g in self._graphs()}
-        total = {name: sum(times.get(sig, 0.0) for sig in sigs) for name, sigs in sites.items()}  # a step's time
-        todo.sort(key=lambda job: -times.get(job[2], 0.0))  # the largest share of a step first
+        steps = self.step_times()
+
+        def share(job) -> float:
+            """The instance's share of its step (a step of its plan, of its rows)."""
+            times = steps.get((job[0], job[5]), {})
+            return times.get(job[2], 0.0) / max(sum(times.values()), 1e-12)
+
+        todo.sort(key=lambda job: -share(job))  # the largest share of a step first
         if self.jobs > 1:
             self.pool = compile_pool(self.jobs)
         try:
             with Progress("tuning kernels", len(todo)) as bar:
-                for plan_name, graph, sig, space, m in todo:
-                    share = times.get(sig, 0.0) / max(total[plan_name], 1e-12)
-                    bar.update(0, note=f"{sig.split(':')[1]}: {share:.0%} of a {plan_name} step")
+                for job in todo:
+                    plan_name, graph, sig, space, m, rows = job
+                    t, _ = timed_step(plan_name, self.ex.plans[id(graph)], self.engine.n_ctx, rows)
+                    bar.update(0, note=f"{sig.split(':')[1]}: {share(job):.0%} of a {t}-token {plan_name} step")
                     if self.elapsed() >= self.budget_s:
                         self.log(f"tune: budget of {self.budget_s:.0f} s spent; {len(todo) - len(self.results)} "
                                  "kernel instances left for the next run")
                         break
-                    self.results.append(self._tune_site(plan_name, graph, sig, space, m))
+                    self.results.append(self._tune_site(plan_name, graph, sig, space, m, rows))
                     left = max(0.0, self.budget_s - self.elapsed())
                     bar.update(note=f"{sig.split(':')[1]}; budget left {left:.0f} s")
         finally:
@@ -278,13 +290,14 @@ class Tuner:
         the context (at least `DECODE_DEPTH`), where a long conversation's steps run."""
         return max(DECODE_DEPTH, self.engine.n_ctx * 3 // 4)
 
-    def _step(self, plan_name: str) -> dict[str, int]:
-        """Inputs of a step of `plan_name` written into the executor's buffers; returns its step symbols."""
+    def _step(self, plan_name: str, rows: int | None = None) -> dict[str, int]:
+        """Inputs of a step of `plan_name` (of `rows` tokens: `timed_step`) written into the executor's buffers;
+        returns its step symbols."""
         eng, rt = self.engine, self.rt
         n_vocab = eng.hparams.n_vocab
         eng.reset()
         plan = self.ex.plans[id(dict(self._graphs())[plan_name])]
-        t, n_past = timed_step(plan_name, plan, eng.n_ctx)
+        t, n_past = timed_step(plan_name, plan, eng.n_ctx, rows)
         if n_past:
             eng.forward(self.rng.integers(0, n_vocab, size=n_past))  # a real KV cache to attend to
         rt.write(self.ex.handles["tokens"], self.rng.integers(0, n_vocab, size=t).astype(np.int32))
@@ -334,14 +347,14 @@ class Tuner:
         scratch = {n: BufferSpec(n, d, c, "activation") for n, (d, c) in ctx.scratch_buffers.items()}
         return launches, {**plan.buffers, **scratch}
 
-    def _tune_site(self, plan_name: str, graph, sig: str, space: KnobSpace, m: int) -> SiteResult:
+    def _tune_site(self, plan_name: str, graph, sig: str, space: KnobSpace, m: int, rows: int | None) -> SiteResult:
         rt, ex = self.rt, self.ex
         pid = id(graph)
         plan = ex.plans[pid]
         res = SiteResult(sig)
         site_start = time.monotonic()
         idx = [i for i, g in enumerate(plan.groups) if g == m]
-        step = self._step(plan_name)
+        step = self._step(plan_name, rows)
         for b in ex.bound[pid][: idx[0]]:
             b.run(rt, step)
         saved: dict[str, np.ndarray] = {}
