@@ -238,3 +238,33 @@ def test_each_kernel_family_of_a_prompt_plan_is_an_instance_of_its_own(tmp_path)
     assert changed({main + ":long": {"mma_unroll": 1}}) == {long}
     assert changed({main + ":split": {"mma_unroll": 1}}) == splits
     assert changed({main: {"tokens": 2}}) == {matvec}
+
+
+def test_moe_experts_tile_products_are_a_kernel_family_of_their_own(tmp_path):
+    """The MoE experts' tile products (prompt chunks) read the knobs of a family of their own (`:long`), the
+    experts' int8 matvecs (steps of up to 64 rows) the instance's, timed at 16 rows."""
+    f = GGUFFile(synth_model("qwen3moe", tmp_path / "moe.gguf", preset="tiny", qtype="Q8_0", seed=1))
+    graph = build_graph(f.metadata, tensor_table(f), all_logits=False)
+    formats = {n: t.fmt for n, t in f.tensors.items()}
+    cuda = replace(device_policy(lanes=128, subgroup=32, wide_loads=True, int8_dot=True),
+                   matrix_kinds=matrix_kinds(MMA_SYNC))
+    space = {"moe_ffn": {"mma_min": 32, "mma_chunk": 64}}
+
+    def experts(extra: dict | None = None):
+        plan = build_plan(graph, formats, KV_FORMATS["f16"], 128, 128, knobs={**space, **(extra or {})}, policy=cuda)
+        sites = {s.signature: s.rows for ss in plan.group_sites for s in ss if s.signature.startswith("moe_ffn")}
+        kernels = {la.kernel.name: dict(la.kernel.knobs) for la in plan.launches
+                   if la.kernel.name.startswith(("moe_gateup", "moe_down"))}
+        return sites, kernels
+
+    sites, kernels = experts()
+    main = next(s for s in sites if s.endswith(":t128"))
+    assert main.startswith("moe_ffn.v4:") and sites == {main: 16, main + ":long": None}
+    tiles = {n for n in kernels if n.endswith("_gt64_mma")}
+    assert len(tiles) == 2 and len(kernels) == 4  # gate+up and down: tile products and matvecs
+
+    def changed(extra: dict) -> set[str]:
+        return {n for n, kn in experts(extra)[1].items() if kernels.get(n) != kn}
+
+    assert changed({main + ":long": {"mma_unroll": 1}}) == tiles
+    assert changed({main: {"sub": 1}}) == set(kernels) - tiles
