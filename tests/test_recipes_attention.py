@@ -276,8 +276,9 @@ def test_attention_tiles_or_rows_by_the_step(rt):
 def test_attention_batched_sequences(rt, kv, gqa, window, lanes, knobs):
     """Rows of several sequences in one step (batched decoding): each row's K and V go to its sequence's cache
     rows (`starts[t] + positions[t]`) and it attends over those only, as if its sequence ran alone (one reference
-    executor per sequence); the sequences are prefilled one by one, then decoded together in varying order. In
-    tiles, a tile holding rows of several sequences takes a pass a row."""
+    executor per sequence); the sequences are prefilled one by one, then decoded together in varying order, then
+    rows of one sequence apart in a step. In tiles, a tile holding rows of several sequences takes a pass a
+    sequence."""
     if lanes > 1 and rt.lanes == 1:
         pytest.skip("GPU-shaped kernels")
     hkv, d, n_ctx = 2, 64, 32
@@ -293,10 +294,14 @@ def test_attention_batched_sequences(rt, kv, gqa, window, lanes, knobs):
     alone = [R.ReferenceExecutor({}, n_ctx) for _ in base]
     n_past = [0, 0, 0]
     rng = np.random.default_rng(5)
-    steps = [[(2, 7)], [(0, 5)], [(1, 3)], [(2, 1), (0, 1), (1, 1)], [(1, 1), (2, 1), (0, 1)], [(0, 2), (2, 1)]]
+    steps = [[(2, 7)], [(0, 5)], [(1, 3)], [(2, 1), (0, 1), (1, 1)], [(1, 1), (2, 1), (0, 1)], [(0, 2), (2, 1)],
+             [(1, 1), (2, 1), (1, 2)]]
     for step in steps:
         seqs = [s for s, n in step for _ in range(n)]
-        pv = np.concatenate([np.arange(n_past[s], n_past[s] + n, dtype=np.int32) for s, n in step])
+        fed = dict.fromkeys(seqs, 0)  # a sequence's rows in this step so far: its positions go on from there
+        pv = np.zeros(len(seqs), np.int32)
+        for i, s in enumerate(seqs):
+            pv[i], fed[s] = n_past[s] + fed[s], fed[s] + 1
         t = len(seqs)
         qv, kvv, vv = (rng.standard_normal((t, h, d)).astype(np.float32) for h in (hq, hkv, hkv))
         kq = dequantize(fmt, quantize(fmt, kvv.reshape(t, -1)), (t, hkv * d)).reshape(kvv.shape)
@@ -305,7 +310,7 @@ def test_attention_batched_sequences(rt, kv, gqa, window, lanes, knobs):
         out = run_launches(rt, launches, {"q": qv.reshape(-1), "k": kvv.reshape(-1), "v": vv.reshape(-1),
                                            "positions": pv, "starts": np.asarray([base[s] for s in seqs], np.int32),
                                            **sb}, {"T": t}, {"o": ((t, hq, d), "f32"), **so}, keep)["o"]
-        for s, n in step:
+        for s, n in fed.items():
             rows = np.flatnonzero(np.asarray(seqs) == s)
             ref = R._IMPLS["attention"](alone[s], g.nodes[0], [qv[rows], kq[rows], vq[rows], pv[rows]])
             np.testing.assert_allclose(out[rows], ref, atol=1e-4 if kv == "f16" else 0.03, rtol=1e-3)

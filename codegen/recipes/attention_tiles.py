@@ -8,8 +8,9 @@ and nothing depends on the context's length (no scores of the whole context in l
 
 Rows of several sequences in one step (batched decoding) are allowed: each row sees the cache rows of its own
 sequence (`starts[t] + lo .. starts[t] + positions[t]`). A tile whose rows share one start takes its keys in one
-pass over the union of their ranges (masked per row); otherwise it takes one pass a row, the other rows masked
-(their running state passes through unchanged).
+pass over the union of their ranges (masked per row); otherwise it takes one pass a sequence (a start), over the
+union of its rows' ranges, the other rows masked (their running state passes through unchanged): a step of many
+short prompts joining at once has a few sequences a tile, not a pass for each of its rows.
 
 The tile products (q . k over the head, p . v over the key tile) are loops over local memory in f32, or with `mma`
 the kernel IR's tile products (`ir.kernel.TileMMA`, f16 x f16 -> f32: tensor cores, MFMA, WMMA where the target
@@ -165,9 +166,11 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
                tuple(Store(dst, at + k if k else at, Const(0.0)) for k in range(4))),
         ))
 
-    # Per pass: which rows take part (all in one pass where the rows share a start, else row `ps`), their key
-    # ranges into rlo / rhi (an empty range for the others), and the union of the ranges.
-    in_pass = (Var("uni") > 0) | r.eq(Var("ps"))
+    # Per pass: which rows take part (all in one pass where the rows share a start, else the rows of row `ps`'s
+    # sequence, unless an earlier row of the tile is of it: that pass took them), their key ranges into rlo / rhi
+    # (an empty range for the others), and the union of the ranges.
+    same = Load("starts", tr).eq(Load("starts", t0 + Var("ps")))
+    in_pass = (Var("uni") > 0) | (same & (Var("seen_seq") < 0.5))
     lo = Load("starts", tr) + (Call("max", Const(0), Load("positions", tr) - (window - 1)) if window else Const(0))
     ranges = LaneFor("r", Const(bq), (
         Let("row_on", (t0 + r < Var("T")) & in_pass),
@@ -311,13 +314,16 @@ def prefill_attention_kernel(name: str, kf: QuantFormat, vf: QuantFormat, hq: in
         finish += (LaneFor("r", Const(bq), (If(stored, (Store("pm", prow, Load("m", r)),
                                                           Store("pz", prow, Load("l", r)))),)),)
     body = (
-        # One pass where the tile's rows share their sequence's start, else one a row.
+        # One pass where the tile's rows share their sequence's start, else one a sequence.
         Reduce("smax", "max", "r", rows, (), Cast("f32", Load("starts", t0 + r))),
         Reduce("sneg", "max", "r", rows, (), Cast("f32", Const(0) - Load("starts", t0 + r))),
         Let("uni", Select((Var("smax") + Var("sneg")).eq(0.0), Const(1), Const(0))),
         *init,
         LaneFor("r", Const(bq), (Store("m", r, Const(NO_SCORE)), Store("l", r, Const(0.0)))),
         For("ps", Const(0), Select(working, Select(Var("uni") > 0, Const(1), rows), Const(0)), (
+            # Whether a row before `ps` is of its sequence (rows past T are not: `rows` counts those within).
+            Reduce("seen_seq", "max", "r", rows, (), Select((r < Var("ps")) & Load("starts", t0 + r).eq(
+                Load("starts", t0 + Var("ps"))), Const(1.0), Const(0.0))),
             ranges,
             Reduce("kneg", "max", "r", Const(bq), (), Cast("f32", Const(0) - Load("rlo", r))),
             Reduce("khi", "max", "r", Const(bq), (), Cast("f32", Load("rhi", r))),
