@@ -30,7 +30,7 @@ from polystrata.synth import synth_model
 from polystrata.targets import available_kernel_targets
 from polystrata.tuning import db as dbmod
 from polystrata.tuning.db import TuningDB
-from polystrata.tuning.tuner import Tuner, compare, parse_budget, parse_plans
+from polystrata.tuning.tuner import Tuner, compare, parse_budget, parse_plans, work_at
 
 TARGET = "opencl" if "opencl" in available_kernel_targets() else "cpu"
 
@@ -298,6 +298,35 @@ def test_candidates_that_change_only_kernels_gated_off_in_the_timed_step_are_ski
     assert res.tried == 0 and res.complete
 
 
+def test_candidates_that_move_only_a_gate_beyond_the_timed_step_are_skipped(tiny, monkeypatch):
+    """A candidate whose kernels differ from the default's only in their name and in a gate that keeps the grid
+    the same at the timed step (knob mma_split_above, where split K is timed at 16 rows) does the same work there
+    (`work_at`): skipped without compiling. One whose gate takes the kernel out of that step is not."""
+    from polystrata.codegen.recipes.tile_matmul import step_gate
+
+    engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
+    plan = engine.executor.plans[id(engine.graph_last)]
+    m = next(i for i, ss in enumerate(plan.group_sites) if any(s.signature.startswith("last_rows") for s in ss))
+    first, sig = plan.groups.index(m), plan.group_sites[m][0].signature
+    step = plan.step_symbols(16, 0)
+    made = Tuner.candidate_launches
+
+    def regated(plan, m, first, sig, knobs):
+        launches, specs = made(plan, m, first, sig, {})  # the default's own launches, gated anew
+        la = launches[0]
+        assert ("T", "T") in la.scalars
+        gate = (8, knobs["above"] > 8)  # steps of more than 8 rows, or of at most 8
+        kernel = dataclasses.replace(la.kernel, name=f"{la.kernel.name}_{knobs['above']}",
+                                     grid=(step_gate(la.kernel.grid[0], gate), *la.kernel.grid[1:]))
+        return [dataclasses.replace(la, kernel=kernel), *launches[1:]], specs
+
+    monkeypatch.setattr(Tuner, "candidate_launches", staticmethod(regated))
+    seen = {tuple(work_at(la, step) for la in Tuner.candidate_launches(plan, m, first, sig, {"above": 9})[0])}
+    kept = Tuner.lower_candidates(engine.runtime, plan, m, first, sig, [{"above": 12}, {"above": 4}], step, seen,
+                                  {})
+    assert [knobs for knobs, _, _ in kept] == [{"above": 4}]  # 12: the same groups at 16 rows as 9's; 4: none
+
+
 def test_an_instance_is_timed_at_the_steps_of_its_kernel_family(tiny, db, monkeypatch):
     """A prompt plan's instances of kernels that serve some of its steps only (`Site.rows`: split-K products for
     batched decoding, say) are timed at a step of those rows, not at the prompt chunk of `PREFILL_TOKENS`, where
@@ -335,9 +364,10 @@ def test_a_much_slower_candidate_is_not_timed_further(tiny, db, monkeypatch):
     monkeypatch.setattr(KnobSpace, "singles", lambda self: [{"chunk": 32}])
     made = Tuner.candidate_launches
 
-    def renamed(plan, m, first, sig, knobs):  # the default's kernels under another name: a candidate of its own
+    def renamed(plan, m, first, sig, knobs):  # the default's kernels, renamed and with a knob of their own
         launches, specs = made(plan, m, first, sig, {})
-        return [dataclasses.replace(la, kernel=dataclasses.replace(la.kernel, name=la.kernel.name + "_slow"))
+        return [dataclasses.replace(la, kernel=dataclasses.replace(la.kernel, name=la.kernel.name + "_slow",
+                                                                   knobs=(*la.kernel.knobs, ("slow", 1))))
                 for la in launches], specs
 
     runs = []

@@ -11,9 +11,10 @@ first match that reads it:
 2. Candidates: first each knob changed alone (`KnobSpace.singles`), then pairs of the changes that were faster
    than the default (`KnobSpace.pairs`; every pair of a space would be over a thousand compiles), each lowered
    by compiling the plan with that instance's override. A candidate that sets a knob the target's policy calls
-   inert (`Policy.inert_knobs`), whose launches that run in the timed step equal the default's or an earlier
-   candidate's (the target ignores the knob, or it sets kernels gated to other row counts), whose lowering
-   fails, or whose local memory exceeds the policy's, is skipped without compiling.
+   inert (`Policy.inert_knobs`), whose launches that run in the timed step do the work of the default's or an
+   earlier candidate's there (`work_at`: the target ignores the knob, or it sets kernels gated to other row
+   counts, or only where a kernel's row counts end), whose lowering fails, or whose local memory exceeds the
+   policy's, is skipped without compiling.
    The others are compiled (in worker processes with `jobs` > 1: the kernel cache receives them, and this
    process loads them from there).
 3. Check: the candidate's outputs (every buffer the match writes but scratch) against the default's from the
@@ -57,6 +58,7 @@ from polystrata.compiler.executor import BoundLaunch
 from polystrata.compiler.passes import kept_launches, launch_effects
 from polystrata.compiler.plan import BufferSpec, Plan
 from polystrata.errors import PolystrataError, UsageError
+from polystrata.ir.expr import Const
 from polystrata.ir.kernel import DTYPE_BYTES, Kernel, Launch
 from polystrata.progress import Progress
 from polystrata.runtimes.base import compile_pool, eval_int, stop_pool, submit_compile
@@ -136,6 +138,19 @@ def runs_at(la: Launch, step: dict[str, int]) -> bool:
         return all(eval_int(g, env) > 0 for g in la.kernel.grid)
     except KeyError:  # a grid of something else than the launch's scalars: assume it runs
         return True
+
+
+def work_at(la: Launch, step: dict[str, int]) -> Launch:
+    """`la` as the work it does in a step of these step symbols: its kernel's name and grid (which a gate, the row
+    counts a kernel runs for, sets, `tile_matmul.step_gate`) replaced by the grid's extents there. Two candidates
+    whose launches differ only in their gates beyond the timed step (knob mma_split_above, timed at 16 rows) do the
+    same work there."""
+    env = {n: (step[v] if isinstance(v, str) else v) for n, v in la.scalars}
+    try:
+        grid = tuple(Const(eval_int(g, env)) for g in la.kernel.grid)
+    except KeyError:  # a grid of something else than the launch's scalars: keep it
+        return la
+    return replace(la, kernel=replace(la.kernel, name="", grid=grid))
 
 
 def timed_step(plan_name: str, plan: Plan, n_ctx: int, rows: int | None = None) -> tuple[int, int]:
@@ -313,8 +328,8 @@ class Tuner:
         """(knobs, launches, buffer specs) of each candidate of `cands` worth measuring for instance `sig` (match
         `m` of `plan`, its first launch at `first`): not one setting a knob the target's policy calls inert, nor
         one the recipe cannot build (its reason kept in `unlowered`), nor one whose launches that run in `step`
-        are in `seen` (added there: a knob the target ignores, or one of kernels gated to other row counts), nor
-        one whose local memory exceeds the policy's."""
+        do work in `seen` (`work_at`; added there: a knob the target ignores, one of kernels gated to other row
+        counts, or of the row counts' bounds only), nor one whose local memory exceeds the policy's."""
         for knobs in cands:
             if any(k in rt.policy.inert_knobs for k in knobs):
                 continue
@@ -323,7 +338,7 @@ class Tuner:
             except Exception as e:  # a knob set the recipe cannot build (an assertion, a shape that does not divide)
                 unlowered.setdefault(f"{type(e).__name__}: {e}", []).append(knobs)
                 continue
-            running = tuple(la for la in launches if runs_at(la, step))
+            running = tuple(work_at(la, step) for la in launches if runs_at(la, step))
             if running in seen:
                 continue
             seen.add(running)
@@ -474,7 +489,7 @@ class Tuner:
         # Lower the candidates first (cheap), drop those that change nothing that runs in the timed step (a knob
         # of the kernels gated to other row counts: the short steps' matvecs in a prefill plan), start their
         # compiles.
-        seen = {tuple(la for la in default_launches if runs_at(la, step))}
+        seen = {tuple(work_at(la, step) for la in default_launches if runs_at(la, step))}
         unlowered: dict[str, list[dict]] = {}  # why a candidate does not lower -> the candidates
 
         def lowered(cands: list[dict]) -> list[tuple[dict, list[Launch], dict, Future | None]]:
