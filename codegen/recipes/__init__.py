@@ -272,19 +272,18 @@ class RecipeContext:
         self.scratch_buffers[name] = (dtype, max(count, old[1] if old else 0))
         return name
 
-    def knobs_for(self, space: KnobSpace, instance: str | None, family: str | None = None,
-                  rows: int | None = None) -> dict[str, Any]:
+    def knobs_for(self, space: KnobSpace, instance: str | None, family: str | None = None) -> dict[str, Any]:
         """The knobs of `space` for one kernel instance (`instance`: its shapes and formats, `family`: the kernels
         of some of the plan's steps, see `KnobSpace.signature`): the instance's override (the tuner's), else the
         space's, else the space's default ("auto" where the recipe and the target's policy decide). Records the
-        instance in `sites` (`rows`: see `Site`; `timed_at` sets it later where the other families' knobs decide
-        it); `instance` None (a recipe asking what another recipe would choose) records nothing."""
+        instance in `sites` (the step it is timed at, `Site.rows`, set by `timed_at` once the knobs that decide it
+        are read); `instance` None (a recipe asking what another recipe would choose) records nothing."""
         values = {**space.defaults(), **self.knobs.get(space.name, {})}
         if instance is None:
             return values
         sig = space.signature(instance, self.t_max, family)
         tuned = self.knobs.get(sig)
-        self.sites.append(Site(sig, space, tuned is not None, rows))
+        self.sites.append(Site(sig, space, tuned is not None))
         return {**values, **(tuned or {})}
 
     def timed_at(self, space: KnobSpace, instance: str, rows: int | None, family: str | None = None) -> None:

@@ -294,13 +294,12 @@ def _only(loops: list, j: int, b: Expr) -> list:
     return [loops[2 * j], Let("b", b), *loops[2 * j + 1].body]
 
 
-def _knobs(ctx: RecipeContext, space: KnobSpace, instance: str | None, family: str | None = None,
-           rows: int | None = None) -> dict:
-    """The matmul knobs of kernel instance `instance` (None: of the space, recording nothing; `family`, `rows`: see
+def _knobs(ctx: RecipeContext, space: KnobSpace, instance: str | None, family: str | None = None) -> dict:
+    """The matmul knobs of kernel instance `instance` (None: of the space, recording nothing; `family`: see
     `RecipeContext.knobs_for`), "auto" resolved where the target's policy decides (split, rows, xq, int8, vert,
     contract: `codegen/policy.py`; on GPUs a group per row, as small f32 matmuls such as MoE routers need every SM
     busy)."""
-    kn = ctx.knobs_for(space, instance, family, rows)
+    kn = ctx.knobs_for(space, instance, family)
     kn["q8_rows"] = kn["rows"]  # "auto": see `q8_rows`
     kn = with_policy_defaults(kn, ctx.target())
     kn["runs"] = runs_for_target(kn["runs"], ctx.wide_loads)
