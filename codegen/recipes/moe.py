@@ -173,10 +173,10 @@ def router_kernel(name: str, e: int, k: int, norm: bool, lanes: int, lists: int 
 
 
 # version 2: mma_chunk "auto" (the policy's 128 on GPUs, was 64); version 3: the tile kernel's staging and dealing
-# changed; version 4: the tile products of long steps read
-# the knobs of a kernel family of their own (`_lower_moe`). Knob shared: a shared expert of the experts'
-# shape and formats inside their int8 launches (`_lower_moe`); 0: its own launches. Not a candidate for `tune`: it
-# changes which launches a plan has, not a kernel's schedule.
+# changed; version 4: the tile products of long steps read the knobs of a kernel family of their own
+# (`_lower_moe`). Knob shared: a shared expert of the experts' shape and formats inside their int8 launches
+# (`_lower_moe`); 0: its own launches. Not a candidate for `tune`: it changes which launches a plan has, not a
+# kernel's schedule.
 MOE_SPACE = KnobSpace("moe_ffn", (
     Knob("rows", 4, (1, 2, 8)), Knob("split", "auto", ("rows", "blocks")), Knob("xq", "auto", ("inline", "kernel")),
     Knob("sub", "auto", (1, 2, 4, 8)), Knob("runs", "auto", (0, 1)), Knob("spread", "auto", (0, 1)),
