@@ -33,10 +33,10 @@ first match that reads it:
 The instances are tuned in order of their share of a step (`Tuner.step_times`: each launch of the plans timed
 alone, at each step size the instances are timed at), the largest first, so a short budget goes where the time
 is. Each finished instance is a row of the tuning database (the default's row when nothing won: not searched
-again), and each candidate measured of an
-instance not yet finished is kept too (`TuningDB.put_tried`): a Ctrl-C or a spent budget keeps what was
-measured, and a second `tune` goes on from there. The budget bounds the search (the engine's load and its
-default kernels' compile come first and are not counted); a candidate already started finishes.
+again), and each candidate measured of an instance not yet finished is kept too (`TuningDB.put_tried`): a Ctrl-C
+or a spent budget keeps what was measured, and a second `tune` goes on from there. The budget bounds the search
+(the engine's load and its default kernels' compile come first and are not counted); a candidate already started
+finishes.
 """
 
 from __future__ import annotations
