@@ -347,6 +347,12 @@ if [[ " $STAGES " == *" serve "* ]]; then
     fi
     timeout 900 python3 scripts/serve_bench.py "$M/llama3-8b-q4km.gguf" --target cuda "${lcpp[@]}" ${SERVE_ARGS:-} \
         --json "$OUT/serve.json" 2>&1 | tee -a "$LOG" | tail -10 | tee -a "$SUMMARY"
+    # Where the step of 16 prompts joining at once goes (most of the time to first token at 16 streams), each launch
+    # timed alone; SERVE_JOIN_PROFILE=0 skips it.
+    if [ "${SERVE_JOIN_PROFILE:-1}" != 0 ]; then
+        timeout 300 python3 scripts/profile_decode.py "$M/llama3-8b-q4km.gguf" --target cuda --tokens 288 \
+            --sequences 16 --reps 5 --top 12 2>&1 | tee -a "$LOG" | tail -13 | tee -a "$SUMMARY"
+    fi
     # SERVE_VARIANTS: PolyStrata alone again with knobs, one run per space-separated item, a run's knobs joined by
     # commas (as the prefill stage's), at SERVE_VARIANT_STREAMS (default 16) streams: e.g. "matmul.reuse=1
     # matmul.mma_split=4" (the batched step's matmuls on the reuse matvecs, on the split-K tile products).
