@@ -85,14 +85,16 @@ from polystrata.ir.kernel import (
     substitute,
 )
 
-TILE_MMA_KNOBS = (Knob("mma_rows", 64), Knob("mma_tokens", "auto", (32, 64)), Knob("mma_chunk", "auto", (64, 128, 256)),
-                  Knob("mma_lanes", 128),
+TILE_MMA_KNOBS = (Knob("mma_rows", 64, (32, 128)), Knob("mma_tokens", "auto", (32, 64)),
+                  Knob("mma_chunk", "auto", (64, 128, 256)), Knob("mma_lanes", 128, (256,)),
                   Knob("mma_min", "auto", (512, 2048, MMA_OFF)), Knob("mma_words", 1), Knob("mma_unroll", 0, (1,)),
                   Knob("mma_f16", 0, (1,)), Knob("mma_deal", "rows", ("cols", "blocks")),
                   Knob("mma_ablate", "none", ()))
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
 # policy's, `codegen/policy.py`, which says why). Smaller matrices cost little in a prompt chunk anyway, and each
 # tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
+# Knobs mma_rows, mma_lanes: a tile's weight rows, a group's lanes; `tune` tries 32 and 128 rows and 256 lanes,
+# which won at 512 rows and lost at 16 on the H100 (docs/benchmarks.md, "u8f16 tile products").
 # Knob mma_tokens: a tile's tokens ("auto": the policy's, `tile_tokens`).
 # Knob mma_chunk: K a staging round ("auto": the policy's where the matrix takes it, else SMALL_CHUNK; `mma_chunk`).
 # Knob mma_words: 1 stages int8 operands a word at a time (module docstring); 0, the byte-at-a-time staging of the
