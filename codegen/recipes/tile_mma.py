@@ -93,8 +93,9 @@ TILE_MMA_KNOBS = (Knob("mma_rows", 64, (32, 128)), Knob("mma_tokens", "auto", (3
 # Knob mma_min: the tile path takes matrices of at least this many rows and columns only ("auto": the target
 # policy's, `codegen/policy.py`, which says why). Smaller matrices cost little in a prompt chunk anyway, and each
 # tile kernel is a long compile; `tune` tries 512, 2048 and off (MMA_OFF).
-# Knobs mma_rows, mma_lanes: a tile's weight rows, a group's lanes; `tune` tries 32 and 128 rows and 256 lanes,
-# which won at 512 rows and lost at 16 on the H100 (docs/benchmarks.md, "u8f16 tile products").
+# Knobs mma_rows, mma_lanes: a tile's weight rows, a group's lanes; `tune` tries 32 and 128 rows and 256 lanes
+# (on the H100, 128 rows won at 512 rows with 32-token tiles and lost at 16 rows: docs/benchmarks.md, "Where the
+# int8 tile kernel's time goes", "Serving: where a 16-row step goes").
 # Knob mma_tokens: a tile's tokens ("auto": the policy's, `tile_tokens`).
 # Knob mma_chunk: K a staging round ("auto": the policy's where the matrix takes it, else SMALL_CHUNK; `mma_chunk`).
 # Knob mma_words: 1 stages int8 operands a word at a time (module docstring); 0, the byte-at-a-time staging of the
