@@ -137,6 +137,10 @@ class Policy:
         except KeyError:
             raise KeyError(f"the target policy has no default for knob {space}.{knob}") from None
 
+    def knob(self, space: str, knob: str, value: Any) -> Any:
+        """A knob's value as a recipe read it: `value`, or where that is "auto", this target's (`default`)."""
+        return self.default(space, knob) if value == "auto" else value
+
     def kv_layout(self, fmt: QuantFormat, width: int) -> QuantFormat:
         """How this target keeps a KV cache head row of `width` values of type `fmt`: split into codes and scales
         (`ir.layout.split_rows`) where the policy says so and the row's bytes are whole 4-byte words (so that

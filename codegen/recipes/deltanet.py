@@ -490,7 +490,7 @@ def _chunked_above(node: Node, ctx: RecipeContext) -> int:
     """Knob chunked_above of a delta_rule node: steps of more tokens take the chunked form."""
     tag = _delta_heads(node)[5]
     above = ctx.knobs_for(DELTA_SPACE, f"delta_rule_{tag}")["chunked_above"]
-    return int(ctx.target().default("delta_rule", "chunked_above") if above == "auto" else above)
+    return int(ctx.target().knob("delta_rule", "chunked_above", above))
 
 
 def _lower_delta_rule(nodes: Sequence[Node], ctx: RecipeContext) -> list[Launch]:

@@ -313,8 +313,7 @@ POLICY_KNOBS = ("split", "rows", "xq", "int8", "vert", "contract", "reuse", "til
 
 def with_policy_defaults(kn: dict, policy: Policy) -> dict:
     """Matmul knobs `kn` with "auto" of the `POLICY_KNOBS` replaced by the target policy's values."""
-    return {name: policy.default("matmul", name) if v == "auto" and name in POLICY_KNOBS else v
-            for name, v in kn.items()}
+    return {name: policy.knob("matmul", name, v) if name in POLICY_KNOBS else v for name, v in kn.items()}
 
 
 def _int8_kernels(ctx: RecipeContext, kn: dict, fmts: Sequence[QuantFormat], k: int) -> bool:

@@ -184,11 +184,6 @@ MOE_SPACE = KnobSpace("moe_ffn", (
     constraint=lambda kn: not (kn["xq"] == "inline" and any(kn[k] != "auto" for k in ("sub", "runs", "spread"))))
 
 
-def _xq(policy, kn: dict) -> str:
-    """Knob xq of moe_ffn knobs `kn`: as set, or ("auto") the policy's."""
-    return policy.default("moe_ffn", "xq") if kn["xq"] == "auto" else kn["xq"]
-
-
 def list_words(n_exp: int, cap: int) -> int:
     """Size of the list buffer `group_kernel` writes (see there)."""
     return n_exp * (1 + cap) + 1 + n_exp
@@ -705,8 +700,8 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     kn = ctx.knobs_for(MOE_SPACE, inst)
     policy = ctx.target()
     rows = int(kn["rows"])
-    split = policy.default("moe_ffn", "split") if kn["split"] == "auto" else kn["split"]
-    contract = bool(int(policy.default("moe_ffn", "contract") if kn["contract"] == "auto" else kn["contract"]))
+    split = policy.knob("moe_ffn", "split", kn["split"])
+    contract = bool(int(policy.knob("moe_ffn", "contract", kn["contract"])))
     lst = _moe_lists(node, ctx, cap)
     rows_out = cap + t_max if shared else cap  # the shared expert's rows after the routed entries'
     hb = ctx.scratch("moe_h", "f32", rows_out * ff)
@@ -743,7 +738,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
     group += resolve
     combine = Launch(kc, (("route", ctx.buf(route)), ("d", db), ("y", ctx.buf(node.output))), (("T", tb),))
     gateup = lambda v: silu(v[0]) * v[1]  # noqa: E731
-    xq = _xq(policy, kn)
+    xq = policy.knob("moe_ffn", "xq", kn["xq"])
     q8_path = (xq == "kernel" and ctx.lanes > 1 and all(use_int8(f, True) for f in (fg, fu, fd))
                and dm % QB == 0 and ff % QB == 0)
     # The tile products of steps of more than TILES_ABOVE tokens, where the int8 expert matvecs take the shorter
@@ -755,7 +750,7 @@ def _lower_moe(nodes: Sequence[Node], ctx: RecipeContext, lists_given: bool = Fa
         """Whether the expert matmuls over `fmts` (n x kd) take tile products: as `linear` decides for its matmuls,
         the int8 ones with activations quantized by a kernel."""
         return (tile_products_apply(policy, "moe_ffn", t_max, tk, fmts, n, kd)
-                and (f16_path(fmts) or _xq(policy, tk) == "kernel"))
+                and (f16_path(fmts) or policy.knob("moe_ffn", "xq", tk["xq"]) == "kernel"))
 
     tiled: list[Launch] = []
     short = None  # the steps the expert matvecs below run for (all, unless tile products take the long ones)

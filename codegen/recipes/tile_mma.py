@@ -163,7 +163,7 @@ def tile_products_apply(policy: Policy, space: str, t_max: int, kn: dict, fmts: 
     if not (policy.matrix_units and t_max > 1):
         return False
     chunk = mma_chunk(policy, space, kn, fmts, k)
-    least = policy.default(space, "mma_min") if kn["mma_min"] == "auto" else int(kn["mma_min"])
+    least = int(policy.knob(space, "mma_min", kn["mma_min"]))
     return min(n, k) >= least and tile_mma_fits(fmts, k, chunk) and _fits_local(policy, space, kn, fmts, chunk)
 
 
@@ -178,7 +178,7 @@ def mma_chunk(policy: Policy, space: str, kn: dict, fmts: Sequence[QuantFormat],
 
 def tile_tokens(policy: Policy, space: str, kn: dict) -> int:
     """Knob mma_tokens of knob space `space`: as set, or ("auto") the policy's."""
-    return int(policy.default(space, "mma_tokens")) if kn["mma_tokens"] == "auto" else int(kn["mma_tokens"])
+    return int(policy.knob(space, "mma_tokens", kn["mma_tokens"]))
 
 
 def _fits_local(policy: Policy, space: str, kn: dict, fmts: Sequence[QuantFormat], chunk: int) -> bool:
