@@ -51,7 +51,7 @@ def main() -> None:
         ap.error("--sequences N takes --tokens of at least 2 N, a multiple of N")
     n_ctx = max(512, a.prompt + a.tokens + 8) * a.sequences
     eng = Engine(a.model, target=a.target, n_ctx=n_ctx, knobs=parse_knobs(a.knob), logit_rows=a.sequences,
-                 n_ubatch=max(a.tokens, 1) if a.sequences > 1 else None)
+                 n_ubatch=a.tokens if a.sequences > 1 else None)
     ids = np.random.default_rng(0).integers(0, eng.hparams.n_vocab, a.prompt + a.tokens)
     ex, rt = eng.executor, eng.runtime
     if a.sequences > 1:  # the prompts of N new sequences in one step, as a server's joining requests

@@ -130,14 +130,21 @@ def _is_scratch(name: str) -> bool:
     return name.startswith("scratch.")
 
 
-def runs_at(la: Launch, step: dict[str, int]) -> bool:
-    """Whether a launch has work in a step of these step symbols (a kernel gated to other row counts has a grid
-    of zero groups there)."""
+def grid_at(la: Launch, step: dict[str, int]) -> tuple[int, ...] | None:
+    """A launch's grid extents in a step of these step symbols (None: a grid of something else than the launch's
+    scalars)."""
     env = {n: (step[v] if isinstance(v, str) else v) for n, v in la.scalars}
     try:
-        return all(eval_int(g, env) > 0 for g in la.kernel.grid)
-    except KeyError:  # a grid of something else than the launch's scalars: assume it runs
-        return True
+        return tuple(eval_int(g, env) for g in la.kernel.grid)
+    except KeyError:
+        return None
+
+
+def runs_at(la: Launch, step: dict[str, int]) -> bool:
+    """Whether a launch has work in a step of these step symbols (a kernel gated to other row counts has a grid
+    of zero groups there; one whose grid is not known from its scalars is assumed to run)."""
+    grid = grid_at(la, step)
+    return grid is None or all(g > 0 for g in grid)
 
 
 def work_at(la: Launch, step: dict[str, int]) -> Launch:
@@ -145,12 +152,10 @@ def work_at(la: Launch, step: dict[str, int]) -> Launch:
     counts a kernel runs for, sets, `tile_matmul.step_gate`) replaced by the grid's extents there. Two candidates
     whose launches differ only in their gates beyond the timed step (knob mma_split_above, timed at 16 rows) do the
     same work there."""
-    env = {n: (step[v] if isinstance(v, str) else v) for n, v in la.scalars}
-    try:
-        grid = tuple(Const(eval_int(g, env)) for g in la.kernel.grid)
-    except KeyError:  # a grid of something else than the launch's scalars: keep it
+    grid = grid_at(la, step)
+    if grid is None:
         return la
-    return replace(la, kernel=replace(la.kernel, name="", grid=grid))
+    return replace(la, kernel=replace(la.kernel, name="", grid=tuple(Const(g) for g in grid)))
 
 
 def timed_step(plan_name: str, plan: Plan, n_ctx: int, rows: int | None = None) -> tuple[int, int]:
