@@ -233,7 +233,7 @@ class PyPrinter:
         # otherwise keeps loops over consecutive elements from vectorizing.
         i = self.index(x.index)
         promised = promised_bytes(self.k, x)
-        if not promised and DTYPE_BYTES[self.k.dtype_of(x.buf)] == 4 and all(a.name != x.buf for a in self.k.local):
+        if not promised and DTYPE_BYTES[self.k.dtype_of(x.buf)] == 4 and x.buf not in self.local_names:
             promised = 4  # a 4-byte element of a buffer parameter: in the same form as the promised ones
         if promised in self.aligned_elements:
             return f"{self.aligned_elements[promised]}({x.buf}, np.uint64({i}))"
