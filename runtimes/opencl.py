@@ -93,9 +93,11 @@ class OpenCLRuntime(Runtime):
         """An OpenCL GPU (a CPU driver such as PoCL is never `auto`'s choice over the cpu target)."""
         return has_gpu()
 
-    def __init__(self, device: Any = None, subgroups: bool | None = None) -> None:
+    def __init__(self, device: Any = None, subgroups: bool | None = None, build_options: Sequence[str] = ()) -> None:
         """`device`: a `pyopencl.Device` or a name substring (default: see `pick_device`). `subgroups=False`
-        forces the local-memory combine even where the device has subgroups."""
+        forces the local-memory combine even where the device has subgroups. `build_options` go to the driver's
+        compiler after the standard's (e.g. `-cl-opt-disable` for kernels launched once: faster to build); they are
+        part of the kernel cache's key."""
         super().__init__()
         dev = device if cl is not None and isinstance(device, cl.Device) else pick_device(device)
         self.dev = dev
@@ -108,7 +110,7 @@ class OpenCLRuntime(Runtime):
         # PoCL's CPU driver runs a group's lanes as a vectorised loop in one thread: small groups are fastest.
         self.policy = self.policy.with_shape(min(64 if gpu else 16, dev.max_work_group_size), 1)
         self.has_subgroups = _has_subgroups(dev) if subgroups is None else subgroups and _has_subgroups(dev)
-        self.options = self._std_option()
+        self.options = [*self._std_option(), *build_options]
         self.compiler = f"opencl driver {dev.driver_version} {' '.join(self.options)}".strip()
         self.policy = self.policy.with_shape(self.lanes, self._probe_subgroup() if self.has_subgroups else 1)
 

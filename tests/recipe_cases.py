@@ -19,12 +19,23 @@ from polystrata.ir.graph import Graph
 from polystrata.ir.layout import padded, repack, sliced
 from polystrata.runtimes import reference as R
 from polystrata.runtimes.base import eval_int
-from polystrata.targets import make_runtime
+from polystrata.targets import runtime_class
 
 FORMAT_NAMES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
            "IQ4_NL", "IQ4_XS"]
 # The formats cuda keeps with rows sliced, by their `weight_format` names (NAME_S).
 SLICED = [f"{name}_S" for name in SLICED_ON_WIDE_LOADS]
+
+
+# What the runtimes of kernel cases take: their kernels launch a few times at small shapes, so compiling is their
+# cost (PoCL on a cold cache: a GPU-shaped Q4_K matvec's 9 schedules 22.5 s, 6.8 s unoptimised). Whole models run
+# optimised kernels (gemma3's parity run on opencl: 18 s, 92 s unoptimised).
+CASE_RUNTIME_ARGS = {"opencl": {"build_options": ("-cl-opt-disable",)}}
+
+
+def case_runtime(target: str):
+    """A fresh runtime of `target` for kernel cases (`CASE_RUNTIME_ARGS`)."""
+    return runtime_class(target)(**CASE_RUNTIME_ARGS.get(target, {}))
 
 
 def target_runtimes():
@@ -33,7 +44,7 @@ def target_runtimes():
 
     @pytest.fixture(scope="module", params=targets_under_test())
     def rt(request):
-        return make_runtime(request.param)
+        return case_runtime(request.param)
 
     return rt
 

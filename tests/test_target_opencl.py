@@ -25,10 +25,10 @@ pytestmark = pytest.mark.target("opencl")
 
 @pytest.fixture(scope="module")
 def rt():
-    from polystrata.runtimes.opencl import OpenCLRuntime
+    from recipe_cases import case_runtime
 
     try:
-        return OpenCLRuntime()
+        return case_runtime("opencl")
     except PolystrataError as e:
         pytest.skip(str(e))
 
@@ -165,13 +165,18 @@ def test_load_u32(rt, cpu, align):
 
 
 def test_binary_cache_hit_in_fresh_runtime(rt):
+    from recipe_cases import CASE_RUNTIME_ARGS
+
     from polystrata.runtimes.opencl import OpenCLRuntime
 
     kern = reduce_kernel(8)
     rt.compile(kern)
-    fresh = OpenCLRuntime(rt.dev)
+    fresh = OpenCLRuntime(rt.dev, **CASE_RUNTIME_ARGS["opencl"])
     ck = fresh.compile(kern)
     assert ck.cached and fresh.cache_hits == 1 and fresh.cache_misses == 0
+    # Other build options (here none: optimised) are another binary, never the cached one.
+    other = OpenCLRuntime(rt.dev)
+    assert not other.compile(kern).cached and other.cache_misses == 1
     x = np.arange(10, dtype=np.float32)
     out = run(fresh, kern, {"x": x}, {"s": (1, "f32"), "m": (1, "f32")}, {"n": 10, "rows": 1})
     assert out["s"][0] == 45 and out["m"][0] == 18
