@@ -9,6 +9,33 @@ import sys
 
 import pytest
 
+# What the uninitialized-value check needs of oclgrind 21.10 (Debian 12): its shadow memory keeps a buffer zeroed by
+# clEnqueueFillBuffer (the runtime's `alloc`) uninitialized even after a kernel writes all of it, and it aborts a
+# kernel at LLVM's `freeze`, which its optimiser emits. Under that check, then, buffers are zeroed by a copy from
+# the host and kernels build unoptimised.
+_UNINITIALIZED_PRELUDE = """
+import numpy as _np
+import pyopencl as _cl
+from polystrata.ir.kernel import DTYPE_BYTES as _BYTES
+from polystrata.runtimes.opencl import OpenCLRuntime as _Runtime
+
+
+def _alloc_zeroed_by_copy(self, shape, dtype):
+    nbytes = max(int(_np.prod(shape)) * _BYTES[dtype], 4)
+    flags = _cl.mem_flags.READ_WRITE | _cl.mem_flags.COPY_HOST_PTR
+    return _cl.Buffer(self.ctx, flags, hostbuf=_np.zeros(nbytes, _np.uint8))
+
+
+_init = _Runtime.__init__
+
+
+def _init_unoptimised(self, device=None, subgroups=None, build_options=()):
+    _init(self, device, subgroups, (*build_options, "-cl-opt-disable"))
+
+
+_Runtime.alloc, _Runtime.__init__ = _alloc_zeroed_by_copy, _init_unoptimised
+"""
+
 
 def oclgrind_problems(script: str, tmp_path, timeout: int = 1200, uninitialized: bool = True) -> list[str]:
     """Run `script` (Python source printing OK at the end) on oclgrind's device; return its problem reports.
@@ -18,7 +45,7 @@ def oclgrind_problems(script: str, tmp_path, timeout: int = 1200, uninitialized:
     if shutil.which("oclgrind") is None:
         pytest.skip("oclgrind not installed")
     path = tmp_path / "under_oclgrind.py"
-    path.write_text(script)
+    path.write_text(_UNINITIALIZED_PRELUDE + script if uninitialized else script)
     env = dict(os.environ, POLYSTRATA_HOME=str(tmp_path / "home"))
     flags = ["--check-api", "--data-races"] + (["--uninitialized"] if uninitialized else [])
     proc = subprocess.run(["oclgrind", *flags, sys.executable, str(path)],
