@@ -30,7 +30,7 @@ from polystrata.synth import synth_model
 from polystrata.targets import available_kernel_targets
 from polystrata.tuning import db as dbmod
 from polystrata.tuning.db import TuningDB
-from polystrata.tuning.tuner import Tuner, compare, parse_budget, parse_plans, work_at
+from polystrata.tuning.tuner import Tuner, compare, parse_budget, parse_plans, work_in
 
 TARGET = "opencl" if "opencl" in available_kernel_targets() else "cpu"
 
@@ -301,7 +301,7 @@ def test_candidates_that_change_only_kernels_gated_off_in_the_timed_step_are_ski
 def test_candidates_that_move_only_a_gate_beyond_the_timed_step_are_skipped(tiny, monkeypatch):
     """A candidate whose kernels differ from the default's only in their name and in a gate that keeps the grid
     the same at the timed step (knob mma_split_above, where split K is timed at 16 rows) does the same work there
-    (`work_at`): skipped without compiling. One whose gate takes the kernel out of that step is not."""
+    (`work_in`): skipped without compiling. One whose gate takes the kernel out of that step is not."""
     from polystrata.codegen.recipes.tile_matmul import step_gate
 
     engine = Engine(tiny, target=TARGET, n_ctx=64, tuning=False)
@@ -321,7 +321,7 @@ def test_candidates_that_move_only_a_gate_beyond_the_timed_step_are_skipped(tiny
         return [dataclasses.replace(la, kernel=kernel), *launches[1:]], specs
 
     monkeypatch.setattr(Tuner, "candidate_launches", staticmethod(regated))
-    seen = {tuple(work_at(la, step) for la in Tuner.candidate_launches(plan, m, first, sig, {"above": 9})[0])}
+    seen = {work_in(Tuner.candidate_launches(plan, m, first, sig, {"above": 9})[0], step)}
     kept = Tuner.lower_candidates(engine.runtime, plan, m, first, sig, [{"above": 12}, {"above": 4}], step, seen,
                                   {})
     assert [knobs for knobs, _, _ in kept] == [{"above": 4}]  # 12: the same groups at 16 rows as 9's; 4: none

@@ -46,7 +46,7 @@ import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -156,6 +156,12 @@ def work_at(la: Launch, step: dict[str, int]) -> Launch:
     if grid is None:
         return la
     return replace(la, kernel=replace(la.kernel, name="", grid=tuple(Const(g) for g in grid)))
+
+
+def work_in(launches: Sequence[Launch], step: dict[str, int]) -> tuple[Launch, ...]:
+    """The work the launches that run in a step of these step symbols do there (`runs_at`, `work_at`): what two
+    candidates compare equal on when they would time the same."""
+    return tuple(work_at(la, step) for la in launches if runs_at(la, step))
 
 
 def timed_step(plan_name: str, plan: Plan, n_ctx: int, rows: int | None = None) -> tuple[int, int]:
@@ -343,7 +349,7 @@ class Tuner:
             except Exception as e:  # a knob set the recipe cannot build (an assertion, a shape that does not divide)
                 unlowered.setdefault(f"{type(e).__name__}: {e}", []).append(knobs)
                 continue
-            running = tuple(work_at(la, step) for la in launches if runs_at(la, step))
+            running = work_in(launches, step)
             if running in seen:
                 continue
             seen.add(running)
@@ -494,7 +500,7 @@ class Tuner:
         # Lower the candidates first (cheap), drop those that change nothing that runs in the timed step (a knob
         # of the kernels gated to other row counts: the short steps' matvecs in a prefill plan), start their
         # compiles.
-        seen = {tuple(work_at(la, step) for la in default_launches if runs_at(la, step))}
+        seen = {work_in(default_launches, step)}
         unlowered: dict[str, list[dict]] = {}  # why a candidate does not lower -> the candidates
 
         def lowered(cands: list[dict]) -> list[tuple[dict, list[Launch], dict, Future | None]]:
